@@ -1,0 +1,1 @@
+"""What runs on every instance: the cloud-init template and the instance agent."""

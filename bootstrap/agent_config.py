@@ -1,0 +1,134 @@
+"""The agent's configuration: one definition that infra/ renders into user-data and the agent loads."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_PATH = Path("/etc/trainstack/agent.yaml")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d$")
+
+
+class AgentConfigError(ValueError):
+    """A bad agent config; the message names the key and the fix on one line."""
+
+
+@dataclass(frozen=True)
+class Prefixes:
+    """Where each kind of object lives in the bucket (each ends with '/')."""
+
+    data: str = "data/"
+    code: str = "code/"
+    checkpoints: str = "checkpoints/"
+    results: str = "results/"
+    state: str = "state/"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything one instance life needs to know about its stack and its job."""
+
+    region: str
+    bucket: str
+    group_name: str
+    topic_arn: str
+    log_group: str
+    stack: str = "dev"
+    prefixes: Prefixes = field(default_factory=Prefixes)
+    gpu_required: bool = True
+    poll_seconds: float = 5.0
+    # Of the two-minute spot notice: leaves time for the last upload to be confirmed.
+    stop_deadline_seconds: float = 100.0
+    stall_minutes: float = 30.0
+    max_consecutive_failures: int = 3
+    max_cost_usd: float | None = None
+    instance_count: int = 1
+    scratch_dir: str | None = None
+    job: dict[str, Any] = field(default_factory=dict)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(asdict(self), sort_keys=False)
+
+    @classmethod
+    def from_mapping(cls, raw: Any, source: str = "agent config") -> AgentConfig:
+        """Validate a parsed mapping; every problem is reported, each naming its key."""
+        if not isinstance(raw, dict):
+            raise AgentConfigError(f"{source}: expected a YAML mapping at the top level; see docs/internals.md")
+        problems: list[str] = []
+        known = set(cls.__dataclass_fields__)
+        problems += [f"unknown key '{k}' (known: {', '.join(sorted(known))})" for k in raw if k not in known]
+        for key in ("region", "bucket", "group_name", "topic_arn", "log_group"):
+            if not isinstance(raw.get(key), str) or not raw.get(key):
+                problems.append(f"'{key}' is required and must be a non-empty string")
+        if isinstance(raw.get("bucket"), str) and raw["bucket"] and not _BUCKET.match(raw["bucket"]):
+            problems.append(f"'bucket' {raw['bucket']!r} is not a valid S3 bucket name (e.g. 'trainstack-dev-data')")
+        if isinstance(raw.get("region"), str) and raw["region"] and not _REGION.match(raw["region"]):
+            problems.append(f"'region' {raw['region']!r} is not an AWS region (e.g. 'us-east-1')")
+        prefixes_raw = raw.get("prefixes", {})
+        prefixes = Prefixes()
+        if not isinstance(prefixes_raw, dict):
+            problems.append("'prefixes' must be a mapping of data/code/checkpoints/results/state to 'name/'")
+        else:
+            bad = [k for k in prefixes_raw if k not in Prefixes.__dataclass_fields__]
+            problems += [f"unknown key 'prefixes.{k}'" for k in bad]
+            for k, v in prefixes_raw.items():
+                if k in bad:
+                    continue
+                if not isinstance(v, str) or not v.endswith("/") or v.startswith("/"):
+                    problems.append(f"'prefixes.{k}' must be a relative prefix ending in '/', e.g. '{k}/'")
+            if not problems:
+                prefixes = Prefixes(**prefixes_raw)
+        _check_number(raw, "poll_seconds", problems, low=0.1, high=5.0, why="AWS asks for spot polling every ≤5 s")
+        _check_number(raw, "stop_deadline_seconds", problems, low=1.0, high=115.0, why="must fit the 120 s notice")
+        _check_number(raw, "stall_minutes", problems, low=0.05, high=24 * 60.0)
+        _check_number(raw, "max_consecutive_failures", problems, low=1, high=100, integer=True)
+        _check_number(raw, "instance_count", problems, low=1, high=1000, integer=True)
+        if raw.get("max_cost_usd") is not None:
+            _check_number(raw, "max_cost_usd", problems, low=0.01, high=1e7)
+        if "gpu_required" in raw and not isinstance(raw["gpu_required"], bool):
+            problems.append("'gpu_required' must be true or false")
+        if "job" in raw and not isinstance(raw["job"], dict):
+            problems.append("'job' must be a mapping (the trainer's YAML config)")
+        if raw.get("scratch_dir") is not None and not isinstance(raw["scratch_dir"], str):
+            problems.append("'scratch_dir' must be a path or null (null = instance-store NVMe, else root volume)")
+        if problems:
+            raise AgentConfigError(f"{source}: " + "; ".join(problems))
+        values = {k: v for k, v in raw.items() if k != "prefixes"}
+        return cls(prefixes=prefixes, **values)
+
+    @classmethod
+    def load(cls, path: Path = DEFAULT_PATH) -> AgentConfig:
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise AgentConfigError(f"{path}: cannot read the agent config ({exc.strerror}); pass --config FILE") from exc
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise AgentConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+        return cls.from_mapping(raw, source=str(path))
+
+
+def _check_number(
+    raw: dict[str, Any],
+    key: str,
+    problems: list[str],
+    *,
+    low: float,
+    high: float,
+    integer: bool = False,
+    why: str = "",
+) -> None:
+    if key not in raw:
+        return
+    value = raw[key]
+    kinds: tuple[type, ...] = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+        kind = "an integer" if integer else "a number"
+        reason = f" ({why})" if why else ""
+        problems.append(f"'{key}' must be {kind} between {low:g} and {high:g}, got {value!r}{reason}")

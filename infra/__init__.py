@@ -1,0 +1,1 @@
+"""The trainstack Pulumi program: one component per concern; `__main__` only wires them."""

@@ -1,0 +1,61 @@
+"""Shared fixtures: an isolated AWS environment that can only ever reach 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+# Set before any test imports boto3: no test may find real credentials or reach a real endpoint.
+_ISOLATED_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    # No instance-metadata credential lookups unless a test points IMDS at its own simulator.
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+for _key, _value in _ISOLATED_ENV.items():
+    os.environ[_key] = _value
+os.environ.pop("AWS_PROFILE", None)
+os.environ.pop("AWS_ENDPOINT_URL", None)
+
+
+@dataclass(frozen=True)
+class MotoServer:
+    """A moto server on 127.0.0.1 with a port the OS picked."""
+
+    endpoint_url: str
+
+    def env(self) -> dict[str, str]:
+        """Environment for a subprocess that must talk to this server only."""
+        return {**_ISOLATED_ENV, "AWS_ENDPOINT_URL": self.endpoint_url}
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    """One moto server per test session, started on port 0 and stopped at the end."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield MotoServer(endpoint_url=f"http://{host}:{port}")
+    finally:
+        server.stop()
+
+
+@pytest.fixture()
+def aws(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoServer]:
+    """Point boto3 in this process at the moto server, and reset moto's state afterwards."""
+    import requests
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint_url)
+    yield moto_server
+    requests.post(f"{moto_server.endpoint_url}/moto-api/reset", timeout=10)
