@@ -49,6 +49,9 @@ class AgentConfig:
     max_cost_usd: float | None = None
     instance_count: int = 1
     scratch_dir: str | None = None
+    # The group's EC2_INSTANCE_TERMINATING hook (infra/fleet.py LIFECYCLE_HOOK_NAME) that the agent
+    # completes once its last upload is confirmed; null = the group has none.
+    lifecycle_hook: str | None = "trainstack-drain"
     job: dict[str, Any] = field(default_factory=dict)
 
     def to_yaml(self) -> str:
@@ -58,7 +61,9 @@ class AgentConfig:
     def from_mapping(cls, raw: Any, source: str = "agent config") -> AgentConfig:
         """Validate a parsed mapping; every problem is reported, each naming its key."""
         if not isinstance(raw, dict):
-            raise AgentConfigError(f"{source}: expected a YAML mapping at the top level; see docs/internals.md")
+            raise AgentConfigError(
+                f"{source}: expected a YAML mapping at the top level; see docs/internals.md"
+            )
         problems: list[str] = []
         known = set(cls.__dataclass_fields__)
         problems += [f"unknown key '{k}' (known: {', '.join(sorted(known))})" for k in raw if k not in known]
@@ -66,7 +71,9 @@ class AgentConfig:
             if not isinstance(raw.get(key), str) or not raw.get(key):
                 problems.append(f"'{key}' is required and must be a non-empty string")
         if isinstance(raw.get("bucket"), str) and raw["bucket"] and not _BUCKET.match(raw["bucket"]):
-            problems.append(f"'bucket' {raw['bucket']!r} is not a valid S3 bucket name (e.g. 'trainstack-dev-data')")
+            problems.append(
+                f"'bucket' {raw['bucket']!r} is not a valid S3 bucket name (e.g. 'trainstack-dev-data')"
+            )
         if isinstance(raw.get("region"), str) and raw["region"] and not _REGION.match(raw["region"]):
             problems.append(f"'region' {raw['region']!r} is not an AWS region (e.g. 'us-east-1')")
         prefixes_raw = raw.get("prefixes", {})
@@ -83,8 +90,12 @@ class AgentConfig:
                     problems.append(f"'prefixes.{k}' must be a relative prefix ending in '/', e.g. '{k}/'")
             if not problems:
                 prefixes = Prefixes(**prefixes_raw)
-        _check_number(raw, "poll_seconds", problems, low=0.1, high=5.0, why="AWS asks for spot polling every ≤5 s")
-        _check_number(raw, "stop_deadline_seconds", problems, low=1.0, high=115.0, why="must fit the 120 s notice")
+        _check_number(
+            raw, "poll_seconds", problems, low=0.1, high=5.0, why="AWS asks for spot polling every ≤5 s"
+        )
+        _check_number(
+            raw, "stop_deadline_seconds", problems, low=1.0, high=115.0, why="must fit the 120 s notice"
+        )
         _check_number(raw, "stall_minutes", problems, low=0.05, high=24 * 60.0)
         _check_number(raw, "max_consecutive_failures", problems, low=1, high=100, integer=True)
         _check_number(raw, "instance_count", problems, low=1, high=1000, integer=True)
@@ -95,7 +106,11 @@ class AgentConfig:
         if "job" in raw and not isinstance(raw["job"], dict):
             problems.append("'job' must be a mapping (the trainer's YAML config)")
         if raw.get("scratch_dir") is not None and not isinstance(raw["scratch_dir"], str):
-            problems.append("'scratch_dir' must be a path or null (null = instance-store NVMe, else root volume)")
+            problems.append(
+                "'scratch_dir' must be a path or null (null = instance-store NVMe, else root volume)"
+            )
+        if raw.get("lifecycle_hook") is not None and not isinstance(raw["lifecycle_hook"], str):
+            problems.append("'lifecycle_hook' must be the group's termination hook name or null")
         if problems:
             raise AgentConfigError(f"{source}: " + "; ".join(problems))
         values = {k: v for k, v in raw.items() if k != "prefixes"}
@@ -106,7 +121,9 @@ class AgentConfig:
         try:
             text = path.read_text()
         except OSError as exc:
-            raise AgentConfigError(f"{path}: cannot read the agent config ({exc.strerror}); pass --config FILE") from exc
+            raise AgentConfigError(
+                f"{path}: cannot read the agent config ({exc.strerror}); pass --config FILE"
+            ) from exc
         try:
             raw = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -127,8 +144,8 @@ def _check_number(
     if key not in raw:
         return
     value = raw[key]
-    kinds: tuple[type, ...] = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+    number_ok = isinstance(value, int) or (not integer and isinstance(value, float))
+    if isinstance(value, bool) or not number_ok or not low <= value <= high:
         kind = "an integer" if integer else "a number"
         reason = f" ({why})" if why else ""
         problems.append(f"'{key}' must be {kind} between {low:g} and {high:g}, got {value!r}{reason}")

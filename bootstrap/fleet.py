@@ -1,0 +1,39 @@
+"""The Auto Scaling group as the agent sees it: scale to zero, report an unhealthy instance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Fleet:
+    """Calls on this stack's group only (the instance role allows nothing else)."""
+
+    def __init__(self, autoscaling: Any, group_name: str) -> None:
+        self._autoscaling = autoscaling
+        self.group_name = group_name
+
+    def desired_capacity(self) -> int | None:
+        groups = self._autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[self.group_name])
+        found = groups.get("AutoScalingGroups", [])
+        return int(found[0]["DesiredCapacity"]) if found else None
+
+    def scale_to_zero(self) -> None:
+        """Desired capacity 0: the group terminates its instances and launches none; billing stops."""
+        self._autoscaling.set_desired_capacity(
+            AutoScalingGroupName=self.group_name, DesiredCapacity=0, HonorCooldown=False
+        )
+
+    def replace_instance(self, instance_id: str) -> None:
+        """Mark this instance unhealthy so that the group replaces it (desired capacity unchanged)."""
+        self._autoscaling.set_instance_health(
+            InstanceId=instance_id, HealthStatus="Unhealthy", ShouldRespectGracePeriod=False
+        )
+
+    def complete_lifecycle_action(self, hook_name: str, instance_id: str) -> None:
+        """Let a terminating instance go as soon as its work is saved, not at the hook's heartbeat timeout."""
+        self._autoscaling.complete_lifecycle_action(
+            LifecycleHookName=hook_name,
+            AutoScalingGroupName=self.group_name,
+            InstanceId=instance_id,
+            LifecycleActionResult="CONTINUE",
+        )

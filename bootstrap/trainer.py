@@ -1,0 +1,162 @@
+"""Starts and steers the trainer (`python -m training`, torchrun for several GPUs), per docs/internals.md."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+DLAMI_PYTHON = Path("/opt/pytorch/bin/python")
+CODE_ROOT = Path(__file__).resolve().parent.parent
+EXIT_COMPLETED = 0
+EXIT_STOPPED = 75
+
+
+def trainer_python() -> str:
+    """The DLAMI's PyTorch env when there is one (its torch matches the driver), else this interpreter."""
+    return str(DLAMI_PYTHON) if DLAMI_PYTHON.exists() else sys.executable
+
+
+def default_trainer_command(gpu_count: int) -> list[str]:
+    python = trainer_python()
+    if gpu_count > 1:
+        return [python, "-m", "torch.distributed.run", "--nproc-per-node=gpu", "-m", "training"]
+    return [python, "-m", "training"]
+
+
+@dataclass(frozen=True)
+class TrainerPaths:
+    """Where the trainer reads and writes on this instance, and where its S3 copies go."""
+
+    scratch: Path
+    checkpoint_uri: str
+    output_uri: str
+
+    @property
+    def config_file(self) -> Path:
+        return self.scratch / "job.yaml"
+
+    @property
+    def output_dir(self) -> Path:
+        return self.scratch / "output"
+
+    @property
+    def progress_file(self) -> Path:
+        return self.output_dir / "progress.json"
+
+    @property
+    def stop_file(self) -> Path:
+        return self.scratch / "STOP"
+
+    @property
+    def checkpoint_request_file(self) -> Path:
+        return self.scratch / "CHECKPOINT"
+
+    def overrides(self) -> list[str]:
+        return [
+            f"data.train_dir={self.scratch / 'data' / 'train'}",
+            f"data.val_dir={self.scratch / 'data' / 'val'}",
+            f"checkpoint.dir={self.scratch / 'checkpoints'}",
+            f"checkpoint.uri={self.checkpoint_uri}",
+            f"output.dir={self.output_dir}",
+            f"output.uri={self.output_uri}",
+            f"train.stop_file={self.stop_file}",
+            f"train.checkpoint_request_file={self.checkpoint_request_file}",
+        ]
+
+
+class TrainerProcess:
+    """One run of the trainer; its output lines go to `on_line` and a tail kept for failure reports."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        paths: TrainerPaths,
+        job: dict[str, object],
+        on_line: Callable[[str], None],
+        single_process: bool = True,
+    ) -> None:
+        self._command = list(command)
+        self.paths = paths
+        self._job = job
+        self._on_line = on_line
+        self._single_process = single_process
+        self.tail: deque[str] = deque(maxlen=40)
+        self._process: subprocess.Popen[str] | None = None
+        self._pump: threading.Thread | None = None
+
+    @property
+    def argv(self) -> list[str]:
+        return [*self._command, "--config", str(self.paths.config_file), *self.paths.overrides()]
+
+    def start(self) -> None:
+        self.paths.output_dir.mkdir(parents=True, exist_ok=True)
+        self.paths.config_file.write_text(yaml.safe_dump(self._job, sort_keys=False))
+        # A stale stop or checkpoint request from an earlier run must not stop this one.
+        self.paths.stop_file.unlink(missing_ok=True)
+        self.paths.checkpoint_request_file.unlink(missing_ok=True)
+        self.paths.progress_file.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CODE_ROOT), env.get("PYTHONPATH", "")) if p)
+        self._process = subprocess.Popen(
+            self.argv,
+            cwd=CODE_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            # Its own process group: a signal meant for the agent does not hit the trainer unasked.
+            start_new_session=True,
+        )
+        self._pump = threading.Thread(target=self._pump_output, name="trainer-output", daemon=True)
+        self._pump.start()
+
+    def _pump_output(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for raw in self._process.stdout:
+            line = raw.rstrip("\n")
+            self.tail.append(line)
+            self._on_line(line)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def poll(self) -> int | None:
+        return self._process.poll() if self._process else None
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self._process is None:
+            return None
+        try:
+            code = self._process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        if self._pump is not None:
+            self._pump.join(timeout=5)
+        return code
+
+    def request_stop(self) -> None:
+        """Stop at the next step boundary with a confirmed checkpoint (exit 75)."""
+        self.paths.stop_file.touch()
+        if self._single_process and self._process is not None and self._process.poll() is None:
+            # torchrun forwards its own signals badly mid-collective; several ranks rely on the stop file.
+            self._process.send_signal(signal.SIGTERM)
+
+    def request_checkpoint(self) -> None:
+        """Save and upload a checkpoint at the next optimizer step, then carry on."""
+        self.paths.checkpoint_request_file.touch()
+
+    def kill(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            os.killpg(self._process.pid, signal.SIGKILL)
+            self.wait(timeout=30)

@@ -1,0 +1,159 @@
+"""The stack's AWS resources as `pulumi up` would make them, created in the embedded moto server."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import boto3
+from botocore.config import Config
+
+from bootstrap.agent_config import AgentConfig, Prefixes
+
+_RETRIES = Config(retries={"mode": "standard"})
+# moto only knows the AMIs it ships with; any of them stands in for the DLAMI.
+_STAND_IN_AMI = "ami-12c6146b"
+
+
+@dataclass(frozen=True)
+class LocalStack:
+    """Names of the embedded stack's resources, plus an SQS queue subscribed to the topic to read alerts."""
+
+    name: str
+    region: str
+    bucket: str
+    kms_key_arn: str
+    topic_arn: str
+    group_name: str
+    log_group: str
+    alerts_queue_url: str
+
+    def client(self, service: str) -> Any:
+        return boto3.client(service, region_name=self.region, config=_RETRIES)  # type: ignore[call-overload]
+
+    def agent_config(self, **overrides: Any) -> AgentConfig:
+        values: dict[str, Any] = {
+            "region": self.region,
+            "bucket": self.bucket,
+            "group_name": self.group_name,
+            "topic_arn": self.topic_arn,
+            "log_group": self.log_group,
+            "stack": self.name,
+            "prefixes": Prefixes(),
+            "gpu_required": False,
+            **overrides,
+        }
+        return AgentConfig(**values)
+
+    def group(self) -> dict[str, Any]:
+        groups = self.client("autoscaling").describe_auto_scaling_groups(
+            AutoScalingGroupNames=[self.group_name]
+        )
+        found: dict[str, Any] = groups["AutoScalingGroups"][0]
+        return found
+
+    def instance_ids(self) -> list[str]:
+        return [i["InstanceId"] for i in self.group()["Instances"]]
+
+    def lifecycle_state(self, instance_id: str) -> str:
+        """What IMDS `autoscaling/target-lifecycle-state` says: Terminated once the group let go of it."""
+        return "InService" if instance_id in self.instance_ids() else "Terminated"
+
+    def alerts(self) -> list[dict[str, str]]:
+        """SNS messages delivered so far (each {"Subject", "Message"}), consumed from the queue."""
+        sqs = self.client("sqs")
+        found: list[dict[str, str]] = []
+        while True:
+            batch = sqs.receive_message(QueueUrl=self.alerts_queue_url, MaxNumberOfMessages=10).get(
+                "Messages", []
+            )
+            if not batch:
+                return found
+            for message in batch:
+                body = json.loads(message["Body"])
+                found.append({"Subject": body.get("Subject", ""), "Message": body.get("Message", "")})
+                sqs.delete_message(QueueUrl=self.alerts_queue_url, ReceiptHandle=message["ReceiptHandle"])
+
+    def read_json(self, key: str) -> dict[str, Any] | None:
+        s3 = self.client("s3")
+        try:
+            value = json.loads(s3.get_object(Bucket=self.bucket, Key=key)["Body"].read())
+        except s3.exceptions.NoSuchKey:
+            return None
+        return value if isinstance(value, dict) else None
+
+
+def create_stack(name: str = "trainstack-demo", region: str = "us-east-1", desired: int = 1) -> LocalStack:
+    """Bucket (SSE-KMS with the stack key, versioned, private), topic, log group, launch template, group."""
+    session = boto3.session.Session(region_name=region)
+
+    def client(service: str) -> Any:
+        return session.client(service, config=_RETRIES)  # type: ignore[call-overload]
+
+    kms, s3, sns, sqs, logs, ec2, autoscaling = (
+        client(s) for s in ("kms", "s3", "sns", "sqs", "logs", "ec2", "autoscaling")
+    )
+    key_arn = kms.create_key(Description=f"{name} data key")["KeyMetadata"]["Arn"]
+    kms.enable_key_rotation(KeyId=key_arn)
+    bucket = f"{name}-data"
+    s3.create_bucket(Bucket=bucket)
+    s3.put_bucket_encryption(
+        Bucket=bucket,
+        ServerSideEncryptionConfiguration={
+            "Rules": [
+                {
+                    "ApplyServerSideEncryptionByDefault": {
+                        "SSEAlgorithm": "aws:kms",
+                        "KMSMasterKeyID": key_arn,
+                    },
+                    "BucketKeyEnabled": True,
+                }
+            ]
+        },
+    )
+    s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    s3.put_public_access_block(
+        Bucket=bucket,
+        PublicAccessBlockConfiguration={
+            "BlockPublicAcls": True,
+            "IgnorePublicAcls": True,
+            "BlockPublicPolicy": True,
+            "RestrictPublicBuckets": True,
+        },
+    )
+    topic_arn = sns.create_topic(Name=f"{name}-alerts", Attributes={"KmsMasterKeyId": key_arn})["TopicArn"]
+    queue_url = sqs.create_queue(QueueName=f"{name}-alerts-inbox")["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"][
+        "QueueArn"
+    ]
+    sns.subscribe(TopicArn=topic_arn, Protocol="sqs", Endpoint=queue_arn)
+    log_group = f"/trainstack/{name}"
+    logs.create_log_group(logGroupName=log_group)
+    vpc_id = ec2.create_vpc(CidrBlock="10.42.0.0/16")["Vpc"]["VpcId"]
+    subnets = [
+        ec2.create_subnet(VpcId=vpc_id, CidrBlock=f"10.42.{i}.0/24", AvailabilityZone=f"{region}{az}")[
+            "Subnet"
+        ]["SubnetId"]
+        for i, az in enumerate("ab")
+    ]
+    template = f"{name}-instance"
+    ec2.create_launch_template(
+        LaunchTemplateName=template,
+        LaunchTemplateData={
+            "ImageId": _STAND_IN_AMI,
+            "InstanceType": "g6.xlarge",
+            "MetadataOptions": {"HttpTokens": "required", "HttpPutResponseHopLimit": 1},
+        },
+    )
+    group_name = f"{name}-gpu"
+    autoscaling.create_auto_scaling_group(
+        AutoScalingGroupName=group_name,
+        LaunchTemplate={"LaunchTemplateName": template, "Version": "$Latest"},
+        MinSize=0,
+        MaxSize=max(1, desired),
+        DesiredCapacity=desired,
+        VPCZoneIdentifier=",".join(subnets),
+        CapacityRebalance=True,
+    )
+    return LocalStack(name, region, bucket, key_arn, topic_arn, group_name, log_group, queue_url)

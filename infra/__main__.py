@@ -1,0 +1,136 @@
+"""The trainstack Pulumi program: read the stack config, build one component per concern, export outputs."""
+
+import sys
+from pathlib import Path
+
+# Pulumi runs this file as a script with infra/ on sys.path; the program imports `infra.*` and `bootstrap.*`.
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+import pulumi  # noqa: E402
+import pulumi_aws as aws  # noqa: E402
+
+from bootstrap.agent_config import Prefixes  # noqa: E402
+from infra.bundle import build_bundle  # noqa: E402
+from infra.config import load_stack_config  # noqa: E402
+from infra.fleet import Fleet, FleetArgs, resolve_image  # noqa: E402
+from infra.identity import Identity, IdentityArgs  # noqa: E402
+from infra.network import Network, NetworkArgs  # noqa: E402
+from infra.observability import Observability, ObservabilityArgs  # noqa: E402
+from infra.placement import lookup_zones  # noqa: E402
+from infra.storage import Storage, StorageArgs  # noqa: E402
+
+config = load_stack_config()
+account_id = aws.get_caller_identity().account_id
+partition = aws.get_partition().partition
+zones = lookup_zones(config.instance_types, config.region)
+image = resolve_image(config)
+prefixes = Prefixes()
+tags = {"trainstack:project": config.project, "trainstack:stack": config.stack}
+
+storage = Storage(
+    "storage",
+    StorageArgs(
+        name=config.name,
+        partition=partition,
+        account_id=account_id,
+        region=config.region,
+        log_group_prefix=config.log_group_name,
+        noncurrent_version_days=config.noncurrent_version_days,
+        retain_data_on_destroy=config.retain_data_on_destroy,
+        tags=tags,
+    ),
+)
+network = Network(
+    "network",
+    NetworkArgs(
+        name=config.name,
+        region=config.region,
+        vpc_cidr=config.vpc_cidr,
+        zones=zones,
+        private_subnets=config.private_subnets,
+        ssh_ingress_cidrs=list(config.ssh_ingress_cidrs),
+        kms_key_arn=storage.key.arn,
+        flow_log_group_name=config.flow_log_group_name,
+        log_retention_days=config.log_retention_days,
+        tags=tags,
+    ),
+)
+observability = Observability(
+    "observability",
+    ObservabilityArgs(
+        name=config.name,
+        stack=config.stack,
+        region=config.region,
+        partition=partition,
+        account_id=account_id,
+        kms_key_arn=storage.key.arn,
+        log_group_name=config.log_group_name,
+        log_retention_days=config.log_retention_days,
+        group_name=config.group_name,
+        alert_email=config.alert_email,
+        monthly_budget_usd=config.monthly_budget_usd,
+        tags=tags,
+    ),
+)
+identity = Identity(
+    "identity",
+    IdentityArgs(
+        name=config.name,
+        partition=partition,
+        region=config.region,
+        account_id=account_id,
+        bucket_arn=storage.bucket.arn,
+        kms_key_arn=storage.key.arn,
+        topic_arn=observability.topic.arn,
+        log_group_arn=observability.log_group.arn,
+        group_name=config.group_name,
+        tags=tags,
+    ),
+)
+fleet = Fleet(
+    "fleet",
+    FleetArgs(
+        config=config,
+        image=image,
+        bundle=build_bundle(),
+        bucket_name=storage.bucket.bucket,
+        kms_key_arn=storage.key.arn,
+        topic_arn=observability.topic.arn,
+        log_group_name=config.log_group_name,
+        instance_profile_arn=identity.instance_profile.arn,
+        security_group_id=network.security_group.id,
+        subnet_ids=network.subnet_ids,
+        tags=tags,
+    ),
+)
+
+pulumi.export("region", config.region)
+pulumi.export("bucket_name", storage.bucket.bucket)
+pulumi.export("data_prefix", prefixes.data)
+pulumi.export("code_prefix", prefixes.code)
+pulumi.export("checkpoints_prefix", prefixes.checkpoints)
+pulumi.export("results_prefix", prefixes.results)
+pulumi.export("state_prefix", prefixes.state)
+pulumi.export(
+    "data_upload_command",
+    storage.bucket.bucket.apply(lambda bucket: f"aws s3 sync ./dataset s3://{bucket}/{prefixes.data}"),
+)
+pulumi.export("group_name", fleet.group.name)
+pulumi.export("instance_count", config.instance_count)
+pulumi.export("instance_types", list(config.instance_types))
+pulumi.export("log_group_name", observability.log_group.name)
+pulumi.export("topic_arn", observability.topic.arn)
+pulumi.export("kms_key_arn", storage.key.arn)
+pulumi.export(
+    "dashboard_url",
+    f"https://{config.region}.console.aws.amazon.com/cloudwatch/home?region={config.region}"
+    f"#dashboards:name={observability.dashboard_name}",
+)
+pulumi.export(
+    "ssm_session_command",
+    f"aws ssm start-session --region {config.region} --target $(aws autoscaling describe-auto-scaling-groups "
+    f"--region {config.region} --auto-scaling-group-names {config.group_name} "
+    "--query 'AutoScalingGroups[0].Instances[0].InstanceId' --output text)",
+)

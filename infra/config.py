@@ -1,0 +1,433 @@
+"""The stack's configuration: one typed, validated `StackConfig`, every problem named by its key."""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pulumi
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NAMESPACE = "trainstack"
+
+# The Deep Learning AMI (OSS NVIDIA driver, PyTorch, Ubuntu 24.04, x86_64): python at /opt/pytorch/bin/python,
+# instance-store NVMe mounted at /opt/dlami/nvme.
+DEFAULT_AMI_PARAMETER = (
+    "/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pytorch-2.9-ubuntu-24.04/latest/ami-id"
+)
+
+# The one place the defaults live; Pulumi.yaml repeats them for the CLI and a test keeps the two equal.
+DEFAULTS: dict[str, Any] = {
+    "instanceTypes": ["g6.xlarge", "g5.xlarge", "g6e.xlarge", "g4dn.xlarge"],
+    "instanceCount": 1,
+    "spotAllocationStrategy": "price-capacity-optimized",
+    "onDemandBaseCapacity": 0,
+    "onDemandPercentageAboveBase": 0,
+    "spotMaxPrice": "",
+    "amiParameter": DEFAULT_AMI_PARAMETER,
+    "amiId": "",
+    "rootVolumeSizeGb": 150,
+    "vpcCidr": "10.42.0.0/16",
+    "privateSubnets": False,
+    "sshIngressCidrs": [],
+    "alertEmail": "",
+    "monthlyBudgetUsd": 100,
+    "retainDataOnDestroy": True,
+    "noncurrentVersionDays": 30,
+    "logRetentionDays": 30,
+    "trainingConfig": "training/configs/default.yaml",
+    "maxCostUsd": "",
+    "maxConsecutiveFailures": 3,
+    "stallTimeoutMinutes": 30,
+}
+
+# Instance families with NVIDIA GPUs that the x86_64 Deep Learning AMI boots on.
+NVIDIA_FAMILIES: dict[str, str] = {
+    "g4dn": "T4",
+    "g5": "A10G",
+    "g6": "L4",
+    "g6e": "L40S",
+    "gr6": "L4",
+    "g7e": "RTX PRO 6000",
+    "p3": "V100",
+    "p3dn": "V100",
+    "p4d": "A100",
+    "p4de": "A100",
+    "p5": "H100",
+    "p5e": "H200",
+    "p5en": "H200",
+    "p6-b200": "B200",
+    "p6-b300": "B300",
+}
+# Families a user may reasonably try that this stack cannot run, with the reason they are refused.
+REFUSED_FAMILIES: dict[str, str] = {
+    "g5g": "Graviton (arm64) with T4G; the x86_64 Deep Learning AMI does not boot on it",
+    "p6e-gb200": "Grace (arm64) superchip; the x86_64 Deep Learning AMI does not boot on it",
+    "g4ad": "AMD Radeon GPU, not NVIDIA; CUDA does not run on it",
+    "g3": "M60 GPU, no longer supported by current NVIDIA drivers",
+    "g3s": "M60 GPU, no longer supported by current NVIDIA drivers",
+    "p2": "K80 GPU, no longer supported by current NVIDIA drivers",
+    "g6f": "fractional L4 GPU, not supported by the Deep Learning AMI's driver",
+}
+SPOT_ALLOCATION_STRATEGIES = (
+    "price-capacity-optimized",
+    "capacity-optimized",
+    "capacity-optimized-prioritized",
+    "lowest-price",
+)
+# CloudWatch Logs accepts only these retention periods.
+LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922,
+                      3288, 3653)  # fmt: skip
+
+_INSTANCE_TYPE = re.compile(r"^(?P<family>[a-z][a-z0-9-]*?)\.(?P<size>[a-z0-9-]+)$")
+_AMI_ID = re.compile(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$")
+_EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[A-Za-z]{2,}$")
+_PRICE = re.compile(r"^\d+(\.\d+)?$")
+
+
+class StackConfigError(pulumi.RunError):
+    """The stack config is invalid; the message lists every bad key, why, and a valid example."""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """Everything the program needs from `Pulumi.<stack>.yaml`, validated and typed."""
+
+    project: str
+    stack: str
+    region: str
+    instance_types: tuple[str, ...]
+    instance_count: int
+    spot_allocation_strategy: str
+    on_demand_base_capacity: int
+    on_demand_percentage_above_base: int
+    spot_max_price: str
+    ami_parameter: str
+    ami_id: str
+    root_volume_size_gb: int
+    vpc_cidr: str
+    private_subnets: bool
+    ssh_ingress_cidrs: tuple[str, ...]
+    alert_email: str
+    monthly_budget_usd: int
+    retain_data_on_destroy: bool
+    noncurrent_version_days: int
+    log_retention_days: int
+    training_config: Path
+    job: dict[str, Any]
+    max_cost_usd: float | None
+    max_consecutive_failures: int
+    stall_timeout_minutes: int
+
+    @property
+    def name(self) -> str:
+        """Prefix for physical names that must be unique in the account and region."""
+        return f"{self.project}-{self.stack}"
+
+    @property
+    def group_name(self) -> str:
+        """The Auto Scaling group's name, fixed so user-data and the IAM policy know it before it exists."""
+        return f"{self.name}-gpu"
+
+    @property
+    def log_group_name(self) -> str:
+        return f"/{self.project}/{self.stack}"
+
+    @property
+    def flow_log_group_name(self) -> str:
+        return f"/{self.project}/{self.stack}/vpc-flow-logs"
+
+    @property
+    def gpu_families(self) -> tuple[str, ...]:
+        return tuple(sorted({t.split(".", 1)[0] for t in self.instance_types}))
+
+
+class _Problems:
+    """Collects every problem so the user fixes them all in one round."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, key: str, why: str, example: str) -> None:
+        self.lines.append(f"{NAMESPACE}:{key}: {why} (e.g. `pulumi config set {NAMESPACE}:{key} {example}`)")
+
+
+def load_stack_config() -> StackConfig:
+    """Read the running stack's config (raw strings, as the Pulumi engine passes them) and validate it."""
+    raw: dict[str, str] = {}
+    prefix = f"{NAMESPACE}:"
+    for key, value in {**pulumi.runtime.get_config_env(), **pulumi.runtime.config.CONFIG.get()}.items():
+        if key.startswith(prefix):
+            raw[key[len(prefix) :]] = value
+    region = pulumi.Config("aws").get("region") or ""
+    return parse_stack_config(raw, region=region, project=pulumi.get_project(), stack=pulumi.get_stack())
+
+
+def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, stack: str) -> StackConfig:
+    """Validate raw config values (strings or already-typed values); raise one message listing every problem."""
+    problems = _Problems()
+    for key in raw:
+        if key not in DEFAULTS:
+            close = difflib.get_close_matches(key, DEFAULTS, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(DEFAULTS)}"
+            problems.lines.append(
+                f"{NAMESPACE}:{key}: unknown key, {hint} (remove it with `pulumi config rm {NAMESPACE}:{key}`)"
+            )
+    if not region:
+        problems.lines.append("aws:region: required (e.g. `pulumi config set aws:region us-east-1`)")
+
+    def value(key: str, parse: Callable[[Any], Any], example: str) -> Any:
+        if key not in raw:
+            return DEFAULTS[key]
+        try:
+            return parse(raw[key])
+        except (TypeError, ValueError) as exc:
+            problems.add(key, str(exc), example)
+            return DEFAULTS[key]
+
+    instance_types = tuple(value("instanceTypes", _string_list, '\'["g6.xlarge","g5.xlarge"]\''))
+    instance_count = value("instanceCount", _integer, "1")
+    strategy = value("spotAllocationStrategy", _string, "price-capacity-optimized")
+    on_demand_base = value("onDemandBaseCapacity", _integer, "0")
+    on_demand_pct = value("onDemandPercentageAboveBase", _integer, "0")
+    spot_max_price = value("spotMaxPrice", _string, "0.50").strip()
+    ami_parameter = value("amiParameter", _string, DEFAULT_AMI_PARAMETER).strip()
+    ami_id = value("amiId", _string, "ami-0123456789abcdef0").strip()
+    root_gb = value("rootVolumeSizeGb", _integer, "150")
+    vpc_cidr = value("vpcCidr", _string, "10.42.0.0/16").strip()
+    private_subnets = value("privateSubnets", _boolean, "false")
+    ssh_cidrs = tuple(value("sshIngressCidrs", _string_list, "'[\"203.0.113.7/32\"]'"))
+    alert_email = value("alertEmail", _string, "ml-team@example.com").strip()
+    budget = value("monthlyBudgetUsd", _integer, "100")
+    retain = value("retainDataOnDestroy", _boolean, "true")
+    noncurrent_days = value("noncurrentVersionDays", _integer, "30")
+    log_days = value("logRetentionDays", _integer, "30")
+    training_config = value("trainingConfig", _string, "training/configs/default.yaml").strip()
+    max_cost_text = value("maxCostUsd", _string, "25").strip()
+    max_failures = value("maxConsecutiveFailures", _integer, "3")
+    stall_minutes = value("stallTimeoutMinutes", _integer, "30")
+
+    _check_instance_types(instance_types, problems)
+    _check_range(problems, "instanceCount", instance_count, 1, 100, "1", "the group's max and desired size")
+    if strategy not in SPOT_ALLOCATION_STRATEGIES:
+        problems.add(
+            "spotAllocationStrategy",
+            f"unknown strategy {strategy!r}; choose one of {', '.join(SPOT_ALLOCATION_STRATEGIES)}",
+            "price-capacity-optimized",
+        )
+    _check_range(problems, "onDemandBaseCapacity", on_demand_base, 0, 100, "0", "on-demand instances first")
+    if (
+        isinstance(instance_count, int)
+        and isinstance(on_demand_base, int)
+        and on_demand_base > instance_count
+    ):
+        problems.add(
+            "onDemandBaseCapacity",
+            f"{on_demand_base} on-demand instances exceed the group's maximum instanceCount={instance_count} "
+            "(min > max)",
+            str(instance_count),
+        )
+    _check_range(problems, "onDemandPercentageAboveBase", on_demand_pct, 0, 100, "0", "0 = all spot")
+    if spot_max_price and not (_PRICE.match(spot_max_price) and float(spot_max_price) > 0):
+        problems.add(
+            "spotMaxPrice", f"{spot_max_price!r} is not a positive USD/hour price; empty = no cap", "0.50"
+        )
+    if ami_id and not _AMI_ID.match(ami_id):
+        problems.add("amiId", f"{ami_id!r} is not an AMI id", "ami-0123456789abcdef0")
+    if ami_id and ami_parameter != DEFAULT_AMI_PARAMETER:
+        problems.add(
+            "amiId",
+            "both a pinned amiId and a custom amiParameter are set; keep one "
+            f"(or `pulumi config rm {NAMESPACE}:amiParameter`)",
+            "''",
+        )
+    if not ami_parameter.startswith("/"):
+        problems.add("amiParameter", f"{ami_parameter!r} is not an SSM parameter path", DEFAULT_AMI_PARAMETER)
+    _check_range(
+        problems, "rootVolumeSizeGb", root_gb, 100, 16384, "150",
+        "the Deep Learning AMI's image and the job's data and checkpoints need at least 100 GB",
+    )  # fmt: skip
+    _check_vpc_cidr(vpc_cidr, problems)
+    _check_ssh_cidrs(ssh_cidrs, problems)
+    if alert_email and not _EMAIL.match(alert_email):
+        problems.add("alertEmail", f"{alert_email!r} is not an e-mail address", "ml-team@example.com")
+    if isinstance(budget, int) and budget <= 0:
+        problems.add("monthlyBudgetUsd", f"must be a positive number of USD, got {budget}", "100")
+    _check_range(
+        problems, "noncurrentVersionDays", noncurrent_days, 1, 3650, "30", "old object versions kept"
+    )
+    if log_days not in LOG_RETENTION_DAYS:
+        problems.add(
+            "logRetentionDays",
+            f"{log_days!r} is not a CloudWatch Logs retention period ({', '.join(map(str, LOG_RETENTION_DAYS))})",
+            "30",
+        )
+    training_path, job = _load_training_config(training_config, problems)
+    max_cost: float | None = None
+    if max_cost_text:
+        if _PRICE.match(max_cost_text) and float(max_cost_text) > 0:
+            max_cost = float(max_cost_text)
+        else:
+            problems.add(
+                "maxCostUsd", f"{max_cost_text!r} is not a positive USD amount; empty = no cap", "25"
+            )
+    _check_range(problems, "maxConsecutiveFailures", max_failures, 1, 100, "3", "crash-loop guard")
+    _check_range(problems, "stallTimeoutMinutes", stall_minutes, 1, 24 * 60, "30", "stall watchdog")
+
+    if problems.lines:
+        count = len(problems.lines)
+        header = f"stack '{stack}' config has {count} problem{'s' if count > 1 else ''}:"
+        raise StackConfigError("\n".join([header, *(f"  - {line}" for line in problems.lines)]))
+    return StackConfig(
+        project=project,
+        stack=stack,
+        region=region,
+        instance_types=instance_types,
+        instance_count=instance_count,
+        spot_allocation_strategy=strategy,
+        on_demand_base_capacity=on_demand_base,
+        on_demand_percentage_above_base=on_demand_pct,
+        spot_max_price=spot_max_price,
+        ami_parameter=ami_parameter,
+        ami_id=ami_id,
+        root_volume_size_gb=root_gb,
+        vpc_cidr=vpc_cidr,
+        private_subnets=private_subnets,
+        ssh_ingress_cidrs=ssh_cidrs,
+        alert_email=alert_email,
+        monthly_budget_usd=budget,
+        retain_data_on_destroy=retain,
+        noncurrent_version_days=noncurrent_days,
+        log_retention_days=log_days,
+        training_config=training_path,
+        job=job,
+        max_cost_usd=max_cost,
+        max_consecutive_failures=max_failures,
+        stall_timeout_minutes=stall_minutes,
+    )
+
+
+def _string(raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise ValueError(f"must be a string, got {raw!r}")
+    return raw
+
+
+def _integer(raw: Any) -> int:
+    if isinstance(raw, bool):
+        raise ValueError(f"must be an integer, got {raw!r}")
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, str) and re.fullmatch(r"-?\d+", raw.strip()):
+        return int(raw)
+    raise ValueError(f"must be an integer, got {raw!r}")
+
+
+def _boolean(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.strip().lower() in ("true", "false"):
+        return raw.strip().lower() == "true"
+    raise ValueError(f"must be true or false, got {raw!r}")
+
+
+def _string_list(raw: Any) -> list[str]:
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"must be a list of strings (JSON array), got {raw!r}") from exc
+    if not isinstance(raw, list) or not all(isinstance(item, str) for item in raw):
+        raise ValueError(f"must be a list of strings, got {raw!r}")
+    return [item.strip() for item in raw]
+
+
+def _check_range(
+    problems: _Problems, key: str, value: Any, low: int, high: int, example: str, why: str
+) -> None:
+    if isinstance(value, int) and not low <= value <= high:
+        problems.add(key, f"must be between {low} and {high}, got {value} ({why})", example)
+
+
+def _check_instance_types(types: tuple[str, ...], problems: _Problems) -> None:
+    example = '\'["g6.xlarge","g5.xlarge","g6e.xlarge","g4dn.xlarge"]\''
+    if not types:
+        problems.add(
+            "instanceTypes", "is empty; the group needs at least one NVIDIA GPU instance type", example
+        )
+        return
+    if len(set(types)) != len(types):
+        problems.add("instanceTypes", f"lists a type twice: {', '.join(types)}", example)
+    for instance_type in types:
+        match = _INSTANCE_TYPE.match(instance_type)
+        family = match.group("family") if match else ""
+        if not match:
+            problems.add("instanceTypes", f"{instance_type!r} is not an EC2 instance type", example)
+        elif family in REFUSED_FAMILIES:
+            problems.add(
+                "instanceTypes", f"{instance_type!r} is refused: {REFUSED_FAMILIES[family]}", example
+            )
+        elif family not in NVIDIA_FAMILIES:
+            problems.add(
+                "instanceTypes",
+                f"{instance_type!r} has no NVIDIA GPU (or is unknown); use one of the families "
+                f"{', '.join(NVIDIA_FAMILIES)}",
+                example,
+            )
+
+
+def _check_vpc_cidr(cidr: str, problems: _Problems) -> None:
+    try:
+        network = ipaddress.ip_network(cidr)
+    except ValueError:
+        problems.add("vpcCidr", f"{cidr!r} is not an IPv4 network (host bits must be zero)", "10.42.0.0/16")
+        return
+    if not isinstance(network, ipaddress.IPv4Network) or not 16 <= network.prefixlen <= 24:
+        problems.add(
+            "vpcCidr", f"{cidr!r} must be an IPv4 network from /16 to /24 (a VPC's limits)", "10.42.0.0/16"
+        )
+    elif not network.is_private:
+        problems.add("vpcCidr", f"{cidr!r} is not a private (RFC 1918) range", "10.42.0.0/16")
+
+
+def _check_ssh_cidrs(cidrs: tuple[str, ...], problems: _Problems) -> None:
+    example = "'[\"203.0.113.7/32\"]'"
+    for cidr in cidrs:
+        try:
+            network = ipaddress.ip_network(cidr)
+        except ValueError:
+            problems.add("sshIngressCidrs", f"{cidr!r} is not a CIDR (host bits must be zero)", example)
+            continue
+        if network.prefixlen == 0:
+            problems.add(
+                "sshIngressCidrs",
+                f"{cidr!r} opens SSH to the whole internet and is refused; use SSM Session Manager "
+                "(no open port) or your own address",
+                example,
+            )
+
+
+def _load_training_config(path_text: str, problems: _Problems) -> tuple[Path, dict[str, Any]]:
+    path = Path(path_text)
+    if not path.is_absolute():
+        path = REPO_ROOT / path
+    example = "training/configs/default.yaml"
+    try:
+        job = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        problems.add("trainingConfig", f"cannot read {path} ({exc.strerror})", example)
+        return path, {}
+    except yaml.YAMLError as exc:
+        problems.add("trainingConfig", f"{path} is not valid YAML ({str(exc).splitlines()[0]})", example)
+        return path, {}
+    if not isinstance(job, dict):
+        problems.add("trainingConfig", f"{path} must hold a YAML mapping (the trainer's config)", example)
+        return path, {}
+    return path, job

@@ -1,0 +1,241 @@
+"""Fleet: the code bundle in S3, the launch template (DLAMI, IMDSv2, encrypted root) and the spot group."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+
+import pulumi
+import pulumi_aws as aws
+
+from bootstrap.agent_config import AgentConfig
+from bootstrap.cloud_init import render_user_data
+from infra.bundle import CodeBundle
+from infra.config import NAMESPACE, StackConfig, StackConfigError
+
+# The agent completes this hook once its last upload is confirmed, so a scale-in never cuts one short.
+LIFECYCLE_HOOK_NAME = "trainstack-drain"
+LIFECYCLE_HEARTBEAT_SECONDS = 600
+
+
+@dataclass(frozen=True)
+class MachineImage:
+    """The AMI every instance of this deployment boots, resolved once per `pulumi up`."""
+
+    id: str
+    root_device_name: str
+
+
+def resolve_image(config: StackConfig) -> MachineImage:
+    """The pinned AMI, else the one the SSM parameter names now.
+
+    Resolved at deploy time rather than with `resolve:ssm:` at each launch: every life of a job (spot
+    replacements included) then runs the same driver and PyTorch build, and a new AMI shows up as a
+    reviewable change in `pulumi preview` instead of silently mid-job.
+    """
+    image_id = config.ami_id
+    if not image_id:
+        try:
+            image_id = aws.ssm.get_parameter(name=config.ami_parameter).value
+        except Exception as exc:
+            raise StackConfigError(
+                f"{NAMESPACE}:amiParameter: cannot read SSM parameter {config.ami_parameter} in {config.region} "
+                f"({str(exc).splitlines()[0][:200]}); check the name with `trainstack doctor` or pin "
+                f"{NAMESPACE}:amiId"
+            ) from exc
+    image = aws.ec2.get_ami(
+        filters=[aws.ec2.GetAmiFilterArgs(name="image-id", values=[image_id])], include_deprecated=True
+    )
+    if image.architecture != "x86_64":
+        raise StackConfigError(
+            f"{NAMESPACE}:amiId: {image_id} is {image.architecture}; the GPU types allowed here are x86_64, "
+            "so pick an x86_64 Deep Learning AMI"
+        )
+    return MachineImage(id=image_id, root_device_name=image.root_device_name)
+
+
+@dataclass
+class FleetArgs:
+    config: StackConfig
+    image: MachineImage
+    bundle: CodeBundle
+    bucket_name: pulumi.Input[str]
+    kms_key_arn: pulumi.Input[str]
+    topic_arn: pulumi.Input[str]
+    log_group_name: str
+    instance_profile_arn: pulumi.Input[str]
+    security_group_id: pulumi.Input[str]
+    subnet_ids: list[pulumi.Output[str]]
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+class Fleet(pulumi.ComponentResource):
+    """Uploads the bundle, renders the user-data and runs the all-spot, multi-type, multi-zone group."""
+
+    bundle_object: aws.s3.BucketObjectv2
+    launch_template: aws.ec2.LaunchTemplate
+    group: aws.autoscaling.Group
+
+    def __init__(self, name: str, args: FleetArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("trainstack:fleet:Fleet", name, None, opts)
+        self._name = name
+        self._args = args
+        self._child = pulumi.ResourceOptions(parent=self)
+        config = args.config
+        bundle_key = args.bundle.key()
+        # Content-addressed: a code change is a new key, hence new user-data and a new template version.
+        self.bundle_object = aws.s3.BucketObjectv2(
+            f"{name}-bundle",
+            bucket=args.bucket_name,
+            key=bundle_key,
+            content_base64=base64.b64encode(args.bundle.data).decode(),
+            content_type="application/gzip",
+            server_side_encryption="aws:kms",
+            kms_key_id=args.kms_key_arn,
+            bucket_key_enabled=True,
+            tags=args.tags,
+            opts=self._child,
+        )
+        user_data = pulumi.Output.all(args.bucket_name, args.topic_arn).apply(
+            lambda values: base64.b64encode(
+                render_user_data(
+                    agent_config(
+                        config, bucket=values[0], topic_arn=values[1], log_group=args.log_group_name
+                    ),
+                    bundle_key=bundle_key,
+                    bundle_sha256=args.bundle.sha256,
+                ).encode()
+            ).decode()
+        )
+        self.launch_template = self._create_launch_template(user_data)
+        self.group = self._create_group()
+        self.register_outputs(
+            {
+                "group_name": self.group.name,
+                "launch_template_id": self.launch_template.id,
+                "bundle_key": self.bundle_object.key,
+            }
+        )
+
+    def _create_launch_template(self, user_data: pulumi.Input[str]) -> aws.ec2.LaunchTemplate:
+        args, config = self._args, self._args.config
+        instance_tags = {**args.tags, "Name": config.group_name}
+        return aws.ec2.LaunchTemplate(
+            f"{self._name}-launch-template",
+            name=config.group_name,
+            description=f"{config.name}: GPU training instances",
+            image_id=args.image.id,
+            iam_instance_profile=aws.ec2.LaunchTemplateIamInstanceProfileArgs(arn=args.instance_profile_arn),
+            network_interfaces=[
+                aws.ec2.LaunchTemplateNetworkInterfaceArgs(
+                    device_index=0,
+                    security_groups=[args.security_group_id],
+                    # Public subnets have no NAT, so instances need an address to reach AWS APIs; the
+                    # security group still admits nothing inbound. Private subnets: never a public address.
+                    associate_public_ip_address="false" if config.private_subnets else "true",
+                    delete_on_termination="true",
+                )
+            ],
+            metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
+                http_endpoint="enabled",
+                http_tokens="required",
+                # One hop: a container on the instance cannot borrow the instance role's credentials.
+                http_put_response_hop_limit=1,
+                instance_metadata_tags="enabled",
+            ),
+            block_device_mappings=[
+                aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
+                    device_name=args.image.root_device_name,
+                    ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
+                        volume_size=config.root_volume_size_gb,
+                        volume_type="gp3",
+                        encrypted="true",
+                        kms_key_id=args.kms_key_arn,
+                        delete_on_termination="true",
+                    ),
+                )
+            ],
+            user_data=user_data,
+            update_default_version=True,
+            tag_specifications=[
+                aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=kind, tags=instance_tags)
+                for kind in ("instance", "volume", "network-interface")
+            ],
+            tags=args.tags,
+            opts=self._child,
+        )
+
+    def _create_group(self) -> aws.autoscaling.Group:
+        args, config = self._args, self._args.config
+        return aws.autoscaling.Group(
+            f"{self._name}-group",
+            # A fixed name: the user-data and the instance policy must name the group before it exists.
+            name=config.group_name,
+            min_size=0,
+            max_size=config.instance_count,
+            desired_capacity=config.instance_count,
+            vpc_zone_identifiers=args.subnet_ids,
+            capacity_rebalance=True,
+            mixed_instances_policy=aws.autoscaling.GroupMixedInstancesPolicyArgs(
+                instances_distribution=aws.autoscaling.GroupMixedInstancesPolicyInstancesDistributionArgs(
+                    on_demand_base_capacity=config.on_demand_base_capacity,
+                    on_demand_percentage_above_base_capacity=config.on_demand_percentage_above_base,
+                    spot_allocation_strategy=config.spot_allocation_strategy,
+                    spot_max_price=config.spot_max_price,
+                ),
+                launch_template=aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateArgs(
+                    launch_template_specification=aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateLaunchTemplateSpecificationArgs(
+                        launch_template_id=self.launch_template.id,
+                        version=self.launch_template.latest_version.apply(str),
+                    ),
+                    overrides=[
+                        aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateOverrideArgs(instance_type=t)
+                        for t in config.instance_types
+                    ],
+                ),
+            ),
+            initial_lifecycle_hooks=[
+                aws.autoscaling.GroupInitialLifecycleHookArgs(
+                    name=LIFECYCLE_HOOK_NAME,
+                    lifecycle_transition="autoscaling:EC2_INSTANCE_TERMINATING",
+                    heartbeat_timeout=LIFECYCLE_HEARTBEAT_SECONDS,
+                    default_result="CONTINUE",
+                )
+            ],
+            health_check_type="EC2",
+            health_check_grace_period=300,
+            # Spot capacity may take a while; `pulumi up` must not hang or fail waiting for it.
+            wait_for_capacity_timeout="0",
+            # Destroy must not wait out the drain hook on instances that have nothing left to save.
+            force_delete=True,
+            enabled_metrics=["GroupDesiredCapacity", "GroupInServiceInstances", "GroupTotalInstances"],
+            metrics_granularity="1Minute",
+            tags=[
+                aws.autoscaling.GroupTagArgs(key=key, value=value, propagate_at_launch=True)
+                for key, value in {**args.tags, "Name": config.group_name}.items()
+            ],
+            opts=pulumi.ResourceOptions(
+                parent=self,
+                # The instance sets desired capacity to 0 when the job ends; a later `pulumi up` must not
+                # start it again. Restart a job with `trainstack` (or by setting desired capacity) instead.
+                ignore_changes=["desired_capacity"],
+            ),
+        )
+
+
+def agent_config(config: StackConfig, *, bucket: str, topic_arn: str, log_group: str) -> AgentConfig:
+    """The agent's config for this stack: the one `bootstrap/` definition, filled from the stack's."""
+    return AgentConfig(
+        region=config.region,
+        bucket=bucket,
+        group_name=config.group_name,
+        topic_arn=topic_arn,
+        log_group=log_group,
+        stack=config.stack,
+        gpu_required=True,
+        stall_minutes=float(config.stall_timeout_minutes),
+        max_consecutive_failures=config.max_consecutive_failures,
+        max_cost_usd=config.max_cost_usd,
+        instance_count=config.instance_count,
+        job=config.job,
+    )

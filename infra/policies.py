@@ -1,0 +1,309 @@
+"""IAM, KMS, S3 and SNS policy documents as pure functions of ARNs: data, tested without AWS or mocks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from bootstrap.agent_config import Prefixes
+
+Document = dict[str, Any]
+
+# Actions that accept no resource ARN: AWS requires `"Resource": "*"` for them. Every use below names one
+# of these, and tests/infra/test_policies.py checks that nothing else ever gets `*`.
+RESOURCE_STAR_REQUIRED = frozenset(
+    {
+        "cloudwatch:PutMetricData",  # scoped by the cloudwatch:namespace condition instead
+        "autoscaling:DescribeAutoScalingGroups",
+        "autoscaling:DescribeAutoScalingInstances",
+        "ec2:DescribeSpotPriceHistory",
+    }
+)
+METRIC_NAMESPACE = "trainstack"
+
+# KMS actions a principal needs to use (not manage) the key; listed, never `kms:*` or `kms:Encrypt*`.
+_KEY_USE = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncryptFrom", "kms:ReEncryptTo", "kms:GenerateDataKey",
+            "kms:GenerateDataKeyWithoutPlaintext", "kms:DescribeKey"]  # fmt: skip
+# The account's administrators manage the key through IAM; this list replaces the usual `kms:*` so that
+# no document grants every KMS action (KMS.1/KMS.2, IAM.21). PutKeyPolicy must stay: KMS refuses a key
+# whose policy would lock its creator out. Grants are left to the one service that needs them.
+_KEY_ADMIN = ["kms:DescribeKey", "kms:GetKeyPolicy", "kms:PutKeyPolicy", "kms:ListKeyPolicies",
+              "kms:GetKeyRotationStatus", "kms:EnableKeyRotation", "kms:DisableKeyRotation",
+              "kms:RotateKeyOnDemand", "kms:ListKeyRotations", "kms:ListResourceTags", "kms:TagResource",
+              "kms:UntagResource", "kms:UpdateKeyDescription", "kms:EnableKey", "kms:DisableKey",
+              "kms:ScheduleKeyDeletion", "kms:CancelKeyDeletion", "kms:CreateAlias", "kms:DeleteAlias",
+              "kms:UpdateAlias", "kms:ListGrants"]  # fmt: skip
+
+
+def _doc(*statements: Document) -> Document:
+    return {"Version": "2012-10-17", "Statement": list(statements)}
+
+
+def key_policy(*, partition: str, account_id: str, region: str, log_group_arns_like: str) -> Document:
+    """The CMK's key policy: this account's IAM decides who uses it; AWS services get exactly what they need.
+
+    Services that write to encrypted destinations must be named here or they fail silently: EventBridge,
+    Budgets and CloudWatch alarms publishing to the encrypted topic, CloudWatch Logs writing encrypted log
+    groups, and Auto Scaling's service-linked role launching instances with encrypted root volumes.
+    """
+    root = f"arn:{partition}:iam::{account_id}:root"
+    autoscaling_role = (
+        f"arn:{partition}:iam::{account_id}:role/aws-service-role/autoscaling.amazonaws.com/"
+        "AWSServiceRoleForAutoScaling"
+    )
+    same_account = {"StringEquals": {"aws:SourceAccount": account_id}}
+    return _doc(
+        {
+            "Sid": "AccountAdministersKeyThroughIam",
+            "Effect": "Allow",
+            "Principal": {"AWS": root},
+            "Action": _KEY_ADMIN,
+            "Resource": "*",
+        },
+        {
+            "Sid": "AccountUsesKeyThroughIam",
+            "Effect": "Allow",
+            "Principal": {"AWS": root},
+            "Action": _KEY_USE,
+            "Resource": "*",
+        },
+        {
+            "Sid": "CloudWatchLogsEncryptsThisStacksLogGroups",
+            "Effect": "Allow",
+            "Principal": {"Service": f"logs.{region}.amazonaws.com"},
+            # DescribeKey carries no encryption context, so the condition below would never let it through.
+            "Action": [action for action in _KEY_USE if action != "kms:DescribeKey"],
+            "Resource": "*",
+            # The context holds the log group's ARN as a plain string (IAM types the key as String).
+            "Condition": {"StringLike": {"kms:EncryptionContext:aws:logs:arn": log_group_arns_like}},
+        },
+        {
+            "Sid": "AlertSourcesPublishToTheEncryptedTopic",
+            "Effect": "Allow",
+            "Principal": {
+                "Service": ["events.amazonaws.com", "budgets.amazonaws.com", "cloudwatch.amazonaws.com"]
+            },
+            "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
+            "Resource": "*",
+            "Condition": same_account,
+        },
+        # The service-linked role is named by condition, not as a principal: KMS refuses a policy naming a
+        # role that does not exist yet, and this role appears only when the account's first group is made.
+        {
+            "Sid": "AutoScalingLaunchesEncryptedVolumes",
+            "Effect": "Allow",
+            "Principal": {"AWS": "*"},
+            "Action": _KEY_USE,
+            "Resource": "*",
+            "Condition": {
+                "StringEquals": {"aws:PrincipalAccount": account_id},
+                "ArnEquals": {"aws:PrincipalArn": autoscaling_role},
+            },
+        },
+        {
+            "Sid": "AutoScalingGrantsEbsTheKey",
+            "Effect": "Allow",
+            "Principal": {"AWS": "*"},
+            "Action": "kms:CreateGrant",
+            "Resource": "*",
+            "Condition": {
+                "StringEquals": {"aws:PrincipalAccount": account_id},
+                "ArnEquals": {"aws:PrincipalArn": autoscaling_role},
+                "Bool": {"kms:GrantIsForAWSResource": "true"},
+            },
+        },
+    )
+
+
+def bucket_policy(*, bucket_arn: str, key_arn: str) -> Document:
+    """TLS only (S3.5), and no upload encrypted any other way than SSE-KMS with this stack's key (S3.17).
+
+    Uploads that send no encryption header get the bucket default (this key), so clients need not know it.
+    """
+    objects = f"{bucket_arn}/*"
+    return _doc(
+        {
+            "Sid": "DenyInsecureTransport",
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": "s3:*",
+            "Resource": [bucket_arn, objects],
+            "Condition": {"Bool": {"aws:SecureTransport": "false"}},
+        },
+        {
+            "Sid": "DenyOtherEncryptionThanKms",
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": "s3:PutObject",
+            "Resource": objects,
+            "Condition": {
+                "StringNotEquals": {"s3:x-amz-server-side-encryption": "aws:kms"},
+                "Null": {"s3:x-amz-server-side-encryption": "false"},
+            },
+        },
+        {
+            "Sid": "DenyOtherKmsKeys",
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": "s3:PutObject",
+            "Resource": objects,
+            "Condition": {
+                "ArnNotEquals": {"s3:x-amz-server-side-encryption-aws-kms-key-id": key_arn},
+                "Null": {"s3:x-amz-server-side-encryption-aws-kms-key-id": "false"},
+            },
+        },
+    )
+
+
+def topic_policy(*, topic_arn: str, account_id: str, partition: str, region: str) -> Document:
+    """Who may publish to the alert topic: this account's EventBridge rules, budgets and alarms only.
+
+    The account's own principals need no statement here: in one account, their IAM policies suffice.
+    """
+    return _doc(
+        {
+            "Sid": "EventBridgeRulesPublish",
+            "Effect": "Allow",
+            "Principal": {"Service": "events.amazonaws.com"},
+            "Action": "sns:Publish",
+            "Resource": topic_arn,
+            "Condition": {
+                "StringEquals": {"aws:SourceAccount": account_id},
+                "ArnLike": {"aws:SourceArn": f"arn:{partition}:events:{region}:{account_id}:rule/*"},
+            },
+        },
+        {
+            "Sid": "BudgetsPublish",
+            "Effect": "Allow",
+            "Principal": {"Service": "budgets.amazonaws.com"},
+            "Action": "sns:Publish",
+            "Resource": topic_arn,
+            "Condition": {
+                "StringEquals": {"aws:SourceAccount": account_id},
+                "ArnLike": {"aws:SourceArn": f"arn:{partition}:budgets::{account_id}:*"},
+            },
+        },
+        {
+            "Sid": "CloudWatchAlarmsPublish",
+            "Effect": "Allow",
+            "Principal": {"Service": "cloudwatch.amazonaws.com"},
+            "Action": "sns:Publish",
+            "Resource": topic_arn,
+            "Condition": {
+                "StringEquals": {"aws:SourceAccount": account_id},
+                "ArnLike": {"aws:SourceArn": f"arn:{partition}:cloudwatch:{region}:{account_id}:alarm:*"},
+            },
+        },
+    )
+
+
+def instance_policy(
+    *,
+    bucket_arn: str,
+    key_arn: str,
+    topic_arn: str,
+    log_group_arn: str,
+    group_arn_pattern: str,
+    prefixes: Prefixes | None = None,
+) -> Document:
+    """What an instance may do: this bucket's prefixes, this key, this topic, this log group, this group."""
+    prefixes = prefixes or Prefixes()
+    read_prefixes = [prefixes.data, prefixes.code]
+    write_prefixes = [prefixes.checkpoints, prefixes.results, prefixes.state]
+    return _doc(
+        {
+            "Sid": "ListOwnPrefixes",
+            "Effect": "Allow",
+            "Action": "s3:ListBucket",
+            "Resource": bucket_arn,
+            "Condition": {"StringLike": {"s3:prefix": [f"{p}*" for p in read_prefixes + write_prefixes]}},
+        },
+        {
+            "Sid": "ReadDataAndCode",
+            "Effect": "Allow",
+            "Action": "s3:GetObject",
+            "Resource": [f"{bucket_arn}/{p}*" for p in read_prefixes],
+        },
+        {
+            "Sid": "ReadWriteCheckpointsResultsState",
+            "Effect": "Allow",
+            "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+            "Resource": [f"{bucket_arn}/{p}*" for p in write_prefixes],
+        },
+        {
+            "Sid": "UseStackKey",
+            "Effect": "Allow",
+            "Action": ["kms:Decrypt", "kms:GenerateDataKey", "kms:DescribeKey"],
+            "Resource": key_arn,
+        },
+        {
+            "Sid": "PublishAlerts",
+            "Effect": "Allow",
+            "Action": "sns:Publish",
+            "Resource": topic_arn,
+        },
+        {
+            "Sid": "WriteLogs",
+            "Effect": "Allow",
+            "Action": ["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
+            "Resource": [log_group_arn, f"{log_group_arn}:log-stream:*"],
+        },
+        {
+            "Sid": "PublishGpuMetrics",
+            "Effect": "Allow",
+            "Action": "cloudwatch:PutMetricData",
+            "Resource": "*",
+            "Condition": {"StringEquals": {"cloudwatch:namespace": METRIC_NAMESPACE}},
+        },
+        {
+            "Sid": "ScaleOwnGroup",
+            "Effect": "Allow",
+            "Action": [
+                "autoscaling:SetDesiredCapacity",
+                "autoscaling:CompleteLifecycleAction",
+                "autoscaling:RecordLifecycleActionHeartbeat",
+                "autoscaling:SetInstanceHealth",
+                "autoscaling:TerminateInstanceInAutoScalingGroup",
+            ],
+            "Resource": group_arn_pattern,
+        },
+        {
+            "Sid": "DescribeGroupsAndSpotPrices",
+            "Effect": "Allow",
+            "Action": sorted(RESOURCE_STAR_REQUIRED - {"cloudwatch:PutMetricData"}),
+            "Resource": "*",
+        },
+    )
+
+
+def flow_logs_policy(*, log_group_arn: str) -> Document:
+    """What the VPC flow-logs service may do: write to its own log group only."""
+    return _doc(
+        {
+            "Sid": "WriteFlowLogs",
+            "Effect": "Allow",
+            "Action": ["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
+            "Resource": [log_group_arn, f"{log_group_arn}:log-stream:*"],
+        }
+    )
+
+
+def assume_role_policy(service: str, *, account_id: str | None = None) -> Document:
+    """Trust policy letting one AWS service assume a role (optionally only on behalf of this account)."""
+    statement: Document = {
+        "Effect": "Allow",
+        "Principal": {"Service": service},
+        "Action": "sts:AssumeRole",
+    }
+    if account_id:
+        statement["Condition"] = {"StringEquals": {"aws:SourceAccount": account_id}}
+    return _doc(statement)
+
+
+def actions_of(document: Document) -> Sequence[str]:
+    """Every action a document names (for tests and the policy pack)."""
+    found: list[str] = []
+    for statement in document["Statement"]:
+        action = statement.get("Action", [])
+        found.extend([action] if isinstance(action, str) else action)
+    return found

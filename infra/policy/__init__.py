@@ -1,0 +1,1 @@
+"""trainstack's security baseline as a Pulumi policy pack that reads any Pulumi AWS stack."""

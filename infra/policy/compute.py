@@ -1,0 +1,163 @@
+"""Checks on what launches instances: launch templates, instances, volumes and Auto Scaling groups."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from . import resource_types as t
+from .properties import Unknown, as_bool, as_int, get, is_set, is_unknown, items
+from .user_data import decode, find_secrets
+
+
+def imdsv2_required(resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]) -> Iterator[str]:
+    """EC2.8 / EC2.170 / AutoScaling.3: a token-less IMDSv1 call lets any SSRF read the role's credentials."""
+    if _inherits_from_launch_template(resource_type, props):
+        return
+    endpoint = get(props, "metadataOptions", "httpEndpoint")
+    tokens = get(props, "metadataOptions", "httpTokens")
+    if endpoint == "disabled" or is_unknown(tokens) or is_unknown(endpoint):
+        return
+    if tokens != "required":
+        yield 'set metadataOptions.httpTokens = "required" (IMDSv2 only)'
+
+
+def imds_hop_limit_one(
+    resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
+) -> Iterator[str]:
+    """AutoScaling.4: with a hop limit above 1, containers on the instance can reach IMDS too."""
+    if _inherits_from_launch_template(resource_type, props):
+        return
+    if get(props, "metadataOptions", "httpEndpoint") == "disabled":
+        return
+    raw = get(props, "metadataOptions", "httpPutResponseHopLimit")
+    if is_unknown(raw):
+        return
+    hops = as_int(raw)
+    if hops is None or hops > 1:
+        yield f"set metadataOptions.httpPutResponseHopLimit = 1 (it is {raw if raw is not None else 'unset'})"
+
+
+def ebs_encrypted_with_cmk(
+    resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
+) -> Iterator[str]:
+    """EC2.181 / EC2.3: every EBS volume encrypted, with a customer managed KMS key."""
+    if resource_type == t.EBS_VOLUME:
+        yield from _volume_problems("the volume", props)
+    elif resource_type == t.INSTANCE:
+        yield from _instance_volume_problems(props)
+    elif resource_type == t.LAUNCH_TEMPLATE:
+        yield from _launch_template_volume_problems(props)
+    elif resource_type == t.LAUNCH_CONFIGURATION:
+        for where in ("rootBlockDevice", "ebsBlockDevices"):
+            for index, device in enumerate(_known(items(props, where))):
+                if as_bool(get(device, "encrypted")) is False or get(device, "encrypted") is None:
+                    yield f"set {where}[{index}].encrypted = true (better: a launch template with a KMS key)"
+
+
+def _launch_template_volume_problems(props: Mapping[str, Any]) -> Iterator[str]:
+    mappings = items(props, "blockDeviceMappings")
+    if isinstance(mappings, Unknown):
+        return
+    ebs_mappings = [m for m in _known(mappings) if get(m, "ebs") is not None]
+    if not ebs_mappings:
+        yield (
+            'add blockDeviceMappings for the root volume with ebs.encrypted = "true" and ebs.kmsKeyId '
+            "(without one the AMI's unencrypted default applies)"
+        )
+    for mapping in ebs_mappings:
+        device = get(mapping, "deviceName") or "?"
+        # pulumi-aws types launch-template ebs.encrypted as a string: "true"/"false".
+        yield from _volume_problems(f"blockDeviceMappings[{device}].ebs", get(mapping, "ebs"))
+
+
+def _instance_volume_problems(props: Mapping[str, Any]) -> Iterator[str]:
+    root = get(props, "rootBlockDevice")
+    if root is None and get(props, "launchTemplate") is None:
+        yield "set rootBlockDevice with encrypted = true and kmsKeyId (the AMI's default may be unencrypted)"
+    elif root is not None:
+        yield from _volume_problems("rootBlockDevice", root)
+    for index, device in enumerate(_known(items(props, "ebsBlockDevices"))):
+        yield from _volume_problems(f"ebsBlockDevices[{index}]", device)
+
+
+def _volume_problems(where: str, volume: Any) -> Iterator[str]:
+    if is_unknown(volume):
+        return
+    encrypted = get(volume, "encrypted")
+    if not is_unknown(encrypted) and as_bool(encrypted) is not True:
+        yield f"set {where}.encrypted = true"
+    elif not is_set(get(volume, "kmsKeyId")):
+        yield f"set {where}.kmsKeyId to a customer managed KMS key (not the AWS managed aws/ebs key)"
+
+
+def group_spans_zones_and_types(
+    resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
+) -> Iterator[str]:
+    """AutoScaling.2 / AutoScaling.6: spot capacity comes back fastest from several AZs and types."""
+    zones = items(props, "availabilityZones")
+    subnets = items(props, "vpcZoneIdentifiers")
+    if (
+        not isinstance(zones, Unknown)
+        and not isinstance(subnets, Unknown)
+        and max(len(zones), len(subnets)) < 2
+    ):
+        yield "give vpcZoneIdentifiers subnets in two or more Availability Zones"
+    overrides = items(props, "mixedInstancesPolicy", "launchTemplate", "overrides")
+    if isinstance(overrides, Unknown) or any(is_unknown(o) for o in overrides):
+        return
+    if any(get(o, "instanceRequirements") is not None for o in overrides):
+        return  # attribute-based selection always spans several instance types
+    types = {get(o, "instanceType") for o in overrides if get(o, "instanceType") is not None}
+    if any(is_unknown(value) for value in types):
+        return
+    if len(types) < 2:
+        yield "use mixedInstancesPolicy.launchTemplate.overrides with two or more instance types"
+
+
+def group_uses_launch_template(
+    resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
+) -> Iterator[str]:
+    """AutoScaling.9: launch configurations are deprecated and lack IMDSv2 and mixed-instance features."""
+    if resource_type == t.LAUNCH_CONFIGURATION:
+        yield "replace the launch configuration with an aws.ec2.LaunchTemplate"
+        return
+    if is_set(get(props, "launchConfiguration")):
+        yield "replace launchConfiguration with launchTemplate or mixedInstancesPolicy.launchTemplate"
+        return
+    direct = get(props, "launchTemplate")
+    mixed = get(props, "mixedInstancesPolicy", "launchTemplate", "launchTemplateSpecification")
+    if not is_set(direct) and not is_set(mixed):
+        yield "set launchTemplate or mixedInstancesPolicy.launchTemplate.launchTemplateSpecification"
+
+
+def no_secrets_in_user_data(
+    resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
+) -> Iterator[str]:
+    """CKV_AWS_46: user data is readable by every process on the instance and via the EC2 API."""
+    # Launch templates take user data base64-encoded; instances and launch configurations take either.
+    sources = [("userData", resource_type == t.LAUNCH_TEMPLATE), ("userDataBase64", True)]
+    for prop, encoded in sources:
+        value = get(props, prop)
+        if not isinstance(value, str) or is_unknown(value):
+            continue
+        # Scanned as written and decoded, so a wrongly (un)encoded value is still read.
+        text = f"{value}\n{decode(value, base64_encoded=encoded)}"
+        for kind in find_secrets(text):
+            yield f"{prop} contains {kind}: read it at boot from SSM Parameter Store or Secrets Manager"
+
+
+def _inherits_from_launch_template(resource_type: str, props: Mapping[str, Any]) -> bool:
+    """An instance launched from a template without its own metadata options gets the template's,
+    which this same policy checks on the template."""
+    return (
+        resource_type == t.INSTANCE
+        and get(props, "launchTemplate") is not None
+        and get(props, "metadataOptions") is None
+    )
+
+
+def _known(values: list[Any] | Unknown) -> list[Any]:
+    if isinstance(values, Unknown):
+        return []
+    return [value for value in values if not is_unknown(value)]

@@ -1,0 +1,110 @@
+"""Policy documents (IAM, bucket, key policies) read as statements, whatever shape they were written in."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+from pulumi_policy.proxy import UnknownValueError
+
+from .properties import get, is_unknown
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One statement, with the single-or-list fields normalised to tuples."""
+
+    effect: str
+    actions: tuple[str, ...]
+    not_actions: tuple[str, ...]
+    resources: tuple[str, ...]
+    principals: tuple[str, ...]
+    conditions: Mapping[str, Mapping[str, tuple[str, ...]]]
+
+    def allows(self) -> bool:
+        return self.effect.lower() == "allow"
+
+    def denies(self) -> bool:
+        return self.effect.lower() == "deny"
+
+    def covers_action(self, action: str) -> bool:
+        """True if this statement's Action (or NotAction) applies to `action`, e.g. "kms:Decrypt"."""
+        if self.not_actions:
+            return not any(_action_matches(pattern, action) for pattern in self.not_actions)
+        return any(_action_matches(pattern, action) for pattern in self.actions)
+
+
+class UnreadableDocumentError(ValueError):
+    """The document is not JSON policy grammar; the message says what was wrong."""
+
+
+def statements(document: Any) -> list[Statement] | None:
+    """The statements of a policy document given as JSON text or an object; None when unknown at preview."""
+    if document is None:
+        return []
+    if is_unknown(document):
+        return None
+    if isinstance(document, str):
+        try:
+            parsed = json.loads(document)
+        except json.JSONDecodeError as error:
+            raise UnreadableDocumentError(f"the policy document is not valid JSON ({error.msg})") from error
+        document = parsed
+    if not isinstance(document, Mapping):
+        raise UnreadableDocumentError("the policy document is not a JSON object")
+    raw = get(document, "Statement")
+    if is_unknown(raw):
+        return None
+    if raw is None:
+        return []
+    raw_list = [raw] if isinstance(raw, Mapping) else [get(raw, i) for i in range(len(raw))]
+    if any(is_unknown(item) for item in raw_list):
+        return None
+    try:
+        return [_statement(item) for item in raw_list]
+    except UnknownValueError:
+        return None  # a document given as an object, with a value only `up` will know
+
+
+def _statement(raw: Mapping[str, Any]) -> Statement:
+    conditions: dict[str, dict[str, tuple[str, ...]]] = {}
+    for operator, block in dict(get(raw, "Condition") or {}).items():
+        if isinstance(block, Mapping):
+            conditions[operator] = {key: _strings(value) for key, value in block.items()}
+    return Statement(
+        effect=str(get(raw, "Effect") or ""),
+        actions=_strings(get(raw, "Action")),
+        not_actions=_strings(get(raw, "NotAction")),
+        resources=_strings(get(raw, "Resource")),
+        principals=_principals(get(raw, "Principal")),
+        conditions=conditions,
+    )
+
+
+def _principals(raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if isinstance(raw, Mapping):
+        return tuple(value for values in raw.values() for value in _strings(values))
+    return _strings(raw)
+
+
+def _strings(raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if isinstance(raw, str | bool | int):
+        return (str(raw).lower() if isinstance(raw, bool) else str(raw),)
+    return tuple(str(item).lower() if isinstance(item, bool) else str(item) for item in raw)
+
+
+def _action_matches(pattern: str, action: str) -> bool:
+    # IAM action names are case-insensitive and support * and ? wildcards.
+    return fnmatchcase(action.lower(), pattern.lower())
+
+
+def is_wildcard_action(action: str) -> bool:
+    """`*` or `service:*` (IAM.1/IAM.21); a narrower pattern like `s3:Get*` is allowed."""
+    return action.strip() == "*" or action.strip().endswith(":*")

@@ -1,0 +1,49 @@
+"""The pulumi-aws v7 type tokens the rules read (checked against the installed pulumi_aws package)."""
+
+from __future__ import annotations
+
+LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
+LAUNCH_CONFIGURATION = "aws:ec2/launchConfiguration:LaunchConfiguration"
+INSTANCE = "aws:ec2/instance:Instance"
+EBS_VOLUME = "aws:ebs/volume:Volume"
+AUTOSCALING_GROUP = "aws:autoscaling/group:Group"
+
+VPC = "aws:ec2/vpc:Vpc"
+NAT_GATEWAY = "aws:ec2/natGateway:NatGateway"
+FLOW_LOG = "aws:ec2/flowLog:FlowLog"
+SECURITY_GROUP = "aws:ec2/securityGroup:SecurityGroup"
+SECURITY_GROUP_RULE = "aws:ec2/securityGroupRule:SecurityGroupRule"
+SECURITY_GROUP_INGRESS_RULE = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
+DEFAULT_SECURITY_GROUP = "aws:ec2/defaultSecurityGroup:DefaultSecurityGroup"
+
+# pulumi-aws v7 renamed the *V2 S3 resources; the old tokens remain as deprecated aliases.
+BUCKETS = ("aws:s3/bucket:Bucket", "aws:s3/bucketV2:BucketV2")
+BUCKET_POLICY = "aws:s3/bucketPolicy:BucketPolicy"
+BUCKET_PUBLIC_ACCESS_BLOCK = "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock"
+ACCOUNT_PUBLIC_ACCESS_BLOCK = "aws:s3/accountPublicAccessBlock:AccountPublicAccessBlock"
+BUCKET_VERSIONINGS = (
+    "aws:s3/bucketVersioning:BucketVersioning",
+    "aws:s3/bucketVersioningV2:BucketVersioningV2",
+)
+BUCKET_ENCRYPTIONS = (
+    "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
+    "aws:s3/bucketServerSideEncryptionConfigurationV2:BucketServerSideEncryptionConfigurationV2",
+)
+BUCKET_LIFECYCLES = (
+    "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration",
+    "aws:s3/bucketLifecycleConfigurationV2:BucketLifecycleConfigurationV2",
+)
+BUCKET_ACLS = ("aws:s3/bucketAcl:BucketAcl", "aws:s3/bucketAclV2:BucketAclV2")
+BUCKET_OWNERSHIP_CONTROLS = "aws:s3/bucketOwnershipControls:BucketOwnershipControls"
+
+KMS_KEY = "aws:kms/key:Key"
+IAM_POLICY = "aws:iam/policy:Policy"
+IAM_ROLE = "aws:iam/role:Role"
+IAM_INLINE_POLICIES = (
+    "aws:iam/rolePolicy:RolePolicy",
+    "aws:iam/userPolicy:UserPolicy",
+    "aws:iam/groupPolicy:GroupPolicy",
+)
+
+SNS_TOPIC = "aws:sns/topic:Topic"
+LOG_GROUP = "aws:cloudwatch/logGroup:LogGroup"

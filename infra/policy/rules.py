@@ -1,0 +1,221 @@
+"""The policies: one per control of DESIGN.md's security baseline, all mandatory."""
+
+from __future__ import annotations
+
+from pulumi_policy import Policy, PolicyConfigSchema, ResourceValidationPolicy, Severity
+
+from . import compute, identity, network, observability, storage
+from . import resource_types as t
+from .control import resource_policy, stack_policy
+
+_LAUNCHERS = (t.LAUNCH_TEMPLATE, t.INSTANCE, t.LAUNCH_CONFIGURATION)
+_IAM_DOCUMENTS = (t.IAM_POLICY, t.IAM_ROLE, *t.IAM_INLINE_POLICIES)
+
+
+def _with_config(policy: ResourceValidationPolicy, schema: PolicyConfigSchema) -> ResourceValidationPolicy:
+    policy.config_schema = schema
+    return policy
+
+
+POLICIES: list[Policy] = [
+    resource_policy(
+        "imdsv2-required",
+        ["EC2.8", "EC2.170", "AutoScaling.3"],
+        "Instances, launch templates and launch configurations require IMDSv2 session tokens.",
+        _LAUNCHERS,
+        compute.imdsv2_required,
+        Severity.HIGH,
+        'metadata_options={"http_tokens": "required", ...}',
+    ),
+    resource_policy(
+        "imds-hop-limit-one",
+        ["AutoScaling.4"],
+        "The instance metadata response hop limit is 1, so containers cannot reach the role's credentials.",
+        _LAUNCHERS,
+        compute.imds_hop_limit_one,
+        Severity.MEDIUM,
+        'metadata_options={"http_put_response_hop_limit": 1, ...}',
+    ),
+    resource_policy(
+        "ebs-encrypted-with-cmk",
+        ["EC2.181", "EC2.3"],
+        "Every EBS volume (launch template mappings, instance devices, volumes) is encrypted with a KMS CMK.",
+        (*_LAUNCHERS, t.EBS_VOLUME),
+        compute.ebs_encrypted_with_cmk,
+        Severity.HIGH,
+        'block_device_mappings=[{"ebs": {"encrypted": "true", "kms_key_id": key.arn, ...}}]',
+    ),
+    stack_policy(
+        "no-public-ip-with-private-networking",
+        ["EC2.9", "EC2.25"],
+        "With egress through a NAT gateway, no instance or launch template assigns a public IPv4 address.",
+        network.no_public_ip_with_private_networking,
+        Severity.HIGH,
+        'network_interfaces=[{"associate_public_ip_address": "false", ...}]',
+    ),
+    resource_policy(
+        "group-spans-zones-and-types",
+        ["AutoScaling.2", "AutoScaling.6"],
+        "Auto Scaling groups span two or more Availability Zones and two or more instance types.",
+        [t.AUTOSCALING_GROUP],
+        compute.group_spans_zones_and_types,
+        Severity.MEDIUM,
+        "vpc_zone_identifiers in >= 2 AZs; mixed_instances_policy with >= 2 instance type overrides",
+    ),
+    resource_policy(
+        "group-uses-launch-template",
+        ["AutoScaling.9"],
+        "Auto Scaling groups launch from launch templates, never from (deprecated) launch configurations.",
+        [t.AUTOSCALING_GROUP, t.LAUNCH_CONFIGURATION],
+        compute.group_uses_launch_template,
+        Severity.MEDIUM,
+        "launch_template=... or mixed_instances_policy.launch_template.launch_template_specification=...",
+    ),
+    stack_policy(
+        "default-security-group-closed",
+        ["EC2.2"],
+        "Each VPC's default security group is managed by the stack and allows no traffic in or out.",
+        network.default_security_group_closed,
+        Severity.HIGH,
+        "aws.ec2.DefaultSecurityGroup(vpc_id=vpc.id) with no ingress and no egress",
+    ),
+    stack_policy(
+        "vpc-flow-logs-enabled",
+        ["EC2.6"],
+        "Every VPC has a flow log recording at least rejected traffic.",
+        network.vpc_flow_logs_enabled,
+        Severity.MEDIUM,
+        'aws.ec2.FlowLog(vpc_id=vpc.id, traffic_type="ALL", ...)',
+    ),
+    _with_config(
+        resource_policy(
+            "no-unrestricted-ingress",
+            ["EC2.18", "EC2.19", "CIS 5.2", "CIS 5.3"],
+            "No security group admits traffic from 0.0.0.0/0 or ::/0 (SSM Session Manager replaces SSH).",
+            [t.SECURITY_GROUP, t.SECURITY_GROUP_RULE, t.SECURITY_GROUP_INGRESS_RULE],
+            network.no_unrestricted_ingress,
+            Severity.CRITICAL,
+            "ingress only from explicit CIDRs or security groups; reach instances with SSM Session Manager",
+        ),
+        PolicyConfigSchema(
+            properties={
+                "authorizedPublicPorts": {
+                    "type": "array",
+                    "items": {"type": "integer", "minimum": 0, "maximum": 65535},
+                    "default": [],
+                }
+            }
+        ),
+    ),
+    stack_policy(
+        "s3-public-access-blocked",
+        ["S3.1", "S3.8"],
+        "Every bucket has a public access block with all four settings on.",
+        storage.public_access_blocked,
+        Severity.CRITICAL,
+        "aws.s3.BucketPublicAccessBlock(bucket=b.id, block_public_acls=True, block_public_policy=True, "
+        "ignore_public_acls=True, restrict_public_buckets=True)",
+    ),
+    stack_policy(
+        "s3-tls-only",
+        ["S3.5"],
+        "Every bucket policy denies requests that do not use TLS (aws:SecureTransport = false).",
+        storage.tls_only,
+        Severity.HIGH,
+        'a bucket policy statement: Deny, Principal "*", Action "s3:*", '
+        'Condition {"Bool": {"aws:SecureTransport": "false"}}',
+    ),
+    stack_policy(
+        "s3-sse-kms",
+        ["S3.17"],
+        "Every bucket encrypts by default with SSE-KMS under a customer managed key.",
+        storage.sse_kms,
+        Severity.HIGH,
+        "aws.s3.BucketServerSideEncryptionConfiguration with sse_algorithm aws:kms and kms_master_key_id",
+    ),
+    stack_policy(
+        "s3-versioning-enabled",
+        ["S3.14"],
+        "Every bucket has versioning enabled.",
+        storage.versioning_enabled,
+        Severity.MEDIUM,
+        'aws.s3.BucketVersioning(bucket=b.id, versioning_configuration={"status": "Enabled"})',
+    ),
+    stack_policy(
+        "s3-lifecycle-configured",
+        ["S3.13", "S3.10"],
+        "Every bucket has a lifecycle configuration; versioned buckets expire noncurrent versions.",
+        storage.lifecycle_configured,
+        Severity.LOW,
+        "aws.s3.BucketLifecycleConfiguration with abort_incomplete_multipart_upload and "
+        "noncurrent_version_expiration",
+    ),
+    resource_policy(
+        "s3-no-acls",
+        ["S3.12"],
+        "Buckets grant access through policies only: no ACLs, object ownership BucketOwnerEnforced.",
+        (*t.BUCKET_ACLS, *t.BUCKETS, t.BUCKET_OWNERSHIP_CONTROLS),
+        storage.no_acls,
+        Severity.MEDIUM,
+        "drop aws.s3.BucketAcl; BucketOwnershipControls rule object_ownership BucketOwnerEnforced",
+    ),
+    resource_policy(
+        "kms-key-rotation-enabled",
+        ["KMS.4"],
+        "Symmetric customer managed KMS keys have automatic rotation enabled.",
+        [t.KMS_KEY],
+        storage.key_rotation_enabled,
+        Severity.MEDIUM,
+        "aws.kms.Key(enable_key_rotation=True, ...)",
+    ),
+    resource_policy(
+        "kms-no-decrypt-on-all-keys",
+        ["KMS.1", "KMS.2"],
+        "IAM policies (managed and inline) do not allow kms:Decrypt or kms:ReEncryptFrom on all KMS keys.",
+        _IAM_DOCUMENTS,
+        identity.no_decrypt_on_all_keys,
+        Severity.HIGH,
+        'Resource: [key.arn] in every statement that allows "kms:Decrypt"',
+    ),
+    resource_policy(
+        "iam-no-wildcard-actions",
+        ["IAM.1", "IAM.21"],
+        "IAM policies (managed and inline) allow named actions only: no *, service:* or Allow+NotAction.",
+        _IAM_DOCUMENTS,
+        identity.no_wildcard_actions,
+        Severity.HIGH,
+        'Action: ["s3:GetObject", ...] instead of "s3:*"',
+    ),
+    resource_policy(
+        "sns-topic-encrypted",
+        ["SNS.1"],
+        "SNS topics are encrypted at rest with a customer managed KMS key.",
+        [t.SNS_TOPIC],
+        observability.topic_encrypted,
+        Severity.MEDIUM,
+        "aws.sns.Topic(kms_master_key_id=key.id, ...)",
+    ),
+    _with_config(
+        resource_policy(
+            "log-group-retained-and-encrypted",
+            ["CloudWatch.16"],
+            "CloudWatch log groups have a retention period and are encrypted with a customer managed key.",
+            [t.LOG_GROUP],
+            observability.log_group_retained_and_encrypted,
+            Severity.LOW,
+            "aws.cloudwatch.LogGroup(retention_in_days=30, kms_key_id=key.arn, ...)",
+        ),
+        PolicyConfigSchema(
+            properties={"minimumRetentionDays": {"type": "integer", "minimum": 1, "default": 1}}
+        ),
+    ),
+    resource_policy(
+        "no-secrets-in-user-data",
+        ["CKV_AWS_46"],
+        "EC2 user data holds no credentials (keys, passwords, tokens): it is readable from the instance.",
+        _LAUNCHERS,
+        compute.no_secrets_in_user_data,
+        Severity.CRITICAL,
+        "fetch secrets at boot from SSM Parameter Store or Secrets Manager with the instance role",
+    ),
+]

@@ -1,0 +1,281 @@
+"""Whole instance lives against moto and the IMDS simulator, with a test-double trainer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bootstrap.lifecycle import InstanceLife, LifeResult
+from demo.imds import ImdsSimulator
+from demo.stack import LocalStack
+
+MakeLife = Callable[..., InstanceLife]
+
+
+def start(life: InstanceLife) -> Future[LifeResult]:
+    return ThreadPoolExecutor(max_workers=1).submit(life.run)
+
+
+def wait_for_step(life: InstanceLife, step: int, timeout: float = 60) -> None:
+    progress = Path(str(life.config.scratch_dir)) / "output" / "progress.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(progress.read_text())["step"] >= step:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"trainer never reached step {step}")
+
+
+def test_completion_scales_the_group_to_zero_and_sends_a_summary(
+    make_life: MakeLife, stack: LocalStack
+) -> None:
+    result = make_life(fake={"steps": 12}).run()
+    assert (result.outcome, result.exit_code) == ("completed", 0)
+    assert stack.group()["DesiredCapacity"] == 0
+    (alert,) = stack.alerts()
+    assert "training completed" in alert["Subject"]
+    assert "val_accuracy: 0.5" in alert["Message"] and "estimated cost" in alert["Message"]
+    ledger = stack.read_json("state/ledger.json")
+    assert ledger is not None and ledger["status"] == "completed"
+    assert stack.read_json("state/progress.json")["step"] == 12  # type: ignore[index]
+
+
+def test_spot_interruption_exits_with_a_confirmed_checkpoint_and_the_replacement_resumes_at_that_step(
+    make_life: MakeLife, stack: LocalStack, imds: ImdsSimulator
+) -> None:
+    fake = {"steps": 400, "step_seconds": 0.02, "checkpoint_every": 1000}
+    first = make_life(fake=fake)
+    running = start(first)
+    wait_for_step(first, 15)
+    imds.inject_spot_notice()
+    assert running.result(timeout=60).outcome == "preempted"
+    latest = stack.read_json("checkpoints/latest.json")
+    assert latest is not None and latest["step"] >= 15
+    reached = json.loads((Path(str(first.config.scratch_dir)) / "output/progress.json").read_text())["step"]
+    assert latest["step"] == reached, "steps were lost between the last progress and the confirmed checkpoint"
+    assert stack.group()["DesiredCapacity"] == 1, "a preempted life must leave the group to replace it"
+
+    imds.clear_events()
+    second = make_life(fake={**fake, "steps": latest["step"] + 5})
+    lines: list[str] = []
+    second.log.add_sink(lines.append)
+    assert second.run().outcome == "completed"
+    trainer_tail = " ".join(second.ledger.lives and [])  # the resume line comes from the trainer output
+    del trainer_tail
+    ledger = stack.read_json("state/ledger.json")
+    assert ledger is not None and ledger["interruptions"] == 1
+    assert [life["outcome"] for life in ledger["lives"]] == ["preempted", "completed"]
+
+
+def test_rebalance_recommendation_takes_an_early_checkpoint_without_stopping(
+    make_life: MakeLife, stack: LocalStack, imds: ImdsSimulator
+) -> None:
+    life = make_life(fake={"steps": 150, "step_seconds": 0.02, "checkpoint_every": 1000})
+    running = start(life)
+    wait_for_step(life, 10)
+    imds.inject_rebalance()
+    deadline = time.monotonic() + 30
+    while stack.read_json("checkpoints/latest.json") is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    early = stack.read_json("checkpoints/latest.json")
+    assert early is not None and early["step"] < 150
+    assert running.result(timeout=60).outcome == "completed"
+
+
+def test_crash_loop_stops_after_max_consecutive_failures_and_scales_to_zero(
+    make_life: MakeLife, stack: LocalStack
+) -> None:
+    outcomes = [make_life(fake={"crash_at_step": 2}, max_consecutive_failures=3).run() for _ in range(3)]
+    assert [r.exit_code for r in outcomes] == [1, 1, 0], "systemd restarts failed lives until the guard trips"
+    assert outcomes[-1].outcome == "gave_up"
+    assert stack.group()["DesiredCapacity"] == 0
+    (alert,) = stack.alerts()
+    assert "failed 3 times in a row" in alert["Subject"]
+    assert "simulated trainer crash" in alert["Message"], "the alert carries the trainer's last log lines"
+    ledger = stack.read_json("state/ledger.json")
+    assert ledger is not None and ledger["status"] == "failed" and ledger["consecutive_failures"] == 3
+
+
+def test_imds_outage_keeps_training_and_the_watcher_retries(
+    make_life: MakeLife, stack: LocalStack, imds: ImdsSimulator
+) -> None:
+    life = make_life(fake={"steps": 120, "step_seconds": 0.03})
+    lines: list[str] = []
+    life.log.add_sink(lines.append)
+    running = start(life)
+    wait_for_step(life, 5)
+    imds.go_down("refuse")
+    time.sleep(1.5)
+    imds.come_back()
+    imds.inject_spot_notice()
+    assert running.result(timeout=60).outcome == "preempted", "the watcher saw the notice after the outage"
+    messages = [json.loads(line)["message"] for line in lines]
+    assert "IMDS unreachable; training continues, retrying" in messages
+    assert "IMDS reachable again" in messages
+
+
+def test_stop_request_from_the_cli_checkpoints_and_scales_to_zero(
+    make_life: MakeLife, stack: LocalStack
+) -> None:
+    life = make_life(fake={"steps": 2000, "step_seconds": 0.02, "checkpoint_every": 1000})
+    running = start(life)
+    wait_for_step(life, 5)
+    stack.client("s3").put_object(
+        Bucket=stack.bucket, Key="state/control.json", Body=json.dumps({"action": "stop"}).encode()
+    )
+    assert running.result(timeout=60).outcome == "stopped"
+    assert stack.group()["DesiredCapacity"] == 0
+    assert stack.read_json("checkpoints/latest.json") is not None
+    assert "stopped on request" in stack.alerts()[0]["Subject"]
+
+
+def test_cost_cap_checkpoints_notifies_and_scales_to_zero(make_life: MakeLife, stack: LocalStack) -> None:
+    life = make_life(fake={"steps": 5000, "step_seconds": 0.02, "checkpoint_every": 1000}, max_cost_usd=0.5)
+    # $3600/h is $1/s: the cap is crossed about half a second into the life.
+    life._price_lookup = lambda instance_type, az: 3600.0
+    assert life.run().outcome == "cost_cap"
+    assert stack.group()["DesiredCapacity"] == 0
+    assert stack.read_json("checkpoints/latest.json") is not None, "the cap stops with a checkpoint"
+    ledger = stack.read_json("state/ledger.json")
+    assert ledger is not None and ledger["status"] == "cost_cap" and ledger["total_cost_usd"] >= 0.5
+    assert "cost cap reached" in stack.alerts()[0]["Subject"]
+
+
+def test_stalled_training_is_restarted_once_then_fails(make_life: MakeLife, stack: LocalStack) -> None:
+    life = make_life(fake={"hang_at_step": 3, "steps": 50}, stall_minutes=0.05)  # 3 s without progress
+    lines: list[str] = []
+    life.log.add_sink(lines.append)
+    result = life.run()
+    assert (result.outcome, result.exit_code) == ("stalled", 1)
+    stall_events = [json.loads(line)["message"] for line in lines if json.loads(line)["stage"] == "stall"]
+    assert stall_events == [
+        "no training progress; restarting the trainer once",
+        "training stalled again after a restart; giving up",
+    ]
+
+
+def test_broken_gpu_is_reported_and_the_instance_replaced(make_life: MakeLife, stack: LocalStack) -> None:
+    # No NVIDIA driver on this machine: nvidia-smi fails, the repair finds no driver packages.
+    instance_id = stack.instance_ids()[0]
+    result = make_life(gpu_required=True).run()
+    assert (result.outcome, result.exit_code) == ("replaced", 0)
+    assert instance_id not in stack.instance_ids(), "the unhealthy instance was replaced"
+    assert stack.group()["DesiredCapacity"] == 1
+    assert "GPU broken" in stack.alerts()[0]["Subject"]
+
+
+def test_a_group_already_at_zero_means_nothing_to_do(make_life: MakeLife, stack: LocalStack) -> None:
+    stack.client("autoscaling").set_desired_capacity(AutoScalingGroupName=stack.group_name, DesiredCapacity=0)
+    assert make_life().run().outcome == "skipped"
+    assert stack.read_json("state/ledger.json") is None
+
+
+def test_bad_agent_config_is_a_one_line_error_naming_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "agent.yaml"
+    config.write_text(
+        "region: us-east-1\nbucket: b-ok-name\ngroup_name: g\ntopic_arn: t\nlog_group: l\npoll_seconds: 30\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "bootstrap.agent", "--config", str(config)], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "'poll_seconds'" in result.stderr and str(config) in result.stderr
+
+
+class SlowDownProxy:
+    """HTTP proxy in front of moto answering the first N S3 object reads with 503 SlowDown."""
+
+    def __init__(self, upstream: str, bucket: str, failures: int) -> None:
+        import http.server
+        import urllib.request
+
+        proxy = self
+        self.remaining = failures
+        self.injected = 0
+        self._lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with proxy._lock:
+                    inject = (
+                        self.command == "GET" and self.path.startswith(f"/{bucket}/") and proxy.remaining > 0
+                    )
+                    if inject:
+                        proxy.remaining -= 1
+                        proxy.injected += 1
+                if inject:
+                    payload = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                request = urllib.request.Request(upstream + self.path, data=body or None, method=self.command)
+                for key, value in self.headers.items():
+                    if key.lower() not in ("host", "content-length"):
+                        request.add_header(key, value)
+                try:
+                    response = urllib.request.urlopen(request, timeout=30)
+                except urllib.error.HTTPError as error:
+                    response = error
+                data = response.read()
+                self.send_response(response.status)
+                for key, value in response.headers.items():
+                    if key.lower() not in (
+                        "content-length",
+                        "transfer-encoding",
+                        "connection",
+                        "server",
+                        "date",
+                    ):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_s3_slowdown_is_retried_and_the_life_completes(
+    make_life: MakeLife, stack: LocalStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    life_factory = make_life  # the dataset is uploaded before the proxy goes in
+    proxy = SlowDownProxy(stack_endpoint(monkeypatch), stack.bucket, failures=4)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        result = life_factory(fake={"steps": 5}).run()
+    finally:
+        proxy.close()
+    assert result.outcome == "completed"
+    assert proxy.injected == 4, "every injected SlowDown was answered with a retry"
+
+
+def stack_endpoint(monkeypatch: pytest.MonkeyPatch) -> str:
+    import os
+
+    return os.environ["AWS_ENDPOINT_URL"]

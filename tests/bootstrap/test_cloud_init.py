@@ -1,0 +1,162 @@
+"""The rendered user-data: valid cloud-config, under the limit, secret-free, doing what the instance needs."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bootstrap.agent_config import AgentConfig
+from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES, UserDataError, render_user_data
+
+REPO = Path(__file__).resolve().parents[2]
+SHA = "0f" * 32
+KEY = f"code/{SHA}/bundle.tar.gz"
+SECRET_PATTERNS = [
+    re.compile(r"AKIA[0-9A-Z]{16}"),
+    re.compile(r"ASIA[0-9A-Z]{16}"),
+    re.compile(r"(?i)aws_secret_access_key|aws_session_token|secret_key"),
+    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+    re.compile(r"(?i)password\s*[:=]"),
+]
+
+
+def agent_config(job: dict[str, Any] | None = None) -> AgentConfig:
+    default_job = yaml.safe_load((REPO / "training/configs/default.yaml").read_text())
+    return AgentConfig(
+        region="eu-west-1",
+        bucket="trainstack-dev-data",
+        group_name="trainstack-dev-gpu",
+        topic_arn="arn:aws:sns:eu-west-1:123456789012:trainstack-dev-alerts",
+        log_group="/trainstack/dev",
+        job=default_job if job is None else job,
+    )
+
+
+def rendered() -> str:
+    return render_user_data(agent_config(), bundle_key=KEY, bundle_sha256=SHA)
+
+
+def written_files(text: str) -> dict[str, str]:
+    document = yaml.safe_load(text)
+    return {entry["path"]: entry["content"] for entry in document["write_files"]}
+
+
+def test_user_data_is_a_schema_valid_cloud_config(tmp_path: Path) -> None:
+    if shutil.which("cloud-init") is None:
+        if os.environ.get("TRAINSTACK_REQUIRE_CLOUD_INIT") == "1":
+            pytest.fail(
+                "cloud-init is not installed but TRAINSTACK_REQUIRE_CLOUD_INIT=1 (apt-get install cloud-init)"
+            )
+        pytest.skip(
+            "cloud-init not installed (apt-get install cloud-init); set TRAINSTACK_REQUIRE_CLOUD_INIT=1 in CI"
+        )
+    path = tmp_path / "user-data.yaml"
+    path.write_text(rendered())
+    result = subprocess.run(
+        ["cloud-init", "schema", "-c", str(path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Valid cloud-config" in result.stdout
+
+
+def test_user_data_with_the_default_training_config_fits_in_16_kb() -> None:
+    text = rendered()
+    assert text.startswith("#cloud-config\n")
+    assert len(text.encode()) < USER_DATA_LIMIT_BYTES
+
+
+def test_user_data_holds_no_secrets_even_with_credentials_in_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    credentials = {
+        "AWS_ACCESS_KEY_ID": "AKIAIOSFODNN7EXAMPLE",
+        "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+        "AWS_SESSION_TOKEN": "FwoGZXIvYXdzEXAMPLESESSIONTOKEN",
+    }
+    for name, value in credentials.items():
+        monkeypatch.setenv(name, value)
+    text = rendered()
+    for pattern in SECRET_PATTERNS:
+        assert not pattern.search(text), pattern.pattern
+    for value in credentials.values():
+        assert value not in text
+
+
+def test_user_data_is_deterministic_so_the_launch_template_only_changes_with_its_inputs() -> None:
+    assert rendered() == rendered()
+
+
+def test_user_data_freezes_upgrades_and_holds_driver_and_kernel_before_starting_the_agent() -> None:
+    text = rendered()
+    document = yaml.safe_load(text)
+    assert document["package_upgrade"] is False
+    assert document["runcmd"] == [
+        ["/usr/local/sbin/trainstack-prepare-os"],
+        ["/usr/local/sbin/trainstack-install-agent"],
+    ]
+    files = written_files(text)
+    prepare = files["/usr/local/sbin/trainstack-prepare-os"]
+    for unit in ("unattended-upgrades.service", "apt-daily.timer", "apt-daily-upgrade.timer"):
+        assert unit in prepare
+    assert "apt-mark hold" in prepare and "'nvidia-*'" in prepare and "'linux-image-*'" in prepare
+    assert 'Unattended-Upgrade "0"' in files["/etc/apt/apt.conf.d/99trainstack-no-periodic"]
+    install = files["/usr/local/sbin/trainstack-install-agent"]
+    assert "sha256sum --check" in install and "--constraint" in install
+    assert "systemctl enable --now trainstack-agent.service" in install
+    unit = files["/etc/systemd/system/trainstack-agent.service"]
+    assert "Restart=on-failure" in unit and "OnFailure=trainstack-giveup.service" in unit
+    assert "RestartPreventExitStatus=2" in unit
+
+
+def test_user_data_names_the_verified_bundle() -> None:
+    env = written_files(rendered())["/etc/trainstack/bundle.env"]
+    assert f"BUNDLE_SHA256={SHA}\n" in env
+    assert f"BUNDLE_KEY={KEY}\n" in env
+    assert "BUNDLE_BUCKET=trainstack-dev-data\n" in env and "AWS_REGION=eu-west-1\n" in env
+
+
+def test_agent_config_in_user_data_loads_back_to_the_same_config() -> None:
+    content = written_files(rendered())["/etc/trainstack/agent.yaml"]
+    assert AgentConfig.from_mapping(yaml.safe_load(content)) == agent_config()
+
+
+def test_instance_requirements_never_install_torch() -> None:
+    requirements = (REPO / "bootstrap/requirements-instance.txt").read_text().splitlines()
+    names = [
+        re.split(r"[<>=!~ ;\[]", line)[0].lower()
+        for line in requirements
+        if line and not line.startswith("#")
+    ]
+    assert names and not {"torch", "torchvision"} & set(names)
+
+
+def test_oversized_training_config_is_a_one_line_error_naming_the_config_key() -> None:
+    huge = {"notes": ["x" * 100] * 200}
+    with pytest.raises(UserDataError) as error:
+        render_user_data(agent_config(huge), bundle_key=KEY, bundle_sha256=SHA)
+    message = str(error.value)
+    assert "\n" not in message and "trainstack:trainingConfig" in message
+
+
+@pytest.mark.parametrize(("key", "sha"), [(KEY, "not-a-sha"), ("/abs/key", SHA), ("code/$(reboot)", SHA)])
+def test_bundle_key_and_sha_are_checked_before_they_reach_a_shell(key: str, sha: str) -> None:
+    with pytest.raises(UserDataError):
+        render_user_data(agent_config(), bundle_key=key, bundle_sha256=sha)
+
+
+def test_every_shell_script_in_bootstrap_is_shellcheck_clean() -> None:
+    scripts = sorted((REPO / "bootstrap").rglob("*.sh"))
+    assert scripts, "no shell scripts found under bootstrap/"
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    result = subprocess.run(
+        [shellcheck, "--severity=style", *map(str, scripts)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout

@@ -1,0 +1,146 @@
+"""A deployed-looking trainstack stack on the moto server: project files, outputs, bucket, group, log group."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from trainstack.aws import Clients
+from trainstack.cli import main
+
+REGION = "us-east-1"
+STACK = "test"
+BUCKET = "trainstack-test-data"
+GROUP = "trainstack-test-gpu"
+LOG_GROUP = "/trainstack/test"
+AMI_PARAMETER = "/trainstack-test/dlami/ami-id"
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+@dataclass
+class Deployed:
+    """What `pulumi up` would have created, and how to run the CLI against it."""
+
+    project: Path
+    outputs_file: Path
+    outputs: dict[str, Any]
+    kms_key_arn: str
+    run: Callable[..., Result]
+
+    def s3(self) -> Any:
+        return boto3.client("s3", region_name=REGION)
+
+    def autoscaling(self) -> Any:
+        return boto3.client("autoscaling", region_name=REGION)
+
+    def ec2(self) -> Any:
+        return boto3.client("ec2", region_name=REGION)
+
+    def put_state(self, name: str, document: dict[str, Any]) -> None:
+        self.s3().put_object(Bucket=BUCKET, Key=f"state/{name}", Body=json.dumps(document).encode())
+
+    def launch_instance(self, *, spot: bool = True, az_index: int = 0) -> str:
+        """Start an instance and attach it to the group, as the group would after a launch."""
+        ec2 = self.ec2()
+        subnet = ec2.describe_subnets()["Subnets"][az_index]
+        market = {"InstanceMarketOptions": {"MarketType": "spot"}} if spot else {}
+        image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+        instance = ec2.run_instances(
+            ImageId=image, MinCount=1, MaxCount=1, InstanceType="g6.xlarge", SubnetId=subnet["SubnetId"], **market
+        )["Instances"][0]["InstanceId"]
+        self.autoscaling().attach_instances(InstanceIds=[instance], AutoScalingGroupName=GROUP)
+        return str(instance)
+
+    def group(self) -> dict[str, Any]:
+        groups = self.autoscaling().describe_auto_scaling_groups(AutoScalingGroupNames=[GROUP])
+        return dict(groups["AutoScalingGroups"][0])
+
+
+def write_project(root: Path, config: dict[str, Any]) -> Path:
+    """Pulumi.yaml with a typed schema (defaults) and Pulumi.<stack>.yaml with the given values."""
+    (root / "Pulumi.yaml").write_text(
+        "name: trainstack\nruntime: python\nconfig:\n"
+        "  trainstack:instanceCount:\n    type: integer\n    default: 1\n"
+        "  trainstack:instanceTypes:\n    type: array\n    items:\n      type: string\n"
+        "    default: [g6.xlarge, g5.xlarge]\n",
+        encoding="utf-8",
+    )
+    (root / f"Pulumi.{STACK}.yaml").write_text(json.dumps({"config": config}), encoding="utf-8")
+    return root
+
+
+@pytest.fixture()
+def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., Result]:
+    """Run `trainstack ARGS...` in this process; returns exit code, stdout and stderr."""
+    # Wide enough that rich never wraps or truncates a table cell the tests look for.
+    monkeypatch.setenv("COLUMNS", "220")
+
+    def run(*argv: str, clients: Clients | None = None) -> Result:
+        capsys.readouterr()
+        code = main(list(argv), clients=clients)
+        captured = capsys.readouterr()
+        return Result(code, captured.out, captured.err)
+
+    return run
+
+
+@pytest.fixture()
+def deployed(aws: Any, tmp_path: Path, cli: Callable[..., Result]) -> Deployed:
+    ec2 = boto3.client("ec2", region_name=REGION)
+    kms_key_arn = boto3.client("kms", region_name=REGION).create_key()["KeyMetadata"]["Arn"]
+    boto3.client("s3", region_name=REGION).create_bucket(Bucket=BUCKET)
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    subnets = [s["SubnetId"] for s in ec2.describe_subnets()["Subnets"][:2]]
+    ec2.create_launch_template(
+        LaunchTemplateName=f"{GROUP}-lt", LaunchTemplateData={"ImageId": image, "InstanceType": "g6.xlarge"}
+    )
+    boto3.client("autoscaling", region_name=REGION).create_auto_scaling_group(
+        AutoScalingGroupName=GROUP,
+        MinSize=0,
+        MaxSize=2,
+        DesiredCapacity=0,
+        LaunchTemplate={"LaunchTemplateName": f"{GROUP}-lt", "Version": "$Latest"},
+        VPCZoneIdentifier=",".join(subnets),
+    )
+    boto3.client("logs", region_name=REGION).create_log_group(logGroupName=LOG_GROUP)
+    project = write_project(
+        tmp_path,
+        {"aws:region": REGION, "trainstack:instanceCount": 2, "trainstack:amiParameter": AMI_PARAMETER},
+    )
+    outputs = {
+        "region": REGION,
+        "bucket_name": BUCKET,
+        "data_prefix": "data/",
+        "code_prefix": "code/",
+        "checkpoints_prefix": "checkpoints/",
+        "results_prefix": "results/",
+        "state_prefix": "state/",
+        "group_name": GROUP,
+        "instance_count": 2,
+        "instance_types": ["g6.xlarge", "g5.xlarge"],
+        "log_group_name": LOG_GROUP,
+        "kms_key_arn": kms_key_arn,
+    }
+    outputs_file = tmp_path / "outputs.json"
+    outputs_file.write_text(json.dumps(outputs), encoding="utf-8")
+
+    def run(*argv: str, clients: Clients | None = None) -> Result:
+        where = ["--cwd", str(project), "--stack", STACK, "--outputs", str(outputs_file)]
+        return cli(*argv, *where, clients=clients)
+
+    return Deployed(project, outputs_file, outputs, kms_key_arn, run)

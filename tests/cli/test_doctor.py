@@ -1,0 +1,175 @@
+"""`trainstack doctor`: one pass/fail line per check, with the fix, and a non-zero exit on any failure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.stub import Stubber
+
+from trainstack.aws import Clients
+from trainstack.doctor import on_demand_count, quota_family
+from trainstack.stack import StackConfig
+
+from .conftest import AMI_PARAMETER, REGION, STACK, Result, write_project
+
+G_SPOT = "L-3819A6DF"
+G_ON_DEMAND = "L-DB2E81BA"
+
+
+def _quota(code: str, value: float) -> dict[str, Any]:
+    return {"Quota": {"ServiceCode": "ec2", "QuotaCode": code, "QuotaName": code, "Value": value}}
+
+
+class Quotas:
+    """FAKE at the client boundary: moto has no EC2 quotas, so a stubbed Service Quotas client answers
+    the exact requests doctor builds (botocore checks them against the real API model)."""
+
+    def __init__(self) -> None:
+        self.client = boto3.client("service-quotas", region_name=REGION)
+        self.stub = Stubber(self.client)
+
+    def applied(self, code: str, value: float) -> Quotas:
+        self.stub.add_response("get_service_quota", _quota(code, value), {"ServiceCode": "ec2", "QuotaCode": code})
+        return self
+
+    def default_only(self, code: str, value: float) -> Quotas:
+        self.stub.add_client_error(
+            "get_service_quota", "NoSuchResourceException", expected_params={"ServiceCode": "ec2", "QuotaCode": code}
+        )
+        self.stub.add_response(
+            "get_aws_default_service_quota", _quota(code, value), {"ServiceCode": "ec2", "QuotaCode": code}
+        )
+        return self
+
+    def clients(self) -> Clients:
+        self.stub.activate()
+        return Clients(None, overrides={"service-quotas": self.client})
+
+
+@pytest.fixture()
+def doctor(aws: Any, tmp_path: Path, cli: Callable[..., Result]) -> Callable[..., Result]:
+    boto3.client("ssm", region_name=REGION).put_parameter(Name=AMI_PARAMETER, Value="ami-0123456789abcdef0", Type="String")
+
+    def run(config: dict[str, Any], quotas: Quotas, *flags: str) -> Result:
+        project = write_project(tmp_path, {"aws:region": REGION, "trainstack:amiParameter": AMI_PARAMETER, **config})
+        return cli("doctor", "--cwd", str(project), "--stack", STACK, *flags, clients=quotas.clients())
+
+    return run
+
+
+def test_doctor_passes_a_ready_account_line_by_line(doctor: Callable[..., Result]):
+    quotas = Quotas().applied(G_SPOT, 64)
+
+    result = doctor({"trainstack:instanceCount": 2}, quotas)
+
+    assert result.code == 0, result.out + result.err
+    lines = result.out.splitlines()
+    assert all(line.startswith("✔") for line in lines[:-1])
+    assert lines[-1] == "all checks passed"
+    assert any("credentials: arn:aws:" in line for line in lines)
+    assert "✔ type g6.xlarge: 4 vCPUs, 1 × NVIDIA L4" in result.out
+    assert f"All G and VT Spot Instance Requests ({G_SPOT}): 64 vCPUs, the group needs 8" in result.out
+    assert f"{AMI_PARAMETER} → ami-0123456789abcdef0" in result.out
+    quotas.stub.assert_no_pending_responses()
+
+
+def test_doctor_fails_a_new_account_without_gpu_spot_quota_and_says_how_to_ask(doctor: Callable[..., Result]):
+    quotas = Quotas().default_only(G_SPOT, 0)
+
+    result = doctor({"trainstack:instanceCount": 2}, quotas, "--json")
+
+    assert result.code == 1
+    report = result.json()
+    assert report["ok"] is False
+    failed = [c for c in report["checks"] if not c["ok"]]
+    assert [c["name"] for c in failed] == ["spot quota"]
+    assert "0 vCPUs, the group needs 8" in failed[0]["detail"]
+    assert failed[0]["fix"] == (
+        f"request an increase: aws service-quotas request-service-quota-increase --service-code ec2 "
+        f"--quota-code {G_SPOT} --desired-value 8 --region {REGION}"
+    )
+
+
+def test_doctor_sizes_the_quota_for_the_largest_type_of_the_family(doctor: Callable[..., Result]):
+    quotas = Quotas().applied(G_SPOT, 16)
+    result = doctor({"trainstack:instanceTypes": ["g6.xlarge", "g6.4xlarge"], "trainstack:instanceCount": 2}, quotas)
+    assert result.code == 1
+    assert "16 vCPUs, the group needs 32" in result.out
+
+
+def test_doctor_checks_the_on_demand_quota_only_when_the_group_may_use_on_demand(doctor: Callable[..., Result]):
+    quotas = Quotas().applied(G_SPOT, 64).applied(G_ON_DEMAND, 0)
+    result = doctor({"trainstack:onDemandBaseCapacity": 1}, quotas)
+    assert result.code == 1
+    assert "✘ on-demand quota: Running On-Demand G and VT instances (L-DB2E81BA): 0 vCPUs, the group needs 4" in (
+        result.out
+    )
+    quotas.stub.assert_no_pending_responses()
+
+
+def test_doctor_rejects_unknown_and_gpu_less_instance_types_naming_the_key(doctor: Callable[..., Result]):
+    quotas = Quotas().applied(G_SPOT, 64)
+
+    result = doctor({"trainstack:instanceTypes": ["g6.xlarge", "m5.large", "g6.huge"]}, quotas)
+
+    assert result.code == 1
+    assert "✘ type g6.huge: g6.huge does not exist in us-east-1  → fix trainstack:instanceTypes" in result.out
+    assert "✘ type m5.large: m5.large has no NVIDIA GPU" in result.out
+    assert "✔ type g6.xlarge" in result.out
+
+
+def test_doctor_reports_the_azs_that_offer_each_type(doctor: Callable[..., Result]):
+    result = doctor({}, Quotas().applied(G_SPOT, 64), "--json")
+    checks = {c["name"]: c for c in result.json()["checks"]}
+    assert checks["offered g6.xlarge"]["ok"]
+    assert "us-east-1a" in checks["offered g6.xlarge"]["detail"]
+    assert checks["availability zones"]["ok"]
+
+
+def test_doctor_fails_a_missing_ami_parameter_with_the_way_to_find_one(doctor: Callable[..., Result]):
+    result = doctor({"trainstack:amiParameter": "/no/such/parameter"}, Quotas().applied(G_SPOT, 64))
+    assert result.code == 1
+    assert "✘ AMI: SSM parameter /no/such/parameter not found in us-east-1" in result.out
+    assert "get-parameters-by-path --path /aws/service/deeplearning/ami/x86_64" in result.out
+
+
+def test_doctor_without_region_config_names_the_key(doctor: Callable[..., Result], tmp_path: Path):
+    result = doctor({"aws:region": None}, Quotas())
+    assert result.code == 1
+    assert f"✘ region: aws:region is not set in {tmp_path / 'Pulumi.test.yaml'}" in result.out
+    assert "pulumi config set aws:region us-east-1" in result.out
+
+
+def test_doctor_without_credentials_is_one_failing_line(doctor: Callable[..., Result], monkeypatch: pytest.MonkeyPatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name)
+
+    result = doctor({}, Quotas())
+
+    assert result.code == 1
+    assert result.out.splitlines()[0].startswith("✘ credentials: no AWS credentials found: run `aws configure`")
+    assert result.out.splitlines()[1] == "1 check(s) failed"
+
+
+@pytest.mark.parametrize(
+    ("instance_type", "family"),
+    [("g6.xlarge", "g"), ("g4dn.12xlarge", "g"), ("vt1.3xlarge", "g"), ("p5.48xlarge", "p"), ("dl1.24xlarge", "dl"),
+     ("m5.large", None)],
+)
+def test_each_gpu_family_maps_to_its_spot_quota(instance_type: str, family: str | None):
+    assert quota_family(instance_type) == family
+
+
+@pytest.mark.parametrize(("base", "percent", "count", "expected"), [(0, 0, 3, 0), (1, 0, 3, 1), (0, 50, 3, 2), (5, 0, 2, 2)])
+def test_on_demand_count_follows_the_mixed_instances_policy(base: int, percent: int, count: int, expected: int):
+    config = StackConfig.from_values(
+        "t",
+        {"trainstack:instanceCount": count, "trainstack:onDemandBaseCapacity": base,
+         "trainstack:onDemandPercentageAboveBase": percent},
+        "Pulumi.t.yaml",
+    )
+    assert on_demand_count(config) == expected

@@ -1,0 +1,80 @@
+"""The code bundle is reproducible, and a code change rolls a new key and a new launch-template version."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+from pathlib import Path
+
+import pytest
+
+import infra.bundle
+from infra.bundle import BUNDLED_PACKAGES, CodeBundle, build_bundle
+from tests.infra.program import REPO_ROOT, StackRun, run_stack
+
+
+def _copy_sources(destination: Path) -> Path:
+    for package in BUNDLED_PACKAGES:
+        shutil.copytree(
+            REPO_ROOT / package, destination / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    return destination
+
+
+def test_same_sources_give_the_same_bundle_bytes_and_sha(tmp_path: Path) -> None:
+    first = build_bundle(_copy_sources(tmp_path / "a"))
+    second = build_bundle(_copy_sources(tmp_path / "b"))
+    assert first.data == second.data
+    assert first.sha256 == second.sha256 == build_bundle().sha256
+
+
+def test_a_changed_file_gives_a_new_sha_and_key(tmp_path: Path) -> None:
+    root = _copy_sources(tmp_path)
+    before = build_bundle(root)
+    target = root / "bootstrap" / "__init__.py"
+    target.write_text(target.read_text() + "\n# changed\n")
+    after = build_bundle(root)
+    assert after.sha256 != before.sha256
+    assert after.key() != before.key()
+    assert after.key() == f"code/{after.sha256}/bundle.tar.gz"
+
+
+def test_caches_do_not_change_the_bundle(tmp_path: Path) -> None:
+    root = _copy_sources(tmp_path)
+    before = build_bundle(root)
+    (root / "training" / "__pycache__").mkdir(exist_ok=True)
+    (root / "training" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
+    (root / "training" / "notes.swp").write_text("editor droppings")
+    assert build_bundle(root).sha256 == before.sha256
+
+
+def _bundle_and_user_data(stack: StackRun) -> tuple[str, str]:
+    bundle = stack.one("aws:s3/bucketObjectv2:BucketObjectv2").inputs
+    return bundle["key"], stack.one("aws:ec2/launchTemplate:LaunchTemplate").inputs["userData"]
+
+
+def test_bundle_is_uploaded_content_addressed_with_the_stack_key(example_stack: StackRun) -> None:
+    bundle = example_stack.one("aws:s3/bucketObjectv2:BucketObjectv2").inputs
+    expected = build_bundle()
+    assert bundle["key"] == expected.key()
+    assert base64.b64decode(bundle["contentBase64"]) == expected.data
+    assert bundle["serverSideEncryption"] == "aws:kms"
+    assert bundle["kmsKeyId"] == example_stack.outputs["kms_key_arn"]
+
+
+def test_a_code_change_rolls_new_user_data(
+    example_stack: StackRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = _copy_sources(tmp_path)
+    (root / "training" / "__init__.py").write_text("# a new trainer release\n")
+    changed = build_bundle(root)
+
+    def build_changed(root_dir: Path = REPO_ROOT) -> CodeBundle:
+        return changed
+
+    monkeypatch.setattr(infra.bundle, "build_bundle", build_changed)
+    key, user_data = _bundle_and_user_data(run_stack())
+    old_key, old_user_data = _bundle_and_user_data(example_stack)
+    assert key == changed.key() != old_key
+    assert user_data != old_user_data
+    assert changed.sha256 in base64.b64decode(user_data).decode()

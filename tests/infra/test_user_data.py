@@ -1,0 +1,107 @@
+"""The launch template's user-data: small enough for EC2, valid cloud-config, no secrets, the right agent config."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bootstrap.agent_config import AgentConfig
+from infra.fleet import agent_config
+from tests.infra.program import StackRun
+
+EC2_USER_DATA_LIMIT = 16 * 1024
+# Shapes of credentials and secrets (checkov CKV_AWS_46 looks for the same kinds of things).
+_SECRET_PATTERNS = {
+    "AWS access key id": re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"),
+    "AWS secret key assignment": re.compile(r"aws_secret_access_key|secret_access_key\s*[:=]", re.IGNORECASE),
+    "private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+    "password or token assignment": re.compile(
+        r"\b(password|passwd|api[_-]?key|token)\s*[:=]\s*\S+", re.IGNORECASE
+    ),
+    "40-char base64 secret": re.compile(r"(?<![A-Za-z0-9/+])[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])"),
+}
+
+
+def _user_data(stack: StackRun) -> str:
+    encoded = stack.one("aws:ec2/launchTemplate:LaunchTemplate").inputs["userData"]
+    return base64.b64decode(encoded).decode()
+
+
+def _written_file(user_data: str, path: str) -> str:
+    document = yaml.safe_load(user_data)
+    (entry,) = [f for f in document["write_files"] if f["path"] == path]
+    return str(entry["content"])
+
+
+def test_user_data_fits_ec2s_16_kb_limit_before_base64(example_stack: StackRun) -> None:
+    assert len(_user_data(example_stack).encode()) < EC2_USER_DATA_LIMIT
+
+
+def test_user_data_is_valid_cloud_config_per_cloud_init_schema(
+    example_stack: StackRun, tmp_path: Path
+) -> None:
+    binary = shutil.which("cloud-init")
+    if binary is None:
+        if os.environ.get("TRAINSTACK_REQUIRE_CLOUD_INIT") == "1":
+            pytest.fail(
+                "cloud-init is not installed but TRAINSTACK_REQUIRE_CLOUD_INIT=1: apt-get install cloud-init"
+            )
+        pytest.skip(
+            "cloud-init is not installed (apt-get install cloud-init); its schema validator checks user-data"
+        )
+    user_data = tmp_path / "user-data.yaml"
+    user_data.write_text(_user_data(example_stack))
+    result = subprocess.run(
+        [binary, "schema", "-c", str(user_data)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Valid" in result.stdout + result.stderr
+
+
+def test_user_data_holds_no_secret_looking_values_CKV_AWS_46(example_stack: StackRun) -> None:
+    user_data = _user_data(example_stack)
+    for kind, pattern in _SECRET_PATTERNS.items():
+        assert not pattern.search(user_data), f"user-data contains a {kind}"
+
+
+def test_user_data_carries_the_stacks_agent_config(example_stack: StackRun) -> None:
+    loaded = AgentConfig.from_mapping(
+        yaml.safe_load(_written_file(_user_data(example_stack), "/etc/trainstack/agent.yaml"))
+    )
+    outputs = example_stack.outputs
+    assert loaded.bucket == outputs["bucket_name"]
+    assert loaded.group_name == outputs["group_name"]
+    assert loaded.topic_arn == outputs["topic_arn"]
+    assert loaded.log_group == outputs["log_group_name"]
+    assert loaded.region == outputs["region"]
+    assert loaded.gpu_required is True
+    assert loaded.job, "the trainer config is embedded"
+
+
+def test_agent_config_carries_the_jobs_guards() -> None:
+    from infra.config import parse_stack_config
+
+    config = parse_stack_config(
+        {
+            "maxCostUsd": "25",
+            "maxConsecutiveFailures": "5",
+            "stallTimeoutMinutes": "12",
+            "instanceCount": "2",
+        },
+        region="eu-west-1",
+        project="trainstack",
+        stack="prod",
+    )
+    built = agent_config(
+        config, bucket="trainstack-prod-1", topic_arn="arn:aws:sns:eu-west-1:1:t", log_group="/l"
+    )
+    assert (built.max_cost_usd, built.max_consecutive_failures, built.stall_minutes) == (25.0, 5, 12.0)
+    assert (built.instance_count, built.stack, built.group_name) == (2, "prod", "trainstack-prod-gpu")
+    assert AgentConfig.from_mapping(yaml.safe_load(built.to_yaml())) == built

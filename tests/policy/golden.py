@@ -1,0 +1,242 @@
+"""A compliant stack, written as the engine sees it: every baseline control satisfied."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from tests.policy.harness import Resource
+
+KEY_ARN = "arn:aws:kms:us-east-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+BUCKET = "trainstack-dev-artifacts"
+BUCKET_ARN = f"arn:aws:s3:::{BUCKET}"
+VPC_ID = "vpc-0abc"
+
+USER_DATA = """#cloud-config
+write_files:
+  - path: /etc/trainstack/agent.yaml
+    content: |
+      bucket: trainstack-dev-artifacts
+      region: us-east-1
+runcmd:
+  - [python3, -m, bootstrap.agent, --config, /etc/trainstack/agent.yaml]
+"""
+
+
+def _document(*statements: dict[str, object]) -> str:
+    return json.dumps({"Version": "2012-10-17", "Statement": list(statements)})
+
+
+TLS_ONLY_POLICY = _document(
+    {
+        "Sid": "DenyInsecureTransport",
+        "Effect": "Deny",
+        "Principal": "*",
+        "Action": "s3:*",
+        "Resource": [BUCKET_ARN, f"{BUCKET_ARN}/*"],
+        "Condition": {"Bool": {"aws:SecureTransport": "false"}},
+    },
+    {
+        "Sid": "DenyUnencryptedUploads",
+        "Effect": "Deny",
+        "Principal": "*",
+        "Action": "s3:PutObject",
+        "Resource": f"{BUCKET_ARN}/*",
+        "Condition": {"StringNotEquals": {"s3:x-amz-server-side-encryption": "aws:kms"}},
+    },
+)
+
+INSTANCE_POLICY = _document(
+    {
+        "Effect": "Allow",
+        "Action": ["s3:GetObject", "s3:PutObject"],
+        "Resource": f"{BUCKET_ARN}/checkpoints/*",
+    },
+    {"Effect": "Allow", "Action": "s3:ListBucket", "Resource": BUCKET_ARN},
+    {"Effect": "Allow", "Action": ["kms:Decrypt", "kms:GenerateDataKey"], "Resource": KEY_ARN},
+    {"Effect": "Allow", "Action": "logs:PutLogEvents", "Resource": "*"},
+)
+
+
+def compliant_stack() -> list[Resource]:
+    """One of each resource type the pack reads, every property set the secure way."""
+    return [
+        Resource(
+            "aws:kms/key:Key", "key", {"enableKeyRotation": True, "deletionWindowInDays": 7, "arn": KEY_ARN}
+        ),
+        Resource("aws:ec2/vpc:Vpc", "vpc", {"cidrBlock": "10.42.0.0/16", "id": VPC_ID}),
+        Resource(
+            "aws:ec2/defaultSecurityGroup:DefaultSecurityGroup",
+            "default-sg",
+            {"vpcId": VPC_ID, "ingress": [], "egress": []},
+            {"vpcId": ["vpc"]},
+        ),
+        Resource(
+            "aws:ec2/flowLog:FlowLog",
+            "flow-log",
+            {"vpcId": VPC_ID, "trafficType": "ALL", "logDestinationType": "cloud-watch-logs"},
+            {"vpcId": ["vpc"]},
+        ),
+        Resource(
+            "aws:ec2/securityGroup:SecurityGroup",
+            "instances",
+            {
+                "vpcId": VPC_ID,
+                "ingress": [
+                    {"protocol": "tcp", "fromPort": 22, "toPort": 22, "cidrBlocks": ["203.0.113.7/32"]},
+                ],
+                "egress": [{"protocol": "-1", "fromPort": 0, "toPort": 0, "cidrBlocks": ["0.0.0.0/0"]}],
+            },
+        ),
+        Resource(
+            "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule",
+            "ssh-from-office",
+            {
+                "securityGroupId": "sg-1",
+                "ipProtocol": "tcp",
+                "fromPort": 22,
+                "toPort": 22,
+                "cidrIpv4": "198.51.100.0/24",
+            },
+        ),
+        Resource(
+            "aws:ec2/launchTemplate:LaunchTemplate",
+            "launch-template",
+            {
+                "imageId": "resolve:ssm:/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pytorch",
+                "metadataOptions": {
+                    "httpEndpoint": "enabled",
+                    "httpTokens": "required",
+                    "httpPutResponseHopLimit": 1,
+                },
+                "blockDeviceMappings": [
+                    {
+                        "deviceName": "/dev/sda1",
+                        "ebs": {
+                            "encrypted": "true",
+                            "kmsKeyId": KEY_ARN,
+                            "volumeSize": 150,
+                            "volumeType": "gp3",
+                        },
+                    }
+                ],
+                "networkInterfaces": [{"associatePublicIpAddress": "true", "securityGroups": ["sg-1"]}],
+                "userData": base64.b64encode(USER_DATA.encode()).decode(),
+            },
+        ),
+        Resource(
+            "aws:autoscaling/group:Group",
+            "group",
+            {
+                "minSize": 0,
+                "maxSize": 1,
+                "vpcZoneIdentifiers": ["subnet-a", "subnet-b"],
+                "capacityRebalance": True,
+                "mixedInstancesPolicy": {
+                    "instancesDistribution": {"spotAllocationStrategy": "price-capacity-optimized"},
+                    "launchTemplate": {
+                        "launchTemplateSpecification": {"launchTemplateId": "lt-1", "version": "$Latest"},
+                        "overrides": [{"instanceType": "g6.xlarge"}, {"instanceType": "g5.xlarge"}],
+                    },
+                },
+            },
+        ),
+        Resource(
+            "aws:ebs/volume:Volume",
+            "scratch",
+            {"availabilityZone": "us-east-1a", "size": 100, "encrypted": True, "kmsKeyId": KEY_ARN},
+        ),
+        Resource("aws:s3/bucket:Bucket", "bucket", {"bucket": BUCKET, "id": BUCKET, "forceDestroy": False}),
+        Resource(
+            "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock",
+            "bucket-public-access",
+            {
+                "bucket": BUCKET,
+                "blockPublicAcls": True,
+                "blockPublicPolicy": True,
+                "ignorePublicAcls": True,
+                "restrictPublicBuckets": True,
+            },
+            {"bucket": ["bucket"]},
+        ),
+        Resource(
+            "aws:s3/bucketPolicy:BucketPolicy", "bucket-policy", {"bucket": BUCKET, "policy": TLS_ONLY_POLICY}
+        ),
+        Resource(
+            "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
+            "bucket-encryption",
+            {
+                "bucket": BUCKET,
+                "rules": [
+                    {
+                        "applyServerSideEncryptionByDefault": {
+                            "sseAlgorithm": "aws:kms",
+                            "kmsMasterKeyId": KEY_ARN,
+                        },
+                        "bucketKeyEnabled": True,
+                    }
+                ],
+            },
+        ),
+        Resource(
+            "aws:s3/bucketVersioning:BucketVersioning",
+            "bucket-versioning",
+            {"bucket": BUCKET, "versioningConfiguration": {"status": "Enabled"}},
+        ),
+        Resource(
+            "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration",
+            "bucket-lifecycle",
+            {
+                "bucket": BUCKET,
+                "rules": [
+                    {
+                        "id": "tidy",
+                        "status": "Enabled",
+                        "filter": {},
+                        "abortIncompleteMultipartUpload": {"daysAfterInitiation": 1},
+                        "noncurrentVersionExpiration": {"noncurrentDays": 30},
+                    }
+                ],
+            },
+        ),
+        Resource(
+            "aws:s3/bucketOwnershipControls:BucketOwnershipControls",
+            "bucket-ownership",
+            {"bucket": BUCKET, "rule": {"objectOwnership": "BucketOwnerEnforced"}},
+        ),
+        Resource("aws:iam/policy:Policy", "instance-policy", {"policy": INSTANCE_POLICY}),
+        Resource(
+            "aws:iam/rolePolicy:RolePolicy", "instance-inline", {"role": "r", "policy": INSTANCE_POLICY}
+        ),
+        Resource(
+            "aws:iam/role:Role",
+            "instance-role",
+            {
+                "assumeRolePolicy": _document(
+                    {
+                        "Effect": "Allow",
+                        "Principal": {"Service": "ec2.amazonaws.com"},
+                        "Action": "sts:AssumeRole",
+                    }
+                ),
+                "inlinePolicies": [
+                    {
+                        "name": "scale-to-zero",
+                        "policy": _document(
+                            {
+                                "Effect": "Allow",
+                                "Action": "autoscaling:SetDesiredCapacity",
+                                "Resource": "arn:aws:autoscaling:*",
+                            }
+                        ),
+                    }
+                ],
+            },
+        ),
+        Resource("aws:sns/topic:Topic", "topic", {"kmsMasterKeyId": KEY_ARN}),
+        Resource("aws:cloudwatch/logGroup:LogGroup", "logs", {"retentionInDays": 30, "kmsKeyId": KEY_ARN}),
+    ]
+
+
+def named(resources: list[Resource], name: str) -> Resource:
+    return next(resource for resource in resources if resource.name == name)

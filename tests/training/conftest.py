@@ -1,0 +1,117 @@
+"""Fixtures for trainer tests: a generated image dataset and a helper that runs `python -m training`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from training.sample_data import write_dataset
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "training" / "configs" / "tiny.yaml"
+
+# Small and fast on 2 shared cores: 8 steps per epoch, 2 micro-batches per step, a 6 MB checkpoint.
+FAST = [
+    "model.name=mobilenet_v3_small",
+    "train.epochs=2",
+    "train.batch_size=16",
+    "train.micro_batch_size=8",
+    "train.log_every_steps=1",
+    "checkpoint.every_steps=3",
+    "checkpoint.every_minutes=0",
+]
+STEPS_PER_EPOCH = 8  # 4 classes x 32 images / batch 16
+TOTAL_STEPS = 16
+
+
+@dataclass(frozen=True)
+class Dataset:
+    train_dir: Path
+    val_dir: Path
+
+    def overrides(self) -> list[str]:
+        return [f"data.train_dir={self.train_dir}", f"data.val_dir={self.val_dir}"]
+
+
+@pytest.fixture(scope="session")
+def image_folders(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
+    root = tmp_path_factory.mktemp("images")
+    train, val = write_dataset(root, classes=4, train_per_class=32, val_per_class=8, size=32)
+    return Dataset(train, val)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Paths of one job (shared by every life of it) and the command that runs a life."""
+
+    root: Path
+    args: list[str]
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def output(self) -> Path:
+        return self.root / "output"
+
+    @property
+    def model(self) -> Path:
+        return self.output / "model.pt"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "training", "--config", str(TINY), *self.args]
+
+    def popen(self, env: dict[str, str] | None = None, fault: str = "") -> subprocess.Popen[str]:
+        full_env = {**os.environ, **(env or {})}
+        full_env.pop("TRAINSTACK_FAULT", None)
+        if fault:
+            full_env["TRAINSTACK_FAULT"] = fault
+        return subprocess.Popen(
+            self.command(), cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    def life(self, env: dict[str, str] | None = None, fault: str = "", timeout: float = 180) -> tuple[int, str]:
+        process = self.popen(env, fault)
+        output, _ = process.communicate(timeout=timeout)
+        return process.returncode, output
+
+
+MakeRun = Callable[..., Run]
+
+
+def make_run_factory(base: Path, dataset: Dataset) -> MakeRun:
+    counter = iter(range(10**6))
+
+    def make(*extra: str, name: str = "") -> Run:
+        root = base / (name or f"run{next(counter)}")
+        args = [
+            *dataset.overrides(),
+            *FAST,
+            f"checkpoint.dir={root / 'checkpoints'}",
+            f"output.dir={root / 'output'}",
+            *extra,
+        ]
+        return Run(root, args)
+
+    return make
+
+
+@pytest.fixture()
+def make_run(tmp_path: Path, image_folders: Dataset) -> MakeRun:
+    return make_run_factory(tmp_path, image_folders)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory, image_folders: Dataset) -> Run:
+    """One uninterrupted run of the FAST job: the reference every interrupted run must match bit for bit."""
+    run = make_run_factory(tmp_path_factory.mktemp("baseline"), image_folders)(name="baseline")
+    code, output = run.life()
+    assert code == 0, output
+    return run

@@ -1,0 +1,1 @@
+"""The trainstack PyTorch trainer: resumes bit-exactly after any interruption."""

@@ -1,0 +1,64 @@
+"""`python -m training --config FILE [dotted.key=value ...]`: train, resume, stop with exit 75 on request."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from training.config import ConfigError, load_config
+
+EXIT_CONFIG = 2
+EXIT_FAILED = 1
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    # Only rank 0 talks at INFO: N identical progress lines per step help nobody.
+    level = logging.INFO if rank == "0" else logging.WARNING
+    prefix = "" if os.environ.get("WORLD_SIZE", "1") == "1" else f"[rank {rank}] "
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s {prefix}%(levelname)s %(message)s",
+        datefmt="%Y-%m-%dT%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
+    parser.add_argument("--config", required=True, help="YAML config file (see training/configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.epochs=3")
+    args = parser.parse_args(argv)
+    _setup_logging()
+    try:
+        config = load_config(args.config, args.overrides)
+        from training.data import check_data_dirs
+
+        check_data_dirs(config)
+        from training.loop import Trainer  # torch import: only after the config is known good
+
+        return Trainer(config).run()
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"config error: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (ClientError, BotoCoreError) as exc:
+        print(
+            f"error: S3 request failed: {exc}; check checkpoint.uri/output.uri and the credentials",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    except OSError as exc:
+        print(
+            f"error: {exc.filename or ''}: {exc.strerror or exc}; check the path and free disk space",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""The trainer's YAML config: typed sections, dotted overrides and one-line errors naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(Exception):
+    """One or more config problems, each a single line naming the key and the fix."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass
+class DataConfig:
+    train_dir: str = ""
+    val_dir: str = ""
+    image_size: int = 224
+    # "auto" = one worker per available CPU core, up to 8 per process.
+    num_workers: int | Literal["auto"] = "auto"
+    prefetch_factor: int = 4
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet50"
+    compile: bool = False
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    # The global batch (all ranks, all accumulation steps): what the optimisation sees.
+    batch_size: int | Literal["auto"] = 256
+    # Per-device batch; "auto" = the largest that fits, gradient accumulation makes up the rest.
+    micro_batch_size: int | Literal["auto"] = "auto"
+    lr: float = 0.1
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 5e-5
+    label_smoothing: float = 0.1
+    warmup_epochs: float = 1.0
+    seed: int = 0
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    deterministic: bool = False
+    log_every_steps: int = 50
+    stop_file: str = ""
+    checkpoint_request_file: str = ""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    uri: str = ""
+    every_steps: int = 1000
+    every_minutes: float = 15.0
+    keep: int = 3
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "output"
+    uri: str = ""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def optimisation_hash(self) -> str:
+        """Hash of what decides the numbers (not paths or worker counts), recorded in each manifest."""
+        relevant = self.to_dict()
+        relevant["data"] = {"image_size": self.data.image_size}
+        relevant["train"] = {
+            k: v
+            for k, v in relevant["train"].items()
+            if k not in {"log_every_steps", "stop_file", "checkpoint_request_file", "device"}
+        }
+        del relevant["checkpoint"], relevant["output"]
+        return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "output": OutputConfig,
+}
+
+
+def _type_name(annotation: Any) -> str:
+    if get_origin(annotation) is Literal:
+        return " | ".join(repr(a) for a in get_args(annotation))
+    if get_origin(annotation) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(annotation))
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _coerce(value: Any, annotation: Any) -> tuple[bool, Any]:
+    """(ok, value) for value against a field annotation; ints are accepted where floats are."""
+    origin = get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        for arm in get_args(annotation):
+            ok, coerced = _coerce(value, arm)
+            if ok:
+                return True, coerced
+        return False, value
+    if origin is Literal:
+        return value in get_args(annotation), value
+    if annotation is bool:
+        return isinstance(value, bool), value
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if annotation is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if annotation is str:
+        if value is None:
+            return True, ""
+        return isinstance(value, str), value
+    raise TypeError(f"unsupported config annotation {annotation!r}")
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.lr=0.01` -> ("train.lr", 0.01); the value is read as YAML so types match the file's."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError([f"override {text!r}: expected dotted.key=value, e.g. train.epochs=3"])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def build_config(tree: dict[str, Any]) -> Config:
+    """Validate a nested mapping into a Config; every problem is collected, one line each."""
+    problems: list[str] = []
+    sections: dict[str, Any] = {}
+    for name, value in tree.items():
+        if name not in _SECTIONS:
+            problems.append(f"{name}: unknown section; expected one of {', '.join(_SECTIONS)}")
+        elif value is not None and not isinstance(value, dict):
+            problems.append(f"{name}: must be a mapping of keys, got {type(value).__name__}")
+    for name, cls in _SECTIONS.items():
+        given = tree.get(name) or {}
+        if not isinstance(given, dict):
+            continue
+        hints = typing.get_type_hints(cls)
+        kwargs: dict[str, Any] = {}
+        for key, value in given.items():
+            if key not in hints:
+                known = ", ".join(hints)
+                problems.append(f"{name}.{key}: unknown key; known keys in {name}: {known}")
+                continue
+            ok, coerced = _coerce(value, hints[key])
+            if not ok:
+                problems.append(
+                    f"{name}.{key}: expected {_type_name(hints[key])}, got {value!r} ({type(value).__name__})"
+                )
+                continue
+            kwargs[key] = coerced
+        sections[name] = cls(**kwargs)
+    if problems:
+        raise ConfigError(problems)
+    config = Config(**sections)
+    problems.extend(_check_values(config))
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _check_values(c: Config) -> list[str]:
+    problems: list[str] = []
+
+    def at_least(key: str, value: float, low: float) -> None:
+        if value < low:
+            problems.append(f"{key}: must be at least {low:g}, got {value:g}")
+
+    at_least("data.image_size", c.data.image_size, 16)
+    at_least("data.prefetch_factor", c.data.prefetch_factor, 1)
+    if isinstance(c.data.num_workers, int):
+        at_least("data.num_workers", c.data.num_workers, 0)
+    at_least("train.epochs", c.train.epochs, 1)
+    if isinstance(c.train.batch_size, int):
+        at_least("train.batch_size", c.train.batch_size, 1)
+    if isinstance(c.train.micro_batch_size, int):
+        at_least("train.micro_batch_size", c.train.micro_batch_size, 1)
+    if c.train.lr <= 0:
+        problems.append(f"train.lr: must be positive, got {c.train.lr:g}")
+    at_least("train.weight_decay", c.train.weight_decay, 0)
+    at_least("train.warmup_epochs", c.train.warmup_epochs, 0)
+    at_least("train.log_every_steps", c.train.log_every_steps, 1)
+    if not 0 <= c.train.label_smoothing < 1:
+        problems.append(f"train.label_smoothing: must be in [0, 1), got {c.train.label_smoothing:g}")
+    at_least("checkpoint.every_steps", c.checkpoint.every_steps, 0)
+    at_least("checkpoint.every_minutes", c.checkpoint.every_minutes, 0)
+    at_least("checkpoint.keep", c.checkpoint.keep, 1)
+    for key, uri in (("checkpoint.uri", c.checkpoint.uri), ("output.uri", c.output.uri)):
+        if uri and (not uri.startswith("s3://") or len(uri) <= len("s3://")):
+            problems.append(f"{key}: must look like s3://bucket/prefix, got {uri!r}")
+    if not c.checkpoint.dir:
+        problems.append("checkpoint.dir: must name a local directory")
+    if not c.output.dir:
+        problems.append("output.dir: must name a local directory")
+    return problems
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config file, apply `dotted.key=value` overrides and validate the result."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(
+            [f"--config {path}: cannot read ({exc.strerror}); pass an existing YAML file"]
+        ) from None
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError([f"--config {path}{where}: not valid YAML; fix the syntax there"]) from None
+    if not isinstance(tree, dict):
+        raise ConfigError([f"--config {path}: must be a YAML mapping of sections (data, model, train, ...)"])
+    for text_override in overrides or []:
+        key, value = parse_override(text_override)
+        _set_dotted(tree, key, value)
+    return build_config(tree)

@@ -1,0 +1,223 @@
+"""ImageFolder data with per-sample seeded augmentation and a sampler that resumes mid-epoch."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision import datasets
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms import v2
+
+from training.config import Config, ConfigError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# A key the sampler hands the dataset: (epoch, sample index). Carrying the epoch with each index keeps
+# augmentation a pure function of (seed, epoch, index) even with persistent workers.
+SampleKey = tuple[int, int]
+
+
+def class_folders(root: Path) -> list[str]:
+    return sorted(
+        entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith(".")
+    )
+
+
+def check_data_dirs(config: Config) -> None:
+    """Fail with one line per problem if the train/val folders are missing, empty or disagree on classes."""
+    problems: list[str] = []
+    found: dict[str, list[str]] = {}
+    for key, value in (("data.train_dir", config.data.train_dir), ("data.val_dir", config.data.val_dir)):
+        if not value:
+            problems.append(f"{key}: not set; point it at an ImageFolder directory (<dir>/<class>/<image>)")
+            continue
+        root = Path(value)
+        if not root.is_dir():
+            problems.append(f"{key}: {root} does not exist; create it or fix the path")
+            continue
+        classes = class_folders(root)
+        if not classes:
+            problems.append(f"{key}: {root} has no class folders; expected {root}/<class>/<image files>")
+            continue
+        empty = [c for c in classes if not any((root / c).iterdir())]
+        if empty:
+            problems.append(f"{key}: class folders without images in {root}: {', '.join(empty)}")
+        found[key] = classes
+    if len(found) == 2 and found["data.train_dir"] != found["data.val_dir"]:
+        only_train = sorted(set(found["data.train_dir"]) - set(found["data.val_dir"]))
+        only_val = sorted(set(found["data.val_dir"]) - set(found["data.train_dir"]))
+        problems.append(
+            "data.val_dir: class folders differ from data.train_dir "
+            f"(only in train: {only_train or '-'}; only in val: {only_val or '-'}); make them match"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
+def _read_rgb(path: str) -> torch.Tensor:
+    # torchvision's decoder is several times faster than PIL and returns the uint8 CHW tensor v2 wants.
+    return decode_image(path, mode=ImageReadMode.RGB)
+
+
+def train_transform(image_size: int) -> v2.Transform:
+    return v2.Compose(
+        [
+            v2.RandomResizedCrop(image_size, antialias=True),
+            v2.RandomHorizontalFlip(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
+
+
+def eval_transform(image_size: int) -> v2.Transform:
+    return v2.Compose(
+        [
+            v2.Resize(int(image_size * 256 / 224), antialias=True),
+            v2.CenterCrop(image_size),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample's augmentation: independent of worker count, order and resumption."""
+    return (((seed * 1_000_003) ^ (epoch * 7_919)) * 2_654_435_761 + index) % (2**63 - 1)
+
+
+class SeededImageFolder(Dataset[tuple[torch.Tensor, int]]):
+    """An ImageFolder whose random transforms draw from a generator seeded per (seed, epoch, index)."""
+
+    def __init__(self, root: str, transform: v2.Transform, seed: int) -> None:
+        self.folder = datasets.ImageFolder(root, loader=_read_rgb)
+        self.transform = transform
+        self.seed = seed
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.folder.classes)
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, key: SampleKey) -> tuple[torch.Tensor, int]:
+        epoch, index = key
+        path, target = self.folder.samples[index]
+        image = self.folder.loader(path)
+        # v2 transforms draw from torch's global generator; fork it so the caller's stream is untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed(self.seed, epoch, index))
+            return self.transform(image), target
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's global batch is split: ranks x accumulation steps x micro-batch."""
+
+    global_batch: int
+    world_size: int
+    micro_batch: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.world_size
+
+    @property
+    def accumulation(self) -> int:
+        return self.per_rank // self.micro_batch
+
+
+class ResumableBatchSampler(Sampler[list[SampleKey]]):
+    """This rank's micro-batches for one epoch, starting at any optimizer step without reading skipped data.
+
+    The order is a permutation seeded by (seed, epoch); step s uses global positions [s*G, (s+1)*G),
+    rank r the r-th slice of that, split into micro-batches. A partial last global batch is dropped so
+    every optimizer step sees the same number of samples.
+    """
+
+    def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, shuffle: bool = True) -> None:
+        self.num_samples = num_samples
+        self.plan = plan
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.start_step = 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.plan.global_batch
+
+    def set_position(self, epoch: int, start_step: int) -> None:
+        self.epoch = epoch
+        self.start_step = start_step
+
+    def _order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def __iter__(self) -> Iterator[list[SampleKey]]:
+        order = self._order().tolist()
+        plan = self.plan
+        for step in range(self.start_step, self.steps_per_epoch):
+            start = step * plan.global_batch + self.rank * plan.per_rank
+            for micro in range(plan.accumulation):
+                lo = start + micro * plan.micro_batch
+                yield [(self.epoch, i) for i in order[lo : lo + plan.micro_batch]]
+
+    def __len__(self) -> int:
+        return (self.steps_per_epoch - self.start_step) * self.plan.accumulation
+
+
+class EvalDataset(Dataset[tuple[torch.Tensor, int]]):
+    """The validation folder, deterministic transforms, keyed by plain index."""
+
+    def __init__(self, root: str, image_size: int) -> None:
+        self.folder = datasets.ImageFolder(root, loader=_read_rgb, transform=eval_transform(image_size))
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image, target = self.folder[index]
+        return image, target
+
+
+def default_num_workers(world_size: int) -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cpus // max(1, world_size) - 1))
+
+
+def loader_options(config: Config, world_size: int, pin_memory: bool) -> dict[str, Any]:
+    workers = config.data.num_workers
+    num_workers = default_num_workers(world_size) if workers == "auto" else int(workers)
+    options: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory}
+    if num_workers > 0:
+        options |= {"persistent_workers": True, "prefetch_factor": config.data.prefetch_factor}
+    return options
+
+
+def train_loader(
+    dataset: SeededImageFolder, sampler: ResumableBatchSampler, options: dict[str, Any]
+) -> DataLoader[tuple[torch.Tensor, int]]:
+    return DataLoader(dataset, batch_sampler=sampler, **options)
+
+
+def eval_loader(
+    dataset: EvalDataset, batch_size: int, rank: int, world_size: int, options: dict[str, Any]
+) -> DataLoader[tuple[torch.Tensor, int]]:
+    shard = list(range(rank, len(dataset), world_size))
+    options = {**options, "persistent_workers": False} if options.get("num_workers") else options
+    return DataLoader(
+        torch.utils.data.Subset(dataset, shard), batch_size=batch_size, shuffle=False, **options
+    )

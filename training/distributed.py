@@ -1,0 +1,74 @@
+"""Process-group setup under torchrun, and the few collectives the loop needs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    local_rank: int
+    size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def init_world(device_type: str) -> World:
+    """Join torchrun's process group when launched by it; a single process otherwise."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if size > 1 and not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda":
+            torch.cuda.set_device(local_rank)
+        # Long enough for rank 0 to restore a checkpoint from S3 or upload one while the others wait.
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+    return World(rank=rank, local_rank=local_rank, size=size)
+
+
+def any_rank(world: World, flags: list[bool], device: torch.device) -> list[bool]:
+    """Element-wise OR of boolean flags across ranks, so every rank takes the same branch."""
+    if not world.distributed:
+        return flags
+    tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in tensor.tolist()]
+
+
+def sum_across(world: World, values: list[float], device: torch.device) -> list[float]:
+    if not world.distributed:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return [float(v) for v in tensor.tolist()]
+
+
+def broadcast_object(world: World, value: object) -> object:
+    if not world.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
+
+
+def shutdown(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,494 @@
+"""The training loop: wires data, model, precision, batch plan, checkpoints and stop requests together."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from training import distributed as dist_utils
+from training.artifacts import write_artifacts
+from training.batch_size import cuda_step_probe, fits, search_micro_batch
+from training.checkpoint import CheckpointManager
+from training.config import Config, ConfigError
+from training.data import (
+    BatchPlan,
+    EvalDataset,
+    ResumableBatchSampler,
+    SeededImageFolder,
+    eval_loader,
+    loader_options,
+    train_loader,
+    train_transform,
+)
+from training.determinism import capture_rng, micro_batch_seed, restore_rng, use_deterministic_kernels
+from training.distributed import World
+from training.faults import fault_point
+from training.metrics import EpochResult, History
+from training.model import build_model
+from training.precision import PrecisionPlan, choose_precision, resolve_device
+from training.progress import ProgressReporter
+from training.stop import Deadline, StopRequest
+
+log = logging.getLogger("training")
+
+EXIT_COMPLETED = 0
+EXIT_STOPPED = 75
+
+# Without a memory probe (CPU), "auto" means this many samples per micro-batch.
+CPU_AUTO_MICRO_BATCH = 64
+
+
+@dataclass
+class TrainState:
+    """Where the optimisation is: saved with every checkpoint, restored exactly."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    samples_seen: int = 0
+    wall_seconds: float = 0.0
+    epoch_loss_sum: float = 0.0
+    epoch_correct: float = 0.0
+    epoch_count: float = 0.0
+
+
+def make_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
+    t = config.train
+    # No weight decay on norm layers and biases: the usual recipe for CNNs and ViTs alike.
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=t.lr)
+    return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, nesterov=t.momentum > 0)
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int) -> Any:
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def plan_batches(
+    config: Config,
+    world: World,
+    device: torch.device,
+    saved: dict[str, Any] | None,
+    probe: Any,
+) -> BatchPlan:
+    """Global batch from the checkpoint (the optimisation continues as started), else the config."""
+    t = config.train
+    global_batch: int | None = (
+        int(saved["global_batch"]) if saved else (t.batch_size if isinstance(t.batch_size, int) else None)
+    )
+    if saved and isinstance(t.batch_size, int) and t.batch_size != global_batch:
+        log.warning(
+            "train.batch_size=%d differs from the checkpoint's %d; continuing with %d so the run stays one "
+            "optimisation (start a new checkpoint.dir to change it)",
+            t.batch_size,
+            global_batch,
+            global_batch,
+        )
+    if global_batch is not None and global_batch % world.size:
+        raise ConfigError(
+            [f"train.batch_size: {global_batch} is not divisible by the {world.size} processes"]
+        )
+    per_rank = global_batch // world.size if global_batch is not None else None
+    wanted: int | None = t.micro_batch_size if isinstance(t.micro_batch_size, int) else None
+    if saved and saved.get("world_size") == world.size and wanted is None:
+        wanted = int(saved["micro_batch"])  # same arithmetic as the interrupted life, if it fits here
+    if wanted is not None and per_rank is not None and per_rank % wanted:
+        raise ConfigError([f"train.micro_batch_size: {wanted} must divide the per-process batch {per_rank}"])
+    if device.type == "cuda":
+        if wanted is None or not fits(probe, wanted):
+            if wanted is not None:
+                log.warning("micro-batch %d does not fit this GPU; searching for one that does", wanted)
+            wanted = search_micro_batch(probe, per_rank)
+            log.info("largest micro-batch that fits with a safety margin: %d", wanted)
+    elif wanted is None:
+        cap = CPU_AUTO_MICRO_BATCH if per_rank is None else min(per_rank, CPU_AUTO_MICRO_BATCH)
+        wanted = max(d for d in range(1, cap + 1) if per_rank is None or per_rank % d == 0)
+    if global_batch is None:
+        global_batch = wanted * world.size
+    return BatchPlan(global_batch=global_batch, world_size=world.size, micro_batch=wanted)
+
+
+class Trainer:
+    """One life of a training job: restore, train until done or asked to stop, checkpoint, report."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        t = config.train
+        use_deterministic_kernels(t.deterministic)
+        device = resolve_device(t.device)
+        self.world = dist_utils.init_world(device.type)
+        self.device = torch.device("cuda", self.world.local_rank) if device.type == "cuda" else device
+        self.precision: PrecisionPlan = choose_precision(t.precision, self.device)
+        self.train_set = SeededImageFolder(
+            config.data.train_dir, train_transform(config.data.image_size), t.seed
+        )
+        self.val_set = EvalDataset(config.data.val_dir, config.data.image_size)
+        self.num_classes = len(self.train_set.classes)
+        torch.manual_seed(t.seed)  # identical initial weights on every rank and every life
+        self.raw_model = build_model(config.model.name, self.num_classes, self.device)
+        self.optimizer = make_optimizer(self.raw_model, config)
+        self.scaler = self.precision.grad_scaler()
+        self.checkpoints = CheckpointManager(
+            config.checkpoint.dir, config.checkpoint.uri, config.checkpoint.keep
+        )
+        self.stop = StopRequest(t.stop_file, t.checkpoint_request_file)
+        self.state = TrainState()
+        self.history = History()
+        self.config_hash = config.optimisation_hash()
+        self.output_dir = Path(config.output.dir)
+
+    # -- setup ---------------------------------------------------------------------------------------
+
+    def _restore(self) -> dict[str, Any] | None:
+        found = self.checkpoints.restore() if self.world.is_main else None
+        where = dist_utils.broadcast_object(self.world, str(found.directory) if found else None)
+        if where is None:
+            return None
+        if found is not None and found.manifest.get("config_hash") != self.config_hash:
+            log.warning(
+                "the config changed since checkpoint %s was written; resuming with the new one", where
+            )
+        state: dict[str, Any] = torch.load(
+            Path(str(where)) / "state.pt", map_location="cpu", weights_only=True
+        )
+        return state
+
+    def _load(self, saved: dict[str, Any]) -> None:
+        self.raw_model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scaler.load_state_dict(saved["scaler"])
+        self.state = TrainState(**saved["train"])
+        self.history = History.from_state(saved["history"])
+        restore_rng(saved["rng"])
+
+    def _snapshot(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+        return {
+            "model": self.raw_model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng": capture_rng(),
+            "train": vars(self.state).copy(),
+            "history": self.history.to_state(),
+            "batch": {
+                "global_batch": self.plan.global_batch,
+                "micro_batch": self.plan.micro_batch,
+                "accumulation": self.plan.accumulation,
+                "world_size": self.world.size,
+            },
+            "precision": self.precision.precision,
+            "classes": self.train_set.classes,
+        }
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.stop.install()
+        try:
+            return self._run()
+        finally:
+            self.stop.uninstall()
+            self.checkpoints.close()
+            dist_utils.shutdown(self.world)
+
+    def _run(self) -> int:
+        config, t = self.config, self.config.train
+        life_started = time.monotonic()
+        saved = self._restore()
+        probe = None
+        if self.device.type == "cuda":
+            probe = cuda_step_probe(
+                self.raw_model,
+                lambda m: make_optimizer(m, config),
+                config.data.image_size,
+                self.num_classes,
+                self.precision.autocast,
+                self.device,
+            )
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            self.plan = plan_batches(
+                config, self.world, self.device, saved["batch"] if saved else None, probe
+            )
+        sampler = ResumableBatchSampler(len(self.train_set), self.plan, self.world.rank, t.seed)
+        steps_per_epoch = sampler.steps_per_epoch
+        if steps_per_epoch == 0:
+            raise ConfigError(
+                [
+                    f"train.batch_size: {self.plan.global_batch} exceeds the {len(self.train_set)} "
+                    "training images; lower it"
+                ]
+            )
+        total_steps = steps_per_epoch * t.epochs
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_cosine(round(t.warmup_epochs * steps_per_epoch), total_steps)
+        )
+        if saved is not None:
+            self._load(saved)
+            scheduler.load_state_dict(saved["scheduler"])
+            log.info("resuming at step %d (epoch %d)", self.state.global_step, self.state.epoch + 1)
+        model: nn.Module = self.raw_model
+        if config.model.compile:
+            model = torch.compile(model)  # type: ignore[assignment]
+        if self.world.distributed:
+            model = DistributedDataParallel(
+                model, device_ids=[self.device] if self.device.type == "cuda" else None
+            )
+        options = loader_options(config, self.world.size, pin_memory=self.device.type == "cuda")
+        loader = train_loader(self.train_set, sampler, options)
+        val_loader = eval_loader(
+            self.val_set, self.plan.micro_batch, self.world.rank, self.world.size, options
+        )
+        progress = ProgressReporter(
+            self.output_dir if self.world.is_main else None,
+            epochs=t.epochs,
+            total_steps=total_steps,
+            log_every=t.log_every_steps,
+            device=self.device,
+            num_workers=options["num_workers"],
+        )
+        if self.world.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            log.info(
+                "%s on %s x%d, %s, global batch %d = %d process(es) x %d accumulation x %d micro-batch, "
+                "%d steps/epoch",
+                config.model.name,
+                self.device.type,
+                self.world.size,
+                self.precision.precision,
+                self.plan.global_batch,
+                self.world.size,
+                self.plan.accumulation,
+                self.plan.micro_batch,
+                steps_per_epoch,
+            )
+        criterion = nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
+        deadline = Deadline(config.checkpoint.every_minutes)
+        model.train()
+        while self.state.epoch < t.epochs:
+            sampler.set_position(self.state.epoch, self.state.step_in_epoch)
+            batches = iter(loader)
+            interval_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+            interval_steps = 0
+            progress.resume()
+            while self.state.step_in_epoch < steps_per_epoch:
+                wait, loss_sum, correct = self._optimizer_step(model, criterion, batches, scheduler)
+                s = self.state
+                s.global_step += 1
+                s.step_in_epoch += 1
+                s.samples_seen += self.plan.global_batch
+                interval_loss += loss_sum
+                interval_steps += 1
+                progress.record_step(wait, self.plan.global_batch)
+                self._accumulate_epoch(loss_sum, correct)
+                if progress.due(s.global_step):
+                    mean = dist_utils.sum_across(
+                        self.world, [float(interval_loss) / interval_steps], self.device
+                    )[0]
+                    mean /= self.world.size
+                    if self.world.is_main:
+                        progress.report(epoch=s.epoch + 1, step=s.global_step, loss=mean)
+                        self.history.step_losses.append((s.global_step, mean))
+                    interval_loss.zero_()
+                    interval_steps = 0
+                epoch_done = s.step_in_epoch == steps_per_epoch
+                if epoch_done:
+                    progress.pause()
+                    self._finish_epoch(model, val_loader)
+                    progress.resume()
+                outcome = self._maybe_checkpoint(scheduler, deadline, progress, life_started)
+                if outcome is not None:
+                    return outcome
+                if epoch_done:
+                    break
+        return self._complete(scheduler, progress, life_started)
+
+    def _optimizer_step(
+        self,
+        model: nn.Module,
+        criterion: nn.Module,
+        batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+    ) -> tuple[float, torch.Tensor, torch.Tensor]:
+        """One optimizer step over `accumulation` micro-batches; returns (loader wait, loss sum, correct)."""
+        plan, seed, step = self.plan, self.config.train.seed, self.state.global_step
+        wait = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct = torch.zeros((), dtype=torch.float64, device=self.device)
+        channels_last = self.device.type == "cuda"
+        for k in range(plan.accumulation):
+            fetch_started = time.perf_counter()
+            images, targets = next(batches)
+            wait += time.perf_counter() - fetch_started
+            images = images.to(self.device, non_blocking=True)
+            if channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            targets = targets.to(self.device, non_blocking=True)
+            torch.manual_seed(micro_batch_seed(seed, step, self.world.rank * plan.accumulation + k))
+            last = k == plan.accumulation - 1
+            # Gradients are all-reduced once per optimizer step, on the last micro-batch only.
+            sync = (
+                contextlib.nullcontext()
+                if last or not isinstance(model, DistributedDataParallel)
+                else model.no_sync()
+            )
+            with sync:
+                with self.precision.autocast():
+                    logits = model(images)
+                    loss = criterion(logits, targets)
+                self.scaler.scale(loss / plan.accumulation).backward()
+            loss_sum += loss.detach().double() / plan.accumulation
+            correct += (logits.detach().argmax(dim=1) == targets).sum().double()
+            fault_point("micro-batch", step=step, micro=k)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        return wait, loss_sum, correct
+
+    def _accumulate_epoch(self, loss_sum: torch.Tensor, correct: torch.Tensor) -> None:
+        s = self.state
+        # Floats in the state so a checkpoint mid-epoch carries the partial epoch's averages.
+        s.epoch_loss_sum += float(loss_sum)
+        s.epoch_correct += float(correct)
+        s.epoch_count += self.plan.per_rank
+
+    def _finish_epoch(self, model: nn.Module, val_loader: Any) -> None:
+        s = self.state
+        loss_sum, correct, count = dist_utils.sum_across(
+            self.world, [s.epoch_loss_sum * self.plan.per_rank, s.epoch_correct, s.epoch_count], self.device
+        )
+        val_loss, val_accuracy = self._evaluate(model, val_loader)
+        result = EpochResult(
+            epoch=s.epoch + 1,
+            step=s.global_step,
+            train_loss=loss_sum / max(count, 1),
+            train_accuracy=correct / max(count, 1),
+            val_loss=val_loss,
+            val_accuracy=val_accuracy,
+        )
+        self.history.epochs.append(result)
+        if self.world.is_main:
+            log.info(
+                "epoch %d done: train loss %.4f acc %.3f  val loss %.4f acc %.3f",
+                result.epoch,
+                result.train_loss,
+                result.train_accuracy,
+                result.val_loss,
+                result.val_accuracy,
+            )
+        s.epoch += 1
+        s.step_in_epoch = 0
+        s.epoch_loss_sum = s.epoch_correct = s.epoch_count = 0.0
+
+    @torch.no_grad()
+    def _evaluate(self, model: nn.Module, val_loader: Any) -> tuple[float, float]:
+        model.eval()
+        loss_sum = correct = count = 0.0
+        for images, targets in val_loader:
+            images = images.to(self.device, non_blocking=True)
+            if self.device.type == "cuda":
+                images = images.contiguous(memory_format=torch.channels_last)
+            targets = targets.to(self.device, non_blocking=True)
+            with self.precision.autocast():
+                logits = model(images)
+            loss_sum += float(nn.functional.cross_entropy(logits.float(), targets, reduction="sum"))
+            correct += float((logits.argmax(dim=1) == targets).sum())
+            count += len(targets)
+        model.train()
+        loss_sum, correct, count = dist_utils.sum_across(self.world, [loss_sum, correct, count], self.device)
+        return loss_sum / max(count, 1), correct / max(count, 1)
+
+    # -- checkpoints and endings -----------------------------------------------------------------------
+
+    def _save(self, scheduler: torch.optim.lr_scheduler.LRScheduler, life_started: float) -> None:
+        if self.world.is_main and self.checkpoints.latest_saved_step != self.state.global_step:
+            state = self._snapshot(scheduler)
+            state["train"]["wall_seconds"] = self.state.wall_seconds + time.monotonic() - life_started
+            self.checkpoints.save(
+                state,
+                step=self.state.global_step,
+                epoch=self.state.epoch,
+                world_size=self.world.size,
+                config_hash=self.config_hash,
+            )
+
+    def _maybe_checkpoint(
+        self,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        deadline: Deadline,
+        progress: ProgressReporter,
+        life_started: float,
+    ) -> int | None:
+        every = self.config.checkpoint.every_steps
+        stop, requested, timed = dist_utils.any_rank(
+            self.world,
+            [self.stop.stop_requested(), self.stop.checkpoint_requested(), deadline.due()],
+            self.device,
+        )
+        periodic = every > 0 and self.state.global_step % every == 0
+        if not (stop or requested or timed or periodic):
+            return None
+        progress.pause()
+        self._save(scheduler, life_started)
+        deadline.reset()
+        if requested and self.world.is_main:
+            self.checkpoints.wait_uploaded()
+            self.stop.clear_checkpoint_request()
+            log.info("checkpoint at step %d saved on request", self.state.global_step)
+        if stop:
+            if self.world.is_main:
+                self.checkpoints.wait_uploaded()
+                log.warning(
+                    "stopped at step %d on %s; checkpoint confirmed, exit %d",
+                    self.state.global_step,
+                    self.stop.reason(),
+                    EXIT_STOPPED,
+                )
+            dist_utils.barrier(self.world)
+            return EXIT_STOPPED
+        progress.resume()
+        return None
+
+    def _complete(
+        self, scheduler: torch.optim.lr_scheduler.LRScheduler, progress: ProgressReporter, life_started: float
+    ) -> int:
+        self._save(scheduler, life_started)
+        if self.world.is_main:
+            self.checkpoints.wait_uploaded()
+            summary = {
+                "steps": self.state.global_step,
+                "epochs": self.state.epoch,
+                "global_batch": self.plan.global_batch,
+                "micro_batch": self.plan.micro_batch,
+                "accumulation": self.plan.accumulation,
+                "world_size": self.world.size,
+                "precision": self.precision.precision,
+                "model": self.config.model.name,
+                "classes": self.train_set.classes,
+                **progress.summary(),
+                "wall_seconds": self.state.wall_seconds + time.monotonic() - life_started,
+                "checkpoints": self.checkpoints.timings.as_dict(),
+            }
+            write_artifacts(self.raw_model, self.history, summary, self.output_dir, self.config.output.uri)
+            log.info("training complete: %d steps; results in %s", self.state.global_step, self.output_dir)
+        dist_utils.barrier(self.world)
+        return EXIT_COMPLETED

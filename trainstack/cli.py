@@ -1,0 +1,169 @@
+"""Command line: parse arguments, pick stack and region, dispatch, and turn every failure into one line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from trainstack import control, doctor, logs, prices, session, status, transfer
+from trainstack.aws import Clients, explain
+from trainstack.errors import CliError
+from trainstack.output import print_error
+from trainstack.stack import Stack
+
+# Commands that run before `pulumi up` read only the stack config; the rest need its outputs.
+_CONFIG_ONLY = {"doctor", "prices"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    where = common.add_argument_group("stack")
+    where.add_argument("--stack", "-s", help="Pulumi stack name (default: the selected stack)")
+    where.add_argument(
+        "--cwd", type=Path, default=Path(), help="directory holding Pulumi.yaml (default: the current one)"
+    )
+    where.add_argument(
+        "--outputs",
+        type=Path,
+        metavar="FILE",
+        help="stack outputs saved by `pulumi stack output --json > FILE`",
+    )
+    where.add_argument("--region", help="AWS region (default: the stack's)")
+    json_flag = argparse.ArgumentParser(add_help=False)
+    json_flag.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
+
+    parser = argparse.ArgumentParser(
+        prog="trainstack",
+        description="Check, watch, feed and stop a trainstack spot-GPU training environment.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    both = [common, json_flag]
+    commands.add_parser(
+        "doctor", parents=both, help="check credentials, region, quotas, AZs and AMI before `pulumi up`"
+    )
+    commands.add_parser("status", parents=both, help="group, progress, latest checkpoint and cost")
+    logs_parser = commands.add_parser("logs", parents=both, help="the job's CloudWatch logs")
+    logs_parser.add_argument(
+        "-f", "--follow", action="store_true", help="keep printing new events until Ctrl-C"
+    )
+    logs_parser.add_argument(
+        "--since", default="1h", help="how far back to start: 30s, 10m, 2h, 1d (default 1h)"
+    )
+    logs_parser.add_argument(
+        "--stream", metavar="PREFIX", help="only streams starting with PREFIX (e.g. an instance id)"
+    )
+
+    data = commands.add_parser("data", help="the training dataset in the stack's bucket")
+    data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    push = data_commands.add_parser(
+        "push", parents=both, help="upload an ImageFolder dataset (train/ and val/)"
+    )
+    push.add_argument("dir", type=Path, metavar="DIR")
+    push.add_argument("--force", action="store_true", help="replace the dataset even while training runs")
+    push.add_argument(
+        "--delete", action="store_true", help="remove objects under data/ that DIR does not have"
+    )
+
+    results = commands.add_parser("results", help="the trained model, metrics and plots")
+    results_commands = results.add_subparsers(dest="results_command", required=True, metavar="ACTION")
+    pull = results_commands.add_parser(
+        "pull", parents=both, help="download results/ (default into ./results)"
+    )
+    pull.add_argument("dir", type=Path, nargs="?", default=Path("results"), metavar="DIR")
+
+    prices_parser = commands.add_parser(
+        "prices", parents=both, help="spot price per AZ beside on-demand, cheapest first"
+    )
+    prices_parser.add_argument(
+        "--type",
+        "-t",
+        action="append",
+        dest="types",
+        metavar="TYPE",
+        help="instance type (repeatable; default: trainstack:instanceTypes)",
+    )
+    prices_parser.add_argument(
+        "--days", type=float, default=1.0, help="price history window in days (default 1)"
+    )
+
+    shell = commands.add_parser("shell", parents=[common], help="SSM Session Manager shell on an instance")
+    shell.add_argument("--instance", metavar="ID", help="instance id (default: the first in service)")
+    forward = commands.add_parser(
+        "forward", parents=[common], help="forward a local port to an instance (SSM)"
+    )
+    forward.add_argument(
+        "port", type=int, metavar="PORT", help="port on the instance (Jupyter 8888, TensorBoard 6006)"
+    )
+    forward.add_argument("--local-port", type=int, metavar="PORT", help="local port (default: PORT)")
+    forward.add_argument("--instance", metavar="ID", help="instance id (default: the first in service)")
+
+    commands.add_parser("stop", parents=both, help="checkpoint, then scale the group to zero")
+    commands.add_parser("resume", parents=both, help="scale the group back to trainstack:instanceCount")
+    return parser
+
+
+def _region(args: argparse.Namespace, stack: Stack) -> str | None:
+    if args.region:
+        return str(args.region)
+    if args.command in _CONFIG_ONLY:
+        return stack.config.region
+    return stack.outputs.region or stack.config.region
+
+
+def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
+    as_json = bool(getattr(args, "json", False))
+    command = args.command
+    if command == "doctor":
+        return doctor.run(clients, stack, as_json=as_json)
+    if command == "status":
+        return status.run(clients, stack, as_json=as_json)
+    if command == "logs":
+        return logs.run(
+            clients, stack, since=args.since, stream=args.stream, follow_=args.follow, as_json=as_json
+        )
+    if command == "data":
+        return transfer.run_push(
+            clients, stack, args.dir, force=args.force, delete=args.delete, as_json=as_json
+        )
+    if command == "results":
+        return transfer.run_pull(clients, stack, args.dir, as_json=as_json)
+    if command == "prices":
+        return prices.run(clients, stack, types=args.types, days=args.days, as_json=as_json)
+    if command == "shell":
+        return session.run(clients, stack, instance=args.instance)
+    if command == "forward":
+        return session.run(clients, stack, instance=args.instance, port=args.port, local_port=args.local_port)
+    if command == "stop":
+        return control.run_stop(clients, stack, as_json=as_json)
+    if command == "resume":
+        return control.run_resume(clients, stack, as_json=as_json)
+    raise CliError(f"unknown command {command!r}: see `trainstack --help`")
+
+
+def main(argv: Sequence[str] | None = None, *, clients: Clients | None = None) -> int:
+    """Entry point; `clients` lets tests hand in a factory with stubbed services."""
+    args = build_parser().parse_args(argv)
+    stack = Stack(args.stack, project_dir=args.cwd, outputs_file=args.outputs)
+    try:
+        factory = clients or Clients(None)
+        return dispatch(args, stack, factory.with_region(_region(args, stack)))
+    except CliError as error:
+        print_error(str(error))
+    except (BotoCoreError, ClientError) as error:
+        print_error(str(explain(error)))
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        return 130
+    except BrokenPipeError:
+        # `trainstack logs | head`: the reader left; nothing to report.
+        sys.stderr.close()
+        return 0
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""`trainstack stop` / `resume`: ask the agent to checkpoint and scale to zero, or bring the group back."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+from trainstack.aws import Clients
+from trainstack.output import console, print_json
+from trainstack.stack import Stack
+from trainstack.state import CONTROL, encryption_args, read_group, read_job
+
+
+def stop(clients: Clients, stack: Stack) -> dict[str, Any]:
+    """Write the stop request; with nothing in service no agent would read it, so scale to zero here."""
+    outputs = stack.outputs
+    bucket, key = outputs.bucket, outputs.prefix("state_prefix") + CONTROL
+    request = {"action": "stop", "requested_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    clients.s3().put_object(
+        Bucket=bucket,
+        Key=key,
+        Body=json.dumps(request).encode(),
+        ContentType="application/json",
+        **encryption_args(outputs),
+    )
+    group = read_group(clients, outputs.group_name)
+    scaled = False
+    if group.in_service == 0 and group.desired > 0:
+        clients.autoscaling().update_auto_scaling_group(
+            AutoScalingGroupName=group.name, MinSize=0, DesiredCapacity=0
+        )
+        scaled = True
+    return {
+        "control": f"s3://{bucket}/{key}",
+        "request": request,
+        "group": group.name,
+        "in_service": group.in_service,
+        "scaled_to_zero_now": scaled,
+    }
+
+
+def resume(clients: Clients, stack: Stack) -> dict[str, Any]:
+    """Withdraw any stop request and set the group back to the stack's instance count."""
+    outputs = stack.outputs
+    bucket, key = outputs.bucket, outputs.prefix("state_prefix") + CONTROL
+    # Delete first: an agent booting before the delete would read the old request and stop again.
+    clients.s3().delete_object(Bucket=bucket, Key=key)
+    group = read_group(clients, outputs.group_name)
+    count = outputs.instance_count
+    clients.autoscaling().update_auto_scaling_group(
+        AutoScalingGroupName=group.name, DesiredCapacity=count, MaxSize=max(group.max_size, count)
+    )
+    job = read_job(clients, outputs)
+    notes = []
+    if job.status == "completed":
+        notes.append("training already completed: the new instance restores the final checkpoint and ends")
+    failures = int((job.ledger or {}).get("consecutive_failures") or 0)
+    if failures:
+        notes.append(f"the last {failures} lives failed: check `trainstack logs` before it burns more time")
+    return {
+        "group": group.name,
+        "desired": count,
+        "previous_desired": group.desired,
+        "status": job.status,
+        "notes": notes,
+    }
+
+
+def run_stop(clients: Clients, stack: Stack, *, as_json: bool) -> int:
+    result = stop(clients, stack)
+    if as_json:
+        print_json(result)
+    elif result["scaled_to_zero_now"]:
+        console().print(
+            f"no instance in service: {result['group']} scaled to zero now; stop request left in "
+            f"{result['control']}",
+            markup=False,
+        )
+    elif result["in_service"]:
+        console().print(
+            f"stop requested ({result['control']}): the agent checkpoints, then scales {result['group']} "
+            "to zero; "
+            "watch it with `trainstack status`",
+            markup=False,
+        )
+    else:
+        console().print(
+            f"{result['group']} is already at zero; stop request left in {result['control']}", markup=False
+        )
+    return 0
+
+
+def run_resume(clients: Clients, stack: Stack, *, as_json: bool) -> int:
+    result = resume(clients, stack)
+    if as_json:
+        print_json(result)
+        return 0
+    out = console()
+    out.print(
+        f"{result['group']}: desired {result['previous_desired']} → {result['desired']}; "
+        "training resumes from the "
+        "latest checkpoint once an instance boots (`trainstack status`)",
+        markup=False,
+    )
+    for note in result["notes"]:
+        out.print(f"note: {note}", markup=False)
+    return 0

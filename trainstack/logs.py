@@ -1,0 +1,130 @@
+"""`trainstack logs [-f]`: the job's CloudWatch Logs streams, merged in time order, optionally followed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from botocore.exceptions import ClientError
+
+from trainstack.aws import Clients, error_code
+from trainstack.errors import CliError
+from trainstack.stack import Stack
+
+_SINCE = re.compile(r"^(\d+)([smhd])$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+# CloudWatch Logs allows 5 FilterLogEvents calls per second per account and region: stay well below.
+POLL_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class LogEvent:
+    timestamp_ms: int
+    stream: str
+    message: str
+    event_id: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"timestamp": _iso(self.timestamp_ms), "stream": self.stream, "message": self.message}
+
+
+def _iso(timestamp_ms: int) -> str:
+    return datetime.fromtimestamp(timestamp_ms / 1000, timezone.utc).isoformat(timespec="milliseconds")
+
+
+def parse_since(text: str) -> timedelta:
+    """`30s`, `10m`, `2h`, `1d`."""
+    match = _SINCE.match(text.strip())
+    if match is None:
+        raise CliError(f"--since {text!r}: use a number and a unit s, m, h or d, e.g. --since 30m")
+    return timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+
+
+class LogReader:
+    """Reads a log group from a start time on, never returning the same event twice."""
+
+    def __init__(
+        self, clients: Clients, group: str, start: datetime, stream_prefix: str | None = None
+    ) -> None:
+        self.clients = clients
+        self.group = group
+        self.start_ms = int(start.timestamp() * 1000)
+        self.stream_prefix = stream_prefix
+        # Events that share the newest timestamp may arrive across two polls: remember their ids.
+        self._seen_at_start: set[str] = set()
+
+    def read(self) -> list[LogEvent]:
+        request: dict[str, Any] = {"logGroupName": self.group, "startTime": self.start_ms}
+        if self.stream_prefix:
+            request["logStreamNamePrefix"] = self.stream_prefix
+        events = []
+        try:
+            for page in self.clients.logs().get_paginator("filter_log_events").paginate(**request):
+                for raw in page["events"]:
+                    event = LogEvent(
+                        raw["timestamp"], raw["logStreamName"], raw["message"].rstrip("\n"), raw["eventId"]
+                    )
+                    if event.event_id not in self._seen_at_start:
+                        events.append(event)
+        except ClientError as error:
+            if error_code(error) == "ResourceNotFoundException":
+                raise CliError(
+                    f"log group {self.group} not found in {self.clients.region}: the stack may be destroyed; "
+                    "run `pulumi up`, or pass the right --stack"
+                ) from None
+            raise
+        events.sort(key=lambda e: (e.timestamp_ms, e.event_id))
+        if events:
+            newest = events[-1].timestamp_ms
+            if newest > self.start_ms:
+                self._seen_at_start = set()
+            self.start_ms = newest
+            self._seen_at_start |= {e.event_id for e in events if e.timestamp_ms == newest}
+        return events
+
+
+def print_events(events: list[LogEvent], *, as_json: bool) -> None:
+    for event in events:
+        if as_json:
+            sys.stdout.write(json.dumps(event.to_json()) + "\n")
+        else:
+            sys.stdout.write(f"{_iso(event.timestamp_ms)} {event.stream} {event.message}\n")
+    sys.stdout.flush()
+
+
+def follow(
+    reader: LogReader,
+    *,
+    as_json: bool,
+    poll_seconds: float = POLL_SECONDS,
+    sleep: Callable[[float], None] = time.sleep,
+    polls: int | None = None,
+) -> None:
+    """Print new events as they arrive; `polls` bounds the loop (None: until Ctrl-C)."""
+    done = 0
+    while polls is None or done < polls:
+        print_events(reader.read(), as_json=as_json)
+        done += 1
+        if polls is None or done < polls:
+            sleep(poll_seconds)
+
+
+def run(
+    clients: Clients, stack: Stack, *, since: str, stream: str | None, follow_: bool, as_json: bool
+) -> int:
+    start = datetime.now(timezone.utc) - parse_since(since)
+    reader = LogReader(clients, stack.outputs.text("log_group_name"), start, stream)
+    if not follow_:
+        print_events(reader.read(), as_json=as_json)
+        return 0
+    # Ctrl-C is how a user leaves `logs -f`: not an error.
+    with contextlib.suppress(KeyboardInterrupt):
+        follow(reader, as_json=as_json)
+    return 0

@@ -1,0 +1,152 @@
+"""What the stack is doing: the Auto Scaling group, and the JSON the agent and trainer keep in `state/`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from botocore.exceptions import ClientError
+
+from trainstack.aws import Clients, is_not_found
+from trainstack.errors import CliError
+from trainstack.stack import StackOutputs
+
+LEDGER = "ledger.json"
+PROGRESS = "progress.json"
+CONTROL = "control.json"
+LATEST_CHECKPOINT = "latest.json"
+
+
+@dataclass(frozen=True)
+class GroupInstance:
+    """One instance of the group as a user thinks of it."""
+
+    instance_id: str
+    instance_type: str
+    az: str
+    lifecycle: str  # "spot" or "on-demand"
+    state: str  # the group's lifecycle state: Pending, InService, Terminating...
+    health: str
+
+
+@dataclass(frozen=True)
+class Group:
+    """The Auto Scaling group's sizes and members."""
+
+    name: str
+    desired: int
+    min_size: int
+    max_size: int
+    instances: list[GroupInstance] = field(default_factory=list)
+
+    @property
+    def in_service(self) -> int:
+        return sum(1 for i in self.instances if i.state == "InService")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "desired": self.desired,
+            "min": self.min_size,
+            "max": self.max_size,
+            "in_service": self.in_service,
+            "instances": [vars(i) for i in self.instances],
+        }
+
+
+def read_group(clients: Clients, group_name: str) -> Group:
+    """The group and its instances, each with spot/on-demand from EC2 (the group does not say)."""
+    found = clients.autoscaling().describe_auto_scaling_groups(AutoScalingGroupNames=[group_name])
+    groups = found["AutoScalingGroups"]
+    if not groups:
+        raise CliError(
+            f"Auto Scaling group '{group_name}' not found in {clients.region}: the stack may be destroyed or "
+            "its outputs stale; run `pulumi up`, or pass the right --stack"
+        )
+    group = groups[0]
+    members = group.get("Instances", [])
+    lifecycles: dict[str, str] = {}
+    ids = [m["InstanceId"] for m in members]
+    if ids:
+        for reservation in clients.ec2().describe_instances(InstanceIds=ids)["Reservations"]:
+            for instance in reservation["Instances"]:
+                # EC2 omits InstanceLifecycle for on-demand instances.
+                lifecycles[instance["InstanceId"]] = (
+                    "spot" if instance.get("InstanceLifecycle") == "spot" else "on-demand"
+                )
+    return Group(
+        name=group_name,
+        desired=group["DesiredCapacity"],
+        min_size=group["MinSize"],
+        max_size=group["MaxSize"],
+        instances=[
+            GroupInstance(
+                instance_id=m["InstanceId"],
+                instance_type=m.get("InstanceType", "?"),
+                az=m["AvailabilityZone"],
+                lifecycle=lifecycles.get(m["InstanceId"], "on-demand"),
+                state=m["LifecycleState"],
+                health=m["HealthStatus"],
+            )
+            for m in members
+        ],
+    )
+
+
+def read_json(clients: Clients, bucket: str, key: str) -> dict[str, Any] | None:
+    """A JSON object from the bucket, or None when it is not there yet."""
+    try:
+        body = clients.s3().get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as error:
+        if is_not_found(error):
+            return None
+        raise
+    try:
+        document = json.loads(body)
+    except json.JSONDecodeError:
+        raise CliError(
+            f"s3://{bucket}/{key} is not valid JSON; it is rewritten by the agent, retry shortly"
+        ) from None
+    return document if isinstance(document, dict) else None
+
+
+@dataclass(frozen=True)
+class JobState:
+    """The training job as the bucket records it; each part is None until first written."""
+
+    ledger: dict[str, Any] | None
+    progress: dict[str, Any] | None
+    checkpoint: dict[str, Any] | None
+    control: dict[str, Any] | None
+
+    @property
+    def status(self) -> str:
+        return str((self.ledger or {}).get("status", "not started"))
+
+
+def read_job(clients: Clients, outputs: StackOutputs) -> JobState:
+    bucket = outputs.bucket
+    state = outputs.prefix("state_prefix")
+    return JobState(
+        ledger=read_json(clients, bucket, state + LEDGER),
+        progress=read_json(clients, bucket, state + PROGRESS),
+        checkpoint=read_json(clients, bucket, outputs.prefix("checkpoints_prefix") + LATEST_CHECKPOINT),
+        control=read_json(clients, bucket, state + CONTROL),
+    )
+
+
+def training_runs(group: Group, job: JobState) -> bool:
+    """The agent says it is training and the group has (or is launching) an instance for it."""
+    # desired > 0 covers the gap after a spot interruption, when the replacement is not in service yet.
+    return job.status == "running" and (group.in_service > 0 or group.desired > 0)
+
+
+def encryption_args(outputs: StackOutputs) -> dict[str, Any]:
+    """S3 write arguments that satisfy the bucket's deny-unencrypted policy with the stack's own key."""
+    # No BucketKeyEnabled: the transfer manager refuses it, and the bucket's own bucket-key setting applies.
+    args: dict[str, Any] = {"ServerSideEncryption": "aws:kms"}
+    if outputs.values.get("kms_key_arn"):
+        # Naming only aws:kms would make S3 use the AWS-managed aws/s3 key instead of the stack's CMK.
+        args["SSEKMSKeyId"] = outputs.text("kms_key_arn")
+    return args

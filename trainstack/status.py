@@ -1,0 +1,173 @@
+"""`trainstack status`: the group, the training progress, the latest checkpoint and what it costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+
+from trainstack.aws import Clients
+from trainstack.output import console, format_duration, format_usd, parse_time, print_json
+from trainstack.stack import Stack
+from trainstack.state import JobState, read_group, read_job
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Spend so far and the estimate to finish, from the ledger's per-life prices."""
+
+    so_far_usd: float | None
+    rate_usd_per_hour: float | None
+    remaining_s: float | None
+
+    @property
+    def to_finish_usd(self) -> float | None:
+        if self.remaining_s == 0:
+            return 0.0
+        if self.rate_usd_per_hour is None or self.remaining_s is None:
+            return None
+        return self.rate_usd_per_hour * self.remaining_s / 3600
+
+    @property
+    def estimate_total_usd(self) -> float | None:
+        if self.so_far_usd is None or self.to_finish_usd is None:
+            return None
+        return self.so_far_usd + self.to_finish_usd
+
+
+def _seconds_since(value: Any, now: datetime) -> float | None:
+    moment = parse_time(value)
+    return None if moment is None else max(0.0, (now - moment).total_seconds())
+
+
+def remaining_seconds(job: JobState, now: datetime) -> float | None:
+    """The trainer's ETA, less the time since it wrote it; zero once the job is over."""
+    if job.status == "completed":
+        return 0.0
+    progress = job.progress or {}
+    eta = progress.get("eta_s")
+    if not isinstance(eta, int | float):
+        return None
+    return max(0.0, float(eta) - (_seconds_since(progress.get("updated_at"), now) or 0.0))
+
+
+def estimate_cost(job: JobState, now: datetime) -> Cost:
+    ledger = job.ledger or {}
+    lives = [life for life in ledger.get("lives", []) if isinstance(life, dict)]
+    running = [life for life in lives if life.get("outcome") == "running" and not life.get("ended_at")]
+    rate = sum(float(life.get("price_usd_per_hour") or 0.0) for life in running) if running else None
+    if rate is None and lives and job.status == "running":
+        # Between lives (a replacement is launching) the last price is the best guess of the next.
+        rate = float(lives[-1].get("price_usd_per_hour") or 0.0)
+    so_far = ledger.get("total_cost_usd")
+    so_far_usd = float(so_far) if isinstance(so_far, int | float) else None
+    if so_far_usd is not None and running:
+        # The ledger is as of its last write; running lives have kept billing since.
+        since = _seconds_since(ledger.get("updated_at"), now) or 0.0
+        so_far_usd += (rate or 0.0) * since / 3600
+    return Cost(so_far_usd=so_far_usd, rate_usd_per_hour=rate, remaining_s=remaining_seconds(job, now))
+
+
+def collect(clients: Clients, stack: Stack, now: datetime | None = None) -> dict[str, Any]:
+    """Everything `status` shows, as one JSON-ready document (the human view renders this)."""
+    now = now or datetime.now(timezone.utc)
+    outputs = stack.outputs
+    group = read_group(clients, outputs.group_name)
+    job = read_job(clients, outputs)
+    cost = estimate_cost(job, now)
+    checkpoint = dict(job.checkpoint) if job.checkpoint else None
+    if checkpoint is not None:
+        checkpoint["age_s"] = _seconds_since(checkpoint.get("written_at"), now)
+    progress = dict(job.progress) if job.progress else None
+    if progress is not None:
+        progress["age_s"] = _seconds_since(progress.get("updated_at"), now)
+        progress["remaining_s"] = cost.remaining_s
+    ledger = job.ledger or {}
+    return {
+        "stack": stack.name,
+        "region": clients.region,
+        "group": group.to_json(),
+        "status": job.status,
+        "stop_requested": job.control is not None,
+        "progress": progress,
+        "checkpoint": checkpoint,
+        "interruptions": int(ledger.get("interruptions") or 0),
+        "consecutive_failures": int(ledger.get("consecutive_failures") or 0),
+        "cost": {
+            "so_far_usd": cost.so_far_usd,
+            "rate_usd_per_hour": cost.rate_usd_per_hour,
+            "to_finish_usd": cost.to_finish_usd,
+            "estimate_total_usd": cost.estimate_total_usd,
+        },
+    }
+
+
+def run(clients: Clients, stack: Stack, *, as_json: bool) -> int:
+    report = collect(clients, stack)
+    if as_json:
+        print_json(report)
+    else:
+        render(report)
+    return 0
+
+
+def render(report: dict[str, Any]) -> None:
+    out = console()
+    group = report["group"]
+    stop = "  [yellow](stop requested)[/]" if report["stop_requested"] else ""
+    out.print(f"[bold]{report['stack']}[/] in {report['region']}: training [bold]{report['status']}[/]{stop}")
+    out.print(
+        f"group {group['name']}: desired {group['desired']} (max {group['max']}), "
+        f"in service {group['in_service']}"
+    )
+    if group["instances"]:
+        table = Table("instance", "type", "AZ", "lifecycle", "state", "health")
+        for i in group["instances"]:
+            table.add_row(
+                i["instance_id"], i["instance_type"], i["az"], i["lifecycle"], i["state"], i["health"]
+            )
+        out.print(table)
+    progress = report["progress"]
+    if progress:
+        _render_progress(progress)
+    else:
+        out.print("progress: none yet (the trainer writes it once the first steps run)")
+    checkpoint = report["checkpoint"]
+    if checkpoint:
+        out.print(
+            f"latest checkpoint: step {checkpoint.get('step')} (epoch {checkpoint.get('epoch')}), "
+            f"{format_duration(checkpoint.get('age_s'))} ago"
+        )
+    else:
+        out.print("latest checkpoint: none yet")
+    cost = report["cost"]
+    out.print(
+        f"interruptions: {report['interruptions']}   cost so far: {format_usd(cost['so_far_usd'])}   "
+        f"to finish: ≈{format_usd(cost['to_finish_usd'])} "
+        f"(at {format_usd(cost['rate_usd_per_hour'], 3)}/h; total ≈{format_usd(cost['estimate_total_usd'])})"
+    )
+
+
+def _render_progress(progress: dict[str, Any]) -> None:
+    out = console()
+    step, total = progress.get("step"), progress.get("total_steps")
+    table = Table.grid(padding=(0, 1))
+    if isinstance(step, int | float) and isinstance(total, int | float) and total > 0:
+        table.add_row(
+            "progress:",
+            ProgressBar(total=float(total), completed=float(step), width=30),
+            f"{100 * step / total:.1f}%",
+        )
+    out.print(table)
+    speed = progress.get("samples_per_s")
+    wait = progress.get("data_wait_fraction")
+    out.print(
+        f"epoch {progress.get('epoch')}/{progress.get('epochs')}, step {step}/{total}, "
+        f"{'-' if speed is None else f'{speed:,.0f}'} samples/s, "
+        f"ETA {format_duration(progress.get('remaining_s'))}"
+        + (f", data wait {100 * wait:.0f}%" if isinstance(wait, int | float) else "")
+        + f" (updated {format_duration(progress.get('age_s'))} ago on {progress.get('instance_type', '?')})"
+    )
