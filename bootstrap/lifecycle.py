@@ -40,8 +40,6 @@ from bootstrap.watcher import RebalanceRecommendation, SpotWatcher, TerminationN
 # Outcomes after which this instance has nothing left to do; any other ends the life with exit 1 so that
 # systemd starts the next life on this instance (and the crash counter decides when to give up).
 FINAL_OUTCOMES = {"completed", "preempted", "stopped", "cost_cap", "replaced", "skipped", "gave_up"}
-CONTROL_POLL_SECONDS = 10.0
-COST_POLL_SECONDS = 30.0
 PROGRESS_UPLOAD_SECONDS = 15.0
 # Why the agent asked the trainer to stop → what the life's outcome is once it has.
 _STOP_OUTCOMES = {
@@ -92,6 +90,7 @@ class InstanceLife:
         price_lookup: PriceLookup | None = None,
         identity_wait_seconds: float = 60.0,
         release_wait_seconds: float = 120.0,
+        state_poll_seconds: float = 10.0,
         tick_seconds: float = 0.5,
     ) -> None:
         self.config = config
@@ -103,6 +102,8 @@ class InstanceLife:
         self._identity_wait_seconds = identity_wait_seconds
         self._tick_seconds = tick_seconds
         self._release_wait_seconds = release_wait_seconds
+        # How often control.json is read and the cost updated (a cost check writes the ledger: not every tick).
+        self._state_poll_seconds = state_poll_seconds
         prefixes = config.prefixes
         self.state = StateStore(self.clients.s3, config.bucket, prefixes.state)
         self.fleet = Fleet(self.clients.autoscaling, config.group_name)
@@ -352,16 +353,16 @@ class InstanceLife:
         restarted = False
         stop_reason: str | None = None
         stop_deadline = 0.0
-        next_control = next_cost = next_progress = time.monotonic()
+        next_state = next_progress = time.monotonic()
         while True:
             code = trainer.poll()
             if code is not None:
                 return self._classify_exit(code, stop_reason, trainer)
             now = time.monotonic()
             if stop_reason is None:
-                stop_reason = self._stop_reason(now >= next_control, now >= next_cost)
-                next_control = now + CONTROL_POLL_SECONDS if now >= next_control else next_control
-                next_cost = now + COST_POLL_SECONDS if now >= next_cost else next_cost
+                check_state = now >= next_state
+                stop_reason = self._stop_reason(check_state)
+                next_state = now + self._state_poll_seconds if check_state else next_state
                 if stop_reason is not None:
                     self.log.event(
                         "stop",
@@ -395,19 +396,20 @@ class InstanceLife:
                 trainer.start()
             time.sleep(self._tick_seconds)
 
-    def _stop_reason(self, check_control: bool, check_cost: bool) -> str | None:
+    def _stop_reason(self, check_state: bool) -> str | None:
         if self._notice is not None:
             return self._notice.source
         if self._shutdown.is_set():
             return "shutdown"
+        if not check_state:
+            return None
         try:
-            if check_control and self.state.stop_requested():
+            if self.state.stop_requested():
                 return "control"
-            if check_cost:
-                over = self._over_cost_cap()
-                self._save_ledger()
-                if over:
-                    return "cost_cap"
+            over = self._over_cost_cap()
+            self._save_ledger()
+            if over:
+                return "cost_cap"
         except Exception as exc:  # S3 hiccups must not stop training; the next tick tries again
             self.log.event("state", "cannot read or write job state; will retry", error=str(exc))
         return None

@@ -1,4 +1,4 @@
-"""The code bundle an instance runs: `training/` + `bootstrap/`, archived reproducibly and content-addressed."""
+"""The code bundle an instance runs: `training/` + `bootstrap/`, archived reproducibly, content-addressed."""
 
 from __future__ import annotations
 

@@ -83,8 +83,8 @@ SPOT_ALLOCATION_STRATEGIES = (
     "lowest-price",
 )
 # CloudWatch Logs accepts only these retention periods.
-LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922,
-                      3288, 3653)  # fmt: skip
+LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557,
+                      2922, 3288, 3653)  # fmt: skip
 
 _INSTANCE_TYPE = re.compile(r"^(?P<family>[a-z][a-z0-9-]*?)\.(?P<size>[a-z0-9-]+)$")
 _AMI_ID = re.compile(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$")
@@ -171,14 +171,15 @@ def load_stack_config() -> StackConfig:
 
 
 def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, stack: str) -> StackConfig:
-    """Validate raw config values (strings or already-typed values); raise one message listing every problem."""
+    """Validate raw values (strings, or already typed); raise one message listing every problem."""
     problems = _Problems()
     for key in raw:
         if key not in DEFAULTS:
             close = difflib.get_close_matches(key, DEFAULTS, n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(DEFAULTS)}"
             problems.lines.append(
-                f"{NAMESPACE}:{key}: unknown key, {hint} (remove it with `pulumi config rm {NAMESPACE}:{key}`)"
+                f"{NAMESPACE}:{key}: unknown key, {hint} "
+                f"(remove it with `pulumi config rm {NAMESPACE}:{key}`)"
             )
     if not region:
         problems.lines.append("aws:region: required (e.g. `pulumi config set aws:region us-east-1`)")
@@ -266,7 +267,8 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
     if log_days not in LOG_RETENTION_DAYS:
         problems.add(
             "logRetentionDays",
-            f"{log_days!r} is not a CloudWatch Logs retention period ({', '.join(map(str, LOG_RETENTION_DAYS))})",
+            f"{log_days!r} is not a CloudWatch Logs retention period "
+            f"({', '.join(map(str, LOG_RETENTION_DAYS))})",
             "30",
         )
     training_path, job = _load_training_config(training_config, problems)

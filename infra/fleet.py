@@ -39,7 +39,8 @@ def resolve_image(config: StackConfig) -> MachineImage:
             image_id = aws.ssm.get_parameter(name=config.ami_parameter).value
         except Exception as exc:
             raise StackConfigError(
-                f"{NAMESPACE}:amiParameter: cannot read SSM parameter {config.ami_parameter} in {config.region} "
+                f"{NAMESPACE}:amiParameter: cannot read SSM parameter {config.ami_parameter} "
+                f"in {config.region} "
                 f"({str(exc).splitlines()[0][:200]}); check the name with `trainstack doctor` or pin "
                 f"{NAMESPACE}:amiId"
             ) from exc
@@ -208,7 +209,11 @@ class Fleet(pulumi.ComponentResource):
             wait_for_capacity_timeout="0",
             # Destroy must not wait out the drain hook on instances that have nothing left to save.
             force_delete=True,
-            enabled_metrics=["GroupDesiredCapacity", "GroupInServiceInstances", "GroupTotalInstances"],
+            enabled_metrics=[
+                aws.autoscaling.Metric.GROUP_DESIRED_CAPACITY,
+                aws.autoscaling.Metric.GROUP_IN_SERVICE_INSTANCES,
+                aws.autoscaling.Metric.GROUP_TOTAL_INSTANCES,
+            ],
             metrics_granularity="1Minute",
             tags=[
                 aws.autoscaling.GroupTagArgs(key=key, value=value, propagate_at_launch=True)
@@ -237,5 +242,6 @@ def agent_config(config: StackConfig, *, bucket: str, topic_arn: str, log_group:
         max_consecutive_failures=config.max_consecutive_failures,
         max_cost_usd=config.max_cost_usd,
         instance_count=config.instance_count,
+        lifecycle_hook=LIFECYCLE_HOOK_NAME,
         job=config.job,
     )

@@ -40,7 +40,7 @@ class Identity(pulumi.ComponentResource):
         self.role = aws.iam.Role(
             f"{name}-instance-role",
             name=f"{args.name}-instance",
-            description=f"{args.name} GPU instances: the stack's bucket, key, topic, log group and group only",
+            description=f"{args.name} GPU instances: this stack's bucket, key, topic, logs and group only",
             assume_role_policy=json.dumps(policies.assume_role_policy("ec2.amazonaws.com")),
             max_session_duration=3600,
             tags=args.tags,

@@ -195,7 +195,8 @@ class Network(pulumi.ComponentResource):
                 protocol="tcp",
                 from_port=22,
                 to_port=22,
-                **({"ipv6_cidr_blocks": [cidr]} if ":" in cidr else {"cidr_blocks": [cidr]}),
+                cidr_blocks=[] if ":" in cidr else [cidr],
+                ipv6_cidr_blocks=[cidr] if ":" in cidr else [],
             )
             for cidr in args.ssh_ingress_cidrs
         ]

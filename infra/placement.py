@@ -28,9 +28,9 @@ def choose_zones(
     nowhere = [t for t, zones in zones_by_type.items() if not zones]
     if nowhere:
         raise StackConfigError(
-            f"{NAMESPACE}:instanceTypes: {', '.join(nowhere)} not offered in any Availability Zone of {region}; "
-            f"remove {'it' if len(nowhere) == 1 else 'them'} or pick another region (`trainstack doctor` lists "
-            "what each zone offers)"
+            f"{NAMESPACE}:instanceTypes: {', '.join(nowhere)} not offered in any Availability Zone of "
+            f"{region}; remove {'it' if len(nowhere) == 1 else 'them'} or pick another region "
+            "(`trainstack doctor` lists what each zone offers)"
         )
     zones = sorted(set().union(*zones_by_type.values()))
     if len(zones) < MIN_ZONES:

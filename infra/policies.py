@@ -219,6 +219,13 @@ def instance_policy(
             "Condition": {"StringLike": {"s3:prefix": [f"{p}*" for p in read_prefixes + write_prefixes]}},
         },
         {
+            # s5cmd and the AWS CLI look the bucket's region up before they transfer.
+            "Sid": "LocateBucket",
+            "Effect": "Allow",
+            "Action": "s3:GetBucketLocation",
+            "Resource": bucket_arn,
+        },
+        {
             "Sid": "ReadDataAndCode",
             "Effect": "Allow",
             "Action": "s3:GetObject",

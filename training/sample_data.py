@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from torchvision.io import write_png
+from PIL import Image
 
 
 def _image(label: int, num_classes: int, size: int, generator: torch.Generator) -> torch.Tensor:
@@ -38,7 +38,8 @@ def write_dataset(
             folder = root / split / f"class_{label}"
             folder.mkdir(parents=True, exist_ok=True)
             for index in range(count):
-                write_png(_image(label, classes, size, generator), str(folder / f"{index:05d}.png"))
+                pixels = _image(label, classes, size, generator).permute(1, 2, 0).numpy()
+                Image.fromarray(pixels).save(folder / f"{index:05d}.png")
     return root / "train", root / "val"
 
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from . import resource_types as t
-from .properties import Unknown, as_bool, as_int, get, is_set, is_unknown, items
+from .properties import Unknown, as_bool, as_int, count, get, is_set, is_unknown, items
 from .user_data import decode, find_secrets
 
 
@@ -95,13 +95,9 @@ def group_spans_zones_and_types(
     resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
 ) -> Iterator[str]:
     """AutoScaling.2 / AutoScaling.6: spot capacity comes back fastest from several AZs and types."""
-    zones = items(props, "availabilityZones")
-    subnets = items(props, "vpcZoneIdentifiers")
-    if (
-        not isinstance(zones, Unknown)
-        and not isinstance(subnets, Unknown)
-        and max(len(zones), len(subnets)) < 2
-    ):
+    zones = count(props, "availabilityZones")
+    subnets = count(props, "vpcZoneIdentifiers")
+    if not isinstance(zones, Unknown) and not isinstance(subnets, Unknown) and max(zones, subnets) < 2:
         yield "give vpcZoneIdentifiers subnets in two or more Availability Zones"
     overrides = items(props, "mixedInstancesPolicy", "launchTemplate", "overrides")
     if isinstance(overrides, Unknown) or any(is_unknown(o) for o in overrides):

@@ -78,7 +78,8 @@ def get(props: Any, *path: str | int) -> Any:
 
     pulumi-policy wraps props in proxies that raise on unknown values; every rule reads through here
     so that an unknown value becomes UNKNOWN, which each rule treats as a pass (no false failure at
-    preview; the same rule runs again on `pulumi up` with the value known).
+    preview; the same rule runs again on `pulumi up` with the value known). The path is recorded for
+    `recording_unknowns`, so the policy can say at preview what it could not check.
     """
     current: Any = props
     for depth, step in enumerate(path):
@@ -114,6 +115,17 @@ def items(props: Any, *path: str | int) -> list[Any] | Unknown:
     if not _is_list(value):
         return [value]
     return [get(value, index) for index in range(len(value))]
+
+
+def count(props: Any, *path: str | int) -> int | Unknown:
+    """How many elements the list at `path` has (0 if missing), without reading them: a list of
+    subnet IDs unknown at preview still has a known length."""
+    value = get(props, *path)
+    if value is None:
+        return 0
+    if isinstance(value, Unknown):
+        return value
+    return len(value) if _is_list(value) else 1
 
 
 def as_bool(value: Any) -> bool | None:

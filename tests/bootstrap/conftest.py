@@ -67,6 +67,7 @@ def make_life(stack: LocalStack, imds: ImdsSimulator, tmp_path: Path) -> Callabl
             trainer_command=trainer or FAKE_TRAINER,
             identity_wait_seconds=2,
             release_wait_seconds=3,
+            state_poll_seconds=0.5,
             tick_seconds=0.1,
         )
 

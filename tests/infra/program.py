@@ -40,7 +40,7 @@ FALLBACK_JOB = {
 
 @dataclass(frozen=True)
 class RecordedResource:
-    """One resource the program registered: type token, logical name, inputs, parent's logical name, options."""
+    """One registered resource: type token, logical name, inputs, parent's logical name, options."""
 
     type: str
     name: str

@@ -1,4 +1,4 @@
-"""Every IAM document the program creates: no wildcard grants, `*` resources only where AWS requires, parliament-clean."""
+"""Every IAM document the program makes: no wildcard grants, `*` only where AWS requires, parliament-clean."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from infra.policies import RESOURCE_STAR_REQUIRED, actions_of
+from infra.policies import RESOURCE_STAR_REQUIRED
 from tests.infra.program import StackRun
 
 with warnings.catch_warnings():

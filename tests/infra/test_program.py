@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 from infra.fleet import LIFECYCLE_HOOK_NAME
 from infra.observability import event_alerts
-from tests.infra.program import AMI_ID, ROOT_DEVICE, StackRun, example_config, run_stack
+from tests.infra.program import AMI_ID, REPO_ROOT, ROOT_DEVICE, StackRun, example_config, run_stack
 
 ASG = "aws:autoscaling/group:Group"
 INTERNALS_OUTPUTS = {
-    "region", "bucket_name", "data_prefix", "code_prefix", "checkpoints_prefix", "results_prefix", "state_prefix",
-    "data_upload_command", "group_name", "instance_count", "instance_types", "log_group_name", "topic_arn",
-    "kms_key_arn", "dashboard_url", "ssm_session_command",
+    "region", "bucket_name", "data_prefix", "code_prefix", "checkpoints_prefix", "results_prefix",
+    "state_prefix", "data_upload_command", "group_name", "instance_count", "instance_types", "log_group_name",
+    "topic_arn", "kms_key_arn", "dashboard_url", "ssm_session_command",
 }  # fmt: skip
 BILLING_TYPES_DELETED_ON_DESTROY = (
     "aws:autoscaling/group:Group",
@@ -68,7 +71,7 @@ def test_private_subnets_route_through_one_nat_gateway(private_stack: StackRun) 
     nat = private_stack.one("aws:ec2/natGateway:NatGateway")
     assert nat.inputs["subnetId"].startswith("network-public-")
     tables = private_stack.of_type("aws:ec2/routeTable:RouteTable")
-    private_routes = [t for t in tables if t.name.endswith("private-rt")][0].inputs["routes"]
+    private_routes = next(t for t in tables if t.name.endswith("private-rt")).inputs["routes"]
     assert private_routes == [{"cidrBlock": "0.0.0.0/0", "natGatewayId": f"{nat.name}-id"}]
 
 
@@ -155,7 +158,7 @@ def test_event_rules_send_readable_sentences_to_the_topic(example_stack: StackRu
     assert "EC2 Spot Instance Interruption Warning" in detail_types
     assert "EC2 Instance Rebalance Recommendation" in detail_types
     assert "EC2 Instance Launch Unsuccessful" in detail_types
-    group_rule = [p for p in patterns if p["source"] == ["aws.autoscaling"]][0]
+    group_rule = next(p for p in patterns if p["source"] == ["aws.autoscaling"])
     assert group_rule["detail"] == {"AutoScalingGroupName": ["trainstack-dev-gpu"]}
 
 
@@ -228,3 +231,26 @@ def test_destroy_removes_everything_when_data_is_not_retained() -> None:
     assert not [r.name for r in stack.resources if r.retain_on_delete]
     assert stack.one("aws:s3/bucket:Bucket").inputs["forceDestroy"] is True
     assert stack.one("aws:kms/key:Key").inputs["deletionWindowInDays"] == 7
+
+
+def test_program_runs_as_pulumi_runs_it_with_only_infra_on_sys_path() -> None:
+    # Pulumi executes infra/__main__.py with infra/ (not the repository root) first on sys.path.
+    script = f"""
+import importlib.util, sys
+sys.path = [p for p in sys.path if p not in ("", {str(REPO_ROOT)!r})]
+sys.path.insert(0, {str(REPO_ROOT / "infra")!r})
+spec = importlib.util.spec_from_file_location("program", {str(Path(__file__).with_name("program.py"))!r})
+program = sys.modules["program"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(program)
+print(program.run_stack().outputs["group_name"])
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT / "infra",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("trainstack-dev-gpu")

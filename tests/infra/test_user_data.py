@@ -1,4 +1,4 @@
-"""The launch template's user-data: small enough for EC2, valid cloud-config, no secrets, the right agent config."""
+"""The launch template's user-data: fits EC2, valid cloud-config, no secrets, the stack's agent config."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from bootstrap.agent_config import AgentConfig
-from infra.fleet import agent_config
+from infra.fleet import LIFECYCLE_HOOK_NAME, agent_config
 from tests.infra.program import StackRun
 
 EC2_USER_DATA_LIMIT = 16 * 1024
@@ -65,7 +65,7 @@ def test_user_data_is_valid_cloud_config_per_cloud_init_schema(
     assert "Valid" in result.stdout + result.stderr
 
 
-def test_user_data_holds_no_secret_looking_values_CKV_AWS_46(example_stack: StackRun) -> None:
+def test_user_data_holds_no_secret_looking_values_CKV_AWS_46(example_stack: StackRun) -> None:  # noqa: N802 - named after the control
     user_data = _user_data(example_stack)
     for kind, pattern in _SECRET_PATTERNS.items():
         assert not pattern.search(user_data), f"user-data contains a {kind}"
@@ -105,3 +105,10 @@ def test_agent_config_carries_the_jobs_guards() -> None:
     assert (built.max_cost_usd, built.max_consecutive_failures, built.stall_minutes) == (25.0, 5, 12.0)
     assert (built.instance_count, built.stack, built.group_name) == (2, "prod", "trainstack-prod-gpu")
     assert AgentConfig.from_mapping(yaml.safe_load(built.to_yaml())) == built
+
+
+def test_agent_completes_the_groups_drain_hook(example_stack: StackRun) -> None:
+    loaded = AgentConfig.from_mapping(
+        yaml.safe_load(_written_file(_user_data(example_stack), "/etc/trainstack/agent.yaml"))
+    )
+    assert loaded.lifecycle_hook == LIFECYCLE_HOOK_NAME

@@ -46,7 +46,7 @@ def test_first_preview_with_unknown_ids_and_documents_passes(with_dependencies: 
     deferred = {(d.policy, d.resource) for d in verdict.deferred}
     assert ("ebs-encrypted-with-cmk", "launch-template") in deferred
     assert ("kms-no-decrypt-on-all-keys", "instance-policy") in deferred
-    assert ("sns-topic-encrypted", "topic") not in deferred, "a set-but-unknown key is known to be set"
+    assert ("imdsv2-required", "launch-template") not in deferred, "httpTokens is known at preview"
 
 
 def test_unknown_lists_and_nested_values_pass() -> None:
@@ -98,3 +98,12 @@ def test_a_configurer_for_another_bucket_does_not_count() -> None:
         "s3-versioning-enabled",
         "s3-lifecycle-configured",
     }
+
+
+def test_subnet_ids_unknown_at_preview_still_count_as_two_zones() -> None:
+    resources = compliant_stack()
+    named(resources, "group").props["vpcZoneIdentifiers"] = [UNKNOWN_STRING_VALUE, UNKNOWN_STRING_VALUE]
+    verdict = evaluate(resources)
+    assert verdict.violations == [] and verdict.deferred == []
+    named(resources, "group").props["vpcZoneIdentifiers"] = [UNKNOWN_STRING_VALUE]
+    assert [v.policy for v in check(resources)] == ["group-spans-zones-and-types"]
