@@ -102,7 +102,7 @@ class InstanceLife:
         self._identity_wait_seconds = identity_wait_seconds
         self._tick_seconds = tick_seconds
         self._release_wait_seconds = release_wait_seconds
-        # How often control.json is read and the cost updated (a cost check writes the ledger: not every tick).
+        # How often control.json is read and the cost updated (each cost check writes the ledger).
         self._state_poll_seconds = state_poll_seconds
         prefixes = config.prefixes
         self.state = StateStore(self.clients.s3, config.bucket, prefixes.state)

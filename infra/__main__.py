@@ -47,6 +47,7 @@ network = Network(
     NetworkArgs(
         name=config.name,
         region=config.region,
+        account_id=account_id,
         vpc_cidr=config.vpc_cidr,
         zones=zones,
         private_subnets=config.private_subnets,

@@ -9,7 +9,7 @@ import pulumi
 import pulumi_aws as aws
 
 from bootstrap.agent_config import AgentConfig
-from bootstrap.cloud_init import render_user_data
+from bootstrap.cloud_init import UserDataError, render_user_data
 from infra.bundle import CodeBundle
 from infra.config import NAMESPACE, StackConfig, StackConfigError
 
@@ -37,6 +37,7 @@ def resolve_image(config: StackConfig) -> MachineImage:
     if not image_id:
         try:
             image_id = aws.ssm.get_parameter(name=config.ami_parameter).value
+        # Pulumi reports a failed lookup as a plain Exception ("invoke of ... failed: ..."), nothing narrower.
         except Exception as exc:
             raise StackConfigError(
                 f"{NAMESPACE}:amiParameter: cannot read SSM parameter {config.ami_parameter} "
@@ -48,9 +49,10 @@ def resolve_image(config: StackConfig) -> MachineImage:
         filters=[aws.ec2.GetAmiFilterArgs(name="image-id", values=[image_id])], include_deprecated=True
     )
     if image.architecture != "x86_64":
+        key = "amiId" if config.ami_id else "amiParameter"
         raise StackConfigError(
-            f"{NAMESPACE}:amiId: {image_id} is {image.architecture}; the GPU types allowed here are x86_64, "
-            "so pick an x86_64 Deep Learning AMI"
+            f"{NAMESPACE}:{key}: {image_id} is {image.architecture}; "
+            "the GPU types allowed here are x86_64, so pick an x86_64 Deep Learning AMI"
         )
     return MachineImage(id=image_id, root_device_name=image.root_device_name)
 
@@ -98,15 +100,11 @@ class Fleet(pulumi.ComponentResource):
             opts=self._child,
         )
         user_data = pulumi.Output.all(args.bucket_name, args.topic_arn).apply(
-            lambda values: base64.b64encode(
-                render_user_data(
-                    agent_config(
-                        config, bucket=values[0], topic_arn=values[1], log_group=args.log_group_name
-                    ),
-                    bundle_key=bundle_key,
-                    bundle_sha256=args.bundle.sha256,
-                ).encode()
-            ).decode()
+            lambda values: _user_data(
+                agent_config(config, bucket=values[0], topic_arn=values[1], log_group=args.log_group_name),
+                bundle_key,
+                args.bundle.sha256,
+            )
         )
         self.launch_template = self._create_launch_template(user_data)
         self.group = self._create_group()
@@ -226,6 +224,15 @@ class Fleet(pulumi.ComponentResource):
                 ignore_changes=["desired_capacity"],
             ),
         )
+
+
+def _user_data(config: AgentConfig, bundle_key: str, bundle_sha256: str) -> str:
+    """The base64 user-data; a trainer config too big for EC2's 16 KB is a config error, not a crash."""
+    try:
+        text = render_user_data(config, bundle_key=bundle_key, bundle_sha256=bundle_sha256)
+    except UserDataError as exc:
+        raise StackConfigError(f"{NAMESPACE}:trainingConfig: {exc}") from exc
+    return base64.b64encode(text.encode()).decode()
 
 
 def agent_config(config: StackConfig, *, bucket: str, topic_arn: str, log_group: str) -> AgentConfig:

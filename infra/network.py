@@ -19,6 +19,7 @@ _SUBNET_BITS = 4
 class NetworkArgs:
     name: str
     region: str
+    account_id: str
     vpc_cidr: str
     zones: list[str]
     private_subnets: bool
@@ -164,7 +165,10 @@ class Network(pulumi.ComponentResource):
         )
         role = aws.iam.Role(
             f"{name}-flow-logs-role",
-            assume_role_policy=json.dumps(policies.assume_role_policy("vpc-flow-logs.amazonaws.com")),
+            # Only on behalf of this account's flow logs (the confused-deputy guard AWS recommends).
+            assume_role_policy=json.dumps(
+                policies.assume_role_policy("vpc-flow-logs.amazonaws.com", account_id=args.account_id)
+            ),
             tags=args.tags,
             opts=self._child,
         )

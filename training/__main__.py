@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     try:
         config = load_config(args.config, args.overrides)
-        from training.data import check_data_dirs
+        from training.dataset_layout import check_data_dirs
 
         check_data_dirs(config)
         from training.loop import Trainer  # torch import: only after the config is known good

@@ -192,8 +192,7 @@ def build_config(tree: dict[str, Any]) -> Config:
                 continue
             kwargs[key] = coerced
         sections[name] = cls(**kwargs)
-    if problems:
-        raise ConfigError(problems)
+    # Keys with a bad type keep their default here, so range checks still report every other problem.
     config = Config(**sections)
     problems.extend(_check_values(config))
     if problems:

@@ -5,16 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision import datasets
-from PIL import Image
 from torchvision.transforms import v2
 
-from training.config import Config, ConfigError
+from training.config import Config
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -22,43 +21,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # A key the sampler hands the dataset: (epoch, sample index). Carrying the epoch with each index keeps
 # augmentation a pure function of (seed, epoch, index) even with persistent workers.
 SampleKey = tuple[int, int]
-
-
-def class_folders(root: Path) -> list[str]:
-    return sorted(
-        entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith(".")
-    )
-
-
-def check_data_dirs(config: Config) -> None:
-    """Fail with one line per problem if the train/val folders are missing, empty or disagree on classes."""
-    problems: list[str] = []
-    found: dict[str, list[str]] = {}
-    for key, value in (("data.train_dir", config.data.train_dir), ("data.val_dir", config.data.val_dir)):
-        if not value:
-            problems.append(f"{key}: not set; point it at an ImageFolder directory (<dir>/<class>/<image>)")
-            continue
-        root = Path(value)
-        if not root.is_dir():
-            problems.append(f"{key}: {root} does not exist; create it or fix the path")
-            continue
-        classes = class_folders(root)
-        if not classes:
-            problems.append(f"{key}: {root} has no class folders; expected {root}/<class>/<image files>")
-            continue
-        empty = [c for c in classes if not any((root / c).iterdir())]
-        if empty:
-            problems.append(f"{key}: class folders without images in {root}: {', '.join(empty)}")
-        found[key] = classes
-    if len(found) == 2 and found["data.train_dir"] != found["data.val_dir"]:
-        only_train = sorted(set(found["data.train_dir"]) - set(found["data.val_dir"]))
-        only_val = sorted(set(found["data.val_dir"]) - set(found["data.train_dir"]))
-        problems.append(
-            "data.val_dir: class folders differ from data.train_dir "
-            f"(only in train: {only_train or '-'}; only in val: {only_val or '-'}); make them match"
-        )
-    if problems:
-        raise ConfigError(problems)
 
 
 def _read_rgb(path: str) -> torch.Tensor:

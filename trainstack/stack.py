@@ -16,11 +16,6 @@ import yaml
 from trainstack.errors import CliError
 
 NAMESPACE = "trainstack"
-# Used only when neither Pulumi.yaml's schema nor the stack file sets a key (docs/internals.md).
-DEFAULT_INSTANCE_TYPES = ("g6.xlarge", "g5.xlarge", "g6e.xlarge", "g4dn.xlarge")
-DEFAULT_AMI_PARAMETER = (
-    "/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pytorch-2.7-ubuntu-22.04/latest/ami-id"
-)
 PULUMI_INSTALL = "https://www.pulumi.com/docs/iac/download-install/"
 
 Runner = Callable[[Sequence[str], Path], "subprocess.CompletedProcess[str]"]
@@ -35,7 +30,7 @@ def run_pulumi(argv: Sequence[str], cwd: Path) -> subprocess.CompletedProcess[st
 
 @dataclass(frozen=True)
 class StackConfig:
-    """The config keys the CLI needs, with the same defaults the Pulumi program applies."""
+    """The config keys the CLI needs; defaults come from Pulumi.yaml's schema, as for the Pulumi program."""
 
     stack: str
     source: str
@@ -55,11 +50,15 @@ class StackConfig:
     def from_values(cls, stack: str, values: Mapping[str, Any], source: str) -> StackConfig:
         """Validate namespaced values (`trainstack:instanceCount`...); every error names its key and file."""
 
-        def get(key: str, default: Any) -> Any:
-            value = values.get(key)
-            return default if value is None else value
+        def get(key: str) -> Any:
+            if values.get(key) is None:
+                raise CliError(
+                    f"{source}: no value for {key} and no default in Pulumi.yaml: "
+                    f"`pulumi config set {key} VALUE`, or run trainstack from the project directory (--cwd)"
+                )
+            return values[key]
 
-        types = get(f"{NAMESPACE}:instanceTypes", list(DEFAULT_INSTANCE_TYPES))
+        types = get(f"{NAMESPACE}:instanceTypes")
         if isinstance(types, str):
             # `pulumi config --json` may hand an array back as its JSON text.
             try:
@@ -79,18 +78,23 @@ class StackConfig:
             source=source,
             region=region or None,
             instance_types=tuple(types),
-            instance_count=_integer(values, f"{NAMESPACE}:instanceCount", 1, source, minimum=1),
-            on_demand_base_capacity=_integer(values, f"{NAMESPACE}:onDemandBaseCapacity", 0, source),
-            on_demand_percentage_above_base=_integer(
-                values, f"{NAMESPACE}:onDemandPercentageAboveBase", 0, source
+            instance_count=_integer(
+                get(f"{NAMESPACE}:instanceCount"), f"{NAMESPACE}:instanceCount", source, minimum=1
             ),
-            ami_parameter=str(get(f"{NAMESPACE}:amiParameter", DEFAULT_AMI_PARAMETER)),
-            ami_id=str(get(f"{NAMESPACE}:amiId", "")),
+            on_demand_base_capacity=_integer(
+                get(f"{NAMESPACE}:onDemandBaseCapacity"), f"{NAMESPACE}:onDemandBaseCapacity", source
+            ),
+            on_demand_percentage_above_base=_integer(
+                get(f"{NAMESPACE}:onDemandPercentageAboveBase"),
+                f"{NAMESPACE}:onDemandPercentageAboveBase",
+                source,
+            ),
+            ami_parameter=str(get(f"{NAMESPACE}:amiParameter")),
+            ami_id=str(get(f"{NAMESPACE}:amiId")),
         )
 
 
-def _integer(values: Mapping[str, Any], key: str, default: int, source: str, *, minimum: int = 0) -> int:
-    raw = values.get(key, default)
+def _integer(raw: Any, key: str, source: str, *, minimum: int = 0) -> int:
     try:
         number = int(raw)
     except (TypeError, ValueError):
@@ -232,7 +236,10 @@ class Stack:
         """Defaults from Pulumi.yaml's typed config schema, so the CLI and the program agree on them."""
         project_file = self.project_dir / "Pulumi.yaml"
         if not project_file.is_file():
-            return {}
+            raise CliError(
+                f"no Pulumi.yaml in {self.project_dir.resolve()}: run trainstack in the project directory "
+                "or pass --cwd DIR"
+            )
         schema = _load_yaml(project_file).get("config") or {}
         defaults: dict[str, Any] = {}
         if isinstance(schema, dict):

@@ -1,8 +1,9 @@
-"""A deployed-looking trainstack stack on the moto server: project files, outputs, bucket, group, log group."""
+"""A deployed-looking stack on the moto server: project files, outputs, bucket, group, log group."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from trainstack.aws import Clients
 from trainstack.cli import main
 
+REPO = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
 STACK = "test"
 BUCKET = "trainstack-test-data"
@@ -61,7 +63,12 @@ class Deployed:
         market = {"InstanceMarketOptions": {"MarketType": "spot"}} if spot else {}
         image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
         instance = ec2.run_instances(
-            ImageId=image, MinCount=1, MaxCount=1, InstanceType="g6.xlarge", SubnetId=subnet["SubnetId"], **market
+            ImageId=image,
+            MinCount=1,
+            MaxCount=1,
+            InstanceType="g6.xlarge",
+            SubnetId=subnet["SubnetId"],
+            **market,
         )["Instances"][0]["InstanceId"]
         self.autoscaling().attach_instances(InstanceIds=[instance], AutoScalingGroupName=GROUP)
         return str(instance)
@@ -72,14 +79,8 @@ class Deployed:
 
 
 def write_project(root: Path, config: dict[str, Any]) -> Path:
-    """Pulumi.yaml with a typed schema (defaults) and Pulumi.<stack>.yaml with the given values."""
-    (root / "Pulumi.yaml").write_text(
-        "name: trainstack\nruntime: python\nconfig:\n"
-        "  trainstack:instanceCount:\n    type: integer\n    default: 1\n"
-        "  trainstack:instanceTypes:\n    type: array\n    items:\n      type: string\n"
-        "    default: [g6.xlarge, g5.xlarge]\n",
-        encoding="utf-8",
-    )
+    """The project's real Pulumi.yaml (its schema holds the defaults) and Pulumi.<stack>.yaml with `config`."""
+    shutil.copyfile(REPO / "Pulumi.yaml", root / "Pulumi.yaml")
     (root / f"Pulumi.{STACK}.yaml").write_text(json.dumps({"config": config}), encoding="utf-8")
     return root
 

@@ -43,8 +43,14 @@ def test_stop_with_nothing_in_service_scales_to_zero_at_once(deployed: Deployed)
     autoscaling = boto3.client("autoscaling", region_name=REGION)
     stub = Stubber(autoscaling)
     group = {
-        "AutoScalingGroupName": GROUP, "MinSize": 0, "MaxSize": 2, "DesiredCapacity": 1, "DefaultCooldown": 300,
-        "AvailabilityZones": ["us-east-1a"], "HealthCheckType": "EC2", "CreatedTime": datetime(2026, 1, 1),
+        "AutoScalingGroupName": GROUP,
+        "MinSize": 0,
+        "MaxSize": 2,
+        "DesiredCapacity": 1,
+        "DefaultCooldown": 300,
+        "AvailabilityZones": ["us-east-1a"],
+        "HealthCheckType": "EC2",
+        "CreatedTime": datetime(2026, 1, 1),
         "Instances": [],
     }
     stub.add_response(

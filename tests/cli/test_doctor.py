@@ -33,12 +33,16 @@ class Quotas:
         self.stub = Stubber(self.client)
 
     def applied(self, code: str, value: float) -> Quotas:
-        self.stub.add_response("get_service_quota", _quota(code, value), {"ServiceCode": "ec2", "QuotaCode": code})
+        self.stub.add_response(
+            "get_service_quota", _quota(code, value), {"ServiceCode": "ec2", "QuotaCode": code}
+        )
         return self
 
     def default_only(self, code: str, value: float) -> Quotas:
         self.stub.add_client_error(
-            "get_service_quota", "NoSuchResourceException", expected_params={"ServiceCode": "ec2", "QuotaCode": code}
+            "get_service_quota",
+            "NoSuchResourceException",
+            expected_params={"ServiceCode": "ec2", "QuotaCode": code},
         )
         self.stub.add_response(
             "get_aws_default_service_quota", _quota(code, value), {"ServiceCode": "ec2", "QuotaCode": code}
@@ -52,10 +56,14 @@ class Quotas:
 
 @pytest.fixture()
 def doctor(aws: Any, tmp_path: Path, cli: Callable[..., Result]) -> Callable[..., Result]:
-    boto3.client("ssm", region_name=REGION).put_parameter(Name=AMI_PARAMETER, Value="ami-0123456789abcdef0", Type="String")
+    boto3.client("ssm", region_name=REGION).put_parameter(
+        Name=AMI_PARAMETER, Value="ami-0123456789abcdef0", Type="String"
+    )
 
     def run(config: dict[str, Any], quotas: Quotas, *flags: str) -> Result:
-        project = write_project(tmp_path, {"aws:region": REGION, "trainstack:amiParameter": AMI_PARAMETER, **config})
+        project = write_project(
+            tmp_path, {"aws:region": REGION, "trainstack:amiParameter": AMI_PARAMETER, **config}
+        )
         return cli("doctor", "--cwd", str(project), "--stack", STACK, *flags, clients=quotas.clients())
 
     return run
@@ -96,17 +104,22 @@ def test_doctor_fails_a_new_account_without_gpu_spot_quota_and_says_how_to_ask(d
 
 def test_doctor_sizes_the_quota_for_the_largest_type_of_the_family(doctor: Callable[..., Result]):
     quotas = Quotas().applied(G_SPOT, 16)
-    result = doctor({"trainstack:instanceTypes": ["g6.xlarge", "g6.4xlarge"], "trainstack:instanceCount": 2}, quotas)
+    result = doctor(
+        {"trainstack:instanceTypes": ["g6.xlarge", "g6.4xlarge"], "trainstack:instanceCount": 2}, quotas
+    )
     assert result.code == 1
     assert "16 vCPUs, the group needs 32" in result.out
 
 
-def test_doctor_checks_the_on_demand_quota_only_when_the_group_may_use_on_demand(doctor: Callable[..., Result]):
+def test_doctor_checks_the_on_demand_quota_only_when_the_group_may_use_on_demand(
+    doctor: Callable[..., Result],
+):
     quotas = Quotas().applied(G_SPOT, 64).applied(G_ON_DEMAND, 0)
     result = doctor({"trainstack:onDemandBaseCapacity": 1}, quotas)
     assert result.code == 1
-    assert "✘ on-demand quota: Running On-Demand G and VT instances (L-DB2E81BA): 0 vCPUs, the group needs 4" in (
-        result.out
+    assert (
+        "✘ on-demand quota: Running On-Demand G and VT instances (L-DB2E81BA): 0 vCPUs, the group needs 4"
+        in (result.out)
     )
     quotas.stub.assert_no_pending_responses()
 
@@ -144,32 +157,49 @@ def test_doctor_without_region_config_names_the_key(doctor: Callable[..., Result
     assert "pulumi config set aws:region us-east-1" in result.out
 
 
-def test_doctor_without_credentials_is_one_failing_line(doctor: Callable[..., Result], monkeypatch: pytest.MonkeyPatch):
+def test_doctor_without_credentials_is_one_failing_line(
+    doctor: Callable[..., Result], monkeypatch: pytest.MonkeyPatch
+):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name)
 
     result = doctor({}, Quotas())
 
     assert result.code == 1
-    assert result.out.splitlines()[0].startswith("✘ credentials: no AWS credentials found: run `aws configure`")
+    assert result.out.splitlines()[0].startswith(
+        "✘ credentials: no AWS credentials found: run `aws configure`"
+    )
     assert result.out.splitlines()[1] == "1 check(s) failed"
 
 
 @pytest.mark.parametrize(
     ("instance_type", "family"),
-    [("g6.xlarge", "g"), ("g4dn.12xlarge", "g"), ("vt1.3xlarge", "g"), ("p5.48xlarge", "p"), ("dl1.24xlarge", "dl"),
-     ("m5.large", None)],
+    [
+        ("g6.xlarge", "g"),
+        ("g4dn.12xlarge", "g"),
+        ("vt1.3xlarge", "g"),
+        ("p5.48xlarge", "p"),
+        ("dl1.24xlarge", "dl"),
+        ("m5.large", None),
+    ],
 )
 def test_each_gpu_family_maps_to_its_spot_quota(instance_type: str, family: str | None):
     assert quota_family(instance_type) == family
 
 
-@pytest.mark.parametrize(("base", "percent", "count", "expected"), [(0, 0, 3, 0), (1, 0, 3, 1), (0, 50, 3, 2), (5, 0, 2, 2)])
-def test_on_demand_count_follows_the_mixed_instances_policy(base: int, percent: int, count: int, expected: int):
+@pytest.mark.parametrize(
+    ("base", "percent", "count", "expected"), [(0, 0, 3, 0), (1, 0, 3, 1), (0, 50, 3, 2), (5, 0, 2, 2)]
+)
+def test_on_demand_count_follows_the_mixed_instances_policy(
+    base: int, percent: int, count: int, expected: int
+):
     config = StackConfig.from_values(
         "t",
-        {"trainstack:instanceCount": count, "trainstack:onDemandBaseCapacity": base,
-         "trainstack:onDemandPercentageAboveBase": percent},
+        {
+            "trainstack:instanceCount": count,
+            "trainstack:onDemandBaseCapacity": base,
+            "trainstack:onDemandPercentageAboveBase": percent,
+        },
         "Pulumi.t.yaml",
     )
     assert on_demand_count(config) == expected

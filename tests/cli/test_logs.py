@@ -57,7 +57,10 @@ def test_logs_json_is_one_object_per_line(deployed: Deployed):
 
     assert result.code == 0, result.err
     events = [json.loads(line) for line in result.out.splitlines()]
-    assert [(e["stream"], e["message"]) for e in events] == [("i-aaa/agent", "from a"), ("i-bbb/agent", "from b")]
+    assert [(e["stream"], e["message"]) for e in events] == [
+        ("i-aaa/agent", "from a"),
+        ("i-bbb/agent", "from b"),
+    ]
     assert datetime.fromisoformat(events[0]["timestamp"]).tzinfo is not None
 
 
@@ -68,8 +71,17 @@ def test_stream_option_asks_cloudwatch_for_that_prefix_only(deployed: Deployed):
     stub = Stubber(logs)
     stub.add_response(
         "filter_log_events",
-        {"events": [{"logStreamName": "i-bbb/agent", "timestamp": 1_700_000_000_000, "message": "from b\n",
-                     "eventId": "1", "ingestionTime": 1_700_000_000_001}]},
+        {
+            "events": [
+                {
+                    "logStreamName": "i-bbb/agent",
+                    "timestamp": 1_700_000_000_000,
+                    "message": "from b\n",
+                    "eventId": "1",
+                    "ingestionTime": 1_700_000_000_001,
+                }
+            ]
+        },
         {"logGroupName": LOG_GROUP, "startTime": ANY, "logStreamNamePrefix": "i-bbb"},
     )
     stub.activate()
@@ -121,5 +133,5 @@ def test_since_accepts_a_number_and_a_unit(text: str, seconds: int):
 
 
 def test_since_rejects_anything_else_with_an_example():
-    with pytest.raises(CliError, match="--since '1 week'.*e.g. --since 30m"):
+    with pytest.raises(CliError, match=r"--since '1 week'.*e\.g\. --since 30m"):
         parse_since("1 week")

@@ -25,7 +25,9 @@ def _price_list(usd: str) -> str:
             "product": {"attributes": {"instanceType": "g6.xlarge", "regionCode": REGION}},
             "terms": {
                 "OnDemand": {
-                    "TERM.A": {"priceDimensions": {"TERM.A.DIM": {"unit": "Hrs", "pricePerUnit": {"USD": usd}}}}
+                    "TERM.A": {
+                        "priceDimensions": {"TERM.A.DIM": {"unit": "Hrs", "pricePerUnit": {"USD": usd}}}
+                    }
                 }
             },
         }
@@ -57,13 +59,19 @@ class Pricing:
         self.stub.add_response(
             "get_products",
             {"PriceList": [_price_list(usd)], "FormatVersion": "aws_v1"},
-            {"ServiceCode": "AmazonEC2", "Filters": _pricing_filters(instance_type), "FormatVersion": "aws_v1",
-             "MaxResults": 10},
+            {
+                "ServiceCode": "AmazonEC2",
+                "Filters": _pricing_filters(instance_type),
+                "FormatVersion": "aws_v1",
+                "MaxResults": 10,
+            },
         )
         return self
 
     def denied(self) -> Pricing:
-        self.stub.add_client_error("get_products", "AccessDeniedException", "not authorized to perform pricing:GetProducts")
+        self.stub.add_client_error(
+            "get_products", "AccessDeniedException", "not authorized to perform pricing:GetProducts"
+        )
         return self
 
     def clients(self, **more: Any) -> Clients:
@@ -85,10 +93,18 @@ def test_latest_price_per_az_is_shown_with_the_window_range_cheapest_first():
     ]
     ec2_stub.add_response(
         "describe_spot_price_history",
-        {"SpotPriceHistory": [
-            {"InstanceType": t, "AvailabilityZone": az, "Timestamp": ts, "SpotPrice": p, "ProductDescription": "Linux/UNIX"}
-            for t, az, ts, p in history
-        ]},
+        {
+            "SpotPriceHistory": [
+                {
+                    "InstanceType": t,
+                    "AvailabilityZone": az,
+                    "Timestamp": ts,
+                    "SpotPrice": p,
+                    "ProductDescription": "Linux/UNIX",
+                }
+                for t, az, ts, p in history
+            ]
+        },
         {"InstanceTypes": ["g6.xlarge"], "ProductDescriptions": ["Linux/UNIX"], "StartTime": ANY},
     )
     ec2_stub.activate()
@@ -107,7 +123,9 @@ def test_latest_price_per_az_is_shown_with_the_window_range_cheapest_first():
 
 @pytest.fixture()
 def prices(aws: Any, tmp_path: Path, cli: Callable[..., Result]) -> Callable[..., Result]:
-    project = write_project(tmp_path, {"aws:region": REGION, "trainstack:instanceTypes": ["g6.xlarge", "g5.xlarge"]})
+    project = write_project(
+        tmp_path, {"aws:region": REGION, "trainstack:instanceTypes": ["g6.xlarge", "g5.xlarge"]}
+    )
 
     def run(pricing: Pricing, *flags: str) -> Result:
         return cli("prices", "--cwd", str(project), "--stack", STACK, *flags, clients=pricing.clients())
@@ -128,7 +146,9 @@ def test_prices_table_lists_every_az_of_every_configured_type(prices: Callable[.
 
 
 def test_prices_json_and_a_type_option(prices: Callable[..., Result]):
-    result = prices(Pricing().on_demand("g4dn.xlarge", "0.526"), "--type", "g4dn.xlarge", "--json", "--days", "7")
+    result = prices(
+        Pricing().on_demand("g4dn.xlarge", "0.526"), "--type", "g4dn.xlarge", "--json", "--days", "7"
+    )
 
     assert result.code == 0, result.err
     report = result.json()
@@ -141,5 +161,8 @@ def test_prices_without_pricing_permission_still_show_spot_and_say_why(prices: C
     result = prices(Pricing().denied(), "--type", "g6.xlarge")
 
     assert result.code == 0, result.err
-    assert "note: on-demand price of g6.xlarge unavailable: permission denied: GetProducts was refused" in result.out
+    assert (
+        "note: on-demand price of g6.xlarge unavailable: permission denied: GetProducts was refused"
+        in result.out
+    )
     assert "us-east-1a" in result.out

@@ -30,19 +30,26 @@ def _fake_tools(bin_dir: Path, record: Path, *, plugin: bool = True) -> None:
 
 
 def _trainstack(deployed: Deployed, bin_dir: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    env = {**deployed_env(), "PATH": str(bin_dir)}
+    env = {**_aws_env(), "PATH": str(bin_dir)}
     where = ["--cwd", str(deployed.project), "--stack", STACK, "--outputs", str(deployed.outputs_file)]
     return subprocess.run(
         [sys.executable, "-m", "trainstack", *argv, *where],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 
-def deployed_env() -> dict[str, str]:
+def _aws_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
 
 
-def test_shell_hands_the_terminal_to_an_ssm_session_on_the_running_instance(deployed: Deployed, tmp_path: Path):
+def test_shell_hands_the_terminal_to_an_ssm_session_on_the_running_instance(
+    deployed: Deployed, tmp_path: Path
+):
     instance = deployed.launch_instance()
     record = tmp_path / "argv"
     _fake_tools(tmp_path / "bin", record)
@@ -50,7 +57,14 @@ def test_shell_hands_the_terminal_to_an_ssm_session_on_the_running_instance(depl
     result = _trainstack(deployed, tmp_path / "bin", "shell")
 
     assert result.returncode == 0, result.stderr
-    assert record.read_text().splitlines() == ["ssm", "start-session", "--target", instance, "--region", REGION]
+    assert record.read_text().splitlines() == [
+        "ssm",
+        "start-session",
+        "--target",
+        instance,
+        "--region",
+        REGION,
+    ]
 
 
 def test_forward_opens_a_port_forwarding_session(deployed: Deployed, tmp_path: Path):
@@ -64,7 +78,10 @@ def test_forward_opens_a_port_forwarding_session(deployed: Deployed, tmp_path: P
     argv = record.read_text().splitlines()
     assert argv[:4] == ["ssm", "start-session", "--target", instance]
     assert argv[argv.index("--document-name") + 1] == "AWS-StartPortForwardingSession"
-    assert json.loads(argv[argv.index("--parameters") + 1]) == {"portNumber": ["6006"], "localPortNumber": ["16006"]}
+    assert json.loads(argv[argv.index("--parameters") + 1]) == {
+        "portNumber": ["6006"],
+        "localPortNumber": ["16006"],
+    }
     assert f"forwarding localhost:16006 → {instance}:6006" in result.stdout
 
 

@@ -23,12 +23,28 @@ def _running_job(now: datetime) -> dict[str, dict]:
     ledger = {
         "status": "running",
         "lives": [
-            {"instance_id": "i-old", "instance_type": "g5.xlarge", "az": "us-east-1b", "lifecycle": "spot",
-             "started_at": _iso(now - timedelta(hours=3)), "ended_at": _iso(now - timedelta(hours=1)),
-             "price_usd_per_hour": 0.50, "cost_usd": 1.00, "outcome": "preempted"},
-            {"instance_id": "i-new", "instance_type": "g6.xlarge", "az": "us-east-1a", "lifecycle": "spot",
-             "started_at": _iso(now - timedelta(hours=1)), "ended_at": None,
-             "price_usd_per_hour": 0.36, "cost_usd": 0.30, "outcome": "running"},
+            {
+                "instance_id": "i-old",
+                "instance_type": "g5.xlarge",
+                "az": "us-east-1b",
+                "lifecycle": "spot",
+                "started_at": _iso(now - timedelta(hours=3)),
+                "ended_at": _iso(now - timedelta(hours=1)),
+                "price_usd_per_hour": 0.50,
+                "cost_usd": 1.00,
+                "outcome": "preempted",
+            },
+            {
+                "instance_id": "i-new",
+                "instance_type": "g6.xlarge",
+                "az": "us-east-1a",
+                "lifecycle": "spot",
+                "started_at": _iso(now - timedelta(hours=1)),
+                "ended_at": None,
+                "price_usd_per_hour": 0.36,
+                "cost_usd": 0.30,
+                "outcome": "running",
+            },
         ],
         "interruptions": 1,
         "consecutive_failures": 0,
@@ -36,11 +52,25 @@ def _running_job(now: datetime) -> dict[str, dict]:
         "updated_at": _iso(now - timedelta(minutes=10)),
     }
     progress = {
-        "epoch": 3, "epochs": 10, "step": 1200, "total_steps": 4000, "loss": 1.2, "samples_per_s": 812.5,
-        "data_wait_fraction": 0.04, "eta_s": 7200 + 60, "updated_at": _iso(now - timedelta(seconds=60)),
-        "instance_id": "i-new", "instance_type": "g6.xlarge", "az": "us-east-1a",
+        "epoch": 3,
+        "epochs": 10,
+        "step": 1200,
+        "total_steps": 4000,
+        "loss": 1.2,
+        "samples_per_s": 812.5,
+        "data_wait_fraction": 0.04,
+        "eta_s": 7200 + 60,
+        "updated_at": _iso(now - timedelta(seconds=60)),
+        "instance_id": "i-new",
+        "instance_type": "g6.xlarge",
+        "az": "us-east-1a",
     }
-    checkpoint = {"step": 1000, "epoch": 2, "dir": "step-1000", "written_at": _iso(now - timedelta(minutes=5))}
+    checkpoint = {
+        "step": 1000,
+        "epoch": 2,
+        "dir": "step-1000",
+        "written_at": _iso(now - timedelta(minutes=5)),
+    }
     return {"ledger": ledger, "progress": progress, "checkpoint": checkpoint}
 
 
@@ -80,8 +110,14 @@ def test_status_json_reports_group_instances_progress_checkpoint_and_cost(deploy
     assert report["group"]["desired"] == 1
     assert report["group"]["in_service"] == 1
     assert report["group"]["instances"] == [
-        {"instance_id": instance, "instance_type": "g6.xlarge", "az": "us-east-1a", "lifecycle": "spot",
-         "state": "InService", "health": "Healthy"}
+        {
+            "instance_id": instance,
+            "instance_type": "g6.xlarge",
+            "az": "us-east-1a",
+            "lifecycle": "spot",
+            "state": "InService",
+            "health": "Healthy",
+        }
     ]
     assert report["status"] == "running"
     assert report["progress"]["step"] == 1200
@@ -124,7 +160,9 @@ def test_status_before_training_starts_says_what_is_missing(deployed: Deployed):
 
 
 def test_status_with_a_destroyed_group_is_one_line_naming_it(deployed: Deployed):
-    deployed.autoscaling().delete_auto_scaling_group(AutoScalingGroupName="trainstack-test-gpu", ForceDelete=True)
+    deployed.autoscaling().delete_auto_scaling_group(
+        AutoScalingGroupName="trainstack-test-gpu", ForceDelete=True
+    )
     result = deployed.run("status")
     assert result.code == 1
     assert result.err.count("\n") == 1

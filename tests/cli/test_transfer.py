@@ -1,4 +1,4 @@
-"""`trainstack data push` / `results pull`: layout checked first, unchanged files skipped, training protected."""
+"""`trainstack data push` / `results pull`: layout checked first, unchanged skipped, training protected."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from trainstack.transfer import IMG_EXTENSIONS, validate_image_folder
 from trainstack.errors import CliError
+from trainstack.transfer import IMG_EXTENSIONS, validate_image_folder
 
 from .conftest import BUCKET, Deployed
 
@@ -44,7 +44,9 @@ def test_push_uploads_the_dataset_encrypted_with_the_stack_key(deployed: Deploye
     summary = result.json()
     assert summary["uploaded"] == 6 and summary["unchanged"] == 0 and summary["classes"] == ["cat", "dog"]
     assert _keys(deployed, "data/") == [
-        f"data/{split}/{name}" for split in ("train", "val") for name in ("cat/1.jpg", "cat/2.png", "dog/1.jpg")
+        f"data/{split}/{name}"
+        for split in ("train", "val")
+        for name in ("cat/1.jpg", "cat/2.png", "dog/1.jpg")
     ]
     head = deployed.s3().head_object(Bucket=BUCKET, Key="data/train/cat/1.jpg")
     assert head["ServerSideEncryption"] == "aws:kms"

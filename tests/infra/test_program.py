@@ -234,11 +234,14 @@ def test_destroy_removes_everything_when_data_is_not_retained() -> None:
 
 
 def test_program_runs_as_pulumi_runs_it_with_only_infra_on_sys_path() -> None:
-    # Pulumi executes infra/__main__.py with infra/ (not the repository root) first on sys.path.
+    # Pulumi executes infra/__main__.py with infra/ (not the repository root) first on sys.path, in a
+    # virtualenv where trainstack itself may not be installed.
     script = f"""
 import importlib.util, sys
-sys.path = [p for p in sys.path if p not in ("", {str(REPO_ROOT)!r})]
+sys.path = [p for p in sys.path if p not in ("", {str(REPO_ROOT)!r}) and "__editable__" not in p]
+sys.meta_path = [finder for finder in sys.meta_path if "editable" not in repr(finder).lower()]
 sys.path.insert(0, {str(REPO_ROOT / "infra")!r})
+assert importlib.util.find_spec("bootstrap") is None, "the repository root must not be importable yet"
 spec = importlib.util.spec_from_file_location("program", {str(Path(__file__).with_name("program.py"))!r})
 program = sys.modules["program"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(program)

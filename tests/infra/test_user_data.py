@@ -112,3 +112,13 @@ def test_agent_completes_the_groups_drain_hook(example_stack: StackRun) -> None:
         yaml.safe_load(_written_file(_user_data(example_stack), "/etc/trainstack/agent.yaml"))
     )
     assert loaded.lifecycle_hook == LIFECYCLE_HOOK_NAME
+
+
+def test_trainer_config_too_big_for_user_data_names_the_key(tmp_path: Path) -> None:
+    from infra.config import StackConfigError
+    from tests.infra.program import example_config, run_stack
+
+    huge = tmp_path / "huge.yaml"
+    huge.write_text(yaml.safe_dump({"notes": ["x" * 100] * 200}))
+    with pytest.raises(StackConfigError, match="trainstack:trainingConfig: user-data is"):
+        run_stack({**example_config(), "trainstack:trainingConfig": str(huge)})

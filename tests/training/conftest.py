@@ -74,10 +74,17 @@ class Run:
         if fault:
             full_env["TRAINSTACK_FAULT"] = fault
         return subprocess.Popen(
-            self.command(), cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            self.command(),
+            cwd=REPO,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
 
-    def life(self, env: dict[str, str] | None = None, fault: str = "", timeout: float = 180) -> tuple[int, str]:
+    def life(
+        self, env: dict[str, str] | None = None, fault: str = "", timeout: float = 180
+    ) -> tuple[int, str]:
         process = self.popen(env, fault)
         output, _ = process.communicate(timeout=timeout)
         return process.returncode, output

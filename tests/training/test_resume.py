@@ -1,14 +1,16 @@
-"""The heart of the product: interrupted and restarted runs end bit-for-bit where an uninterrupted one does."""
+"""The heart of the product: interrupted, restarted runs end bit-for-bit where an uninterrupted one does."""
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import time
 
 import pytest
 
+from tests.conftest import MotoServer
 from tests.training.conftest import STEPS_PER_EPOCH, TOTAL_STEPS, MakeRun, Run
 
 EXIT_STOPPED = 75
@@ -29,35 +31,33 @@ def assert_same_model(run: Run, baseline: Run) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("step", "micro"),
-    [
-        (1, 0),  # mid-accumulation, before the first checkpoint exists
-        (4, 1),  # after the last micro-batch of a step, between periodic checkpoints
-        (STEPS_PER_EPOCH - 1, 0),  # the last step of an epoch, mid-accumulation: eval runs before the save
-    ],
-    ids=["first-step-mid-accumulation", "step-boundary", "last-step-of-epoch"],
-)
-def test_resume_after_sigterm_is_bitwise_exact(make_run: MakeRun, baseline: Run, step: int, micro: int) -> None:
+def test_resume_after_sigterm_is_bitwise_exact(make_run: MakeRun, baseline: Run) -> None:
+    """One job stopped three times: mid-accumulation, at a step boundary, and in an epoch's last step."""
     run = make_run()
-    code, output = run.life(fault=f"sigterm:micro-batch:step={step},micro={micro}")
-    assert code == EXIT_STOPPED, output
-    latest = json.loads((run.checkpoints / "latest.json").read_text())
-    assert latest["step"] == step + 1  # the step in flight is finished, then saved
-    assert latest["dir"] == f"step-{step + 1}"
-    assert not run.model.exists()
+    stops = [(1, 0), (4, 1), (STEPS_PER_EPOCH - 1, 0)]
+    for step, micro in stops:
+        code, output = run.life(fault=f"sigterm:micro-batch:step={step},micro={micro}")
+        assert code == EXIT_STOPPED, output
+        latest = json.loads((run.checkpoints / "latest.json").read_text())
+        assert latest["step"] == step + 1, output  # the step in flight is finished, then saved
+        assert latest["dir"] == f"step-{step + 1}"
+        assert not run.model.exists()
+    # The epoch's last step was saved after its evaluation: the checkpoint is at the next epoch.
+    assert latest["epoch"] == 1
     finish(run)
     assert_same_model(run, baseline)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", ["checkpoint-state-written", "checkpoint-dir-committed"])
 def test_resume_after_sigkill_during_checkpoint_write_is_bitwise_exact(
-    make_run: MakeRun, baseline: Run, point: str
+    make_run: MakeRun, baseline: Run
 ) -> None:
+    """Killed after the state file is written but before its manifest, then after the rename but before
+    latest.json: neither half-finished checkpoint is ever loaded."""
     run = make_run()
-    code, _ = run.life(fault=f"sigkill:{point}:step=6")
-    assert code == -signal.SIGKILL
+    for fault in ("sigkill:checkpoint-state-written:step=6", "sigkill:checkpoint-dir-committed:step=9"):
+        code, _ = run.life(fault=fault)
+        assert code == -signal.SIGKILL
     finish(run)
     assert_same_model(run, baseline)
 
@@ -137,3 +137,30 @@ def test_completed_run_writes_loadable_artifacts(baseline: Run) -> None:
     assert (baseline.output / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     latest = json.loads((baseline.checkpoints / "latest.json").read_text())
     assert set(latest) == {"step", "epoch", "dir", "written_at"} and latest["step"] == TOTAL_STEPS
+
+
+@pytest.mark.slow
+def test_replacement_instance_resumes_from_s3_bitwise_exact(
+    make_run: MakeRun, baseline: Run, aws: MotoServer
+) -> None:
+    """Spot interruption: stop (exit 75, upload confirmed), lose the local disk, resume from S3 only."""
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="job")
+    run = make_run("checkpoint.uri=s3://job/checkpoints", "output.uri=s3://job/results")
+    code, output = run.life(env=aws.env(), fault="sigterm:micro-batch:step=5,micro=1")
+    assert code == EXIT_STOPPED, output
+    s3 = boto3.client("s3")
+    latest = json.loads(s3.get_object(Bucket="job", Key="checkpoints/latest.json")["Body"].read())
+    assert latest["step"] == 6 and latest["dir"] == "step-6"
+    shutil.rmtree(run.checkpoints)  # the replacement instance starts with an empty disk
+    code, output = run.life(env=aws.env())
+    assert code == 0, output
+    assert "restored checkpoint step 6 from s3://job/checkpoints" in output
+    assert_same_model(run, baseline)
+    results = s3.list_objects_v2(Bucket="job", Prefix="results/")["Contents"]
+    assert sorted(item["Key"] for item in results) == [
+        "results/curves.png",
+        "results/metrics.json",
+        "results/model.pt",
+    ]

@@ -1,0 +1,98 @@
+"""A simulated instance boot: what the rendered user-data does, then the real agent as a subprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bootstrap.cloud_init import AGENT_CONFIG_PATH
+
+
+@dataclass
+class AgentRun:
+    """One agent process and what it said, each line stamped with the time it arrived."""
+
+    name: str
+    process: subprocess.Popen[str]
+    events: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    trainer_lines: list[tuple[float, str]] = field(default_factory=list)
+
+    def find(self, message_part: str) -> tuple[float, dict[str, Any]] | None:
+        return next(((t, e) for t, e in self.events if message_part in str(e.get("message", ""))), None)
+
+    def wait(self, timeout: float) -> int:
+        return self.process.wait(timeout=timeout)
+
+
+def agent_config_from_user_data(user_data: str, scratch_dir: Path, poll_seconds: float) -> dict[str, Any]:
+    """The agent.yaml that cloud-init writes, pointed at this simulated instance's own "instance store"."""
+    files = {entry["path"]: entry["content"] for entry in yaml.safe_load(user_data)["write_files"]}
+    config: dict[str, Any] = yaml.safe_load(files[AGENT_CONFIG_PATH])
+    config.update(scratch_dir=str(scratch_dir), poll_seconds=poll_seconds)
+    return config
+
+
+def install_bundle(s3: Any, bucket: str, key: str, sha256: str, root: Path) -> Path:
+    """install-agent.sh's job: fetch the bundle, refuse it unless the sha256 matches, unpack it."""
+    data = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != sha256:
+        raise RuntimeError(f"s3://{bucket}/{key}: sha256 {actual} does not match the user-data's {sha256}")
+    destination = root / sha256
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+        archive.extractall(destination, filter="data")
+    return destination
+
+
+def boot_agent(
+    name: str,
+    code_root: Path,
+    config: dict[str, Any],
+    env: dict[str, str],
+    on_event: Callable[[AgentRun, dict[str, Any]], None],
+) -> AgentRun:
+    """Write the agent config and start `python -m bootstrap.agent` from the unpacked bundle."""
+    config_file = Path(config["scratch_dir"]).parent / f"{name}-agent.yaml"
+    config_file.parent.mkdir(parents=True, exist_ok=True)
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bootstrap.agent", "--config", str(config_file)],
+        cwd=code_root,
+        env={**os.environ, **env, "PYTHONPATH": str(code_root), "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
+    run = AgentRun(name, process)
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for raw in process.stdout:
+            line = raw.rstrip("\n")
+            now = time.time()
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            if isinstance(event, dict) and "stage" in event:
+                run.events.append((now, event))
+                on_event(run, event)
+            else:
+                run.trainer_lines.append((now, line))
+
+    threading.Thread(target=pump, name=f"{name}-output", daemon=True).start()
+    return run
