@@ -38,10 +38,12 @@ def format_duration(seconds: float) -> str:
 
 
 def format_metrics(metrics: dict[str, Any] | None) -> list[str]:
+    """Scalar metrics, one per line; the trainer's `final` section (if any) is what a reader wants."""
     if not metrics:
         return ["  (no metrics.json found)"]
+    final = metrics.get("final")
     lines = []
-    for key, value in metrics.items():
+    for key, value in (final if isinstance(final, dict) else metrics).items():
         if isinstance(value, (int, float, str, bool)):
             lines.append(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")
     return lines or ["  (metrics.json has no scalar values)"]

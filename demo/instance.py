@@ -63,6 +63,7 @@ def boot_agent(
     config: dict[str, Any],
     env: dict[str, str],
     on_event: Callable[[AgentRun, dict[str, Any]], None],
+    on_line: Callable[[AgentRun, str], None],
 ) -> AgentRun:
     """Write the agent config and start `python -m bootstrap.agent` from the unpacked bundle."""
     config_file = Path(config["scratch_dir"]).parent / f"{name}-agent.yaml"
@@ -93,6 +94,7 @@ def boot_agent(
                 on_event(run, event)
             else:
                 run.trainer_lines.append((now, line))
+                on_line(run, line)
 
     threading.Thread(target=pump, name=f"{name}-output", daemon=True).start()
     return run

@@ -28,6 +28,14 @@ def _setup_logging() -> None:
     )
 
 
+def _processes(setting: int | str) -> int:
+    if isinstance(setting, int):
+        return setting
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
     parser.add_argument("--config", required=True, help="YAML config file (see training/configs/)")
@@ -39,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         from training.dataset_layout import check_data_dirs
 
         check_data_dirs(config)
+        processes = _processes(config.train.processes)
+        if processes > 1 and "WORLD_SIZE" not in os.environ:
+            from training.launch import launch
+
+            return launch(sys.argv[1:] if argv is None else argv, processes)
         from training.loop import Trainer  # torch import: only after the config is known good
 
         return Trainer(config).run()

@@ -56,6 +56,8 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     deterministic: bool = False
     log_every_steps: int = 50
+    # Processes on this machine: "auto" = one per visible GPU (1 on CPU); each is a DDP rank.
+    processes: int | Literal["auto"] = "auto"
     stop_file: str = ""
     checkpoint_request_file: str = ""
 
@@ -93,7 +95,7 @@ class Config:
         relevant["train"] = {
             k: v
             for k, v in relevant["train"].items()
-            if k not in {"log_every_steps", "stop_file", "checkpoint_request_file", "device"}
+            if k not in {"log_every_steps", "stop_file", "checkpoint_request_file", "device", "processes"}
         }
         del relevant["checkpoint"], relevant["output"]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
@@ -214,6 +216,8 @@ def _check_values(c: Config) -> list[str]:
     at_least("train.epochs", c.train.epochs, 1)
     if isinstance(c.train.batch_size, int):
         at_least("train.batch_size", c.train.batch_size, 1)
+    if isinstance(c.train.processes, int):
+        at_least("train.processes", c.train.processes, 1)
     if isinstance(c.train.micro_batch_size, int):
         at_least("train.micro_batch_size", c.train.micro_batch_size, 1)
     if c.train.lr <= 0:

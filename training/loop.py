@@ -357,7 +357,7 @@ class Trainer:
                 self.scaler.scale(loss / plan.accumulation).backward()
             loss_sum += loss.detach().double() / plan.accumulation
             correct += (logits.detach().argmax(dim=1) == targets).sum().double()
-            fault_point("micro-batch", step=step, micro=k)
+            fault_point("micro-batch", step=step, micro=k, rank=self.world.rank)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

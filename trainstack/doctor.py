@@ -66,6 +66,8 @@ class Doctor:
     def __init__(self, clients: Clients, config: StackConfig) -> None:
         self.clients = clients
         self.config = config
+        # --region overrides the stack's aws:region, for the checks as for the calls.
+        self.region = clients.region or config.region
         self.vcpus: dict[str, int] = {}
 
     def run(self) -> list[Check]:
@@ -93,7 +95,7 @@ class Doctor:
         return [Check("credentials", True, f"{identity['Arn']} (account {identity['Account']})")]
 
     def check_region(self) -> list[Check]:
-        region = self.config.region
+        region = self.region
         if not region:
             return [
                 Check(
@@ -139,7 +141,7 @@ class Doctor:
                     Check(
                         f"type {name}",
                         False,
-                        f"{name} does not exist in {self.config.region}",
+                        f"{name} does not exist in {self.region}",
                         f"fix trainstack:instanceTypes in {self.config.source} (e.g. g6.xlarge, g5.xlarge)",
                     )
                 )
@@ -198,7 +200,7 @@ class Doctor:
             detail = f"{title} ({code}): {limit:g} vCPUs, the group needs {needed}"
             fix = (
                 f"request an increase: aws service-quotas request-service-quota-increase --service-code ec2 "
-                f"--quota-code {code} --desired-value {needed} --region {self.config.region}"
+                f"--quota-code {code} --desired-value {needed} --region {self.region}"
             )
             checks.append(Check(f"{kind} quota", limit >= needed, detail, "" if limit >= needed else fix))
         return checks
@@ -235,7 +237,7 @@ class Doctor:
                     Check(
                         f"offered {name}",
                         False,
-                        f"{name} is not offered in any AZ of {self.config.region}",
+                        f"{name} is not offered in any AZ of {self.region}",
                         "remove it from trainstack:instanceTypes or choose another aws:region",
                     )
                 )
@@ -259,7 +261,7 @@ class Doctor:
                     Check(
                         "AMI",
                         False,
-                        f"trainstack:amiId {self.config.ami_id} not found in {self.config.region}",
+                        f"trainstack:amiId {self.config.ami_id} not found in {self.region}",
                         "AMIs are regional: copy it here or set trainstack:amiId to this region's image",
                     )
                 ]
@@ -274,7 +276,7 @@ class Doctor:
                 Check(
                     "AMI",
                     False,
-                    f"SSM parameter {parameter} not found in {self.config.region}",
+                    f"SSM parameter {parameter} not found in {self.region}",
                     "set trainstack:amiParameter to an existing DLAMI parameter (list them: aws ssm "
                     "get-parameters-by-path --path /aws/service/deeplearning/ami/x86_64 --recursive) "
                     "or pin trainstack:amiId",
@@ -289,7 +291,12 @@ def run(clients: Clients, stack: Stack, *, as_json: bool) -> int:
     ok = all(c.ok for c in checks)
     if as_json:
         print_json(
-            {"stack": config.stack, "region": config.region, "ok": ok, "checks": [asdict(c) for c in checks]}
+            {
+                "stack": config.stack,
+                "region": clients.region or config.region,
+                "ok": ok,
+                "checks": [asdict(c) for c in checks],
+            }
         )
     else:
         out = console()

@@ -11,6 +11,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from rich.table import Table
 
 from trainstack.aws import Clients, explain
+from trainstack.errors import CliError
 from trainstack.output import console, format_usd, print_json
 from trainstack.stack import Stack
 
@@ -101,7 +102,9 @@ def collect(
 
 def run(clients: Clients, stack: Stack, *, types: list[str] | None, days: float, as_json: bool) -> int:
     config = stack.config
-    region = clients.region or config.region or ""
+    region = clients.region or config.region
+    if not region:
+        raise CliError("no AWS region: `pulumi config set aws:region us-east-1`, or pass --region")
     chosen = types or list(config.instance_types)
     rows, notes = collect(clients, chosen, region, days)
     if as_json:

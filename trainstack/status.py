@@ -58,10 +58,14 @@ def estimate_cost(job: JobState, now: datetime) -> Cost:
     ledger = job.ledger or {}
     lives = [life for life in ledger.get("lives", []) if isinstance(life, dict)]
     running = [life for life in lives if life.get("outcome") == "running" and not life.get("ended_at")]
-    rate = sum(float(life.get("price_usd_per_hour") or 0.0) for life in running) if running else None
-    if rate is None and lives and job.status == "running":
+    # The agent records None when it could not learn its price: unknown, not free.
+    prices = [
+        float(life["price_usd_per_hour"]) for life in running if life.get("price_usd_per_hour") is not None
+    ]
+    rate = sum(prices) if prices else None
+    if not running and lives and job.status == "running" and lives[-1].get("price_usd_per_hour") is not None:
         # Between lives (a replacement is launching) the last price is the best guess of the next.
-        rate = float(lives[-1].get("price_usd_per_hour") or 0.0)
+        rate = float(lives[-1]["price_usd_per_hour"])
     so_far = ledger.get("total_cost_usd")
     so_far_usd = float(so_far) if isinstance(so_far, int | float) else None
     if so_far_usd is not None and running:
@@ -92,6 +96,7 @@ def collect(clients: Clients, stack: Stack, now: datetime | None = None) -> dict
         "group": group.to_json(),
         "status": job.status,
         "stop_requested": job.control is not None,
+        "dashboard_url": outputs.values.get("dashboard_url"),
         "progress": progress,
         "checkpoint": checkpoint,
         "interruptions": int(ledger.get("interruptions") or 0),
@@ -149,6 +154,8 @@ def render(report: dict[str, Any]) -> None:
         f"to finish: ≈{format_usd(cost['to_finish_usd'])} "
         f"(at {format_usd(cost['rate_usd_per_hour'], 3)}/h; total ≈{format_usd(cost['estimate_total_usd'])})"
     )
+    if report["dashboard_url"]:
+        out.print(f"dashboard: {report['dashboard_url']}", markup=False)
 
 
 def _render_progress(progress: dict[str, Any]) -> None:

@@ -51,6 +51,25 @@ def test_completion_scales_the_group_to_zero_and_sends_a_summary(
     ledger = stack.read_json("state/ledger.json")
     assert ledger is not None and ledger["status"] == "completed"
     assert stack.read_json("state/progress.json")["step"] == 12  # type: ignore[index]
+    instance_id = stack_instance_id(ledger)
+    shipped = stack.client("logs").get_log_events(
+        logGroupName=stack.log_group, logStreamName=f"{instance_id}/agent"
+    )
+    assert any('"completed; scaled to zero"' in e["message"] for e in shipped["events"]), (
+        "agent log in CloudWatch"
+    )
+
+
+def stack_instance_id(ledger: dict[str, Any]) -> str:
+    return str(ledger["lives"][0]["instance_id"])
+
+
+def test_give_up_after_systemd_start_limit_notifies_and_scales_to_zero(
+    make_life: MakeLife, stack: LocalStack
+) -> None:
+    assert make_life().give_up().exit_code == 0
+    assert stack.group()["DesiredCapacity"] == 0
+    assert "keeps failing" in stack.alerts()[0]["Subject"]
 
 
 def test_spot_interruption_exits_with_a_confirmed_checkpoint_and_the_replacement_resumes_at_that_step(

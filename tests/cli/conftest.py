@@ -79,7 +79,7 @@ class Deployed:
 
 
 def write_project(root: Path, config: dict[str, Any]) -> Path:
-    """The project's real Pulumi.yaml (its schema holds the defaults) and Pulumi.<stack>.yaml with `config`."""
+    """The project's real Pulumi.yaml (its schema holds the defaults) and Pulumi.<stack>.yaml with values."""
     shutil.copyfile(REPO / "Pulumi.yaml", root / "Pulumi.yaml")
     (root / f"Pulumi.{STACK}.yaml").write_text(json.dumps({"config": config}), encoding="utf-8")
     return root

@@ -193,13 +193,15 @@ def test_each_gpu_family_maps_to_its_spot_quota(instance_type: str, family: str 
 def test_on_demand_count_follows_the_mixed_instances_policy(
     base: int, percent: int, count: int, expected: int
 ):
-    config = StackConfig.from_values(
-        "t",
-        {
-            "trainstack:instanceCount": count,
-            "trainstack:onDemandBaseCapacity": base,
-            "trainstack:onDemandPercentageAboveBase": percent,
-        },
-        "Pulumi.t.yaml",
+    config = StackConfig(
+        stack="t",
+        source="Pulumi.t.yaml",
+        region=REGION,
+        instance_types=("g6.xlarge",),
+        instance_count=count,
+        on_demand_base_capacity=base,
+        on_demand_percentage_above_base=percent,
+        ami_parameter="/p",
+        ami_id="",
     )
     assert on_demand_count(config) == expected

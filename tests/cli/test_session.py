@@ -12,9 +12,7 @@ import pytest
 
 from trainstack.session import session_command
 
-from .conftest import REGION, STACK, Deployed
-
-REPO = Path(__file__).resolve().parents[2]
+from .conftest import REGION, REPO, STACK, Deployed
 
 
 def _fake_tools(bin_dir: Path, record: Path, *, plugin: bool = True) -> None:

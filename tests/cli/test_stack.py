@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from trainstack.errors import CliError
-from trainstack.stack import DEFAULT_INSTANCE_TYPES, Stack
+from trainstack.stack import Stack
 
-from .conftest import STACK, write_project
+from .conftest import REPO, STACK, write_project
 
 OUTPUTS = {
     "region": "eu-west-1",
@@ -42,18 +44,29 @@ def _fake_pulumi(bin_dir: Path, *, stack: str = "dev", outputs: dict | None = No
 
 def test_stack_file_values_override_the_project_schema_defaults(tmp_path: Path):
     write_project(tmp_path, {"aws:region": "eu-west-1", "trainstack:instanceCount": 3})
+    schema = yaml.safe_load((REPO / "Pulumi.yaml").read_text())["config"]
+
     config = Stack(STACK, project_dir=tmp_path).config
+
     assert config.region == "eu-west-1"
     assert config.instance_count == 3
-    assert config.instance_types == ("g6.xlarge", "g5.xlarge")  # Pulumi.yaml's default, not the CLI's
+    # Not set in the stack file: the default the Pulumi program also applies.
+    assert list(config.instance_types) == schema["instanceTypes"]["default"]
+    assert config.ami_parameter == schema["amiParameter"]["default"]
 
 
-def test_without_pulumi_yaml_the_documented_defaults_apply(tmp_path: Path):
-    (tmp_path / "Pulumi.solo.yaml").write_text("config:\n  aws:region: us-west-2\n")
-    config = Stack(project_dir=tmp_path).config  # the only stack file is the stack
-    assert config.stack == "solo"
-    assert config.instance_types == DEFAULT_INSTANCE_TYPES
-    assert config.instance_count == 1
+def test_the_only_stack_file_names_the_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no pulumi CLI to ask
+    write_project(tmp_path, {"aws:region": "us-west-2"})
+    assert Stack(project_dir=tmp_path).config.stack == STACK
+
+
+def test_outside_the_project_directory_says_to_pass_cwd(tmp_path: Path):
+    (tmp_path / "Pulumi.dev.yaml").write_text("config:\n  aws:region: us-west-2\n")
+    with pytest.raises(
+        CliError, match=r"no Pulumi.yaml in .*: run trainstack in the project directory or pass --cwd"
+    ):
+        _ = Stack("dev", project_dir=tmp_path).config
 
 
 @pytest.mark.parametrize(
@@ -72,6 +85,7 @@ def test_bad_config_names_the_file_and_the_key(tmp_path: Path, values: dict, mes
 
 
 def test_broken_yaml_names_the_file_and_line(tmp_path: Path):
+    write_project(tmp_path, {})
     (tmp_path / "Pulumi.dev.yaml").write_text("config:\n  aws:region: [unclosed\n")
     with pytest.raises(CliError, match=r"Pulumi.dev.yaml line \d+: not valid YAML"):
         _ = Stack("dev", project_dir=tmp_path).config
@@ -89,6 +103,7 @@ def test_outputs_come_from_pulumi_stack_output(tmp_path: Path, monkeypatch: pyte
 def test_config_falls_back_to_pulumi_config_json_without_a_stack_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
+    shutil.copyfile(REPO / "Pulumi.yaml", tmp_path / "Pulumi.yaml")
     _fake_pulumi(tmp_path / "bin")
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     config = Stack("dev", project_dir=tmp_path).config

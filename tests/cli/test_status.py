@@ -95,6 +95,15 @@ def test_completed_job_has_nothing_left_to_pay():
     assert cost.estimate_total_usd == pytest.approx(2.0)
 
 
+def test_an_unknown_price_leaves_the_estimate_unknown_rather_than_free():
+    job = _running_job(NOW)
+    job["ledger"]["lives"][-1]["price_usd_per_hour"] = None
+    cost = estimate_cost(JobState(job["ledger"], job["progress"], None, None), NOW)
+    assert cost.rate_usd_per_hour is None
+    assert cost.to_finish_usd is None
+    assert cost.so_far_usd == pytest.approx(1.30)
+
+
 def test_status_json_reports_group_instances_progress_checkpoint_and_cost(deployed: Deployed):
     instance = deployed.launch_instance(spot=True)
     now = datetime.now(timezone.utc)

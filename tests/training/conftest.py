@@ -115,7 +115,7 @@ def make_run(tmp_path: Path, image_folders: Dataset) -> MakeRun:
     return make_run_factory(tmp_path, image_folders)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def baseline(tmp_path_factory: pytest.TempPathFactory, image_folders: Dataset) -> Run:
     """One uninterrupted run of the FAST job: the reference every interrupted run must match bit for bit."""
     run = make_run_factory(tmp_path_factory.mktemp("baseline"), image_folders)(name="baseline")

@@ -1,0 +1,67 @@
+"""`python -m demo` (make demo): the whole spot-interruption story on this machine, no AWS account needed."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__)
+    parser.add_argument("--workdir", type=Path, default=Path(".demo"), help="scratch folder (default .demo)")
+    args = parser.parse_args(argv)
+    console = Console()
+
+    from demo.run import ISOLATED_ENV
+
+    # Before boto3 is used anywhere: fake credentials, no profile, nothing but 127.0.0.1.
+    os.environ.update(ISOLATED_ENV)
+    os.environ.pop("AWS_PROFILE", None)
+    from moto.server import ThreadedMotoServer
+
+    from demo.report import checks, plot_timeline, print_timeline
+    from demo.run import Demo
+
+    # moto's server logs every request and each unimplemented call; the agent's lines tell the story.
+    logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
+    workdir = args.workdir.resolve()
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"
+    console.rule("trainstack local demo: embedded S3/KMS/SNS/Auto Scaling (moto) + simulated IMDS")
+    try:
+        result = Demo(workdir, console).run()
+    except Exception as exc:
+        console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
+        return 1
+    finally:
+        server.stop()
+    console.rule("timeline")
+    print_timeline(result, console)
+    png = plot_timeline(result, workdir / "timeline.png")
+    console.print(f"timeline plot: {png}")
+    console.rule("checks")
+    results = checks(result)
+    for check in results:
+        mark = "[green]PASS[/]" if check.passed else "[bold red]FAIL[/]"
+        console.print(f"{mark} {escape(check.name)}: {escape(check.detail)}", highlight=False)
+    failed = [c for c in results if not c.passed]
+    if failed:
+        console.print(f"[bold red]{len(failed)} check(s) failed[/]")
+        return 1
+    console.print("[bold green]all checks passed[/]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The demo's verdict: checks that must hold, a rich timeline on the terminal, and a PNG of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES
+from demo.run import DemoResult
+
+MIN_ACCURACY = 0.5  # 4 classes: chance is 0.25
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+
+def steps_lost(result: DemoResult) -> int | None:
+    """Steps instance 1 had trained past the checkpoint it confirmed (and that instance 2 must redo)."""
+    reached = result.stop_event.get("reached_step")
+    checkpoint = result.stop_event.get("checkpoint_step")
+    first_samples = [s.step for s in result.samples if s.instance == "instance-1"]
+    if checkpoint is None:
+        return None
+    reached_max = max([int(reached or 0), *first_samples])
+    return max(0, reached_max - int(checkpoint))
+
+
+def final_accuracy(result: DemoResult) -> float | None:
+    final = result.metrics.get("final")
+    source = final if isinstance(final, dict) else result.metrics
+    value = source.get("val_accuracy")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def checks(result: DemoResult) -> list[Check]:
+    lost = steps_lost(result)
+    checkpoint = result.stop_event.get("checkpoint_step")
+    notice_to_confirmed = result.stop_confirmed_at - result.notice_at if result.stop_confirmed_at else None
+    accuracy = final_accuracy(result)
+    names = {a.rsplit("/", 1)[-1] for a in result.artifacts}
+    subjects = [a["Subject"] for a in result.alerts]
+    return [
+        Check(
+            "user-data renders, is valid and fits",
+            result.user_data_bytes < USER_DATA_LIMIT_BYTES,
+            f"{result.user_data_bytes} bytes; {result.user_data_valid}",
+        ),
+        Check(
+            "instance 1 stopped with a confirmed checkpoint",
+            bool(result.stop_event.get("checkpoint_confirmed")) and result.exit_codes[:1] == [0],
+            f"checkpoint step {checkpoint}, agent exit {result.exit_codes[:1]}",
+        ),
+        Check("steps lost = 0", lost == 0, f"{lost}"),
+        Check(
+            "checkpoint confirmed within the 2-minute notice",
+            notice_to_confirmed is not None and notice_to_confirmed < 120,
+            f"{notice_to_confirmed:.1f}s" if notice_to_confirmed is not None else "never",
+        ),
+        Check(
+            "instance 2 resumed at the checkpoint step",
+            result.resumed_step is not None and result.resumed_step == checkpoint,
+            f"resumed at {result.resumed_step}, checkpoint {checkpoint}",
+        ),
+        Check("instance 2 completed", result.exit_codes[1:] == [0], f"agent exit {result.exit_codes[1:]}"),
+        Check(
+            f"final accuracy ≥ {MIN_ACCURACY}",
+            accuracy is not None and accuracy >= MIN_ACCURACY,
+            f"{accuracy}",
+        ),
+        Check("artifacts in S3", {"model.pt", "metrics.json"} <= names, ", ".join(sorted(names)) or "none"),
+        Check(
+            "group scaled to zero",
+            result.desired_capacity == 0,
+            f"desired capacity {result.desired_capacity}",
+        ),
+        Check(
+            "completion notification sent",
+            any("training completed" in s for s in subjects),
+            "; ".join(subjects),
+        ),
+        Check(
+            "ledger counts one interruption",
+            result.ledger.get("interruptions") == 1,
+            f"interruptions {result.ledger.get('interruptions')}, status {result.ledger.get('status')}",
+        ),
+    ]
+
+
+def print_timeline(result: DemoResult, console: Console) -> None:
+    t0 = result.started
+    table = Table(title="Spot interruption, resume, completion", show_lines=False)
+    table.add_column("t (s)", justify="right")
+    table.add_column("what happened")
+    rows: list[tuple[float, str]] = []
+    confirmed = f"checkpoint step {result.stop_event.get('checkpoint_step')} confirmed in S3; instance 1 done"
+    for instance in ("instance-1", "instance-2"):
+        steps = [s for s in result.samples if s.instance == instance]
+        if steps:
+            rows.append((steps[0].time, f"{instance} training: first progress at step {steps[0].step}"))
+            rows.append((steps[-1].time, f"{instance} last progress at step {steps[-1].step}"))
+    if result.notice_at:
+        rows.append((result.notice_at, "spot interruption notice (IMDS spot/instance-action)"))
+    if result.stop_confirmed_at:
+        rows.append(
+            (
+                result.stop_confirmed_at,
+                confirmed,
+            )
+        )
+    if result.instance2_booted_at:
+        rows.append((result.instance2_booted_at, "instance 2 (replacement, other type and AZ) boots"))
+    if result.resumed_at:
+        rows.append((result.resumed_at, f"instance 2 resumes at step {result.resumed_step}"))
+    for moment, text in sorted(rows):
+        table.add_row(f"{moment - t0:.1f}", text)
+    console.print(table)
+    summary = Table(show_header=False, box=None)
+    lost = steps_lost(result)
+    summary.add_row("steps lost", str(lost))
+    if result.stop_confirmed_at:
+        summary.add_row(
+            "notice → checkpoint confirmed", f"{result.stop_confirmed_at - result.notice_at:.1f}s"
+        )
+    if result.resumed_at:
+        summary.add_row(
+            "replacement boot → training resumed", f"{result.resumed_at - result.instance2_booted_at:.1f}s"
+        )
+        summary.add_row("notice → training resumed", f"{result.resumed_at - result.notice_at:.1f}s")
+    summary.add_row("final validation accuracy", str(final_accuracy(result)))
+    summary.add_row("artifacts", "\n".join(result.artifacts))
+    summary.add_row("group desired capacity", str(result.desired_capacity))
+    summary.add_row("estimated cost (moto's spot price)", f"${result.ledger.get('total_cost_usd', 0):.6f}")
+    console.print(summary)
+
+
+def plot_timeline(result: DemoResult, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = result.started
+    figure, axes = plt.subplots(figsize=(9, 4))
+    for instance, colour in (("instance-1", "tab:blue"), ("instance-2", "tab:green")):
+        steps = [s for s in result.samples if s.instance == instance]
+        axes.plot(
+            [s.time - t0 for s in steps], [s.step for s in steps], marker=".", color=colour, label=instance
+        )
+    checkpoint = result.stop_event.get("checkpoint_step")
+    if result.notice_at:
+        axes.axvline(result.notice_at - t0, color="tab:red", linestyle="--", label="spot notice")
+    if result.stop_confirmed_at and checkpoint is not None:
+        axes.scatter(
+            [result.stop_confirmed_at - t0],
+            [checkpoint],
+            color="tab:red",
+            zorder=3,
+            label=f"checkpoint step {checkpoint} confirmed",
+        )
+    if result.resumed_at and result.resumed_step is not None:
+        axes.scatter(
+            [result.resumed_at - t0],
+            [result.resumed_step],
+            color="tab:green",
+            marker="s",
+            zorder=3,
+            label=f"resumed at step {result.resumed_step}",
+        )
+    axes.set_xlabel("seconds since the demo started")
+    axes.set_ylabel("training step")
+    axes.set_title(f"trainstack demo: steps lost = {steps_lost(result)}")
+    axes.legend(loc="lower right")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

@@ -1,0 +1,246 @@
+"""The demo's story: the stack in moto, instance 1 booted and interrupted, instance 2 resumes and finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.markup import escape
+
+from bootstrap.cloud_init import render_user_data
+from demo.imds import ImdsSimulator, SimulatedInstance
+from demo.instance import AgentRun, agent_config_from_user_data, boot_agent, install_bundle
+from demo.stack import LocalStack, create_stack
+from infra.bundle import build_bundle
+from training.sample_data import write_dataset
+
+REPO = Path(__file__).resolve().parent.parent
+JOB_CONFIG = REPO / "training" / "configs" / "tiny.yaml"
+# Fake credentials and no config files: nothing in the demo can reach a real AWS account.
+ISOLATED_ENV = {
+    "AWS_ACCESS_KEY_ID": "demo",
+    "AWS_SECRET_ACCESS_KEY": "demo",
+    "AWS_SESSION_TOKEN": "demo",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+}
+INTERRUPT_AT_FRACTION = 0.4
+LIFE_TIMEOUT_S = 420
+
+
+@dataclass
+class Sample:
+    """The trainer's step on one instance at one moment (from its progress.json)."""
+
+    time: float
+    instance: str
+    step: int
+
+
+@dataclass
+class DemoResult:
+    """Everything the timeline and the checks need."""
+
+    started: float
+    user_data_bytes: int = 0
+    user_data_valid: str = ""
+    bundle_key: str = ""
+    instance_ids: list[str] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    notice_at: float = 0.0
+    stop_event: dict[str, Any] = field(default_factory=dict)
+    stop_confirmed_at: float = 0.0
+    instance2_booted_at: float = 0.0
+    resumed_at: float = 0.0
+    resumed_step: int | None = None
+    total_steps: int = 0
+    exit_codes: list[int] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    artifacts: list[str] = field(default_factory=list)
+    desired_capacity: int | None = None
+    alerts: list[dict[str, str]] = field(default_factory=list)
+    ledger: dict[str, Any] = field(default_factory=dict)
+    bucket: str = ""
+    workdir: Path = Path(".demo")
+
+
+def _validate_user_data(path: Path) -> str:
+    yaml.safe_load(path.read_text())
+    if shutil.which("cloud-init") is None:
+        return "parses as YAML (cloud-init not installed: schema not checked)"
+    result = subprocess.run(
+        ["cloud-init", "schema", "-c", str(path)], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{path}: cloud-init schema rejected the user-data: {result.stdout.strip()}")
+    return "valid per cloud-init schema"
+
+
+def _upload_tree(stack: LocalStack, root: Path, prefix: str) -> int:
+    s3 = stack.client("s3")
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    for path in files:
+        s3.upload_file(str(path), stack.bucket, prefix + path.relative_to(root).as_posix())
+    return len(files)
+
+
+def _progress_step(scratch: Path) -> tuple[int, int] | None:
+    try:
+        progress = json.loads((scratch / "output" / "progress.json").read_text())
+        return int(progress["step"]), int(progress.get("total_steps") or 0)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+class Demo:
+    """Runs the story; prints each agent stage as it happens."""
+
+    def __init__(self, workdir: Path, console: Console) -> None:
+        self.workdir = workdir
+        self.console = console
+        self.result = DemoResult(started=time.time(), workdir=workdir)
+
+    def _echo(self, run: AgentRun, event: dict[str, Any]) -> None:
+        extra = {k: v for k, v in event.items() if k not in ("time", "stage", "message", "argv", "metrics")}
+        details = escape(", ".join(f"{k}={v}" for k, v in extra.items())[:160])
+        elapsed = time.time() - self.result.started
+        self.console.print(
+            f"[dim]{elapsed:6.1f}s[/] [bold cyan]{run.name}[/] [magenta]{event['stage']:<12}[/] "
+            f"{escape(str(event['message']))}" + (f" [dim]({details})[/]" if details else ""),
+            highlight=False,
+        )
+
+    def _echo_trainer(self, run: AgentRun, line: str) -> None:
+        self.console.print(
+            f"[dim]{time.time() - self.result.started:6.1f}s {run.name} trainer  {line}[/]", highlight=False
+        )
+
+    def _watch(self, run: AgentRun, scratch: Path, interrupt: ImdsSimulator | None, stack: LocalStack) -> int:
+        """Sample progress until the agent exits; inject the spot notice mid-training when asked to."""
+        deadline = time.monotonic() + LIFE_TIMEOUT_S
+        last = -1
+        while run.process.poll() is None:
+            if time.monotonic() > deadline:
+                run.process.kill()
+                raise RuntimeError(f"{run.name}: the agent did not finish within {LIFE_TIMEOUT_S}s")
+            found = _progress_step(scratch)
+            if found is not None and found[0] != last:
+                last, total = found
+                self.result.total_steps = total or self.result.total_steps
+                self.result.samples.append(Sample(time.time(), run.name, last))
+                if (
+                    interrupt is not None
+                    and not self.result.notice_at
+                    and last >= INTERRUPT_AT_FRACTION * total
+                ):
+                    self.result.notice_at = time.time()
+                    interrupt.inject_spot_notice()
+                    # What capacity rebalancing does on the notice: the group lets this instance go and
+                    # launches a replacement straight away.
+                    stack.client("autoscaling").terminate_instance_in_auto_scaling_group(
+                        InstanceId=interrupt.instance.instance_id, ShouldDecrementDesiredCapacity=False
+                    )
+                    self.console.print(
+                        f"[bold red]>>> spot interruption notice injected at step {last}/{total}[/]",
+                        highlight=False,
+                    )
+            time.sleep(0.2)
+        return run.process.wait()
+
+    def run(self) -> DemoResult:
+        result = self.result
+        stack = create_stack("trainstack-demo")
+        result.bucket = stack.bucket
+        self.console.print(
+            f"[bold]stack[/] bucket s3://{stack.bucket} (SSE-KMS), topic, log group, group {stack.group_name}"
+        )
+
+        dataset = self.workdir / "dataset"
+        write_dataset(dataset)
+        count = _upload_tree(stack, dataset, "data/")
+        self.console.print(f"[bold]dataset[/] {count} generated images uploaded to s3://{stack.bucket}/data/")
+
+        bundle = build_bundle(REPO)
+        result.bundle_key = bundle.key()
+        stack.client("s3").put_object(Bucket=stack.bucket, Key=result.bundle_key, Body=bundle.data)
+        job = yaml.safe_load(JOB_CONFIG.read_text())
+        config = stack.agent_config(job=job, stall_minutes=5.0)
+        user_data = render_user_data(config, bundle_key=result.bundle_key, bundle_sha256=bundle.sha256)
+        user_data_path = self.workdir / "user-data.yaml"
+        user_data_path.write_text(user_data)
+        result.user_data_bytes = len(user_data.encode())
+        result.user_data_valid = _validate_user_data(user_data_path)
+        self.console.print(
+            f"[bold]user-data[/] {user_data_path} ({result.user_data_bytes} bytes, {result.user_data_valid})"
+        )
+
+        env = {**ISOLATED_ENV, "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]}
+        first_id = stack.instance_ids()[0]
+        with ImdsSimulator(
+            SimulatedInstance(instance_id=first_id), lifecycle_state=stack.lifecycle_state
+        ) as imds:
+            env["AWS_EC2_METADATA_SERVICE_ENDPOINT"] = imds.endpoint
+            result.instance_ids.append(first_id)
+            result.exit_codes.append(self._life("instance-1", stack, user_data, bundle.sha256, env, imds))
+            second_id = next(i for i in stack.instance_ids() if i != first_id)
+            result.instance_ids.append(second_id)
+            imds.clear_events()
+            imds.instance = SimulatedInstance(
+                instance_id=second_id, instance_type="g5.xlarge", availability_zone="us-east-1b"
+            )
+            result.instance2_booted_at = time.time()
+            result.exit_codes.append(self._life("instance-2", stack, user_data, bundle.sha256, env, None))
+
+        result.metrics = stack.read_json("results/metrics.json") or {}
+        listing = (
+            stack.client("s3").list_objects_v2(Bucket=stack.bucket, Prefix="results/").get("Contents", [])
+        )
+        result.artifacts = [f"s3://{stack.bucket}/{obj['Key']}" for obj in listing]
+        result.desired_capacity = stack.group()["DesiredCapacity"]
+        result.alerts = stack.alerts()
+        result.ledger = stack.read_json("state/ledger.json") or {}
+        return result
+
+    def _life(
+        self,
+        name: str,
+        stack: LocalStack,
+        user_data: str,
+        sha256: str,
+        env: dict[str, str],
+        interrupt: ImdsSimulator | None,
+    ) -> int:
+        scratch = self.workdir / name
+        code_root = install_bundle(
+            stack.client("s3"),
+            stack.bucket,
+            self.result.bundle_key,
+            sha256,
+            self.workdir / name / "opt-trainstack",
+        )
+        config = agent_config_from_user_data(user_data, scratch / "scratch", poll_seconds=1.0)
+        self.console.print(f"[bold]{name}[/] boots: bundle verified and unpacked to {code_root}")
+        run = boot_agent(name, code_root, config, env, self._echo, self._echo_trainer)
+        code = self._watch(run, scratch / "scratch", interrupt, stack)
+        time.sleep(0.3)  # let the output pump drain the last lines
+        if interrupt is not None:
+            stopped = run.find("trainer stopped")
+            if stopped:
+                self.result.stop_confirmed_at, self.result.stop_event = stopped
+        else:
+            resumed = next(((t, line) for t, line in run.trainer_lines if "resuming at step" in line), None)
+            if resumed:
+                self.result.resumed_at = resumed[0]
+                self.result.resumed_step = int(resumed[1].split("resuming at step")[1].split()[0])
+        self.console.print(f"[bold]{name}[/] agent exited with {code}")
+        return code
