@@ -36,7 +36,13 @@ def main(argv: list[str] | None = None) -> int:
         life.request_shutdown()
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    result = life.give_up() if args.give_up else life.run()
+    try:
+        result = life.give_up() if args.give_up else life.run()
+    except Exception as exc:
+        # Unexpected (S3 or the group unreachable for minutes): one line, then systemd starts the next
+        # life, and the ledger counts this one as failed when it finds it still marked running.
+        life.log.event("failed", "agent stopped by an unexpected error", error=f"{type(exc).__name__}: {exc}")
+        return 1
     return result.exit_code
 
 

@@ -135,7 +135,7 @@ class InstanceLife:
 
     def give_up(self) -> LifeResult:
         """Last resort when systemd's start limit is hit: record, notify, scale to zero."""
-        identity = self._identify()
+        identity = self.identity = self._identify()
         self._ship_logs()
         try:
             self.ledger = JobLedger(self.state.read(LEDGER))

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 _FLUSH_SECONDS = 5.0
-_MAX_BATCH = 1000
+_MAX_BATCH = 500  # well under PutLogEvents' 1 MB per call
 
 
 class LogShipper:
@@ -35,6 +35,7 @@ class LogShipper:
         if self._disabled:
             return
         with self._lock:
+            # Stamped under the lock: CloudWatch rejects a batch whose events are out of order.
             self._buffer.append({"timestamp": int(time.time() * 1000), "message": line})
 
     def _ensure_stream(self) -> None:
@@ -45,19 +46,17 @@ class LogShipper:
         self._ready = True
 
     def flush(self) -> None:
-        with self._lock:
-            batch, self._buffer = self._buffer[:_MAX_BATCH], self._buffer[_MAX_BATCH:]
-        if not batch or self._disabled:
-            return
-        try:
-            self._ensure_stream()
-            self._logs.put_log_events(logGroupName=self.group, logStreamName=self.stream, logEvents=batch)
-        except Exception as exc:  # logs are best effort: journald still has every line
-            self._disabled = True
-            print(
-                f"CloudWatch Logs {self.group}/{self.stream} unavailable, journald only: {exc}",
-                file=sys.stderr,
-            )
+        while not self._disabled:
+            with self._lock:
+                batch, self._buffer = self._buffer[:_MAX_BATCH], self._buffer[_MAX_BATCH:]
+            if not batch:
+                return
+            try:
+                self._ensure_stream()
+                self._logs.put_log_events(logGroupName=self.group, logStreamName=self.stream, logEvents=batch)
+            except Exception as exc:  # logs are best effort: journald still has every line
+                self._disabled = True
+                print(f"CloudWatch Logs {self.group}/{self.stream}: journald only ({exc})", file=sys.stderr)
 
     def _run(self) -> None:
         while not self._closed:
@@ -69,5 +68,4 @@ class LogShipper:
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=30)
-        while self._buffer and not self._disabled:
-            self.flush()
+        self.flush()

@@ -10,6 +10,7 @@ import sys
 from botocore.exceptions import BotoCoreError, ClientError
 
 from training.config import ConfigError, load_config
+from training.stop import StopRequest
 
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
@@ -52,9 +53,12 @@ def main(argv: list[str] | None = None) -> int:
             from training.launch import launch
 
             return launch(sys.argv[1:] if argv is None else argv, processes)
+        # Catch SIGTERM before the slow imports: a stop during start-up is still a clean exit 75.
+        stop = StopRequest(config.train.stop_file, config.train.checkpoint_request_file)
+        stop.install()
         from training.loop import Trainer  # torch import: only after the config is known good
 
-        return Trainer(config).run()
+        return Trainer(config, stop).run()
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)

@@ -10,6 +10,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from training.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 # Keep this share of device memory free: the allocator fragments over a long run, and eval or
@@ -52,9 +54,11 @@ def search_micro_batch(try_step: Callable[[int], None], per_rank: int | None) ->
     """The largest micro-batch whose full step fits, or raise with the fix to try."""
     best = largest_fitting(try_step, micro_batch_candidates(per_rank))
     if best is None:
-        raise RuntimeError(
-            "train.micro_batch_size: not even a micro-batch of 1 fits in device memory; "
-            "use a smaller model.name or data.image_size, or a GPU with more memory"
+        raise ConfigError(
+            [
+                "train.micro_batch_size: not even a micro-batch of 1 fits in device memory; "
+                "use a smaller model.name or data.image_size, or a GPU with more memory"
+            ]
         )
     return best
 

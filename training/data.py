@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -156,6 +157,13 @@ class EvalDataset(Dataset[tuple[torch.Tensor, int]]):
         return image, target
 
 
+def ignore_stop_signals(_worker_id: int) -> None:
+    """Loader workers leave SIGTERM/SIGINT (e.g. Ctrl-C to the process group) to the main process,
+    which stops at a step boundary; a worker dying on them would break that step instead."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def default_num_workers(world_size: int) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(8, cpus // max(1, world_size) - 1))
@@ -165,6 +173,8 @@ def loader_options(config: Config, world_size: int, pin_memory: bool) -> dict[st
     workers = config.data.num_workers
     num_workers = default_num_workers(world_size) if workers == "auto" else int(workers)
     options: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory}
+    if num_workers > 0:
+        options["worker_init_fn"] = ignore_stop_signals
     if num_workers > 0:
         options |= {"persistent_workers": True, "prefetch_factor": config.data.prefetch_factor}
     return options

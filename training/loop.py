@@ -130,7 +130,7 @@ def plan_batches(
 class Trainer:
     """One life of a training job: restore, train until done or asked to stop, checkpoint, report."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, stop: StopRequest | None = None) -> None:
         self.config = config
         t = config.train
         use_deterministic_kernels(t.deterministic)
@@ -150,7 +150,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             config.checkpoint.dir, config.checkpoint.uri, config.checkpoint.keep
         )
-        self.stop = StopRequest(t.stop_file, t.checkpoint_request_file)
+        self.stop = stop or StopRequest(t.stop_file, t.checkpoint_request_file)
         self.state = TrainState()
         self.history = History()
         self.config_hash = config.optimisation_hash()
@@ -283,6 +283,9 @@ class Trainer:
         criterion = nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
         deadline = Deadline(config.checkpoint.every_minutes)
         model.train()
+        if dist_utils.any_rank(self.world, [self.stop.stop_requested()], self.device)[0]:
+            # Asked to stop while starting up: nothing new to save beyond what was restored.
+            return self._stop(scheduler, life_started)
         while self.state.epoch < t.epochs:
             sampler.set_position(self.state.epoch, self.state.step_in_epoch)
             batches = iter(loader)
@@ -312,7 +315,10 @@ class Trainer:
                 epoch_done = s.step_in_epoch == steps_per_epoch
                 if epoch_done:
                     progress.pause()
-                    self._finish_epoch(model, val_loader)
+                    # Not through DDP: its per-forward buffer broadcast would hang on uneven val shards.
+                    self._finish_epoch(
+                        model.module if isinstance(model, DistributedDataParallel) else model, val_loader
+                    )
                     progress.resume()
                 outcome = self._maybe_checkpoint(scheduler, deadline, progress, life_started)
                 if outcome is not None:
@@ -455,18 +461,22 @@ class Trainer:
             self.stop.clear_checkpoint_request()
             log.info("checkpoint at step %d saved on request", self.state.global_step)
         if stop:
-            if self.world.is_main:
-                self.checkpoints.wait_uploaded()
-                log.warning(
-                    "stopped at step %d on %s; checkpoint confirmed, exit %d",
-                    self.state.global_step,
-                    self.stop.reason(),
-                    EXIT_STOPPED,
-                )
-            dist_utils.barrier(self.world)
-            return EXIT_STOPPED
+            return self._stop(scheduler, life_started)
         progress.resume()
         return None
+
+    def _stop(self, scheduler: torch.optim.lr_scheduler.LRScheduler, life_started: float) -> int:
+        self._save(scheduler, life_started)
+        if self.world.is_main:
+            self.checkpoints.wait_uploaded()
+            log.warning(
+                "stopped at step %d on %s; checkpoint confirmed, exit %d",
+                self.state.global_step,
+                self.stop.reason(),
+                EXIT_STOPPED,
+            )
+        dist_utils.barrier(self.world)
+        return EXIT_STOPPED
 
     def _complete(
         self, scheduler: torch.optim.lr_scheduler.LRScheduler, progress: ProgressReporter, life_started: float

@@ -21,6 +21,8 @@ class StopRequest:
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
+        if self._previous:
+            return
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._on_signal)
 

@@ -3,15 +3,20 @@
 # install what the Deep Learning AMI's PyTorch env lacks, and start the agent service.
 set -euo pipefail
 
+# Overridable only so that tests can run this script in a sandbox; the instance uses the defaults.
+etc_dir=${TRAINSTACK_ETC_DIR:-/etc/trainstack}
+install_root=${TRAINSTACK_INSTALL_ROOT:-/opt/trainstack}
+pytorch_python=${TRAINSTACK_PYTORCH_PYTHON:-/opt/pytorch/bin/python}
+
 # shellcheck source=/dev/null
-. /etc/trainstack/bundle.env
+. "$etc_dir/bundle.env"
 
 log() { printf '{"stage": "install-agent", "message": "%s"}\n' "$*"; }
 
 python_env() {
   # The DLAMI's PyTorch env carries the CUDA build of torch matched to the driver: always prefer it.
-  if [ -x /opt/pytorch/bin/python ]; then
-    echo /opt/pytorch/bin/python
+  if [ -x "$pytorch_python" ]; then
+    echo "$pytorch_python"
   else
     command -v python3
   fi
@@ -28,7 +33,7 @@ fetch_bundle() {
 }
 
 PYTHON=$(python_env)
-dest="/opt/trainstack/$BUNDLE_SHA256"
+dest="$install_root/$BUNDLE_SHA256"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -54,7 +59,7 @@ fi
 
 mkdir -p "$dest"
 tar -xzf "$work/bundle.tar.gz" -C "$dest"
-ln -sfn "$dest" /opt/trainstack/current
+ln -sfn "$dest" "$install_root/current"
 log "bundle $BUNDLE_SHA256 unpacked to $dest"
 
 # Pin the AMI's torch and torchvision so that pip can never swap them for a build that misses the driver;

@@ -160,3 +160,18 @@ def test_every_shell_script_in_bootstrap_is_shellcheck_clean() -> None:
         [shellcheck, "--severity=style", *map(str, scripts)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout
+
+
+def test_systemd_units_have_no_unknown_keys_or_syntax_errors(tmp_path: Path) -> None:
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze not installed (apt-get install systemd)")
+    units = [shutil.copy(p, tmp_path) for p in sorted((REPO / "bootstrap/instance").glob("*.service"))]
+    result = subprocess.run(["systemd-analyze", "verify", *map(str, units)], capture_output=True, text=True)
+    # ExecStart lives in the unpacked bundle on the instance, so only "not executable" may be reported here.
+    problems = [
+        line
+        for line in (result.stdout + result.stderr).splitlines()
+        if line.strip()
+        and "/opt/trainstack/current/bootstrap/instance/run-agent.sh is not executable" not in line
+    ]
+    assert problems == []

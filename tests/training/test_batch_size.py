@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from training.batch_size import largest_fitting, micro_batch_candidates, search_micro_batch
+from training.config import ConfigError
 
 
 class SimulatedDevice:
@@ -47,7 +48,7 @@ def test_everything_fitting_means_no_accumulation() -> None:
 
 def test_nothing_fitting_is_one_line_naming_the_key() -> None:
     device = SimulatedDevice(limit_bytes=0, bytes_per_sample=1)
-    with pytest.raises(RuntimeError, match=r"^train\.micro_batch_size: not even a micro-batch of 1 fits"):
+    with pytest.raises(ConfigError, match=r"^train\.micro_batch_size: not even a micro-batch of 1 fits"):
         search_micro_batch(device.try_step, per_rank=32)
 
 
