@@ -34,7 +34,7 @@ def main() -> None:
         data = work / "data"
         write_dataset(data, classes=4, train_per_class=128, val_per_class=8, size=64)
         speed = trainer_vs_naive(work, data, args.model, image_size=56, batch=32, rounds=args.rounds)
-        overhead = checkpoint_overhead(work, data, "mobilenet_v3_small", every_steps=8, rounds=args.rounds)
+        overhead = checkpoint_overhead(work, data, "mobilenet_v3_small", every_steps=16, rounds=args.rounds)
     emergency = emergency_checkpoint_seconds()
 
     table = Table(title="trainstack CPU benchmarks")

@@ -27,7 +27,7 @@ class DataConfig:
     train_dir: str = ""
     val_dir: str = ""
     image_size: int = 224
-    # "auto" = one worker per available CPU core, up to 8 per process.
+    # "auto": on GPU every core but one per process, up to 8; on CPU an eighth of the cores.
     num_workers: int | Literal["auto"] = "auto"
     prefetch_factor: int = 4
 

@@ -24,17 +24,18 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 SampleKey = tuple[int, int]
 
 
-def _read_rgb(path: str) -> torch.Tensor:
+def _read_rgb(path: str) -> Image.Image:
     with Image.open(path) as image:
-        # uint8 CHW straight away: the v2 tensor kernels are faster than their PIL counterparts.
-        return v2.functional.pil_to_tensor(image.convert("RGB"))
+        return image.convert("RGB")
 
 
 def train_transform(image_size: int) -> v2.Transform:
     return v2.Compose(
         [
+            # Crop and resize while still a PIL image: Pillow's SIMD resize beats the tensor kernel on CPU.
             v2.RandomResizedCrop(image_size, antialias=True),
             v2.RandomHorizontalFlip(),
+            v2.PILToTensor(),
             v2.ToDtype(torch.float32, scale=True),
             v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]
@@ -46,6 +47,7 @@ def eval_transform(image_size: int) -> v2.Transform:
         [
             v2.Resize(int(image_size * 256 / 224), antialias=True),
             v2.CenterCrop(image_size),
+            v2.PILToTensor(),
             v2.ToDtype(torch.float32, scale=True),
             v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]
@@ -76,10 +78,14 @@ class SeededImageFolder(Dataset[tuple[torch.Tensor, int]]):
         epoch, index = key
         path, target = self.folder.samples[index]
         image = self.folder.loader(path)
-        # v2 transforms draw from torch's global generator; fork it so the caller's stream is untouched.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(sample_seed(self.seed, epoch, index))
+        # v2 transforms draw from torch's global CPU generator: seed it for this sample, then put the
+        # caller's state back (torch.manual_seed + fork_rng also seed every accelerator: ~100x slower).
+        saved = torch.get_rng_state()
+        torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
+        try:
             return self.transform(image), target
+        finally:
+            torch.set_rng_state(saved)
 
 
 @dataclass(frozen=True)
@@ -157,24 +163,29 @@ class EvalDataset(Dataset[tuple[torch.Tensor, int]]):
         return image, target
 
 
-def ignore_stop_signals(_worker_id: int) -> None:
-    """Loader workers leave SIGTERM/SIGINT (e.g. Ctrl-C to the process group) to the main process,
-    which stops at a step boundary; a worker dying on them would break that step instead."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def ignore_interrupt(_worker_id: int) -> None:
+    """Ctrl-C reaches the whole process group: leave it to the main process, which stops at a step
+    boundary; a worker dying on it would break that step instead. (SIGTERM is left alone: it is sent
+    to the trainer's pid only, and multiprocessing uses it to end workers at exit.)"""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def default_num_workers(world_size: int) -> int:
+def default_num_workers(world_size: int, on_gpu: bool) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not on_gpu:
+        # Training on CPU, the model already uses every core: workers would only take cores from it.
+        # Loading is a small share of a CPU step, so give it about an eighth of the machine.
+        return cpus // 8
+    # Feeding a GPU: every core but one for this rank's share of the machine, up to 8.
     return max(1, min(8, cpus // max(1, world_size) - 1))
 
 
-def loader_options(config: Config, world_size: int, pin_memory: bool) -> dict[str, Any]:
+def loader_options(config: Config, world_size: int, on_gpu: bool) -> dict[str, Any]:
     workers = config.data.num_workers
-    num_workers = default_num_workers(world_size) if workers == "auto" else int(workers)
-    options: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory}
+    num_workers = default_num_workers(world_size, on_gpu) if workers == "auto" else int(workers)
+    options: dict[str, Any] = {"num_workers": num_workers, "pin_memory": on_gpu}
     if num_workers > 0:
-        options["worker_init_fn"] = ignore_stop_signals
+        options["worker_init_fn"] = ignore_interrupt
     if num_workers > 0:
         options |= {"persistent_workers": True, "prefetch_factor": config.data.prefetch_factor}
     return options

@@ -252,7 +252,7 @@ class Trainer:
             model = DistributedDataParallel(
                 model, device_ids=[self.device] if self.device.type == "cuda" else None
             )
-        options = loader_options(config, self.world.size, pin_memory=self.device.type == "cuda")
+        options = loader_options(config, self.world.size, on_gpu=self.device.type == "cuda")
         loader = train_loader(self.train_set, sampler, options)
         val_loader = eval_loader(
             self.val_set, self.plan.micro_batch, self.world.rank, self.world.size, options

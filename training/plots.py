@@ -21,12 +21,13 @@ def plot_curves(history: History, path: Path) -> None:
     epoch_steps = [e.step for e in history.epochs]
     loss_axes.plot(epoch_steps, [e.train_loss for e in history.epochs], "o-", label="train (epoch)")
     loss_axes.plot(epoch_steps, [e.val_loss for e in history.epochs], "o-", label="validation")
-    loss_axes.set(xlabel="optimizer step", ylabel="loss", title="Loss")
+    # Log scale: early validation loss can be 100x the final one and would flatten everything else.
+    loss_axes.set(xlabel="optimizer step", ylabel="loss", title="Loss", yscale="log")
     loss_axes.legend()
     epochs = [e.epoch for e in history.epochs]
     accuracy_axes.plot(epochs, [e.train_accuracy for e in history.epochs], "o-", label="train")
     accuracy_axes.plot(epochs, [e.val_accuracy for e in history.epochs], "o-", label="validation")
-    accuracy_axes.set(xlabel="epoch", ylabel="top-1 accuracy", title="Accuracy", ylim=(0, 1))
+    accuracy_axes.set(xlabel="epoch", ylabel="top-1 accuracy", title="Accuracy", ylim=(0, 1), xticks=epochs)
     accuracy_axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -73,19 +73,23 @@ def test_resume_after_random_sigkills_is_bitwise_exact(make_run: MakeRun, baseli
         process = run.popen()
         while not progress.exists() and process.poll() is None:
             time.sleep(0.02)
-        # Training has started (its first log line): kill at a random moment of the next ~2 s,
-        # which on this job spans several steps and periodic checkpoint writes.
-        time.sleep(rng.uniform(0.0, 2.0))
+        # Training has started (its first log line): kill at a random moment of the next second,
+        # which on this job spans several steps and, every third step, a checkpoint write.
+        time.sleep(rng.uniform(0.0, 1.0))
         process.kill()
         process.communicate()
-        kills += process.returncode == -signal.SIGKILL
-    assert kills >= 3
+        if process.returncode == 0:
+            break  # this life finished first
+        kills += 1
+    assert kills >= 2
     finish(run)
     assert_same_model(run, baseline)
 
 
 @pytest.mark.slow
-def test_stop_file_stops_with_exit_75_and_resume_is_exact(make_run: MakeRun, baseline: Run) -> None:
+def test_stop_file_present_at_start_stops_before_training_and_resume_is_exact(
+    make_run: MakeRun, baseline: Run
+) -> None:
     run = make_run()
     stop_file = run.root / "STOP"
     stop_file.parent.mkdir(parents=True, exist_ok=True)
@@ -93,7 +97,21 @@ def test_stop_file_stops_with_exit_75_and_resume_is_exact(make_run: MakeRun, bas
     run = type(run)(run.root, [*run.args, f"train.stop_file={stop_file}"])
     code, output = run.life()
     assert code == EXIT_STOPPED, output
-    assert json.loads((run.checkpoints / "latest.json").read_text())["step"] == 1
+    assert json.loads((run.checkpoints / "latest.json").read_text())["step"] == 0
+    assert "stopped at step 0 on stop file" in output
+    stop_file.unlink()
+    # Now the agent's stop file appears mid-training, as on a spot notice.
+    progress = run.output / "progress.json"
+    progress.unlink(missing_ok=True)
+    process = run.popen()
+    while process.poll() is None and not (
+        progress.exists() and json.loads(progress.read_text())["step"] >= 3
+    ):
+        time.sleep(0.02)
+    stop_file.touch()
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == EXIT_STOPPED, output
+    assert 3 <= json.loads((run.checkpoints / "latest.json").read_text())["step"] < TOTAL_STEPS
     stop_file.unlink()
     finish(run)
     assert_same_model(run, baseline)
@@ -116,8 +134,12 @@ def test_checkpoint_request_file_saves_deletes_it_and_continues(make_run: MakeRu
 
 @pytest.mark.slow
 def test_worker_count_does_not_change_the_result(make_run: MakeRun, baseline: Run) -> None:
+    """Two loader workers, stopped mid-run, then resumed with a different worker count."""
     run = make_run("data.num_workers=2")
-    code, output = run.life()
+    code, output = run.life(fault="sigterm:micro-batch:step=10,micro=1", timeout=90)
+    assert code == EXIT_STOPPED, output
+    run = type(run)(run.root, [*run.args, "data.num_workers=1"])
+    code, output = run.life(timeout=90)
     assert code == 0, output
     assert_same_model(run, baseline)
 
