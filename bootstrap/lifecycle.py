@@ -309,9 +309,7 @@ class InstanceLife:
         )
         command = self._trainer_command or default_trainer_command(gpu_count)
         trainer_log = self._trainer_log_sink()
-        trainer = TrainerProcess(
-            command, paths, dict(self.config.job), trainer_log, single_process=gpu_count <= 1
-        )
+        trainer = TrainerProcess(command, paths, dict(self.config.job), trainer_log)
 
         def on_rebalance(recommendation: RebalanceRecommendation) -> None:
             self.log.event(

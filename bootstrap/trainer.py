@@ -1,4 +1,4 @@
-"""Starts and steers the trainer (`python -m training`, torchrun for several GPUs), per docs/internals.md."""
+"""Starts and steers the trainer (`python -m training`, one rank per GPU), per docs/internals.md."""
 
 from __future__ import annotations
 
@@ -26,10 +26,13 @@ def trainer_python() -> str:
 
 
 def default_trainer_command(gpu_count: int) -> list[str]:
-    python = trainer_python()
-    if gpu_count > 1:
-        return [python, "-m", "torch.distributed.run", "--nproc-per-node=gpu", "-m", "training"]
-    return [python, "-m", "training"]
+    """`python -m training`, which starts one rank per GPU itself (training/launch.py).
+
+    Not torchrun: torchrun reports a rank's exit 75 (stopped, checkpoint confirmed) as its own exit 1 and
+    kills ranks 30 s after its own SIGTERM, too soon for the last upload; the trainer's launcher sets the
+    same rank variables and keeps the 0 / 75 contract for the whole group.
+    """
+    return [trainer_python(), "-m", "training", f"train.processes={max(gpu_count, 1)}"]
 
 
 @dataclass(frozen=True)
@@ -82,13 +85,11 @@ class TrainerProcess:
         paths: TrainerPaths,
         job: dict[str, object],
         on_line: Callable[[str], None],
-        single_process: bool = True,
     ) -> None:
         self._command = list(command)
         self.paths = paths
         self._job = job
         self._on_line = on_line
-        self._single_process = single_process
         self.tail: deque[str] = deque(maxlen=40)
         self._process: subprocess.Popen[str] | None = None
         self._pump: threading.Thread | None = None
@@ -148,8 +149,8 @@ class TrainerProcess:
     def request_stop(self) -> None:
         """Stop at the next step boundary with a confirmed checkpoint (exit 75)."""
         self.paths.stop_file.touch()
-        if self._single_process and self._process is not None and self._process.poll() is None:
-            # torchrun forwards its own signals badly mid-collective; several ranks rely on the stop file.
+        if self._process is not None and self._process.poll() is None:
+            # The stop file reaches every rank; SIGTERM also wakes a trainer blocked outside the step loop.
             self._process.send_signal(signal.SIGTERM)
 
     def request_checkpoint(self) -> None:

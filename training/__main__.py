@@ -27,6 +27,9 @@ def _setup_logging() -> None:
         datefmt="%Y-%m-%dT%H:%M:%S",
         stream=sys.stderr,
     )
+    # boto3 narrates every endpoint lookup and retry at INFO; the trainer's own lines are what users read.
+    for noisy in ("boto3", "botocore", "s3transfer", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def _processes(setting: int | str) -> int:

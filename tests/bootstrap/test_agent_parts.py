@@ -81,15 +81,10 @@ def test_scratch_prefers_config_then_dlami_nvme_then_raid_then_root() -> None:
     assert plan_scratch(None, False, [], False).directory == ROOT_VOLUME_DIR
 
 
-def test_several_gpus_use_torchrun_with_one_process_per_gpu() -> None:
-    assert default_trainer_command(1)[1:] == ["-m", "training"]
-    assert default_trainer_command(4)[1:] == [
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=gpu",
-        "-m",
-        "training",
-    ]
+def test_several_gpus_start_one_trainer_rank_per_gpu() -> None:
+    assert default_trainer_command(0)[1:] == ["-m", "training", "train.processes=1"]
+    assert default_trainer_command(1)[1:] == ["-m", "training", "train.processes=1"]
+    assert default_trainer_command(4)[1:] == ["-m", "training", "train.processes=4"]
 
 
 def test_trainer_overrides_follow_the_internals_contract() -> None:
