@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
     parser.add_argument("--config", required=True, help="YAML config file (see training/configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.epochs=3")
-    args = parser.parse_args(argv)
+    # Overrides may come before or after --config (`python -m training k=v --config f` reads naturally too).
+    args = parser.parse_intermixed_args(argv)
     _setup_logging()
     try:
         config = load_config(args.config, args.overrides)

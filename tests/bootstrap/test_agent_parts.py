@@ -5,10 +5,12 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
+
 from bootstrap.imds import InstanceIdentity
 from bootstrap.ledger import JobLedger
 from bootstrap.scratch import DLAMI_NVME, MOUNT_POINT, ROOT_VOLUME_DIR, plan_scratch
-from bootstrap.trainer import TrainerPaths, default_trainer_command
+from bootstrap.trainer import TrainerPaths, TrainerProcess, default_trainer_command
 from bootstrap.watchdog import StallWatchdog
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -85,6 +87,19 @@ def test_several_gpus_start_one_trainer_rank_per_gpu() -> None:
     assert default_trainer_command(0)[1:] == ["-m", "training", "train.processes=1"]
     assert default_trainer_command(1)[1:] == ["-m", "training", "train.processes=1"]
     assert default_trainer_command(4)[1:] == ["-m", "training", "train.processes=4"]
+
+
+def test_the_trainer_accepts_the_command_line_the_agent_builds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from training.__main__ import main as trainer_main
+
+    paths = TrainerPaths(scratch=tmp_path, checkpoint_uri="s3://b/checkpoints", output_uri="s3://b/results")
+    argv = TrainerProcess(default_trainer_command(2), paths, {}, lambda _line: None).argv
+    assert argv[1:3] == ["-m", "training"]
+    # The job file is written only when the trainer starts: a config error (exit 2), not an argument error.
+    assert trainer_main(argv[3:]) == 2
+    assert "job.yaml" in capsys.readouterr().err
 
 
 def test_trainer_overrides_follow_the_internals_contract() -> None:
