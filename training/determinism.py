@@ -30,6 +30,18 @@ def micro_batch_seed(seed: int, step: int, micro_batch: int) -> int:
     return (seed * 1_000_000_007 + step * 65_537 + micro_batch) % (2**63 - 1)
 
 
+def seed_micro_batch(seed: int, device: torch.device) -> None:
+    """Seed the generator the model's randomness draws from on `device`.
+
+    On CPU only the CPU generator: `torch.manual_seed` also queues a seed for every accelerator
+    backend, which on a CUDA build of torch costs ~0.13 ms (a stack trace per call) for nothing.
+    """
+    if device.type == "cpu":
+        torch.default_generator.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
 def capture_rng() -> dict[str, Any]:
     kind, keys, position, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {

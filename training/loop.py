@@ -30,7 +30,13 @@ from training.data import (
     train_loader,
     train_transform,
 )
-from training.determinism import capture_rng, micro_batch_seed, restore_rng, use_deterministic_kernels
+from training.determinism import (
+    capture_rng,
+    micro_batch_seed,
+    restore_rng,
+    seed_micro_batch,
+    use_deterministic_kernels,
+)
 from training.distributed import World
 from training.faults import fault_point
 from training.metrics import EpochResult, History
@@ -46,6 +52,9 @@ EXIT_STOPPED = 75
 
 # Without a memory probe (CPU), "auto" means this many samples per micro-batch.
 CPU_AUTO_MICRO_BATCH = 64
+
+# Devices with fused SGD/AdamW kernels in torch (and GradScaler support for them).
+FUSED_OPTIMIZER_DEVICES = ("cpu", "cuda")
 
 
 @dataclass
@@ -68,9 +77,12 @@ def make_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # Fused: one kernel pass over each parameter instead of one per term (weight decay, momentum,
+    # Nesterov), each of which allocates a model-sized temporary: resnet18's SGD step 30 -> 5 ms on CPU.
+    fused = all(p.device.type in FUSED_OPTIMIZER_DEVICES for p in decay + no_decay) or None
     if t.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=t.lr)
-    return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, nesterov=t.momentum > 0)
+        return torch.optim.AdamW(groups, lr=t.lr, fused=fused)
+    return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, nesterov=t.momentum > 0, fused=fused)
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int) -> Any:
@@ -152,6 +164,10 @@ class Trainer:
         )
         self.stop = stop or StopRequest(t.stop_file, t.checkpoint_request_file)
         self.state = TrainState()
+        # The running epoch sums live on the device between checkpoints: reading them into the state's
+        # floats every step would wait for the device every step (a GPU sync per `float()`).
+        self._epoch_loss = torch.zeros((), dtype=torch.float64)
+        self._epoch_correct = torch.zeros((), dtype=torch.float64)
         self.history = History()
         self.config_hash = config.optimisation_hash()
         self.output_dir = Path(config.output.dir)
@@ -181,6 +197,7 @@ class Trainer:
         restore_rng(saved["rng"])
 
     def _snapshot(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+        self._fold_epoch_sums()
         return {
             "model": self.raw_model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -245,6 +262,8 @@ class Trainer:
             self._load(saved)
             scheduler.load_state_dict(saved["scheduler"])
             log.info("resuming at step %d (epoch %d)", self.state.global_step, self.state.epoch + 1)
+        self._epoch_loss = torch.tensor(self.state.epoch_loss_sum, dtype=torch.float64, device=self.device)
+        self._epoch_correct = torch.tensor(self.state.epoch_correct, dtype=torch.float64, device=self.device)
         model: nn.Module = self.raw_model
         if config.model.compile:
             model = torch.compile(model)  # type: ignore[assignment]
@@ -348,7 +367,8 @@ class Trainer:
             if channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             targets = targets.to(self.device, non_blocking=True)
-            torch.manual_seed(micro_batch_seed(seed, step, self.world.rank * plan.accumulation + k))
+            micro_index = self.world.rank * plan.accumulation + k
+            seed_micro_batch(micro_batch_seed(seed, step, micro_index), self.device)
             last = k == plan.accumulation - 1
             # Gradients are all-reduced once per optimizer step, on the last micro-batch only.
             sync = (
@@ -371,13 +391,18 @@ class Trainer:
         return wait, loss_sum, correct
 
     def _accumulate_epoch(self, loss_sum: torch.Tensor, correct: torch.Tensor) -> None:
-        s = self.state
-        # Floats in the state so a checkpoint mid-epoch carries the partial epoch's averages.
-        s.epoch_loss_sum += float(loss_sum)
-        s.epoch_correct += float(correct)
-        s.epoch_count += self.plan.per_rank
+        # float64 additions in the same order as Python floats would do them: the same sums, no sync.
+        self._epoch_loss += loss_sum
+        self._epoch_correct += correct
+        self.state.epoch_count += self.plan.per_rank
+
+    def _fold_epoch_sums(self) -> None:
+        """Copy the device-side epoch sums into the state's floats (a checkpoint mid-epoch carries them)."""
+        self.state.epoch_loss_sum = float(self._epoch_loss)
+        self.state.epoch_correct = float(self._epoch_correct)
 
     def _finish_epoch(self, model: nn.Module, val_loader: Any) -> None:
+        self._fold_epoch_sums()
         s = self.state
         loss_sum, correct, count = dist_utils.sum_across(
             self.world, [s.epoch_loss_sum * self.plan.per_rank, s.epoch_correct, s.epoch_count], self.device
@@ -404,6 +429,8 @@ class Trainer:
         s.epoch += 1
         s.step_in_epoch = 0
         s.epoch_loss_sum = s.epoch_correct = s.epoch_count = 0.0
+        self._epoch_loss.zero_()
+        self._epoch_correct.zero_()
 
     @torch.no_grad()
     def _evaluate(self, model: nn.Module, val_loader: Any) -> tuple[float, float]:
