@@ -20,7 +20,7 @@ from training.sample_data import write_dataset
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions per comparison")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved repetitions per comparison")
     parser.add_argument("--model", default="resnet18")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -41,9 +41,11 @@ def main() -> None:
     for column in ("benchmark", "result", "target"):
         table.add_column(column)
     table.add_row(
-        f"trainer vs naive loop ({args.model}, 56 px, batch 32)",
+        f"trainer vs naive loop ({args.model}, 56 px, batch 32, {args.rounds} rounds)",
         f"{speed['trainer_samples_per_s']:.1f} vs {speed['naive_samples_per_s']:.1f} samples/s "
-        f"= {speed['ratio']:.2f}x",
+        f"= {speed['ratio']:.2f}x (rounds {speed['ratio_min']:.2f}-{speed['ratio_max']:.2f}x; "
+        f"median step {speed['median_step_ratio']:.2f}x; load {speed['load_before']:.1f} -> "
+        f"{speed['load_after']:.1f})",
         ">= 1.0",
     )
     table.add_row(

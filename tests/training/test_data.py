@@ -5,9 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torchvision.transforms import v2
 
 from tests.training.conftest import Dataset
-from training.data import BatchPlan, ResumableBatchSampler, SeededImageFolder, train_transform
+from training.data import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    BatchPlan,
+    ResumableBatchSampler,
+    SeededImageFolder,
+    normalized_tensor,
+    train_transform,
+)
 
 
 def micro_batches(sampler: ResumableBatchSampler) -> list[list[tuple[int, int]]]:
@@ -74,3 +83,14 @@ def test_augmentation_depends_on_the_sample_not_on_order_or_global_rng(image_fol
     before = torch.get_rng_state()
     dataset[(5, 5)]
     assert torch.equal(before, torch.get_rng_state())  # the caller's generator is untouched
+
+
+def test_train_augment_matches_torchvision_conversion_and_normalisation(image_folders: Dataset) -> None:
+    dataset = SeededImageFolder(str(image_folders.train_dir), train_transform(24), seed=0)
+    image, _ = dataset[(0, 0)]
+    assert image.shape == (3, 24, 24) and image.dtype == torch.float32 and image.is_contiguous()
+    picture = dataset.folder.loader(dataset.folder.samples[0][0])
+    reference = v2.Compose(
+        [v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    )(picture)
+    assert torch.allclose(normalized_tensor(picture), reference, atol=1e-5)
