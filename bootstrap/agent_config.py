@@ -45,6 +45,9 @@ class AgentConfig:
     # Of the two-minute spot notice: leaves time for the last upload to be confirmed.
     stop_deadline_seconds: float = 100.0
     stall_minutes: float = 30.0
+    # Right after `pulumi up` the bucket has no dataset yet: wait this long for `trainstack data push`,
+    # then scale to zero rather than bill a GPU that has nothing to train on.
+    data_wait_minutes: float = 20.0
     max_consecutive_failures: int = 3
     max_cost_usd: float | None = None
     instance_count: int = 1
@@ -97,6 +100,7 @@ class AgentConfig:
             raw, "stop_deadline_seconds", problems, low=1.0, high=115.0, why="must fit the 120 s notice"
         )
         _check_number(raw, "stall_minutes", problems, low=0.05, high=24 * 60.0)
+        _check_number(raw, "data_wait_minutes", problems, low=0.0, high=24 * 60.0)
         _check_number(raw, "max_consecutive_failures", problems, low=1, high=100, integer=True)
         _check_number(raw, "instance_count", problems, low=1, high=1000, integer=True)
         if raw.get("max_cost_usd") is not None:

@@ -64,6 +64,11 @@ class DataSync:
         self._region = region
         self._log = log
 
+    def present(self) -> bool:
+        """Whether the prefix holds anything at all: one cheap request, not a full listing."""
+        page = self._s3.list_objects_v2(Bucket=self._bucket, Prefix=self._prefix, MaxKeys=1)
+        return bool(page.get("KeyCount", 0))
+
     def listing(self) -> dict[str, list[Any]]:
         """`{relative key: [size, etag]}` under the prefix: the manifest compared to skip a sync."""
         manifest: dict[str, list[Any]] = {}

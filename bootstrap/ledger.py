@@ -9,7 +9,7 @@ from typing import Any
 from bootstrap.eventlog import iso
 from bootstrap.imds import InstanceIdentity
 
-TERMINAL_STATUSES = {"completed", "failed", "stopped", "cost_cap"}
+TERMINAL_STATUSES = {"completed", "failed", "stopped", "cost_cap", "no_data"}
 FAILED_OUTCOMES = {"failed", "stalled"}
 
 

@@ -39,7 +39,16 @@ from bootstrap.watcher import RebalanceRecommendation, SpotWatcher, TerminationN
 
 # Outcomes after which this instance has nothing left to do; any other ends the life with exit 1 so that
 # systemd starts the next life on this instance (and the crash counter decides when to give up).
-FINAL_OUTCOMES = {"completed", "preempted", "stopped", "cost_cap", "replaced", "skipped", "gave_up"}
+FINAL_OUTCOMES = {
+    "completed",
+    "preempted",
+    "stopped",
+    "cost_cap",
+    "replaced",
+    "skipped",
+    "gave_up",
+    "no_data",
+}
 PROGRESS_UPLOAD_SECONDS = 15.0
 # Why the agent asked the trainer to stop → what the life's outcome is once it has.
 _STOP_OUTCOMES = {
@@ -206,9 +215,12 @@ class InstanceLife:
             if gpu_count is None:
                 return self._replace_unhealthy_instance()
             scratch = prepare_scratch(self.config.scratch_dir, self.log)
-            DataSync(
+            dataset = DataSync(
                 self.clients.s3, self.config.bucket, self.config.prefixes.data, self.config.region, self.log
-            ).sync(scratch / "data")
+            )
+            if not self._wait_for_dataset(dataset):
+                return self._no_dataset()
+            dataset.sync(scratch / "data")
             outcome, trainer = self._train(scratch, gpu_count)
         except Exception as exc:
             self.log.event("failed", "instance life failed", error=f"{type(exc).__name__}: {exc}")
@@ -559,6 +571,44 @@ class InstanceLife:
         )
         self.log.event("end", "crash-loop guard tripped; scaled to zero", consecutive_failures=failures)
         return LifeResult("gave_up")
+
+    def _wait_for_dataset(self, dataset: DataSync) -> bool:
+        """True once `data/` holds a dataset; False after `data_wait_minutes` without one."""
+        if dataset.present():
+            return True
+        source = f"s3://{self.config.bucket}/{self.config.prefixes.data}"
+        minutes = self.config.data_wait_minutes
+        # Not "running": `trainstack data push` must not take this wait for a training run to protect.
+        self.ledger.set_status("waiting_for_data")
+        self._save_ledger()
+        self.log.event(
+            "data", "no dataset yet: waiting for `trainstack data push`", source=source, minutes=minutes
+        )
+        deadline = time.monotonic() + minutes * 60
+        while time.monotonic() < deadline and not self._shutdown.is_set():
+            time.sleep(max(0.0, min(self._state_poll_seconds, deadline - time.monotonic())))
+            if dataset.present():
+                self.ledger.set_status("running")
+                self._save_ledger()
+                self.log.event("data", "dataset arrived", source=source)
+                return True
+        return False
+
+    def _no_dataset(self) -> LifeResult:
+        source = f"s3://{self.config.bucket}/{self.config.prefixes.data}"
+        self.ledger.end_life("no_data", utc_now())
+        self.ledger.set_status("no_data")
+        self._save_ledger()
+        self._notify_and_scale_to_zero(
+            "no dataset; group scaled to zero",
+            [
+                f"{source} stayed empty for {self.config.data_wait_minutes:g} minutes, so this instance "
+                "stopped billing.",
+                "Upload the dataset: trainstack data push ./dataset   (train/<class>/…, val/<class>/…)",
+                "Then start training: trainstack resume",
+            ],
+        )
+        return LifeResult("no_data")
 
     def _stopped_by_user(self) -> LifeResult:
         self.ledger.end_life("stopped", utc_now())

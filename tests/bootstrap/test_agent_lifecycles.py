@@ -18,6 +18,7 @@ import pytest
 from bootstrap.lifecycle import InstanceLife, LifeResult
 from demo.imds import ImdsSimulator
 from demo.stack import LocalStack
+from tests.bootstrap.conftest import upload_dataset
 
 MakeLife = Callable[..., InstanceLife]
 
@@ -307,3 +308,37 @@ def test_s3_slowdown_is_retried_and_the_life_completes(
         proxy.close()
     assert result.outcome == "completed"
     assert proxy.injected == 2, "every injected SlowDown was answered with a retry"
+
+
+def remove_dataset(stack: LocalStack) -> None:
+    s3 = stack.client("s3")
+    for obj in s3.list_objects_v2(Bucket=stack.bucket, Prefix="data/").get("Contents", []):
+        s3.delete_object(Bucket=stack.bucket, Key=obj["Key"])
+
+
+def test_no_dataset_after_the_wait_scales_to_zero_without_counting_a_failure(
+    make_life: MakeLife, stack: LocalStack
+) -> None:
+    remove_dataset(stack)
+    result = make_life(fake={"steps": 4}, data_wait_minutes=0.02).run()
+    assert (result.outcome, result.exit_code) == ("no_data", 0)
+    assert stack.group()["DesiredCapacity"] == 0
+    (alert,) = stack.alerts()
+    assert "no dataset" in alert["Subject"] and "trainstack data push" in alert["Message"]
+    ledger = stack.read_json("state/ledger.json")
+    assert ledger is not None and ledger["status"] == "no_data" and ledger["consecutive_failures"] == 0
+
+
+def test_training_starts_when_the_dataset_arrives_during_the_wait(
+    make_life: MakeLife, stack: LocalStack
+) -> None:
+    remove_dataset(stack)
+    life = make_life(fake={"steps": 4}, data_wait_minutes=2)
+    running = start(life)
+    deadline = time.monotonic() + 30
+    while (stack.read_json("state/ledger.json") or {}).get("status") != "waiting_for_data":
+        assert time.monotonic() < deadline, "the agent never reported that it waits for the dataset"
+        time.sleep(0.1)
+    upload_dataset(stack)
+    assert running.result(timeout=120).outcome == "completed"
+    assert stack.group()["DesiredCapacity"] == 0

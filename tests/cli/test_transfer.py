@@ -111,6 +111,17 @@ def test_push_refuses_to_replace_the_dataset_while_training_runs(deployed: Deplo
     assert len(_keys(deployed, "data/")) == 6
 
 
+def test_push_feeds_an_instance_that_waits_for_its_first_dataset(deployed: Deployed, tmp_path: Path):
+    dataset = make_dataset(tmp_path / "ds")
+    deployed.launch_instance()
+    deployed.put_state("ledger.json", {"status": "waiting_for_data", "lives": []})
+
+    pushed = deployed.run("data", "push", str(dataset))
+
+    assert pushed.code == 0, pushed.err
+    assert len(_keys(deployed, "data/")) == 6
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
