@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ import yaml
 
 from bootstrap.agent_config import AgentConfig
 from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES, UserDataError, render_user_data
+from tests.cloud_config import assert_valid_cloud_config
 
 REPO = Path(__file__).resolve().parents[2]
 SHA = "0f" * 32
@@ -50,21 +50,7 @@ def written_files(text: str) -> dict[str, str]:
 
 
 def test_user_data_is_a_schema_valid_cloud_config(tmp_path: Path) -> None:
-    if shutil.which("cloud-init") is None:
-        if os.environ.get("TRAINSTACK_REQUIRE_CLOUD_INIT") == "1":
-            pytest.fail(
-                "cloud-init is not installed but TRAINSTACK_REQUIRE_CLOUD_INIT=1 (apt-get install cloud-init)"
-            )
-        pytest.skip(
-            "cloud-init not installed (apt-get install cloud-init); set TRAINSTACK_REQUIRE_CLOUD_INIT=1 in CI"
-        )
-    path = tmp_path / "user-data.yaml"
-    path.write_text(rendered())
-    result = subprocess.run(
-        ["cloud-init", "schema", "-c", str(path)], capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "Valid cloud-config" in result.stdout
+    assert_valid_cloud_config(rendered(), tmp_path)
 
 
 def test_user_data_with_the_default_training_config_fits_in_16_kb() -> None:
