@@ -14,6 +14,8 @@ from infra import policies
 # Each subnet is the VPC cut in 16: room for MAX_ZONES public and MAX_ZONES private subnets.
 _SUBNET_BITS = 4
 
+ANYWHERE_IPV4 = "0.0.0.0/0"  # default route and egress only: ingress from anywhere is refused
+
 
 @dataclass
 class NetworkArgs:
@@ -89,7 +91,7 @@ class Network(pulumi.ComponentResource):
         public_table = aws.ec2.RouteTable(
             f"{name}-public-rt",
             vpc_id=self.vpc.id,
-            routes=[aws.ec2.RouteTableRouteArgs(cidr_block="0.0.0.0/0", gateway_id=gateway.id)],
+            routes=[aws.ec2.RouteTableRouteArgs(cidr_block=ANYWHERE_IPV4, gateway_id=gateway.id)],
             tags={**args.tags, "Name": f"{args.name}-public"},
             opts=self._child,
         )
@@ -128,7 +130,7 @@ class Network(pulumi.ComponentResource):
         private_table = aws.ec2.RouteTable(
             f"{name}-private-rt",
             vpc_id=self.vpc.id,
-            routes=[aws.ec2.RouteTableRouteArgs(cidr_block="0.0.0.0/0", nat_gateway_id=nat.id)],
+            routes=[aws.ec2.RouteTableRouteArgs(cidr_block=ANYWHERE_IPV4, nat_gateway_id=nat.id)],
             tags={**args.tags, "Name": f"{args.name}-private"},
             opts=self._child,
         )
@@ -212,7 +214,7 @@ class Network(pulumi.ComponentResource):
                 protocol="tcp",
                 from_port=port,
                 to_port=port,
-                cidr_blocks=["0.0.0.0/0"],
+                cidr_blocks=[ANYWHERE_IPV4],
             )
             for port, description in (
                 (443, "HTTPS to AWS APIs, S3 and package indexes"),

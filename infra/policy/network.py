@@ -11,14 +11,14 @@ from . import resource_types as t
 from .properties import Unknown, as_bool, as_int, get, is_unknown, items
 from .stack import describe, of_type, require_configurer
 
-_ANYWHERE = ("0.0.0.0/0", "::/0")
+_ANYWHERE = ("0.0.0.0/0", "::/0")  # sources an ingress rule is refused for
 _ALL_PROTOCOLS = ("-1", "all")
 
 
 def no_unrestricted_ingress(
     resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
 ) -> Iterator[str]:
-    """EC2.18 / EC2.19 / CIS 5.2-5.3: nothing reachable from 0.0.0.0/0 or ::/0.
+    """EC2.18 / EC2.19 / CIS 5.2-5.3: ingress from 0.0.0.0/0 or ::/0 is refused.
 
     Policy config `authorizedPublicPorts` (default none) lists TCP/UDP ports that may stay open to the
     world, the way Security Hub's EC2.18 parameter does, for stacks that do serve the Internet.
@@ -66,7 +66,8 @@ def _open_message(where: str, rule: Any, protocol_key: str) -> str:
     low, high = get(rule, "fromPort"), get(rule, "toPort")
     ports = "all ports" if str(get(rule, protocol_key) or "-1") in _ALL_PROTOCOLS else f"ports {low}-{high}"
     return (
-        f"{where} opens {ports} to 0.0.0.0/0 or ::/0: use SSM Session Manager, or allow explicit CIDRs "
+        f"{where} opens {ports} to 0.0.0.0/0 or ::/0, which is refused: use SSM Session Manager, or allow "
+        "explicit CIDRs "
         "(or list the port in the policy's authorizedPublicPorts config)"
     )
 

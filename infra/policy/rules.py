@@ -91,7 +91,7 @@ POLICIES: list[Policy] = [
         resource_policy(
             "no-unrestricted-ingress",
             ["EC2.18", "EC2.19", "CIS 5.2", "CIS 5.3"],
-            "No security group admits traffic from 0.0.0.0/0 or ::/0 (SSM Session Manager replaces SSH).",
+            "Ingress from 0.0.0.0/0 or ::/0 is refused on every security group (SSM replaces SSH).",
             [t.SECURITY_GROUP, t.SECURITY_GROUP_RULE, t.SECURITY_GROUP_INGRESS_RULE],
             network.no_unrestricted_ingress,
             Severity.CRITICAL,
