@@ -95,6 +95,7 @@ def collect(clients: Clients, stack: Stack, now: datetime | None = None) -> dict
         "region": clients.region,
         "group": group.to_json(),
         "status": job.status,
+        "next_step": NEXT_STEP.get(job.status),
         "stop_requested": job.control is not None,
         "dashboard_url": outputs.values.get("dashboard_url"),
         "progress": progress,
@@ -108,6 +109,17 @@ def collect(clients: Clients, stack: Stack, now: datetime | None = None) -> dict
             "estimate_total_usd": cost.estimate_total_usd,
         },
     }
+
+
+# What the user can do next, by the agent's job status (docs/internals.md → ledger).
+NEXT_STEP = {
+    "waiting_for_data": "the instance waits for the dataset: trainstack data push ./dataset",
+    "no_data": "no dataset arrived, group stopped: trainstack data push ./dataset, then trainstack resume",
+    "failed": "the job stopped after repeated failures: read trainstack logs, fix, then trainstack resume",
+    "stopped": "stopped on request with a confirmed checkpoint: trainstack resume continues from it",
+    "cost_cap": "the cost cap stopped the job: raise trainstack:maxCostUsd, pulumi up, trainstack resume",
+    "completed": "done: trainstack results pull",
+}
 
 
 def run(clients: Clients, stack: Stack, *, as_json: bool) -> int:
@@ -124,6 +136,8 @@ def render(report: dict[str, Any]) -> None:
     group = report["group"]
     stop = "  [yellow](stop requested)[/]" if report["stop_requested"] else ""
     out.print(f"[bold]{report['stack']}[/] in {report['region']}: training [bold]{report['status']}[/]{stop}")
+    if report["next_step"]:
+        out.print(f"next: {report['next_step']}")
     out.print(
         f"group {group['name']}: desired {group['desired']} (max {group['max']}), "
         f"in service {group['in_service']}"

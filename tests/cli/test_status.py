@@ -168,6 +168,16 @@ def test_status_before_training_starts_says_what_is_missing(deployed: Deployed):
     assert "latest checkpoint: none yet" in result.out
 
 
+def test_status_tells_an_instance_waiting_for_its_dataset_what_to_push(deployed: Deployed):
+    deployed.put_state("ledger.json", {"status": "waiting_for_data", "lives": []})
+    result = deployed.run("status")
+    assert result.code == 0, result.err
+    assert "training waiting_for_data" in result.out
+    assert "next: the instance waits for the dataset: trainstack data push ./dataset" in result.out
+    as_json = deployed.run("status", "--json").json()
+    assert as_json["next_step"].endswith("trainstack data push ./dataset")
+
+
 def test_status_with_a_destroyed_group_is_one_line_naming_it(deployed: Deployed):
     deployed.autoscaling().delete_auto_scaling_group(
         AutoScalingGroupName="trainstack-test-gpu", ForceDelete=True
