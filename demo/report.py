@@ -138,6 +138,11 @@ def print_timeline(result: DemoResult, console: Console) -> None:
     summary.add_row("group desired capacity", str(result.desired_capacity))
     summary.add_row("estimated cost (moto's spot price)", f"${result.ledger.get('total_cost_usd', 0):.6f}")
     console.print(summary)
+    # The agent's log says it "could not complete the drain hook": that is moto, not the agent.
+    console.print(
+        "[dim]note: moto lacks CompleteLifecycleAction, so the agent's drain-hook call fails here; "
+        "on AWS it releases the instance at once instead of at the hook's timeout.[/]"
+    )
 
 
 def plot_timeline(result: DemoResult, path: Path) -> Path:

@@ -160,40 +160,31 @@ def topic_policy(*, topic_arn: str, account_id: str, partition: str, region: str
 
     The account's own principals need no statement here: in one account, their IAM policies suffice.
     """
+
+    def service_may_publish(sid: str, service: str, source_arn: str) -> Document:
+        # SourceAccount + SourceArn: the service acts for this account's own rules, budgets or alarms only.
+        return {
+            "Sid": sid,
+            "Effect": "Allow",
+            "Principal": {"Service": f"{service}.amazonaws.com"},
+            "Action": "sns:Publish",
+            "Resource": topic_arn,
+            "Condition": {
+                "StringEquals": {"aws:SourceAccount": account_id},
+                "ArnLike": {"aws:SourceArn": source_arn},
+            },
+        }
+
     return _doc(
-        {
-            "Sid": "EventBridgeRulesPublish",
-            "Effect": "Allow",
-            "Principal": {"Service": "events.amazonaws.com"},
-            "Action": "sns:Publish",
-            "Resource": topic_arn,
-            "Condition": {
-                "StringEquals": {"aws:SourceAccount": account_id},
-                "ArnLike": {"aws:SourceArn": f"arn:{partition}:events:{region}:{account_id}:rule/*"},
-            },
-        },
-        {
-            "Sid": "BudgetsPublish",
-            "Effect": "Allow",
-            "Principal": {"Service": "budgets.amazonaws.com"},
-            "Action": "sns:Publish",
-            "Resource": topic_arn,
-            "Condition": {
-                "StringEquals": {"aws:SourceAccount": account_id},
-                "ArnLike": {"aws:SourceArn": f"arn:{partition}:budgets::{account_id}:*"},
-            },
-        },
-        {
-            "Sid": "CloudWatchAlarmsPublish",
-            "Effect": "Allow",
-            "Principal": {"Service": "cloudwatch.amazonaws.com"},
-            "Action": "sns:Publish",
-            "Resource": topic_arn,
-            "Condition": {
-                "StringEquals": {"aws:SourceAccount": account_id},
-                "ArnLike": {"aws:SourceArn": f"arn:{partition}:cloudwatch:{region}:{account_id}:alarm:*"},
-            },
-        },
+        service_may_publish(
+            "EventBridgeRulesPublish", "events", f"arn:{partition}:events:{region}:{account_id}:rule/*"
+        ),
+        service_may_publish("BudgetsPublish", "budgets", f"arn:{partition}:budgets::{account_id}:*"),
+        service_may_publish(
+            "CloudWatchAlarmsPublish",
+            "cloudwatch",
+            f"arn:{partition}:cloudwatch:{region}:{account_id}:alarm:*",
+        ),
     )
 
 
