@@ -49,6 +49,7 @@ log = logging.getLogger("training")
 
 EXIT_COMPLETED = 0
 EXIT_STOPPED = 75
+EXIT_FAILED = 1
 
 # Without a memory probe (CPU), "auto" means this many samples per micro-batch.
 CPU_AUTO_MICRO_BATCH = 64
@@ -484,7 +485,10 @@ class Trainer:
         self._save(scheduler, life_started)
         deadline.reset()
         if requested and self.world.is_main:
-            self.checkpoints.wait_uploaded()
+            if not self.checkpoints.wait_uploaded():
+                log.warning(
+                    "checkpoint at step %d requested but not yet confirmed in S3", self.state.global_step
+                )
             self.stop.clear_checkpoint_request()
             log.info("checkpoint at step %d saved on request", self.state.global_step)
         if stop:
@@ -494,23 +498,47 @@ class Trainer:
 
     def _stop(self, scheduler: torch.optim.lr_scheduler.LRScheduler, life_started: float) -> int:
         self._save(scheduler, life_started)
+        code = EXIT_STOPPED
         if self.world.is_main:
-            self.checkpoints.wait_uploaded()
-            log.warning(
-                "stopped at step %d on %s; checkpoint confirmed, exit %d",
-                self.state.global_step,
-                self.stop.reason(),
-                EXIT_STOPPED,
-            )
+            step, reason = self.state.global_step, self.stop.reason()
+            if not self.checkpoints.remote_uri:
+                log.warning(
+                    "stopped at step %d on %s; checkpoint saved in %s for the agent to persist, exit %d",
+                    step,
+                    reason,
+                    self.checkpoints.root,
+                    EXIT_STOPPED,
+                )
+            elif self.checkpoints.finish():
+                log.warning(
+                    "stopped at step %d on %s; checkpoint confirmed, exit %d", step, reason, EXIT_STOPPED
+                )
+            else:
+                # Exit 75 promises a confirmed checkpoint: say the truth with a failure instead.
+                log.error(
+                    "stopped at step %d on %s, but the checkpoint is NOT confirmed in %s "
+                    "(S3 confirmed step %s); exit %d",
+                    step,
+                    reason,
+                    self.checkpoints.remote_uri,
+                    self.checkpoints.confirmed_remote_step,
+                    EXIT_FAILED,
+                )
+                code = EXIT_FAILED
+        codes = dist_utils.sum_across(self.world, [float(code != EXIT_STOPPED)], self.device)
         dist_utils.barrier(self.world)
-        return EXIT_STOPPED
+        return EXIT_FAILED if codes[0] else EXIT_STOPPED
 
     def _complete(
         self, scheduler: torch.optim.lr_scheduler.LRScheduler, progress: ProgressReporter, life_started: float
     ) -> int:
         self._save(scheduler, life_started)
         if self.world.is_main:
-            self.checkpoints.wait_uploaded()
+            if not self.checkpoints.finish():
+                log.warning(
+                    "the final checkpoint is not confirmed in %s; the results below are complete anyway",
+                    self.checkpoints.remote_uri,
+                )
             summary = {
                 "steps": self.state.global_step,
                 "epochs": self.state.epoch,

@@ -1,0 +1,481 @@
+"""The one owner of a job's checkpoints in S3: restore before the job, upload while it runs, flush at a stop.
+
+Guarantees (docs/checkpoints.md):
+- only committed step directories (a `manifest.json` with each file's sha256) are uploaded, the files
+  before the manifest, and `latest.json` after the manifest;
+- `latest.json` only ever moves forward, through S3 conditional writes (If-Match / If-None-Match), so two
+  writers (an old life still draining, a new one starting) cannot move it back;
+- an upload overtaken by a newer committed step is cancelled, so at a stop the newest step goes first;
+- every network wait is bounded by the caller's deadline; what was confirmed is reported truthfully.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from boto3.s3.transfer import TransferConfig, create_transfer_manager
+from botocore.exceptions import ClientError
+
+from training.checkpoint_format import (
+    LATEST,
+    MANIFEST,
+    STEP_DIR,
+    committed_steps,
+    latest_json,
+    read_manifest,
+    step_dir_name,
+    verify_dir,
+    write_atomic,
+)
+
+# 64 MiB parts: a multi-GB checkpoint goes up as parallel parts, each with its own SHA256 checksum.
+TRANSFER = TransferConfig(multipart_threshold=64 * 2**20, multipart_chunksize=64 * 2**20, max_concurrency=8)
+_WAIT_TICK = 0.1
+_T = TypeVar("_T")
+
+
+class EventSink(Protocol):
+    def event(self, stage: str, message: str, **fields: Any) -> None: ...
+
+
+class UploadAbandonedError(Exception):
+    """An upload given up on purpose: a newer step superseded it, the deadline passed, or a stop began."""
+
+
+@dataclass(frozen=True)
+class PersistResult:
+    """Where persistence stands at the end of a job: the newest local step and the newest confirmed one."""
+
+    newest_local_step: int | None
+    confirmed_step: int | None
+
+    @property
+    def confirmed(self) -> bool:
+        """True when nothing the job saved is missing from S3."""
+        if self.newest_local_step is None:
+            return True
+        return self.confirmed_step is not None and self.confirmed_step >= self.newest_local_step
+
+
+def _is_conflict(exc: ClientError) -> bool:
+    """412 (the ETag moved) or 409 (a concurrent conditional write): read again and retry."""
+    error = exc.response.get("Error", {})
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return error.get("Code") in {"PreconditionFailed", "ConditionalRequestConflict"} or status in {409, 412}
+
+
+def _is_missing(exc: ClientError) -> bool:
+    return exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}
+
+
+def bounded(fn: Callable[[], _T], deadline: float | None, what: str) -> _T:
+    """Run one blocking AWS call, giving up at `deadline` (time.monotonic()) even if the socket hangs.
+
+    The call runs on a daemon thread: a blackholed request keeps it until botocore's own timeout, but
+    neither the caller nor the process exit waits for it.
+    """
+    if deadline is None:
+        return fn()
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"s3-{what}", daemon=True).start()
+    if not done.wait(max(0.0, deadline - time.monotonic())):
+        raise UploadAbandonedError(f"{what}: no answer from S3 before the deadline")
+    if "error" in box:
+        raise box["error"]
+    value: _T = box["value"]
+    return value
+
+
+class CheckpointPersister:
+    """Mirrors committed `step-<N>/` directories of `local_dir` to `s3://bucket/prefix` (guarantees above).
+
+    `restore()` before the job starts, `start()` while it runs, `finish(deadline)` once it has exited.
+    """
+
+    def __init__(
+        self,
+        s3: Any,
+        bucket: str,
+        prefix: str,
+        local_dir: Path,
+        log: EventSink,
+        *,
+        keep: int = 3,
+        poll_seconds: float = 0.5,
+    ) -> None:
+        self._s3 = s3
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.local_dir = Path(local_dir)
+        self._log = log
+        self.keep = max(1, keep)
+        self._poll_seconds = poll_seconds
+        self._transfers = create_transfer_manager(s3, TRANSFER)
+        self._lock = threading.Lock()
+        self._confirmed_step: int | None = None
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing_since: float | None = None
+        self.upload_seconds: list[float] = []
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def _key(self, relative: str) -> str:
+        return f"{self.prefix}/{relative}" if self.prefix else relative
+
+    @property
+    def confirmed_step(self) -> int | None:
+        with self._lock:
+            return self._confirmed_step
+
+    def _confirm(self, step: int) -> None:
+        with self._lock:
+            if self._confirmed_step is None or step > self._confirmed_step:
+                self._confirmed_step = step
+
+    # -- S3 reads ---------------------------------------------------------------------------------------
+
+    def read_latest(self, deadline: float | None = None) -> tuple[int | None, str | None]:
+        """(step, ETag) of S3 `latest.json`; (None, None) when absent; an unreadable one counts as absent
+        but keeps its ETag, so the next conditional write replaces it."""
+        try:
+            response = bounded(
+                lambda: self._s3.get_object(Bucket=self.bucket, Key=self._key(LATEST)),
+                deadline,
+                "read-latest",
+            )
+        except ClientError as exc:
+            if _is_missing(exc):
+                return None, None
+            raise
+        etag = str(response["ETag"])
+        try:
+            return int(json.loads(response["Body"].read())["step"]), etag
+        except (ValueError, KeyError, TypeError):
+            self._log.event(
+                "checkpoint",
+                "S3 latest.json is unreadable; it will be replaced",
+                level="warning",
+                uri=self.uri,
+            )
+            return None, etag
+
+    def remote_steps(self) -> list[int]:
+        """Steps with at least one object under `step-<N>/` in S3, newest first."""
+        paginator = self._s3.get_paginator("list_objects_v2")
+        base = self._key("")
+        steps: set[int] = set()
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=base, Delimiter="/"):
+            for common in page.get("CommonPrefixes", []):
+                match = STEP_DIR.match(common["Prefix"][len(base) :].rstrip("/"))
+                if match:
+                    steps.add(int(match.group(1)))
+        return sorted(steps, reverse=True)
+
+    # -- restore ----------------------------------------------------------------------------------------
+
+    def restore(self, should_abort: Callable[[], bool] = lambda: False) -> int | None:
+        """Make the newest verified checkpoint available in `local_dir`; returns its step (None: fresh job).
+
+        S3 candidates are `latest.json`'s step and older ones (a step above it is a partial upload); each is
+        verified against its manifest's sha256 before it replaces anything local. A local step at least as
+        new (this instance's earlier life) wins and is uploaded by `start()` if S3 lacks it.
+        """
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in self.local_dir.glob(".step-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        local = self._newest_verified_local()
+        latest, _ = self.read_latest()
+        if latest is not None and self._remote_manifest(latest) is not None:
+            self._confirm(latest)
+        candidates = [s for s in self.remote_steps() if latest is None or s <= latest]
+        for step in candidates:
+            if local is not None and step <= local:
+                break
+            if should_abort():
+                raise UploadAbandonedError("restore interrupted")
+            if self._download(step, should_abort):
+                self._log.event("checkpoint", "restored checkpoint from S3", step=step, uri=self.uri)
+                return step
+        if local is not None:
+            self._log.event("checkpoint", "using the checkpoint already on this instance", step=local)
+        return local
+
+    def _newest_verified_local(self) -> int | None:
+        for step in committed_steps(self.local_dir):
+            manifest, why = verify_dir(self.local_dir / step_dir_name(step))
+            if manifest is not None:
+                return step
+            self._log.event(
+                "checkpoint", "skipping a damaged local checkpoint", level="warning", step=step, why=why
+            )
+        return None
+
+    def _remote_manifest(self, step: int) -> dict[str, Any] | None:
+        try:
+            body = self._s3.get_object(Bucket=self.bucket, Key=self._key(f"{step_dir_name(step)}/{MANIFEST}"))
+        except ClientError as exc:
+            if _is_missing(exc):
+                return None
+            raise
+        try:
+            value = json.loads(body["Body"].read())
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) and isinstance(value.get("files"), dict) else None
+
+    def _download(self, step: int, should_abort: Callable[[], bool]) -> bool:
+        name = step_dir_name(step)
+        manifest = self._remote_manifest(step)
+        if manifest is None:
+            self._log.event(
+                "checkpoint", "skipping an S3 checkpoint without a manifest", level="warning", step=step
+            )
+            return False
+        staging = self.local_dir / f".{name}.download"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        try:
+            for file_name in manifest["files"]:
+                if should_abort():
+                    raise UploadAbandonedError("restore interrupted")
+                target = staging / file_name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self._s3.download_file(
+                    self.bucket, self._key(f"{name}/{file_name}"), str(target), Config=TRANSFER
+                )
+            (staging / MANIFEST).write_text(json.dumps(manifest))
+            verified, why = verify_dir(staging)
+            if verified is None:
+                self._log.event(
+                    "checkpoint",
+                    "skipping an S3 checkpoint that fails verification",
+                    level="warning",
+                    step=step,
+                    why=why,
+                )
+                return False
+            final = self.local_dir / name
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
+            write_atomic(self.local_dir / LATEST, latest_json(step, manifest.get("epoch")))
+            self._confirm(step)
+            return True
+        except ClientError as exc:
+            self._log.event(
+                "checkpoint",
+                "skipping an S3 checkpoint that cannot be read",
+                level="warning",
+                step=step,
+                error=str(exc),
+            )
+            return False
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    # -- upload -----------------------------------------------------------------------------------------
+
+    def newest_local_step(self) -> int | None:
+        steps = committed_steps(self.local_dir)
+        return steps[0] if steps else None
+
+    def start(self) -> None:
+        """Upload committed steps in the background, newest first, until `finish()`."""
+        self._thread = threading.Thread(target=self._run, name="checkpoint-persister", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        backoff = self._poll_seconds
+        while not self._stopping.wait(backoff):
+            try:
+                self.persist_newest(deadline=None, background=True)
+                backoff = self._poll_seconds
+                if self._failing_since is not None:
+                    self._log.event("checkpoint", "S3 uploads work again", confirmed_step=self.confirmed_step)
+                    self._failing_since = None
+            except UploadAbandonedError:
+                backoff = self._poll_seconds
+            except Exception as exc:  # S3 down: keep the local copy, retry with backoff, never crash the job
+                if self._failing_since is None:
+                    self._failing_since = time.monotonic()
+                    self._log.event(
+                        "checkpoint",
+                        "checkpoint upload failed; retrying (the local copy is kept)",
+                        level="warning",
+                        uri=self.uri,
+                        error=str(exc).splitlines()[0][:200],
+                    )
+                backoff = min(max(backoff * 2, 1.0), 15.0)
+
+    def persist_newest(self, deadline: float | None, background: bool = False) -> int | None:
+        """Upload the newest committed local step if S3 does not have it confirmed; returns that step."""
+        step = self.newest_local_step()
+        confirmed = self.confirmed_step
+        if step is None or (confirmed is not None and step <= confirmed):
+            return confirmed
+        self._upload_step(step, deadline, background)
+        if background:
+            self._prune_remote(step)
+        return self.confirmed_step
+
+    def _abandon_check(self, step: int, deadline: float | None, background: bool) -> None:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise UploadAbandonedError(f"step {step}: deadline passed")
+        if background and self._stopping.is_set():
+            raise UploadAbandonedError(f"step {step}: a stop began; the final flush takes over")
+        newest = self.newest_local_step()
+        if newest is not None and newest > step:
+            raise UploadAbandonedError(f"step {step}: superseded by step {newest}")
+
+    def _upload_step(self, step: int, deadline: float | None, background: bool) -> None:
+        started = time.monotonic()
+        name = step_dir_name(step)
+        directory = self.local_dir / name
+        manifest = read_manifest(directory)
+        if manifest is None:
+            raise UploadAbandonedError(f"step {step}: removed locally before its upload")
+        for file_name in manifest["files"]:
+            self._upload_file(directory / file_name, f"{name}/{file_name}", step, deadline, background)
+        self._abandon_check(step, deadline, background)
+        body = (directory / MANIFEST).read_bytes()
+        bounded(
+            lambda: self._s3.put_object(
+                Bucket=self.bucket, Key=self._key(f"{name}/{MANIFEST}"), Body=body, ChecksumAlgorithm="SHA256"
+            ),
+            deadline,
+            "put-manifest",
+        )
+        self._advance_latest(step, manifest.get("epoch"), deadline)
+        seconds = time.monotonic() - started
+        self.upload_seconds.append(seconds)
+        self._log.event("checkpoint", "checkpoint confirmed in S3", step=step, upload_s=round(seconds, 2))
+
+    def _upload_file(
+        self, path: Path, relative: str, step: int, deadline: float | None, background: bool
+    ) -> None:
+        if not path.is_file():
+            raise UploadAbandonedError(f"step {step}: {path} removed locally before its upload")
+        future = self._transfers.upload(
+            str(path), self.bucket, self._key(relative), extra_args={"ChecksumAlgorithm": "SHA256"}
+        )
+        while not future.done():
+            try:
+                self._abandon_check(step, deadline, background)
+            except UploadAbandonedError:
+                # Stops the remaining parts; a request already on the wire ends at its own timeout.
+                future.cancel()
+                raise
+            time.sleep(_WAIT_TICK)
+        future.result()
+
+    def _advance_latest(self, step: int, epoch: Any, deadline: float | None) -> None:
+        """Move S3 `latest.json` to `step` unless it already names this step or a newer one."""
+        for _ in range(8):
+            current, etag = self.read_latest(deadline)
+            if current is not None and current >= step:
+                # Someone (another life) already moved past this step: never move it back.
+                self._confirm(step)
+                return
+            condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+
+            def put(condition: dict[str, str] = condition) -> Any:
+                return self._s3.put_object(
+                    Bucket=self.bucket,
+                    Key=self._key(LATEST),
+                    Body=latest_json(step, epoch),
+                    ContentType="application/json",
+                    **condition,
+                )
+
+            try:
+                bounded(put, deadline, "put-latest")
+            except ClientError as exc:
+                if _is_conflict(exc):
+                    continue
+                raise
+            self._confirm(step)
+            write_atomic(self.local_dir / LATEST, latest_json(step, epoch))
+            return
+        raise RuntimeError(f"{self.uri}/{LATEST}: too many concurrent writers; will retry")
+
+    def _prune_remote(self, latest: int) -> None:
+        """Keep the newest `keep` steps at or below latest.json; older ones (and old partial uploads) go."""
+        try:
+            for step in [s for s in self.remote_steps() if s <= latest][self.keep :]:
+                paginator = self._s3.get_paginator("list_objects_v2")
+                for page in paginator.paginate(
+                    Bucket=self.bucket, Prefix=self._key(step_dir_name(step) + "/")
+                ):
+                    objects = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+                    if objects:
+                        self._s3.delete_objects(
+                            Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}
+                        )
+        except Exception as exc:  # pruning is housekeeping: the next confirmed step tries again
+            self._log.event(
+                "checkpoint",
+                "pruning old S3 checkpoints failed",
+                level="warning",
+                error=str(exc).splitlines()[0][:200],
+            )
+
+    # -- the end ----------------------------------------------------------------------------------------
+
+    def finish(self, deadline: float) -> PersistResult:
+        """Stop the background uploads and confirm the newest local step before `deadline` if at all possible.
+
+        Returns where things stand; `PersistResult.confirmed` is False when the newest step is only local.
+        """
+        self._stopping.set()
+        if self._thread is not None:
+            # The background upload notices the stop within a tick and cancels; a hung S3 call is not awaited.
+            self._thread.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        newest = self.newest_local_step()
+        error = ""
+        while time.monotonic() < deadline:
+            try:
+                self.persist_newest(deadline)
+                break
+            except UploadAbandonedError as exc:
+                error = str(exc)
+                break
+            except Exception as exc:  # retry until the deadline: every second of S3 back is worth a try
+                error = str(exc).splitlines()[0][:200]
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        result = PersistResult(newest, self.confirmed_step)
+        if result.confirmed:
+            self._log.event("checkpoint", "newest checkpoint confirmed in S3", step=result.confirmed_step)
+        else:
+            self._log.event(
+                "checkpoint",
+                "newest checkpoint NOT confirmed in S3; the replacement resumes from the confirmed one",
+                level="warning",
+                newest_local_step=newest,
+                confirmed_step=result.confirmed_step,
+                error=error,
+            )
+        return result
+
+    def close(self) -> None:
+        """Release the transfer threads without waiting on a hung request."""
+        self._stopping.set()
+        threading.Thread(target=lambda: self._transfers.shutdown(cancel=True), daemon=True).start()

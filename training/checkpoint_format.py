@@ -1,0 +1,116 @@
+"""The checkpoint layout every job and the agent agree on (docs/checkpoints.md); no torch, no boto3.
+
+A checkpoint is a directory `step-<N>/` holding the job's files and `manifest.json`, which lists each
+file's size and sha256. The manifest is written last and the directory is renamed into place, so a
+`step-<N>/` with a readable manifest is committed; anything else (dot-prefixed staging directories,
+a directory without a manifest) is ignored. `latest.json` names the newest committed step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+LATEST = "latest.json"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step}"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(4 * 2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temp file, fsync, rename and fsync the directory: readers see old or new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def latest_json(step: int, epoch: int | None) -> bytes:
+    return json.dumps(
+        {"step": step, "epoch": epoch, "dir": step_dir_name(step), "written_at": now_iso()}
+    ).encode()
+
+
+def build_manifest(directory: Path, *, step: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest of every regular file under `directory` (relative POSIX names), manifest excluded."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        name = path.relative_to(directory).as_posix()
+        if name == MANIFEST:
+            continue
+        files[name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+    return {"step": step, **(extra or {}), "written_at": now_iso(), "files": files}
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    """The manifest of a committed step directory, or None when there is none (not committed)."""
+    try:
+        value = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("files"), dict):
+        return None
+    return value
+
+
+def verify_dir(directory: Path) -> tuple[dict[str, Any] | None, str]:
+    """(manifest, "") if every listed file has its recorded size and sha256, else (None, why not)."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return None, f"{directory / MANIFEST} missing or unreadable"
+    for name, meta in manifest["files"].items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != meta["size"]:
+            return None, f"{path} missing or truncated"
+        if sha256_file(path) != meta["sha256"]:
+            return None, f"{path} sha256 mismatch"
+    return manifest, ""
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps with a committed directory under `root` (a readable manifest), newest first."""
+    steps = []
+    try:
+        entries = list(root.iterdir())
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        match = STEP_DIR.match(entry.name)
+        if match and entry.is_dir() and read_manifest(entry) is not None:
+            steps.append(int(match.group(1)))
+    return sorted(steps, reverse=True)
