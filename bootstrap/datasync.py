@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,10 @@ MANIFEST_NAME = ".trainstack-sync.json"
 TOOLS = ("s5cmd", "aws", "boto3")
 # Many small image files: throughput comes from concurrency, not from the size of each request.
 CONCURRENCY = 64
+
+
+class SyncAborted(Exception):  # noqa: N818 - the name the agent and docs use
+    """The sync was stopped on request (a spot notice or a stop arrived while it ran)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,11 @@ class DataSync:
             for key, (size, _etag) in manifest.items()
         )
 
-    def sync(self, destination: Path, tool: str | None = None) -> SyncReport:
+    def sync(
+        self, destination: Path, tool: str | None = None, should_abort: Callable[[], bool] | None = None
+    ) -> SyncReport:
+        if should_abort is not None and should_abort():
+            raise SyncAborted(f"sync to {destination} aborted before it started")
         destination.mkdir(parents=True, exist_ok=True)
         manifest = self.listing()
         total_bytes = sum(size for size, _ in manifest.values())

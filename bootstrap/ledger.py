@@ -1,26 +1,43 @@
-"""The job ledger (`state/ledger.json`): instance lives, interruptions, crash counter, cost so far."""
+"""The job ledger (`state/ledger.json`): instance lives, interruptions, crash counter, cost so far.
+
+Every change is a read-modify-write under an S3 conditional write (`LedgerStore.update`), so two writers —
+this life's state poller and its main thread, or an old life still draining and its replacement — never
+lose each other's updates.
+"""
 
 from __future__ import annotations
 
 import copy
+import json
+import time
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
+
+from botocore.exceptions import ClientError
 
 from bootstrap.eventlog import iso
 from bootstrap.imds import InstanceIdentity
 
 TERMINAL_STATUSES = {"completed", "failed", "stopped", "cost_cap", "no_data"}
 FAILED_OUTCOMES = {"failed", "stalled"}
+# A life that ended because the instance went away: counted as an interruption, never as a failure.
+INTERRUPTED_OUTCOMES = {"preempted", "interrupted"}
+_T = TypeVar("_T")
 
 
 def _parse(moment: str) -> datetime:
     return datetime.fromisoformat(moment.replace("Z", "+00:00"))
 
 
-class JobLedger:
-    """In-memory view of the ledger; the agent saves it through StateStore after every change."""
+def _hours(start: str, end: str) -> float:
+    return max(0.0, (_parse(end) - _parse(start)).total_seconds() / 3600)
 
-    def __init__(self, raw: dict[str, Any] | None = None) -> None:
+
+class JobLedger:
+    """In-memory view of the ledger; `LedgerStore.update` applies each change to the latest copy in S3."""
+
+    def __init__(self, raw: dict[str, Any] | None = None, life_id: str | None = None) -> None:
         self.data: dict[str, Any] = copy.deepcopy(raw) if raw else {}
         self.data.setdefault("status", "running")
         self.data.setdefault("lives", [])
@@ -28,6 +45,8 @@ class JobLedger:
         self.data.setdefault("consecutive_failures", 0)
         self.data.setdefault("total_cost_usd", 0.0)
         self._current: dict[str, Any] | None = None
+        if life_id is not None:
+            self._current = next((x for x in self.data["lives"] if x.get("life_id") == life_id), None)
 
     @property
     def status(self) -> str:
@@ -49,25 +68,49 @@ class JobLedger:
     def lives(self) -> list[dict[str, Any]]:
         return list(self.data["lives"])
 
-    def begin_life(self, identity: InstanceIdentity, price_usd_per_hour: float | None, now: datetime) -> None:
-        """Open this life. A life of this same instance still marked running is one the agent died in:
-        it counts as a failure, so that a systemd restart loop trips the crash-loop guard too."""
+    def previous_life(self) -> dict[str, Any] | None:
+        """The life before this one (None for the first)."""
+        lives = self.data["lives"]
+        if self._current is None:
+            return lives[-1] if lives else None
+        index = next(i for i, x in enumerate(lives) if x is self._current)
+        return lives[index - 1] if index > 0 else None
+
+    def begin_life(self, identity: InstanceIdentity, price_usd_per_hour: float | None, now: datetime) -> str:
+        """Open this life and close the ones left `running`; returns the new life's id.
+
+        A life of this same instance still marked running is one the agent died in: it counts as a failure,
+        so that a systemd restart loop trips the crash-loop guard. A life of another instance still marked
+        running is one whose instance died without a word (killed mid-sync, no notice): it is closed as
+        interrupted, billed up to its last heartbeat.
+        """
         for earlier in self.data["lives"]:
-            if earlier["instance_id"] == identity.instance_id and earlier["outcome"] == "running":
+            if earlier["outcome"] != "running":
+                continue
+            if earlier["instance_id"] == identity.instance_id:
                 earlier["outcome"] = "failed"
-                earlier["ended_at"] = earlier.get("ended_at") or iso(now)
+                earlier["ended_at"] = earlier.get("heartbeat_at") or iso(now)
                 self.data["consecutive_failures"] += 1
+            else:
+                earlier["outcome"] = "interrupted"
+                earlier["ended_at"] = earlier.get("heartbeat_at") or earlier["started_at"]
+                earlier["closed_by"] = identity.instance_id
+                self.data["interruptions"] += 1
+            self._price_life(earlier, earlier["ended_at"])
         if self.status in TERMINAL_STATUSES:
             # Someone scaled the group up again after the job ended: a new run with a fresh crash counter.
             if self.status == "failed":
                 self.data["consecutive_failures"] = 0
             self.data["status"] = "running"
+        started = iso(now)
         life: dict[str, Any] = {
+            "life_id": f"{identity.instance_id}@{started}",
             "instance_id": identity.instance_id,
             "instance_type": identity.instance_type,
             "az": identity.az,
             "lifecycle": identity.lifecycle,
-            "started_at": iso(now),
+            "started_at": started,
+            "heartbeat_at": started,
             "ended_at": None,
             "price_usd_per_hour": price_usd_per_hour,
             "cost_usd": 0.0,
@@ -80,28 +123,40 @@ class JobLedger:
         self.data["lives"].append(life)
         self._current = life
         self.update_cost(now)
+        return str(life["life_id"])
+
+    @staticmethod
+    def _price_life(life: dict[str, Any], end: str) -> None:
+        if life.get("price_usd_per_hour") is not None:
+            life["cost_usd"] = round(_hours(life["started_at"], end) * float(life["price_usd_per_hour"]), 6)
 
     def update_cost(self, now: datetime) -> float:
-        """Recompute this life's cost (time so far × price) and the job total; returns the total."""
+        """Heartbeat: this life's cost so far (time × price) and the job's total, which it returns."""
         life = self._current
-        if life is not None and life["price_usd_per_hour"] is not None:
-            end = _parse(life["ended_at"]) if life["ended_at"] else now
-            hours = max(0.0, (end - _parse(life["started_at"])).total_seconds() / 3600)
-            life["cost_usd"] = round(hours * float(life["price_usd_per_hour"]), 6)
+        if life is not None and life["outcome"] == "running":
+            life["heartbeat_at"] = iso(now)
+            self._price_life(life, iso(now))
         self.data["total_cost_usd"] = round(
             sum(float(x.get("cost_usd") or 0.0) for x in self.data["lives"]), 6
         )
         self.data["updated_at"] = iso(now)
         return self.total_cost_usd
 
-    def end_life(self, outcome: str, now: datetime) -> None:
+    def end_life(self, outcome: str, now: datetime, **details: Any) -> None:
+        """Close this life with its outcome. If a successor already closed it (this instance was thought
+        dead), the truthful outcome replaces the guess but the counters are not moved twice."""
         life = self._current
         if life is None:
             raise RuntimeError("end_life() before begin_life()")
+        already_closed = life["outcome"] != "running"
         life["outcome"] = outcome
         life["ended_at"] = iso(now)
+        life.update(details)
+        self._price_life(life, life["ended_at"])
         self.update_cost(now)
-        if outcome == "preempted":
+        if already_closed:
+            return
+        if outcome in INTERRUPTED_OUTCOMES:
             self.data["interruptions"] += 1
         if outcome in FAILED_OUTCOMES:
             self.data["consecutive_failures"] += 1
@@ -113,3 +168,70 @@ class JobLedger:
 
     def current_life(self) -> dict[str, Any] | None:
         return self._current
+
+
+def _is_conflict(exc: ClientError) -> bool:
+    error = exc.response.get("Error", {})
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return error.get("Code") in {"PreconditionFailed", "ConditionalRequestConflict"} or status in {409, 412}
+
+
+class LedgerStore:
+    """`state/ledger.json` with optimistic concurrency: read with its ETag, change, write If-Match."""
+
+    def __init__(self, s3: Any, bucket: str, key: str, attempts: int = 10) -> None:
+        self._s3 = s3
+        self.bucket = bucket
+        self.key = key
+        self._attempts = attempts
+        self.life_id: str | None = None
+        # The last copy this process wrote or read: what the agent reports from when S3 is unreachable.
+        self.last = JobLedger()
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+    def read(self) -> tuple[dict[str, Any] | None, str | None]:
+        try:
+            response = self._s3.get_object(Bucket=self.bucket, Key=self.key)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404"}:
+                return None, None
+            raise
+        value = json.loads(response["Body"].read())
+        return (value if isinstance(value, dict) else None), str(response["ETag"])
+
+    def load(self) -> JobLedger:
+        raw, _ = self.read()
+        self.last = JobLedger(raw, self.life_id)
+        return self.last
+
+    def update(self, change: Callable[[JobLedger], _T]) -> _T:
+        """Apply `change` to the newest ledger and write it back unless someone wrote in between (retry)."""
+        for attempt in range(self._attempts):
+            raw, etag = self.read()
+            ledger = JobLedger(raw, self.life_id)
+            result = change(ledger)
+            condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+            try:
+                self._s3.put_object(
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    Body=json.dumps(ledger.data, indent=2, default=str).encode(),
+                    ContentType="application/json",
+                    **condition,
+                )
+            except ClientError as exc:
+                if _is_conflict(exc):
+                    time.sleep(0.05 * (attempt + 1))
+                    continue
+                raise
+            self.last = ledger
+            return result
+        raise RuntimeError(f"{self.uri}: {self._attempts} concurrent writers in a row; will retry")
+
+    def begin_life(self, identity: InstanceIdentity, price: float | None, now: datetime) -> JobLedger:
+        self.life_id = None
+        self.life_id = self.update(lambda ledger: ledger.begin_life(identity, price, now))
+        return self.last

@@ -1,12 +1,19 @@
-"""One instance life: preflight → scratch → data → train (restoring the latest checkpoint) → outcome."""
+"""One instance life: boot → GPU check → data → restore → train → persist → a truthful outcome.
+
+Two promises shape this module (docs/internals.md, "Agent lives"):
+- a spot notice, a scale-in, SIGTERM or `trainstack stop` is acted on the moment it is seen, in every phase,
+  without waiting on any network call: the watcher asks the trainer to stop itself, and every S3, SNS and
+  CloudWatch call runs on other threads or after the checkpoint is persisted;
+- every life ends with an outcome that says what happened (completed, preempted, stopped, cost_cap, failed,
+  stalled, no_data…), written to the ledger with conditional writes so no update is lost.
+"""
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -14,14 +21,15 @@ from typing import Any
 
 from bootstrap import aws
 from bootstrap.agent_config import AgentConfig
-from bootstrap.datasync import DataSync
+from bootstrap.datasync import DataSync, SyncAborted
 from bootstrap.eventlog import EventLog, iso, utc_now
 from bootstrap.fleet import Fleet
 from bootstrap.gpumetrics import GpuMetricPublisher
 from bootstrap.imds import ImdsClient, ImdsUnavailableError, InstanceIdentity
-from bootstrap.ledger import JobLedger
+from bootstrap.ledger import FAILED_OUTCOMES, JobLedger, LedgerStore
 from bootstrap.logshipper import LogShipper
 from bootstrap.notify import Notifier, format_duration, format_metrics
+from bootstrap.persist import CheckpointPersister, PersistResult, UploadAbandonedError
 from bootstrap.preflight import GpuPreflight
 from bootstrap.pricing import PriceLookup, SpotPriceLookup
 from bootstrap.scratch import prepare_scratch
@@ -29,6 +37,7 @@ from bootstrap.statestore import LEDGER, PROGRESS, StateStore
 from bootstrap.trainer import (
     EXIT_COMPLETED,
     EXIT_STOPPED,
+    PERMANENT_FAILURES,
     TrainerPaths,
     TrainerProcess,
     default_trainer_command,
@@ -50,7 +59,9 @@ FINAL_OUTCOMES = {
     "no_data",
 }
 PROGRESS_UPLOAD_SECONDS = 15.0
-# Why the agent asked the trainer to stop → what the life's outcome is once it has.
+# After a completion or failure nothing hurries the last upload but the bill.
+FINAL_UPLOAD_SECONDS = 300.0
+# Why the agent asked the job to stop → what the life's outcome is once it has.
 _STOP_OUTCOMES = {
     "spot": "preempted",
     "scale-in": "preempted",
@@ -85,6 +96,18 @@ class AwsClients:
         )
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Why a life failed; `permanent` failures stop the job at once instead of costing more lives."""
+
+    outcome: str
+    reason: str
+    lines: list[str]
+    fix: str = ""
+    permanent: bool = False
+    signature: dict[str, Any] | None = None
+
+
 class InstanceLife:
     """Runs one life. Collaborators can be injected so that tests drive it against moto and a fake trainer."""
 
@@ -111,33 +134,52 @@ class InstanceLife:
         self._identity_wait_seconds = identity_wait_seconds
         self._tick_seconds = tick_seconds
         self._release_wait_seconds = release_wait_seconds
-        # How often control.json is read and the cost updated (each cost check writes the ledger).
+        # How often control.json is read and the ledger's heartbeat and cost written.
         self._state_poll_seconds = state_poll_seconds
         prefixes = config.prefixes
         self.state = StateStore(self.clients.s3, config.bucket, prefixes.state)
+        self.ledger_store = LedgerStore(self.clients.s3, config.bucket, prefixes.state + LEDGER)
         self.fleet = Fleet(self.clients.autoscaling, config.group_name)
         self.notifier = Notifier(self.clients.sns, config.topic_arn, config.stack, self.log)
-        self._notice: TerminationNotice | None = None
-        self._notice_at: float | None = None
-        self._shutdown = threading.Event()
         self._shippers: list[LogShipper] = []
         self.identity: InstanceIdentity | None = None
-        self.ledger = JobLedger()
+        self.phase = "boot"
+        # The stop: the first reason wins; set from the watcher, the state poller or the SIGTERM sentinel.
+        self._stop_lock = threading.RLock()
+        self._stop_reason: str | None = None
+        self._stop_seen_at: float | None = None
+        self._stopping = threading.Event()
+        self._trainer: TrainerProcess | None = None
+        # SIGTERM only flips this flag (a signal handler must not take locks); the sentinel acts on it.
+        self._shutdown_flag = False
+        self._background_stop = threading.Event()
+        self._background: list[threading.Thread] = []
+        self._watcher: SpotWatcher | None = None
+        self._progress_file: Path | None = None
+        self._state_errors = 0
+
+    @property
+    def ledger(self) -> JobLedger:
+        """The newest copy of the ledger this life has read or written."""
+        return self.ledger_store.last
 
     # -- entry points -------------------------------------------------------------------------------
 
     def request_shutdown(self) -> None:
-        """SIGTERM to the agent (OS shutdown): stop the trainer with a checkpoint, as for a spot notice."""
-        self._shutdown.set()
+        """SIGTERM to the agent (OS shutdown, scale-in): stop with a checkpoint, as for a spot notice.
+        Called from a signal handler, so it only sets a flag; the sentinel thread does the rest."""
+        self._shutdown_flag = True
 
     def run(self) -> LifeResult:
         self.identity = self._identify()
         self._ship_logs()
+        self._start_watching()
         try:
             result = self._run_life(self.identity)
             if result.exit_code == 0:
                 self._release_instance(self.identity)
         finally:
+            self._stop_background()
             for shipper in self._shippers:
                 shipper.close()
         return result
@@ -147,9 +189,7 @@ class InstanceLife:
         identity = self.identity = self._identify()
         self._ship_logs()
         try:
-            self.ledger = JobLedger(self.state.read(LEDGER))
-            self.ledger.set_status("failed")
-            self._save_ledger()
+            self._record(lambda ledger: ledger.set_status("failed"))
         finally:
             self._notify_and_scale_to_zero(
                 "the agent keeps failing; group scaled to zero",
@@ -162,34 +202,132 @@ class InstanceLife:
                 shipper.close()
         return LifeResult("gave_up")
 
-    def _release_instance(self, identity: InstanceIdentity) -> None:
-        """Complete the group's drain hook once the instance is terminating, so it stops billing at once
-        instead of after the hook's heartbeat timeout."""
-        hook = self.config.lifecycle_hook
-        if not hook:
-            return
-        deadline = time.monotonic() + self._release_wait_seconds
-        while time.monotonic() < deadline:
+    # -- stop requests (no network on this path) ----------------------------------------------------
+
+    def _request_stop(self, reason: str, **fields: Any) -> None:
+        with self._stop_lock:
+            if self._stop_reason is not None:
+                return
+            self._stop_reason = reason
+            self._stop_seen_at = time.monotonic()
+            trainer = self._trainer
+        self._stopping.set()
+        if trainer is not None:
+            trainer.request_stop()
+        self.log.event(
+            "stop",
+            "stop requested" + (" from the trainer" if trainer is not None else ""),
+            reason=reason,
+            phase=self.phase,
+            deadline_s=self.config.stop_deadline_seconds,
+            **fields,
+        )
+
+    def _stop_state(self) -> tuple[str | None, float | None]:
+        with self._stop_lock:
+            return self._stop_reason, self._stop_seen_at
+
+    def _on_notice(self, notice: TerminationNotice) -> None:
+        self.log.event(
+            "interruption", f"{notice.source} termination notice", action=notice.action, at=notice.time
+        )
+        self._request_stop(notice.source)
+
+    def _on_rebalance(self, recommendation: RebalanceRecommendation) -> None:
+        trainer = self._trainer
+        self.log.event(
+            "rebalance",
+            "rebalance recommendation: early checkpoint requested"
+            if trainer is not None
+            else "rebalance recommendation (no trainer running yet)",
+            notice_time=recommendation.notice_time,
+        )
+        if trainer is not None:
+            trainer.request_checkpoint()
+
+    def _start_watching(self) -> None:
+        """IMDS notices and SIGTERM are watched from boot to the end of the life."""
+        self._watcher = SpotWatcher(
+            self.imds, self.log, self.config.poll_seconds, self._on_notice, self._on_rebalance
+        )
+        self._watcher.start()
+        self._spawn("shutdown-sentinel", self._sentinel)
+
+    def _sentinel(self) -> None:
+        while not self._background_stop.wait(0.1):
+            if self._shutdown_flag:
+                self._request_stop("shutdown")
+                return
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._background.append(thread)
+        thread.start()
+
+    def _stop_background(self) -> None:
+        self._background_stop.set()
+        if self._watcher is not None:
+            self._watcher.stop()
+        for thread in self._background:
+            thread.join(timeout=2)
+
+    # -- job state in S3, polled off the stop path --------------------------------------------------
+
+    def _poll_state(self) -> None:
+        """`trainstack stop`, the cost cap, the ledger heartbeat and progress, every state_poll_seconds.
+
+        Runs on its own thread with bounded AWS calls: an S3 outage delays these, never a spot stop.
+        """
+        next_progress = 0.0
+        while not self._background_stop.wait(self._state_poll_seconds):
             try:
-                if self.imds.get("autoscaling/target-lifecycle-state") == "Terminated":
-                    break
-            except ImdsUnavailableError:
-                pass
-            time.sleep(2)
-        else:
-            self.log.event("release", "instance not terminating; drain hook left alone", hook=hook)
-            return
+                if self.state.stop_requested():
+                    self._request_stop("control")
+                total = self.ledger_store.update(lambda ledger: ledger.update_cost(utc_now()))
+                cap = self.config.max_cost_usd
+                if cap is not None and total >= cap:
+                    self._request_stop("cost_cap", cost_usd=total, cap_usd=cap)
+                if time.monotonic() >= next_progress:
+                    self._upload_progress()
+                    next_progress = time.monotonic() + PROGRESS_UPLOAD_SECONDS
+                if self._state_errors:
+                    self.log.event(
+                        "state", "job state in S3 reachable again", failed_polls=self._state_errors
+                    )
+                self._state_errors = 0
+            except Exception as exc:  # S3 hiccups must not stop training; the next poll tries again
+                self._state_errors += 1
+                if self._state_errors == 1:
+                    self.log.event(
+                        "state", "cannot read or write job state; will retry", error=_one_line(exc)
+                    )
+
+    def _record(self, change: Callable[[JobLedger], Any]) -> bool:
+        """Apply a change to the ledger; False (logged) when S3 cannot take it now."""
         try:
-            self.fleet.complete_lifecycle_action(hook, identity.instance_id)
+            self.ledger_store.update(change)
         except Exception as exc:
             self.log.event(
-                "release",
-                "could not complete the drain hook; the group proceeds at its timeout",
-                hook=hook,
-                error=str(exc).splitlines()[0][:200],
+                "state",
+                "ledger not updated; the next life closes this one from its heartbeat",
+                ledger=self.ledger_store.uri,
+                error=_one_line(exc),
             )
+            return False
+        return True
+
+    def _upload_progress(self) -> None:
+        if self._progress_file is None or self.identity is None:
             return
-        self.log.event("release", "drain hook completed; the group terminates this instance now", hook=hook)
+        progress = read_progress(self._progress_file)
+        if progress is None:
+            return
+        progress |= {
+            "instance_id": self.identity.instance_id,
+            "instance_type": self.identity.instance_type,
+            "az": self.identity.az,
+        }
+        self.state.write(PROGRESS, progress)
 
     # -- the life -----------------------------------------------------------------------------------
 
@@ -204,28 +342,50 @@ class InstanceLife:
         )
         if self._group_scaled_to_zero():
             return LifeResult("skipped")
-        self.ledger = JobLedger(self.state.read(LEDGER))
-        self.ledger.begin_life(identity, self._price(identity), utc_now())
-        self._save_ledger()
+        self.ledger_store.begin_life(identity, self._price(identity), utc_now())
+        self._spawn("state-poller", self._poll_state)
         guard = self._guards_before_start()
         if guard is not None:
             return guard
         try:
-            gpu_count = self._preflight()
-            if gpu_count is None:
-                return self._replace_unhealthy_instance()
-            scratch = prepare_scratch(self.config.scratch_dir, self.log)
-            dataset = DataSync(
-                self.clients.s3, self.config.bucket, self.config.prefixes.data, self.config.region, self.log
-            )
-            if not self._wait_for_dataset(dataset):
-                return self._no_dataset()
-            dataset.sync(scratch / "data")
-            outcome, trainer = self._train(scratch, gpu_count)
+            outcome = self._prepare_and_train()
         except Exception as exc:
             self.log.event("failed", "instance life failed", error=f"{type(exc).__name__}: {exc}")
-            return self._failed("failed", f"{type(exc).__name__}: {exc}", list(self.log.tail))
-        return self._finish(outcome, trainer)
+            outcome = Failure("failed", f"{type(exc).__name__}: {exc}", list(self.log.tail))
+        finally:
+            # No more heartbeats or polls: the outcome below is the last word on this life.
+            self._background_stop.set()
+        return self._finish(outcome)
+
+    def _prepare_and_train(self) -> str | Failure:
+        self.phase = "gpu-check"
+        gpu_count = self._preflight()
+        if self._stopping.is_set():
+            return self._stopped_before_training()
+        if gpu_count is None:
+            return "replace"
+        scratch = prepare_scratch(self.config.scratch_dir, self.log)
+        dataset = DataSync(
+            self.clients.s3, self.config.bucket, self.config.prefixes.data, self.config.region, self.log
+        )
+        self.phase = "data-wait"
+        if not self._wait_for_dataset(dataset):
+            return self._stopped_before_training() if self._stopping.is_set() else "no_data"
+        self.phase = "data-sync"
+        try:
+            dataset.sync(scratch / "data", should_abort=self._stopping.is_set)
+        except SyncAborted:
+            self.log.event("data", "dataset sync aborted by the stop", reason=self._stop_state()[0])
+            return self._stopped_before_training()
+        return self._train(scratch, gpu_count)
+
+    def _stopped_before_training(self) -> str:
+        reason, _ = self._stop_state()
+        assert reason is not None
+        self.log.event(
+            "stop", "stopped before training; nothing new to persist", reason=reason, phase=self.phase
+        )
+        return _STOP_OUTCOMES[reason]
 
     def _identify(self) -> InstanceIdentity:
         deadline = time.monotonic() + self._identity_wait_seconds
@@ -257,7 +417,7 @@ class InstanceLife:
                 "start",
                 "cannot read the group's desired capacity",
                 group=self.config.group_name,
-                error=str(exc),
+                error=_one_line(exc),
             )
             return False
         if desired == 0:
@@ -273,26 +433,28 @@ class InstanceLife:
         try:
             price = self._price_lookup(identity.instance_type, identity.az)
         except Exception as exc:
-            self.log.event("cost", "spot price unavailable; cost not tracked for this life", error=str(exc))
+            self.log.event(
+                "cost", "spot price unavailable; cost not tracked for this life", error=_one_line(exc)
+            )
             return None
         self.log.event("cost", "price of this instance", usd_per_hour=price, lifecycle=identity.lifecycle)
         return price
 
-    def _save_ledger(self) -> None:
-        self.state.write(LEDGER, self.ledger.data)
-
     def _guards_before_start(self) -> LifeResult | None:
-        if self.ledger.consecutive_failures >= self.config.max_consecutive_failures:
-            return self._failed("failed", "the previous agent run on this instance died", list(self.log.tail))
+        ledger = self.ledger
+        if ledger.consecutive_failures >= self.config.max_consecutive_failures:
+            self._background_stop.set()
+            return self._failed(
+                Failure("failed", "the previous agent run on this instance died", list(self.log.tail))
+            )
         if self.state.stop_requested():
+            self._background_stop.set()
             return self._stopped_by_user()
-        if self._over_cost_cap():
+        cap = self.config.max_cost_usd
+        if cap is not None and ledger.total_cost_usd >= cap:
+            self._background_stop.set()
             return self._cost_cap_reached()
         return None
-
-    def _over_cost_cap(self) -> bool:
-        cap = self.config.max_cost_usd
-        return cap is not None and self.ledger.update_cost(utc_now()) >= cap
 
     def _preflight(self) -> int | None:
         """GPU count (0 when no GPU is required), or None when the GPU is broken beyond the one repair."""
@@ -303,46 +465,72 @@ class InstanceLife:
         self.log.event("preflight", "GPU ok" if result.ok else "GPU broken", detail=result.detail)
         return result.gpu_count if result.ok else None
 
+    def _wait_for_dataset(self, dataset: DataSync) -> bool:
+        """True once `data/` holds a dataset; False after `data_wait_minutes` without one or on a stop."""
+        if dataset.present():
+            return True
+        source = f"s3://{self.config.bucket}/{self.config.prefixes.data}"
+        minutes = self.config.data_wait_minutes
+        # Not "running": `trainstack data push` must not take this wait for a training run to protect.
+        self._record(lambda ledger: ledger.set_status("waiting_for_data"))
+        self.log.event(
+            "data", "no dataset yet: waiting for `trainstack data push`", source=source, minutes=minutes
+        )
+        deadline = time.monotonic() + minutes * 60
+        while time.monotonic() < deadline:
+            if self._stopping.wait(max(0.0, min(self._state_poll_seconds, deadline - time.monotonic()))):
+                self._record(lambda ledger: ledger.set_status("running"))
+                return False
+            if dataset.present():
+                self._record(lambda ledger: ledger.set_status("running"))
+                self.log.event("data", "dataset arrived", source=source)
+                return True
+        return False
+
     # -- training -----------------------------------------------------------------------------------
 
-    def _on_notice(self, notice: TerminationNotice) -> None:
-        self._notice = notice
-        self._notice_at = time.monotonic()
-        self.log.event(
-            "interruption", f"{notice.source} termination notice", action=notice.action, at=notice.time
-        )
-
-    def _train(self, scratch: Path, gpu_count: int) -> tuple[str, TrainerProcess]:
+    def _train(self, scratch: Path, gpu_count: int) -> str | Failure:
         prefixes = self.config.prefixes
         paths = TrainerPaths(
-            scratch=scratch,
-            checkpoint_uri=f"s3://{self.config.bucket}/{prefixes.checkpoints.rstrip('/')}",
-            output_uri=f"s3://{self.config.bucket}/{prefixes.results.rstrip('/')}",
+            scratch=scratch, output_uri=f"s3://{self.config.bucket}/{prefixes.results.rstrip('/')}"
         )
+        persister = CheckpointPersister(
+            self.clients.s3, self.config.bucket, prefixes.checkpoints, paths.checkpoint_dir, self.log
+        )
+        self.phase = "restore"
+        try:
+            restored = persister.restore(should_abort=self._stopping.is_set)
+        except UploadAbandonedError:
+            return self._stopped_before_training()
         command = self._trainer_command or default_trainer_command(gpu_count)
-        trainer_log = self._trainer_log_sink()
-        trainer = TrainerProcess(command, paths, dict(self.config.job), trainer_log)
-
-        def on_rebalance(recommendation: RebalanceRecommendation) -> None:
-            self.log.event(
-                "rebalance",
-                "rebalance recommendation: early checkpoint requested",
-                notice_time=recommendation.notice_time,
-            )
-            trainer.request_checkpoint()
-
-        watcher = SpotWatcher(self.imds, self.log, self.config.poll_seconds, self._on_notice, on_rebalance)
+        trainer = TrainerProcess(command, paths, dict(self.config.job), self._trainer_log_sink())
+        self._progress_file = paths.progress_file
         metrics = GpuMetricPublisher(self.clients.cloudwatch, self.config.group_name, self.log)
-        watcher.start()
+        with self._stop_lock:
+            if self._stop_reason is not None:
+                return self._stopped_before_training()
+            self.phase = "training"
+            self.log.event("train", "trainer starting", argv=trainer.argv, restored_step=restored)
+            trainer.start()
+            self._trainer = trainer
+        persister.start()
         if gpu_count:
             metrics.start()
         try:
-            outcome = self._supervise(trainer)
+            code = self._supervise(trainer, persister)
         finally:
-            watcher.stop()
             metrics.stop()
-            self._upload_progress(trainer)
-        return outcome, trainer
+        self.phase = "final-upload"
+        reason, seen_at = self._stop_state()
+        deadline = (
+            seen_at + self.config.stop_deadline_seconds
+            if seen_at is not None
+            else time.monotonic() + FINAL_UPLOAD_SECONDS
+        )
+        persisted = persister.finish(deadline)
+        persister.close()
+        self._upload_progress_quietly()
+        return self._classify_exit(code, reason, persisted, trainer)
 
     def _trainer_log_sink(self) -> Any:
         assert self.identity is not None
@@ -355,135 +543,103 @@ class InstanceLife:
 
         return sink
 
-    def _supervise(self, trainer: TrainerProcess) -> str:
-        """Run the trainer to an outcome: completed, preempted, stopped, cost_cap, failed or stalled."""
+    def _trainer_deadline(self, seen_at: float, persister: CheckpointPersister) -> float:
+        """When a stopping trainer is killed: early enough to leave the final upload its measured time."""
+        budget = self.config.stop_deadline_seconds
+        upload = max(persister.upload_seconds, default=5.0)
+        return seen_at + budget - min(budget / 2, 2 * upload + 2)
+
+    def _supervise(self, trainer: TrainerProcess, persister: CheckpointPersister) -> int | str:
+        """Run the trainer to its exit code, or "stalled" / "killed". Only local checks: no network here."""
         watchdog = StallWatchdog(self.config.stall_minutes * 60)
-        self.log.event("train", "trainer starting", argv=trainer.argv)
-        trainer.start()
         restarted = False
-        stop_reason: str | None = None
-        stop_deadline = 0.0
-        next_state = next_progress = time.monotonic()
         while True:
             code = trainer.poll()
             if code is not None:
-                return self._classify_exit(code, stop_reason, trainer)
-            now = time.monotonic()
-            if stop_reason is None:
-                check_state = now >= next_state
-                stop_reason = self._stop_reason(check_state)
-                next_state = now + self._state_poll_seconds if check_state else next_state
-                if stop_reason is not None:
+                return code
+            reason, seen_at = self._stop_state()
+            if seen_at is not None:
+                if time.monotonic() > self._trainer_deadline(seen_at, persister):
                     self.log.event(
                         "stop",
-                        "stop requested from the trainer",
-                        reason=stop_reason,
-                        deadline_s=self.config.stop_deadline_seconds,
+                        "trainer missed the stop deadline; killing it (its newest checkpoint may be lost)",
+                        reason=reason,
                     )
-                    trainer.request_stop()
-                    stop_deadline = now + self.config.stop_deadline_seconds
-            elif now > stop_deadline:
-                self.log.event(
-                    "stop",
-                    "trainer missed the stop deadline; killing it (checkpoint NOT confirmed)",
-                    reason=stop_reason,
-                )
-                trainer.kill()
-                return _STOP_OUTCOMES[stop_reason]
-            if now >= next_progress:
-                self._upload_progress(trainer)
-                next_progress = now + PROGRESS_UPLOAD_SECONDS
-            progress = read_progress(trainer.paths.progress_file)
-            if stop_reason is None and watchdog.observe(progress.get("step") if progress else None):
-                idle = round(watchdog.idle_seconds())
-                trainer.kill()
-                if restarted:
-                    self.log.event("stall", "training stalled again after a restart; giving up", idle_s=idle)
-                    return "stalled"
-                self.log.event("stall", "no training progress; restarting the trainer once", idle_s=idle)
-                restarted = True
-                watchdog.reset()
-                trainer.start()
+                    trainer.kill()
+                    return "killed"
+            else:
+                progress = read_progress(trainer.paths.progress_file)
+                if watchdog.observe(progress.get("step") if progress else None):
+                    idle = round(watchdog.idle_seconds())
+                    trainer.kill()
+                    if restarted:
+                        self.log.event(
+                            "stall", "training stalled again after a restart; giving up", idle_s=idle
+                        )
+                        return "stalled"
+                    self.log.event("stall", "no training progress; restarting the trainer once", idle_s=idle)
+                    restarted = True
+                    watchdog.reset()
+                    trainer.start()
             time.sleep(self._tick_seconds)
 
-    def _stop_reason(self, check_state: bool) -> str | None:
-        if self._notice is not None:
-            return self._notice.source
-        if self._shutdown.is_set():
-            return "shutdown"
-        if not check_state:
-            return None
-        try:
-            if self.state.stop_requested():
-                return "control"
-            over = self._over_cost_cap()
-            self._save_ledger()
-            if over:
-                return "cost_cap"
-        except Exception as exc:  # S3 hiccups must not stop training; the next tick tries again
-            self.log.event("state", "cannot read or write job state; will retry", error=str(exc))
-        return None
-
-    def _classify_exit(self, code: int, stop_reason: str | None, trainer: TrainerProcess) -> str:
-        if stop_reason is not None:
-            confirmed = code == EXIT_STOPPED
-            fields: dict[str, Any] = {"exit_code": code, "checkpoint_confirmed": confirmed}
-            if confirmed:
-                latest = self._latest_checkpoint()
-                progress = read_progress(trainer.paths.progress_file) or {}
-                fields |= {
-                    "checkpoint_step": latest.get("step") if latest else None,
-                    "reached_step": progress.get("step"),
-                }
-            if self._notice_at is not None:
-                fields["notice_to_exit_s"] = round(time.monotonic() - self._notice_at, 2)
+    def _classify_exit(
+        self, code: int | str, reason: str | None, persisted: PersistResult, trainer: TrainerProcess
+    ) -> str | Failure:
+        progress = read_progress(trainer.paths.progress_file) or {}
+        if code == EXIT_COMPLETED:
+            # A job that completed wins over a stop request that arrived meanwhile.
+            return "completed"
+        if reason is not None:
+            fields: dict[str, Any] = {
+                "exit_code": code,
+                "checkpoint_confirmed": persisted.confirmed,
+                "checkpoint_step": persisted.confirmed_step,
+                "newest_local_step": persisted.newest_local_step,
+                "reached_step": progress.get("step"),
+            }
+            _, seen_at = self._stop_state()
+            if seen_at is not None:
+                fields["notice_to_exit_s"] = round(time.monotonic() - seen_at, 2)
+            confirmed = persisted.confirmed and code == EXIT_STOPPED
             self.log.event(
                 "stop",
-                "trainer stopped" if confirmed else "trainer stopped WITHOUT a checkpoint",
-                reason=stop_reason,
+                "trainer stopped; checkpoint confirmed in S3"
+                if confirmed
+                else "trainer stopped WITHOUT its newest checkpoint in S3; the confirmed one is kept",
+                reason=reason,
                 **fields,
             )
-            return _STOP_OUTCOMES[stop_reason]
-        if code == EXIT_COMPLETED:
-            return "completed"
+            return _STOP_OUTCOMES[reason]
         if code == EXIT_STOPPED:
             # Nobody here asked: the OS sent the stop (shutdown), so this instance is going away.
             self.log.event("stop", "trainer stopped by the system", exit_code=code)
             return "preempted"
-        self.log.event("failed", "trainer exited with a failure", exit_code=code)
-        return "failed"
+        if code == "stalled":
+            return Failure("stalled", "trainer stalled", list(trainer.tail)[-25:] or list(self.log.tail))
+        self.log.event("failed", "trainer exited with a failure", exit_code=code, step=progress.get("step"))
+        lines = list(trainer.tail)[-25:] or list(self.log.tail)
+        if isinstance(code, int) and code in PERMANENT_FAILURES:
+            why, fix = PERMANENT_FAILURES[code]
+            return Failure("failed", f"{why} (trainer exit {code})", lines, fix=fix, permanent=True)
+        signature = {"exit_code": code, "step": progress.get("step")}
+        return Failure("failed", f"trainer exited {code}", lines, signature=signature)
 
-    def _latest_checkpoint(self) -> dict[str, Any] | None:
-        key = f"{self.config.prefixes.checkpoints}latest.json"
+    def _upload_progress_quietly(self) -> None:
         try:
-            body = self.clients.s3.get_object(Bucket=self.config.bucket, Key=key)["Body"].read()
-        except Exception:
-            return None
-        value = json.loads(body)
-        return value if isinstance(value, dict) else None
-
-    def _upload_progress(self, trainer: TrainerProcess) -> None:
-        progress = read_progress(trainer.paths.progress_file)
-        if progress is None or self.identity is None:
-            return
-        progress |= {
-            "instance_id": self.identity.instance_id,
-            "instance_type": self.identity.instance_type,
-            "az": self.identity.az,
-        }
-        try:
-            self.state.write(PROGRESS, progress)
+            self._upload_progress()
         except Exception as exc:
-            self.log.event("state", "progress upload failed; will retry", error=str(exc))
+            self.log.event("state", "progress upload failed", error=_one_line(exc))
 
     # -- outcomes -----------------------------------------------------------------------------------
 
-    def _finish(self, outcome: str, trainer: TrainerProcess) -> LifeResult:
+    def _finish(self, outcome: str | Failure) -> LifeResult:
+        if isinstance(outcome, Failure):
+            return self._failed(outcome)
         if outcome == "completed":
             return self._completed()
         if outcome == "preempted":
-            self.ledger.end_life("preempted", utc_now())
-            self._save_ledger()
+            self._record(lambda ledger: ledger.end_life("preempted", utc_now(), phase=self.phase))
             self.log.event(
                 "end",
                 "preempted: the group's replacement resumes from the confirmed checkpoint",
@@ -494,8 +650,11 @@ class InstanceLife:
             return self._stopped_by_user()
         if outcome == "cost_cap":
             return self._cost_cap_reached()
-        lines = list(trainer.tail)[-25:] or list(self.log.tail)
-        return self._failed(outcome, f"trainer {outcome}", lines)
+        if outcome == "no_data":
+            return self._no_dataset()
+        if outcome == "replace":
+            return self._replace_unhealthy_instance()
+        raise AssertionError(f"unknown outcome {outcome}")
 
     def _completed(self) -> LifeResult:
         results = self.config.prefixes.results
@@ -507,19 +666,25 @@ class InstanceLife:
                 missing.append(f"s3://{self.config.bucket}/{results}{name}")
         if missing:
             return self._failed(
-                "failed", f"trainer exited 0 but {', '.join(missing)} is missing", list(self.log.tail)
+                Failure(
+                    "failed", f"trainer exited 0 but {', '.join(missing)} is missing", list(self.log.tail)
+                )
             )
         metrics = self._metrics()
-        self.ledger.end_life("completed", utc_now())
-        self.ledger.set_status("completed")
-        self._save_ledger()
-        started = self.ledger.lives[0]["started_at"] if self.ledger.lives else iso(utc_now())
+
+        def complete(ledger: JobLedger) -> None:
+            ledger.end_life("completed", utc_now())
+            ledger.set_status("completed")
+
+        self._record(complete)
+        ledger = self.ledger
+        started = ledger.lives[0]["started_at"] if ledger.lives else iso(utc_now())
         duration = (utc_now() - datetime.fromisoformat(started.replace("Z", "+00:00"))).total_seconds()
         lines = [
             "Training completed.",
-            f"  duration: {format_duration(duration)} over {len(self.ledger.lives)} instance life/lives",
-            f"  spot interruptions survived: {self.ledger.interruptions}",
-            f"  estimated cost: ${self.ledger.total_cost_usd:.4f}",
+            f"  duration: {format_duration(duration)} over {len(ledger.lives)} instance life/lives",
+            f"  spot interruptions survived: {ledger.interruptions}",
+            f"  estimated cost: ${ledger.total_cost_usd:.4f}",
             "Final metrics:",
             *format_metrics(metrics),
             f"Artifacts: s3://{self.config.bucket}/{results}",
@@ -527,78 +692,82 @@ class InstanceLife:
             f"The group {self.config.group_name} has been scaled to zero; nothing bills any more.",
         ]
         self._notify_and_scale_to_zero("training completed", lines)
-        self.log.event(
-            "end", "completed; scaled to zero", cost_usd=self.ledger.total_cost_usd, metrics=metrics
-        )
+        self.log.event("end", "completed; scaled to zero", cost_usd=ledger.total_cost_usd, metrics=metrics)
         return LifeResult("completed")
 
     def _metrics(self) -> dict[str, Any] | None:
-        key = f"{self.config.prefixes.results}metrics.json"
         try:
-            value = json.loads(self.clients.s3.get_object(Bucket=self.config.bucket, Key=key)["Body"].read())
+            return StateStore(self.clients.s3, self.config.bucket, self.config.prefixes.results).read(
+                "metrics.json"
+            )
         except Exception:
             return None
-        return value if isinstance(value, dict) else None
 
-    def _failed(self, outcome: str, reason: str, last_lines: list[str]) -> LifeResult:
-        life = self.ledger.current_life()
-        if life is not None and life["outcome"] == "running":
-            self.ledger.end_life(outcome, utc_now())
-        failures = self.ledger.consecutive_failures
+    def _failed(self, failure: Failure) -> LifeResult:
         limit = self.config.max_consecutive_failures
-        if failures < limit:
-            self._save_ledger()
+        verdict: dict[str, Any] = {}
+
+        def end(ledger: JobLedger) -> None:
+            # The same failure at the same step as the life before: a third life would fail there too.
+            previous = ledger.previous_life()
+            verdict["repeated"] = (
+                failure.signature is not None
+                and previous is not None
+                and previous.get("outcome") in FAILED_OUTCOMES
+                and previous.get("failure") == failure.signature
+            )
+            life = ledger.current_life()
+            if life is not None and life["outcome"] == "running":
+                details = {"failure": failure.signature} if failure.signature else {}
+                ledger.end_life(failure.outcome, utc_now(), **details)
+            verdict["failures"] = ledger.consecutive_failures
+            if failure.permanent or verdict["repeated"] or ledger.consecutive_failures >= limit:
+                ledger.set_status("failed")
+
+        self._record(end)
+        repeated = bool(verdict.get("repeated"))
+        failures = int(verdict.get("failures", self.ledger.consecutive_failures))
+        if not (failure.permanent or repeated or failures >= limit):
             self.log.event(
                 "end",
                 "life failed; systemd starts the next life",
-                reason=reason,
+                reason=failure.reason,
                 consecutive_failures=failures,
                 limit=limit,
             )
-            return LifeResult(outcome)
-        self.ledger.set_status("failed")
-        self._save_ledger()
+            return LifeResult(failure.outcome)
+        if failure.permanent:
+            subject = f"training failed: {failure.reason}; group scaled to zero"
+            why = f"This failure is permanent ({failure.reason}): another instance cannot fix it."
+        elif repeated:
+            subject = "training failed twice at the same step; group scaled to zero"
+            why = f"The job failed the same way twice in a row ({failure.reason} at the same step)."
+        else:
+            subject = f"training failed {failures} times in a row; group scaled to zero"
+            why = f"The job failed {failures} times in a row (trainstack:maxConsecutiveFailures = {limit})."
         self._notify_and_scale_to_zero(
-            f"training failed {failures} times in a row; group scaled to zero",
+            subject,
             [
-                f"The job failed {failures} times in a row "
-                f"(limit trainstack:maxConsecutiveFailures = {limit}).",
-                f"Last failure on {self.identity.instance_id if self.identity else '?'}: {reason}",
+                why,
+                f"Last failure on {self.identity.instance_id if self.identity else '?'}: {failure.reason}",
                 "The group has been scaled to zero so that nothing bills. Last log lines:",
-                *[f"  {line}" for line in last_lines[-25:]],
-                "Fix the cause, then scale the group up again (trainstack resume).",
+                *[f"  {line}" for line in failure.lines[-25:]],
+                f"Fix: {failure.fix}"
+                if failure.fix
+                else "Fix the cause, then start again: trainstack resume",
             ],
         )
-        self.log.event("end", "crash-loop guard tripped; scaled to zero", consecutive_failures=failures)
+        self.log.event("end", subject, reason=failure.reason, consecutive_failures=failures)
         return LifeResult("gave_up")
-
-    def _wait_for_dataset(self, dataset: DataSync) -> bool:
-        """True once `data/` holds a dataset; False after `data_wait_minutes` without one."""
-        if dataset.present():
-            return True
-        source = f"s3://{self.config.bucket}/{self.config.prefixes.data}"
-        minutes = self.config.data_wait_minutes
-        # Not "running": `trainstack data push` must not take this wait for a training run to protect.
-        self.ledger.set_status("waiting_for_data")
-        self._save_ledger()
-        self.log.event(
-            "data", "no dataset yet: waiting for `trainstack data push`", source=source, minutes=minutes
-        )
-        deadline = time.monotonic() + minutes * 60
-        while time.monotonic() < deadline and not self._shutdown.is_set():
-            time.sleep(max(0.0, min(self._state_poll_seconds, deadline - time.monotonic())))
-            if dataset.present():
-                self.ledger.set_status("running")
-                self._save_ledger()
-                self.log.event("data", "dataset arrived", source=source)
-                return True
-        return False
 
     def _no_dataset(self) -> LifeResult:
         source = f"s3://{self.config.bucket}/{self.config.prefixes.data}"
-        self.ledger.end_life("no_data", utc_now())
-        self.ledger.set_status("no_data")
-        self._save_ledger()
+
+        def no_data(ledger: JobLedger) -> None:
+            ledger.end_life("no_data", utc_now())
+            ledger.set_status("no_data")
+
+        self._record(no_data)
         self._notify_and_scale_to_zero(
             "no dataset; group scaled to zero",
             [
@@ -611,13 +780,15 @@ class InstanceLife:
         return LifeResult("no_data")
 
     def _stopped_by_user(self) -> LifeResult:
-        self.ledger.end_life("stopped", utc_now())
-        self.ledger.set_status("stopped")
-        self._save_ledger()
+        def stopped(ledger: JobLedger) -> None:
+            ledger.end_life("stopped", utc_now())
+            ledger.set_status("stopped")
+
+        self._record(stopped)
         self._notify_and_scale_to_zero(
             "stopped on request; group scaled to zero",
             [
-                "Training stopped on `trainstack stop` with a confirmed checkpoint.",
+                "Training stopped on `trainstack stop`; the newest confirmed checkpoint is kept.",
                 f"Checkpoints: s3://{self.config.bucket}/{self.config.prefixes.checkpoints}",
                 "Resume with: trainstack resume",
             ],
@@ -625,16 +796,18 @@ class InstanceLife:
         return LifeResult("stopped")
 
     def _cost_cap_reached(self) -> LifeResult:
-        self.ledger.end_life("cost_cap", utc_now())
-        self.ledger.set_status("cost_cap")
-        self._save_ledger()
+        def capped(ledger: JobLedger) -> None:
+            ledger.end_life("cost_cap", utc_now())
+            ledger.set_status("cost_cap")
+
+        self._record(capped)
         self._notify_and_scale_to_zero(
             "cost cap reached; group scaled to zero",
             [
                 f"The job's estimated cost ${self.ledger.total_cost_usd:.4f} reached the cap "
                 f"trainstack:maxCostUsd = ${self.config.max_cost_usd}.",
                 f"The latest checkpoint is kept in s3://{self.config.bucket}/{self.config.prefixes.checkpoints}.",
-                "Raise trainstack:maxCostUsd and run pulumi up to continue from it.",
+                "Raise trainstack:maxCostUsd, run pulumi up, then continue from it with: trainstack resume",
             ],
         )
         self.log.event("end", "cost cap reached; scaled to zero", cost_usd=self.ledger.total_cost_usd)
@@ -642,7 +815,9 @@ class InstanceLife:
 
     def _replace_unhealthy_instance(self) -> LifeResult:
         assert self.identity is not None
-        result = self._failed("failed", "GPU preflight failed after the driver repair", list(self.log.tail))
+        result = self._failed(
+            Failure("failed", "GPU preflight failed after the driver repair", list(self.log.tail))
+        )
         if result.outcome == "gave_up":
             return result
         self.notifier.publish(
@@ -660,7 +835,7 @@ class InstanceLife:
         return LifeResult("replaced")
 
     def _notify_and_scale_to_zero(self, subject: str, lines: list[str]) -> None:
-        self.notifier.publish(subject, lines)
+        # Scale to zero first: a notification that cannot be sent must never keep the group billing.
         try:
             self.fleet.scale_to_zero()
         except Exception as exc:
@@ -668,7 +843,44 @@ class InstanceLife:
                 "fleet",
                 "scale to zero FAILED: set the group's desired capacity to 0 by hand",
                 group=self.config.group_name,
-                error=str(exc),
+                error=_one_line(exc),
             )
+            self.notifier.publish(subject + " (scale to zero FAILED)", lines)
             raise
         self.log.event("fleet", "group desired capacity set to 0", group=self.config.group_name)
+        self.notifier.publish(subject, lines)
+
+    def _release_instance(self, identity: InstanceIdentity) -> None:
+        """Complete the group's drain hook once the instance is terminating, so it stops billing at once
+        instead of after the hook's heartbeat timeout."""
+        hook = self.config.lifecycle_hook
+        if not hook:
+            return
+        deadline = time.monotonic() + self._release_wait_seconds
+        while time.monotonic() < deadline:
+            try:
+                if self.imds.get("autoscaling/target-lifecycle-state") == "Terminated":
+                    break
+            except ImdsUnavailableError:
+                pass
+            time.sleep(2)
+        else:
+            self.log.event("release", "instance not terminating; drain hook left alone", hook=hook)
+            return
+        try:
+            self.fleet.complete_lifecycle_action(hook, identity.instance_id)
+        except Exception as exc:
+            # Not an error: the hook's timeout releases the instance anyway, a few minutes later.
+            self.log.event(
+                "release",
+                "drain hook not completed here; the group releases the instance at the hook's timeout",
+                hook=hook,
+                detail=_one_line(exc),
+            )
+            return
+        self.log.event("release", "drain hook completed; the group terminates this instance now", hook=hook)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]

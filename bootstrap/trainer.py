@@ -18,6 +18,19 @@ DLAMI_PYTHON = Path("/opt/pytorch/bin/python")
 CODE_ROOT = Path(__file__).resolve().parent.parent
 EXIT_COMPLETED = 0
 EXIT_STOPPED = 75
+# Permanent failures: retrying on another instance cannot help, so the agent stops the job at once.
+EXIT_CONFIG_ERROR = 2
+EXIT_DATA_ERROR = 65
+PERMANENT_FAILURES = {
+    EXIT_CONFIG_ERROR: (
+        "the trainer config is invalid",
+        "fix the keys named above in trainstack:trainingConfig, run pulumi up, then trainstack resume",
+    ),
+    EXIT_DATA_ERROR: (
+        "the dataset has too many unreadable files",
+        "fix or remove the files named above, run trainstack data push, then trainstack resume",
+    ),
+}
 
 
 def trainer_python() -> str:
@@ -37,11 +50,17 @@ def default_trainer_command(gpu_count: int) -> list[str]:
 
 @dataclass(frozen=True)
 class TrainerPaths:
-    """Where the trainer reads and writes on this instance, and where its S3 copies go."""
+    """Where the trainer reads and writes on this instance, and where its results go in S3.
+
+    Checkpoints stay local (checkpoint.uri is empty): the agent's persister owns their copy in S3.
+    """
 
     scratch: Path
-    checkpoint_uri: str
     output_uri: str
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.scratch / "checkpoints"
 
     @property
     def config_file(self) -> Path:
@@ -67,8 +86,8 @@ class TrainerPaths:
         return [
             f"data.train_dir={self.scratch / 'data' / 'train'}",
             f"data.val_dir={self.scratch / 'data' / 'val'}",
-            f"checkpoint.dir={self.scratch / 'checkpoints'}",
-            f"checkpoint.uri={self.checkpoint_uri}",
+            f"checkpoint.dir={self.checkpoint_dir}",
+            "checkpoint.uri=",
             f"output.dir={self.output_dir}",
             f"output.uri={self.output_uri}",
             f"train.stop_file={self.stop_file}",
@@ -147,14 +166,15 @@ class TrainerProcess:
         return code
 
     def request_stop(self) -> None:
-        """Stop at the next step boundary with a confirmed checkpoint (exit 75)."""
+        """Stop at the next step boundary with a committed local checkpoint (exit 75). No network: safe to
+        call from the spot watcher the moment a notice is seen."""
         self.paths.stop_file.touch()
         if self._process is not None and self._process.poll() is None:
             # The stop file reaches every rank; SIGTERM also wakes a trainer blocked outside the step loop.
             self._process.send_signal(signal.SIGTERM)
 
     def request_checkpoint(self) -> None:
-        """Save and upload a checkpoint at the next optimizer step, then carry on."""
+        """Save a checkpoint at the next optimizer step (the persister uploads it), then carry on."""
         self.paths.checkpoint_request_file.touch()
 
     def kill(self) -> None:

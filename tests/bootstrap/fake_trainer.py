@@ -1,14 +1,17 @@
-"""Test-double trainer honouring the trainer ↔ agent contract: stop file/SIGTERM → checkpoint → exit 75,
-checkpoint-request file, progress.json, S3 checkpoints with latest.json written last, artifacts on completion.
+"""Test-double trainer honouring the trainer ↔ agent contract (docs/checkpoints.md): stop file/SIGTERM →
+committed local checkpoint → exit 75; checkpoint-request file; progress.json; artifacts on completion.
+Checkpoints stay in checkpoint.dir: the agent's persister owns their copy in S3.
 
 Behaviour is steered by the job config's `fake:` mapping: steps, step_seconds, checkpoint_every,
-crash_at_step, hang_at_step.
+crash_at_step, exit_code (of the crash), hang_at_step, ignore_stop, checkpoint_bytes, complete_on_stop.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import signal
 import sys
 import time
@@ -39,50 +42,69 @@ def write_json_atomically(path: Path, value: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def restore(root: Path) -> int:
+    """The newest committed step (a step-N directory with its manifest)."""
+    steps = [
+        int(p.name.removeprefix("step-"))
+        for p in root.glob("step-*")
+        if p.is_dir() and (p / "manifest.json").is_file()
+    ]
+    if not steps:
+        return 0
+    step = max(steps)
+    state = json.loads((root / f"step-{step}" / "state.json").read_text())
+    return int(state["step"])
+
+
 def main() -> int:
     job, overrides = parse(sys.argv[1:])
     fake = job.get("fake", {})
     steps = int(fake.get("steps", 30))
     step_seconds = float(fake.get("step_seconds", 0.05))
     every = int(fake.get("checkpoint_every", 10))
+    padding = int(fake.get("checkpoint_bytes", 0))
+    root = Path(overrides["checkpoint.dir"])
+    root.mkdir(parents=True, exist_ok=True)
+    assert not overrides.get("checkpoint.uri"), "under the agent the trainer must not upload checkpoints"
     s3 = boto3.client("s3", config=Config(retries={"mode": "standard", "max_attempts": 8}))
-    ckpt_bucket, ckpt_prefix = split_uri(overrides["checkpoint.uri"])
     out_bucket, out_prefix = split_uri(overrides["output.uri"])
     output_dir = Path(overrides["output.dir"])
     output_dir.mkdir(parents=True, exist_ok=True)
     stop_file = Path(overrides["train.stop_file"])
     request_file = Path(overrides["train.checkpoint_request_file"])
-    signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
+    if not fake.get("ignore_stop"):
+        signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def save(step: int) -> None:
-        state = json.dumps({"step": step}).encode()
-        base = f"{ckpt_prefix}/step-{step}"
-        s3.put_object(Bucket=ckpt_bucket, Key=f"{base}/state.json", Body=state)
+        staging = root / f".step-{step}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        files = {"state.json": json.dumps({"step": step}).encode()}
+        if padding:
+            files["weights.bin"] = os.urandom(padding)
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
         manifest = {
             "step": step,
             "epoch": 0,
             "world_size": 1,
-            "files": {"state.json": {"sha256": hashlib.sha256(state).hexdigest(), "size": len(state)}},
+            "files": {n: {"sha256": hashlib.sha256(d).hexdigest(), "size": len(d)} for n, d in files.items()},
         }
-        s3.put_object(Bucket=ckpt_bucket, Key=f"{base}/manifest.json", Body=json.dumps(manifest).encode())
-        latest = {"step": step, "epoch": 0, "dir": f"step-{step}", "written_at": time.time()}
-        s3.put_object(Bucket=ckpt_bucket, Key=f"{ckpt_prefix}/latest.json", Body=json.dumps(latest).encode())
+        (staging / "manifest.json").write_text(json.dumps(manifest))
+        staging.rename(root / f"step-{step}")
         print(json.dumps({"event": "checkpoint", "step": step}), flush=True)
 
-    try:
-        latest = json.loads(
-            s3.get_object(Bucket=ckpt_bucket, Key=f"{ckpt_prefix}/latest.json")["Body"].read()
-        )
-        step = int(latest["step"])
+    step = restore(root)
+    if step:
         print(json.dumps({"event": "resumed", "step": step}), flush=True)
-    except s3.exceptions.NoSuchKey:
-        step = 0
     while step < steps:
         if step == fake.get("hang_at_step"):
             time.sleep(3600)
         if step == fake.get("crash_at_step"):
             print("RuntimeError: simulated trainer crash", flush=True)
-            return 1
+            return int(fake.get("exit_code", 1))
         time.sleep(step_seconds)
         step += 1
         write_json_atomically(output_dir / "progress.json", {"step": step, "total_steps": steps, "epoch": 0})
@@ -91,9 +113,12 @@ def main() -> int:
             request_file.unlink()
         elif step % every == 0:
             save(step)
-        if STOP["requested"] or stop_file.exists():
+        stop = STOP["requested"] or stop_file.exists()
+        if stop and not fake.get("ignore_stop") and not fake.get("complete_on_stop"):
             save(step)
             return 75
+        if stop and fake.get("complete_on_stop"):
+            step = steps  # the stop came at the very end: finish instead
     s3.put_object(Bucket=out_bucket, Key=f"{out_prefix}/model.pt", Body=b"fake weights")
     metrics = {"val_accuracy": 0.5, "steps": step}
     s3.put_object(Bucket=out_bucket, Key=f"{out_prefix}/metrics.json", Body=json.dumps(metrics).encode())

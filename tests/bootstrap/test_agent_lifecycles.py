@@ -116,7 +116,10 @@ def test_rebalance_recommendation_takes_an_early_checkpoint_without_stopping(
 def test_crash_loop_stops_after_max_consecutive_failures_and_scales_to_zero(
     make_life: MakeLife, stack: LocalStack
 ) -> None:
-    outcomes = [make_life(fake={"crash_at_step": 2}, max_consecutive_failures=3).run() for _ in range(3)]
+    # Different steps each time: not the same failure twice, so only the crash-loop guard can stop it.
+    outcomes = [
+        make_life(fake={"crash_at_step": step}, max_consecutive_failures=3).run() for step in (2, 3, 4)
+    ]
     assert [r.exit_code for r in outcomes] == [1, 1, 0], "systemd restarts failed lives until the guard trips"
     assert outcomes[-1].outcome == "gave_up"
     assert stack.group()["DesiredCapacity"] == 0
@@ -125,6 +128,37 @@ def test_crash_loop_stops_after_max_consecutive_failures_and_scales_to_zero(
     assert "simulated trainer crash" in alert["Message"], "the alert carries the trainer's last log lines"
     ledger = stack.read_json("state/ledger.json")
     assert ledger is not None and ledger["status"] == "failed" and ledger["consecutive_failures"] == 3
+
+
+def test_the_same_failure_at_the_same_step_twice_stops_the_job_without_a_third_life(
+    make_life: MakeLife, stack: LocalStack
+) -> None:
+    outcomes = [make_life(fake={"crash_at_step": 2}, max_consecutive_failures=5).run() for _ in range(2)]
+    assert [(r.outcome, r.exit_code) for r in outcomes] == [("failed", 1), ("gave_up", 0)]
+    assert stack.group()["DesiredCapacity"] == 0
+    (alert,) = stack.alerts()
+    assert "failed twice at the same step" in alert["Subject"]
+    ledger = stack.read_json("state/ledger.json")
+    assert ledger is not None and ledger["status"] == "failed"
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "subject", "fix"),
+    [
+        (2, "the trainer config is invalid", "trainstack:trainingConfig"),
+        (65, "the dataset has too many unreadable files", "trainstack data push"),
+    ],
+)
+def test_a_config_or_dataset_error_stops_the_job_at_once_with_the_fix(
+    make_life: MakeLife, stack: LocalStack, exit_code: int, subject: str, fix: str
+) -> None:
+    result = make_life(fake={"crash_at_step": 0, "exit_code": exit_code}, max_consecutive_failures=3).run()
+    assert (result.outcome, result.exit_code) == ("gave_up", 0), "no second life for a permanent failure"
+    assert stack.group()["DesiredCapacity"] == 0
+    (alert,) = stack.alerts()
+    assert subject in alert["Subject"] and fix in alert["Message"]
+    ledger = stack.read_json("state/ledger.json")
+    assert ledger is not None and ledger["status"] == "failed" and len(ledger["lives"]) == 1
 
 
 def test_imds_outage_keeps_training_and_the_watcher_retries(

@@ -37,6 +37,30 @@ def test_an_agent_that_died_mid_life_counts_as_a_failure_on_restart() -> None:
     assert restarted.lives[0]["outcome"] == "failed"
 
 
+def test_a_life_of_another_instance_left_running_is_closed_as_interrupted_at_its_last_heartbeat() -> None:
+    ledger = JobLedger()
+    ledger.begin_life(SPOT, 0.60, T0)
+    ledger.update_cost(T0 + timedelta(minutes=30))  # last heartbeat, then the instance vanished
+    replacement = JobLedger(ledger.data)
+    replacement.begin_life(OTHER, 1.00, T0 + timedelta(hours=2))
+    dead = replacement.lives[0]
+    assert dead["outcome"] == "interrupted" and dead["closed_by"] == "i-2"
+    assert dead["ended_at"] == dead["heartbeat_at"]
+    assert dead["cost_usd"] == pytest.approx(0.30), "billed up to the last heartbeat, not forever"
+    assert (replacement.interruptions, replacement.consecutive_failures) == (1, 0)
+
+
+def test_a_life_closed_by_its_successor_keeps_its_own_outcome_without_counting_twice() -> None:
+    draining = JobLedger()
+    life_id = draining.begin_life(SPOT, 0.5, T0)
+    successor = JobLedger(draining.data)
+    successor.begin_life(OTHER, 0.5, T0 + timedelta(minutes=5))
+    late = JobLedger(successor.data, life_id)  # the old instance finishes its drain and reports
+    late.end_life("preempted", T0 + timedelta(minutes=6))
+    assert late.lives[0]["outcome"] == "preempted"
+    assert late.interruptions == 1
+
+
 def test_failures_count_in_a_row_and_a_good_life_resets_them() -> None:
     ledger = JobLedger()
     for _ in range(2):
@@ -94,7 +118,7 @@ def test_the_trainer_accepts_the_command_line_the_agent_builds(
 ) -> None:
     from training.__main__ import main as trainer_main
 
-    paths = TrainerPaths(scratch=tmp_path, checkpoint_uri="s3://b/checkpoints", output_uri="s3://b/results")
+    paths = TrainerPaths(scratch=tmp_path, output_uri="s3://b/results")
     argv = TrainerProcess(default_trainer_command(2), paths, {}, lambda _line: None).argv
     assert argv[1:3] == ["-m", "training"]
     # The job file is written only when the trainer starts: a config error (exit 2), not an argument error.
@@ -103,12 +127,12 @@ def test_the_trainer_accepts_the_command_line_the_agent_builds(
 
 
 def test_trainer_overrides_follow_the_internals_contract() -> None:
-    paths = TrainerPaths(Path("/s"), "s3://b/checkpoints", "s3://b/results")
+    paths = TrainerPaths(Path("/s"), "s3://b/results")
     assert paths.overrides() == [
         "data.train_dir=/s/data/train",
         "data.val_dir=/s/data/val",
         "checkpoint.dir=/s/checkpoints",
-        "checkpoint.uri=s3://b/checkpoints",
+        "checkpoint.uri=",  # the agent's persister owns the S3 copy
         "output.dir=/s/output",
         "output.uri=s3://b/results",
         "train.stop_file=/s/STOP",
