@@ -14,6 +14,9 @@ from typing import Any
 import pulumi
 import yaml
 
+from bootstrap.trainer import TrainerPaths
+from training.config import ConfigError, apply_overrides, build_config
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "trainstack"
 
@@ -216,7 +219,14 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
     stall_minutes = value("stallTimeoutMinutes", _integer, "30")
 
     _check_instance_types(instance_types, problems)
-    _check_range(problems, "instanceCount", instance_count, 1, 100, "1", "the group's max and desired size")
+    if isinstance(instance_count, int) and instance_count != 1:
+        problems.add(
+            "instanceCount",
+            f"must be 1, got {instance_count}: multi-node training is not available yet, and N instances "
+            "would each train the same job and race on the same checkpoints; for more GPUs use one "
+            'instance of a multi-GPU type (e.g. instanceTypes ["g6.12xlarge"], 4 x L4)',
+            "1",
+        )
     if strategy not in SPOT_ALLOCATION_STRATEGIES:
         problems.add(
             "spotAllocationStrategy",
@@ -432,4 +442,18 @@ def _load_training_config(path_text: str, problems: _Problems) -> tuple[Path, di
     if not isinstance(job, dict):
         problems.add("trainingConfig", f"{path} must hold a YAML mapping (the trainer's config)", example)
         return path, {}
+    # The trainer's own validator (no torch import), so a typo fails `pulumi preview`, not a GPU instance.
+    shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    try:
+        build_config(apply_overrides(job, _instance_overrides()))
+    except ConfigError as exc:
+        problems.lines.extend(f"{NAMESPACE}:trainingConfig: {shown}: {problem}" for problem in exc.problems)
     return path, job
+
+
+def _instance_overrides() -> list[str]:
+    """What the agent sets on the instance, with placeholder paths: the file's own values for these keys never
+    reach the trainer, so preview neither checks them nor needs the folders to exist."""
+    paths = TrainerPaths(scratch=Path("/scratch"), output_uri="s3://preview-bucket/results")
+    # The agent also passes the instance's GPU count (bootstrap/trainer.py: default_trainer_command).
+    return [*paths.overrides(), "train.processes=1"]

@@ -1,19 +1,43 @@
-"""`python -m training --config FILE [dotted.key=value ...]`: train, resume, stop with exit 75 on request."""
+"""`python -m training --config FILE [dotted.key=value ...]`: train, resume, stop with exit 75 on request.
+
+Exit codes: 0 completed; 75 stopped on SIGTERM/SIGINT or the stop file, checkpoint saved; 2 config error,
+every problem of the file, the data folders and the S3 URIs at once, one line each; 1 failed, including an S3
+that could not be reached at start (transient: the next start may succeed).
+"""
 
 from __future__ import annotations
 
+# Only cheap imports above main(): it installs the stop handler first, and until then a SIGTERM kills.
 import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING, Any
 
-from botocore.exceptions import BotoCoreError, ClientError
-
-from training.config import ConfigError, load_config
 from training.stop import StopRequest
+
+if TYPE_CHECKING:
+    from training.config import Config
 
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
+EXIT_STOPPED = 75
+
+# Seconds, not boto3's 60 s timeouts and retries: a start-up check must not hold a spot instance for minutes.
+_CHECK_TIMEOUTS: dict[str, Any] = {
+    "connect_timeout": 3,
+    "read_timeout": 5,
+    "retries": {"mode": "standard", "max_attempts": 2},
+}
+# What S3 answers for a bucket that is not there or not ours: retrying on another instance cannot help.
+_MISSING = {"NoSuchBucket", "NotFound", "404"}
+_DENIED = {"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"}
+
+log = logging.getLogger("training")
+
+
+class S3UnreachableError(Exception):
+    """S3 could not be asked whether a configured bucket exists: a network or credentials hiccup."""
 
 
 def _setup_logging() -> None:
@@ -40,33 +64,130 @@ def _processes(setting: int | str) -> int:
     return max(1, torch.cuda.device_count())
 
 
+def remote_uri_problems(config: Config, client: Any = None) -> list[str]:
+    """One line per configured S3 URI whose bucket is missing or denied (malformed URIs are the config's own
+    check); raises S3UnreachableError when S3 cannot be asked."""
+    from training.config import is_s3_uri
+
+    uris = [
+        (key, uri)
+        for key, uri in (("checkpoint.uri", config.checkpoint.uri), ("output.uri", config.output.uri))
+        if uri and is_s3_uri(uri)
+    ]
+    if not uris:
+        return []
+    import boto3
+    from botocore.config import Config as BotoConfig
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from training.store import split_uri
+
+    client = client or boto3.client("s3", config=BotoConfig(**_CHECK_TIMEOUTS))
+    problems: list[str] = []
+    for key, uri in uris:
+        bucket, prefix = split_uri(uri)
+        try:
+            # A listing under the prefix, not HeadBucket: the instance role may list only its own prefixes.
+            client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in _MISSING:
+                problems.append(
+                    f"{key}: bucket {bucket} does not exist ({uri}); "
+                    f"create it or point {key} at an existing bucket"
+                )
+            elif code in _DENIED:
+                problems.append(
+                    f"{key}: access to {uri} denied ({code}); allow these credentials s3:ListBucket, "
+                    f"s3:GetObject and s3:PutObject there, or fix {key}"
+                )
+            else:
+                raise S3UnreachableError(
+                    f"{key}: S3 answered {code or exc} for {uri}; the next start retries"
+                ) from None
+        except BotoCoreError as exc:
+            raise S3UnreachableError(
+                f"{key}: could not check {uri} ({exc}); a network or credentials problem, "
+                "the next start retries"
+            ) from None
+    return problems
+
+
+def _checked_config(path: str, overrides: list[str]) -> Config:
+    """The config, or one ConfigError with every problem: keys and values, data folders, S3 buckets."""
+    from training.config import ConfigError, load_config
+    from training.dataset_layout import data_dir_problems
+
+    problems: list[str] = []
+    config: Config | None
+    try:
+        config = load_config(path, overrides)
+    except ConfigError as exc:
+        problems, config = list(exc.problems), exc.config
+    if config is None:
+        raise ConfigError(problems)
+    later = data_dir_problems(config)
+    unreachable: S3UnreachableError | None = None
+    # One bucket check per job, not one per rank.
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            later += remote_uri_problems(config)
+        except S3UnreachableError as exc:
+            unreachable = exc  # the permanent problems, if any, matter more: they need the user
+    # A key already reported (a bad value left at its default) is not reported again as a missing folder.
+    reported = {problem.split(":", 1)[0] for problem in problems}
+    problems += [problem for problem in later if problem.split(":", 1)[0] not in reported]
+    if problems:
+        raise ConfigError(problems)
+    if unreachable is not None:
+        raise unreachable
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
+    # First thing: from here on SIGTERM/SIGINT only raise a flag, so a stop at any moment of start-up (config,
+    # slow imports, restore) ends in the Trainer's clean exit 75, never a traceback or death by signal.
+    stop = StopRequest()
+    stop.install()
+    try:
+        return _main(argv, stop)
+    finally:
+        stop.uninstall()
+
+
+def _main(argv: list[str] | None, stop: StopRequest) -> int:
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
     parser.add_argument("--config", required=True, help="YAML config file (see training/configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.epochs=3")
     # Overrides may come before or after --config (`python -m training k=v --config f` reads naturally too).
     args = parser.parse_intermixed_args(argv)
     _setup_logging()
-    try:
-        config = load_config(args.config, args.overrides)
-        from training.dataset_layout import check_data_dirs
+    from botocore.exceptions import BotoCoreError, ClientError
 
-        check_data_dirs(config)
+    from training.config import ConfigError
+
+    try:
+        config = _checked_config(args.config, args.overrides)
+        stop.watch(config.train.stop_file, config.train.checkpoint_request_file)
         processes = _processes(config.train.processes)
         if processes > 1 and "WORLD_SIZE" not in os.environ:
+            if stop.signal_name:
+                # No rank has run, so the last checkpoint is still the job's state: nothing to save.
+                log.warning("%s received before training started; exit %d", stop.signal_name, EXIT_STOPPED)
+                return EXIT_STOPPED
             from training.launch import launch
 
             return launch(sys.argv[1:] if argv is None else argv, processes)
-        # Catch SIGTERM before the slow imports: a stop during start-up is still a clean exit 75.
-        stop = StopRequest(config.train.stop_file, config.train.checkpoint_request_file)
-        stop.install()
-        from training.loop import Trainer  # torch import: only after the config is known good
+        from training.loop import Trainer  # torch import: only after the config, data and buckets are good
 
         return Trainer(config, stop).run()
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)
         return EXIT_CONFIG
+    except S3UnreachableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except (ClientError, BotoCoreError) as exc:
         print(
             f"error: S3 request failed: {exc}; check checkpoint.uri/output.uri and the credentials",

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import difflib
 import hashlib
 import json
+import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -15,11 +19,16 @@ import yaml
 
 
 class ConfigError(Exception):
-    """One or more config problems, each a single line naming the key and the fix."""
+    """One or more config problems, each a single line naming the key and the fix.
 
-    def __init__(self, problems: list[str]) -> None:
+    `config` is what could be built anyway (bad keys at their defaults), so later checks such as the data
+    folders can still run and every problem is reported in one run.
+    """
+
+    def __init__(self, problems: list[str], config: Config | None = None) -> None:
         super().__init__("\n".join(problems))
         self.problems = problems
+        self.config = config
 
 
 @dataclass
@@ -166,13 +175,42 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def apply_overrides(tree: Mapping[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of `tree` with `dotted.key=value` overrides set, exactly as the command line applies them."""
+    result = copy.deepcopy(dict(tree))
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(result, key, value)
+    return result
+
+
+def _did_you_mean(section: str, key: str) -> str:
+    # A key put in the wrong section (`train.image_size`), else the closest key, this section's first.
+    for name, cls in _SECTIONS.items():
+        if any(f.name == key for f in dataclasses.fields(cls)):
+            return f"did you mean {name}.{key}?"
+    for candidates in (
+        [section],
+        [name for name in _SECTIONS if name != section],
+    ):
+        dotted = {
+            f.name: f"{name}.{f.name}" for name in candidates for f in dataclasses.fields(_SECTIONS[name])
+        }
+        close = difflib.get_close_matches(key, dotted, n=1)
+        if close:
+            return f"did you mean {dotted[close[0]]}?"
+    return ""
+
+
 def build_config(tree: dict[str, Any]) -> Config:
     """Validate a nested mapping into a Config; every problem is collected, one line each."""
     problems: list[str] = []
     sections: dict[str, Any] = {}
     for name, value in tree.items():
         if name not in _SECTIONS:
-            problems.append(f"{name}: unknown section; expected one of {', '.join(_SECTIONS)}")
+            close = difflib.get_close_matches(str(name), _SECTIONS, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(_SECTIONS)}"
+            problems.append(f"{name}: unknown section; {hint}")
         elif value is not None and not isinstance(value, dict):
             problems.append(f"{name}: must be a mapping of keys, got {type(value).__name__}")
     for name, cls in _SECTIONS.items():
@@ -183,8 +221,8 @@ def build_config(tree: dict[str, Any]) -> Config:
         kwargs: dict[str, Any] = {}
         for key, value in given.items():
             if key not in hints:
-                known = ", ".join(hints)
-                problems.append(f"{name}.{key}: unknown key; known keys in {name}: {known}")
+                hint = _did_you_mean(name, str(key)) or f"known keys in {name}: {', '.join(hints)}"
+                problems.append(f"{name}.{key}: unknown key; {hint}")
                 continue
             ok, coerced = _coerce(value, hints[key])
             if not ok:
@@ -198,7 +236,7 @@ def build_config(tree: dict[str, Any]) -> Config:
     config = Config(**sections)
     problems.extend(_check_values(config))
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems, config)
     return config
 
 
@@ -231,13 +269,24 @@ def _check_values(c: Config) -> list[str]:
     at_least("checkpoint.every_minutes", c.checkpoint.every_minutes, 0)
     at_least("checkpoint.keep", c.checkpoint.keep, 1)
     for key, uri in (("checkpoint.uri", c.checkpoint.uri), ("output.uri", c.output.uri)):
-        if uri and (not uri.startswith("s3://") or len(uri) <= len("s3://")):
-            problems.append(f"{key}: must look like s3://bucket/prefix, got {uri!r}")
+        if uri and not is_s3_uri(uri):
+            problems.append(
+                f"{key}: must look like s3://bucket/prefix (bucket: 3-63 lowercase letters, digits, dots, "
+                f"hyphens), got {uri!r}"
+            )
     if not c.checkpoint.dir:
         problems.append("checkpoint.dir: must name a local directory")
     if not c.output.dir:
         problems.append("output.dir: must name a local directory")
     return problems
+
+
+# S3's bucket naming rules, checked here so a malformed URI is a config error and not a failed upload later.
+_S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
+
+
+def is_s3_uri(uri: str) -> bool:
+    return bool(_S3_URI.match(uri))
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
@@ -257,7 +306,4 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raise ConfigError([f"--config {path}{where}: not valid YAML; fix the syntax there"]) from None
     if not isinstance(tree, dict):
         raise ConfigError([f"--config {path}: must be a YAML mapping of sections (data, model, train, ...)"])
-    for text_override in overrides or []:
-        key, value = parse_override(text_override)
-        _set_dotted(tree, key, value)
-    return build_config(tree)
+    return build_config(apply_overrides(tree, overrides or []))

@@ -16,6 +16,13 @@ def class_folders(root: Path) -> list[str]:
 
 def check_data_dirs(config: Config) -> None:
     """Fail with one line per problem if the train/val folders are missing, empty or disagree on classes."""
+    problems = data_dir_problems(config)
+    if problems:
+        raise ConfigError(problems)
+
+
+def data_dir_problems(config: Config) -> list[str]:
+    """One line per problem with the train/val folders: missing, empty or disagreeing on classes."""
     problems: list[str] = []
     found: dict[str, list[str]] = {}
     for key, value in (("data.train_dir", config.data.train_dir), ("data.val_dir", config.data.val_dir)):
@@ -41,5 +48,4 @@ def check_data_dirs(config: Config) -> None:
             "data.val_dir: class folders differ from data.train_dir "
             f"(only in train: {only_train or '-'}; only in val: {only_val or '-'}); make them match"
         )
-    if problems:
-        raise ConfigError(problems)
+    return problems

@@ -2,31 +2,62 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
 log = logging.getLogger(__name__)
+
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Start a trainer inside this block: it inherits SIGTERM/SIGINT blocked, so a stop sent while its
+    interpreter is still starting stays pending until `StopRequest.install` unblocks it, instead of
+    killing it by the default action (exit -15) before any handler exists."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class StopRequest:
     """Remembers a stop signal and polls the stop and checkpoint-request files at step boundaries."""
 
     def __init__(self, stop_file: str = "", checkpoint_request_file: str = "") -> None:
-        self.stop_file = Path(stop_file) if stop_file else None
-        self.checkpoint_request_file = Path(checkpoint_request_file) if checkpoint_request_file else None
+        self.watch(stop_file, checkpoint_request_file)
         self.signal_name: str | None = None
         self._previous: dict[int, object] = {}
+        self._installs = 0
+
+    def watch(self, stop_file: str, checkpoint_request_file: str) -> None:
+        """Name the agent's files once the config is read; a signal caught before that stays caught."""
+        self.stop_file = Path(stop_file) if stop_file else None
+        self.checkpoint_request_file = Path(checkpoint_request_file) if checkpoint_request_file else None
 
     def install(self) -> None:
-        if self._previous:
+        # Nested installs (main, then the Trainer around its loop) keep one handler until the outermost
+        # uninstall, so no moment between start-up and exit falls back to the default action.
+        self._installs += 1
+        if self._installs > 1:
             return
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        # A stop that arrived while a parent's `stop_signals_blocked` held it back is delivered here.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def uninstall(self) -> None:
+        if self._installs == 0:
+            return
+        self._installs -= 1
+        if self._installs:
+            return
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()

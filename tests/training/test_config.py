@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import MotoServer
 from tests.training.conftest import REPO, TINY, Dataset
+from training.__main__ import remote_uri_problems
 from training.config import ConfigError, load_config
 from training.dataset_layout import check_data_dirs
 
@@ -28,17 +33,20 @@ def test_tiny_and_default_configs_are_valid() -> None:
 
 def test_dotted_overrides_are_typed_like_yaml() -> None:
     config = load_config(
-        TINY, ["train.lr=0.01", "train.batch_size=auto", "checkpoint.uri=s3://b/p", "output.uri="]
+        TINY, ["train.lr=0.01", "train.batch_size=auto", "checkpoint.uri=s3://job/p", "output.uri="]
     )
     assert config.train.lr == 0.01 and config.train.batch_size == "auto"
-    assert config.checkpoint.uri == "s3://b/p" and config.output.uri == ""
+    assert config.checkpoint.uri == "s3://job/p" and config.output.uri == ""
 
 
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("train.lrr=0.1", "train.lrr: unknown key"),
-        ("trian.lr=0.1", "trian: unknown section"),
+        ("train.lrr=0.1", "train.lrr: unknown key; did you mean train.lr?"),
+        ("train.epocs=3", "train.epocs: unknown key; did you mean train.epochs?"),
+        ("train.image_size=64", "train.image_size: unknown key; did you mean data.image_size?"),
+        ("train.zzz=1", "train.zzz: unknown key; known keys in train: epochs, batch_size"),
+        ("trian.lr=0.1", "trian: unknown section; did you mean train?"),
         ("train.epochs=three", "train.epochs: expected int, got 'three'"),
         ("train.batch_size=large", "train.batch_size: expected int or 'auto'"),
         ("train.precision=fp8", "train.precision: expected 'auto' | 'bf16' | 'fp16' | 'fp32'"),
@@ -46,6 +54,9 @@ def test_dotted_overrides_are_typed_like_yaml() -> None:
         ("train.lr=0", "train.lr: must be positive"),
         ("checkpoint.keep=0", "checkpoint.keep: must be at least 1"),
         ("checkpoint.uri=bucket/prefix", "checkpoint.uri: must look like s3://bucket/prefix"),
+        ("output.uri=s3://", "output.uri: must look like s3://bucket/prefix"),
+        ("output.uri=s3:/job/results", "output.uri: must look like s3://bucket/prefix"),
+        ("output.uri=s3://Job_Bucket/results", "output.uri: must look like s3://bucket/prefix"),
         ("model=resnet18", "model: must be a mapping"),
     ],
 )
@@ -129,3 +140,104 @@ def test_cli_names_a_missing_config_file(tmp_path: Path) -> None:
         f"config error: --config {missing}: cannot read (No such file or directory); "
         "pass an existing YAML file"
     )
+
+
+def _trainer(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m training --config TINY args` that also reports whether torch was imported by the end."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from training.__main__ import main
+        code = main({["--config", str(TINY), *args]!r})
+        print("torch imported:", "torch" in sys.modules)
+        sys.exit(code)
+        """
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+
+
+def test_config_and_data_folder_problems_are_reported_in_one_run(
+    tmp_path: Path, image_folders: Dataset
+) -> None:
+    missing = tmp_path / "missing"
+    result = _trainer(
+        "train.epocs=3",
+        f"data.train_dir={missing}",
+        f"data.val_dir={image_folders.val_dir}",
+        "data.image_size=4",
+    )
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "config error: train.epocs: unknown key; did you mean train.epochs?",
+        "config error: data.image_size: must be at least 16, got 4",
+        f"config error: data.train_dir: {missing} does not exist; create it or fix the path",
+    ]
+    assert result.stdout.strip() == "torch imported: False"
+
+
+def test_a_key_with_a_bad_value_is_reported_once_not_again_as_a_missing_folder(
+    image_folders: Dataset,
+) -> None:
+    result = _trainer("data.train_dir=5", f"data.val_dir={image_folders.val_dir}")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["config error: data.train_dir: expected str, got 5 (int)"]
+
+
+def test_a_missing_output_bucket_is_a_config_error_before_torch_is_imported(
+    aws: MotoServer, image_folders: Dataset
+) -> None:
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="job")
+    result = _trainer(
+        *image_folders.overrides(),
+        "checkpoint.uri=s3://job/checkpoints",
+        "output.uri=s3://no-such-bucket/results",
+        env=aws.env(),
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "config error: output.uri: bucket no-such-bucket does not exist (s3://no-such-bucket/results); "
+        "create it or point output.uri at an existing bucket"
+    ]
+    assert result.stdout.strip() == "torch imported: False"
+
+
+def test_a_missing_checkpoint_bucket_is_named_too(aws: MotoServer, image_folders: Dataset) -> None:
+    result = _trainer(*image_folders.overrides(), "checkpoint.uri=s3://gone/checkpoints", env=aws.env())
+    assert result.returncode == 2
+    assert result.stderr.startswith("config error: checkpoint.uri: bucket gone does not exist")
+
+
+def test_a_denied_bucket_names_the_key_and_the_permissions() -> None:
+    import boto3
+    from botocore.stub import Stubber
+
+    client = boto3.client("s3", endpoint_url="http://127.0.0.1:9")
+    config = load_config(TINY, ["output.uri=s3://theirs/results"])
+    with Stubber(client) as stub:
+        stub.add_client_error("list_objects_v2", "AccessDenied", "Access Denied", 403)
+        [problem] = remote_uri_problems(config, client)
+    assert problem.startswith("output.uri: access to s3://theirs/results denied (AccessDenied); allow")
+    assert problem.endswith("or fix output.uri")
+
+
+def test_an_unreachable_s3_is_a_transient_failure_in_one_line(image_folders: Dataset) -> None:
+    with socket.socket() as probe:  # a port nothing listens on: connection refused at once
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    result = _trainer(*image_folders.overrides(), "output.uri=s3://job/results", env=env)
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: output.uri: could not check s3://job/results (")
+    assert line.endswith("a network or credentials problem, the next start retries")
+    assert result.stdout.strip() == "torch imported: False"

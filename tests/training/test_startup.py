@@ -1,0 +1,72 @@
+"""A stop during the trainer's start-up (before the config is read, during slow imports, during the restore)
+is a clean exit 75, never a traceback or a death by the default SIGTERM action."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.training.conftest import REPO, MakeRun, Run
+from training.stop import stop_signals_blocked
+
+EXIT_STOPPED = 75
+# Far more than one test could train: the only way out is the stop.
+LONG = "train.epochs=1000"
+
+
+def _start(run: Run, *, blocked: bool) -> subprocess.Popen[str]:
+    # `blocked`: started as a careful parent (the agent, the launcher) should, so even a stop that arrives
+    # while the interpreter itself is starting is kept pending until the trainer's handler exists.
+    spawn = stop_signals_blocked() if blocked else contextlib.nullcontext()
+    env = {k: v for k, v in os.environ.items() if k != "TRAINSTACK_FAULT"}
+    with spawn:
+        return subprocess.Popen(
+            run.command(), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+
+def _sigterm_after(run: Run, delay: float, *, blocked: bool) -> tuple[int, str]:
+    process = _start(run, blocked=blocked)
+    time.sleep(delay)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=180)
+    return process.returncode, output
+
+
+@pytest.mark.parametrize(
+    ("delay", "blocked"),
+    [(0.05, True), (0.5, True), (2.0, True), (0.5, False), (2.0, False)],
+    ids=["0.05s", "0.5s", "2s", "0.5s-plain-spawn", "2s-plain-spawn"],
+)
+def test_sigterm_at_any_moment_of_start_up_exits_75_without_a_traceback(
+    make_run: MakeRun, delay: float, blocked: bool
+) -> None:
+    run = make_run(LONG)
+    code, output = _sigterm_after(run, delay, blocked=blocked)
+    assert code == EXIT_STOPPED, output
+    assert "Traceback" not in output
+    assert "SIGTERM received" in output
+    # The stopped life still leaves the restored step (0 here) as a checkpoint for the next life.
+    assert (run.checkpoints / "latest.json").is_file(), output
+
+
+def test_sigint_during_start_up_is_a_stop_not_a_keyboard_interrupt(make_run: MakeRun) -> None:
+    run = make_run(LONG)
+    process = _start(run, blocked=True)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=180)
+    assert process.returncode == EXIT_STOPPED, output
+    assert "KeyboardInterrupt" not in output and "Traceback" not in output
+
+
+def test_sigterm_before_the_ranks_start_exits_75_without_starting_them(make_run: MakeRun) -> None:
+    run = make_run(LONG, "train.processes=2")
+    code, output = _sigterm_after(run, 0.0, blocked=True)
+    assert code == EXIT_STOPPED, output
+    assert "SIGTERM received before training started" in output
+    assert "Traceback" not in output and "[rank" not in output
