@@ -27,7 +27,15 @@ def plot_curves(history: History, path: Path) -> None:
     epochs = [e.epoch for e in history.epochs]
     accuracy_axes.plot(epochs, [e.train_accuracy for e in history.epochs], "o-", label="train")
     accuracy_axes.plot(epochs, [e.val_accuracy for e in history.epochs], "o-", label="validation")
-    accuracy_axes.set(xlabel="epoch", ylabel="top-1 accuracy", title="Accuracy", ylim=(0, 1), xticks=epochs)
+    # Headroom above 1.0 so that a perfect epoch's marker is drawn whole, not cut by the frame.
+    accuracy_axes.set(
+        xlabel="epoch",
+        ylabel="top-1 accuracy",
+        title="Accuracy",
+        ylim=(0, 1.05),
+        yticks=[0, 0.2, 0.4, 0.6, 0.8, 1.0],
+        xticks=epochs,
+    )
     accuracy_axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)

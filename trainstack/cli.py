@@ -43,7 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     both = [common, json_flag]
     commands.add_parser(
-        "doctor", parents=both, help="check credentials, region, quotas, AZs and AMI before `pulumi up`"
+        "doctor",
+        parents=both,
+        help="check tools, credentials, region, quotas, AZs and AMI before `pulumi up`",
+        description="Before the first `pulumi up`: checks the Pulumi CLI, the AWS CLI v2 and the Session "
+        "Manager plugin (for shell/forward), AWS credentials, the stack's region, its instance types, the "
+        "spot vCPU quota per GPU family, the AZs that offer the types and the AMI. One line per check with "
+        "the fix; every check runs; exit 1 if any required one fails.",
     )
     commands.add_parser("status", parents=both, help="group, progress, latest checkpoint and cost")
     logs_parser = commands.add_parser("logs", parents=both, help="the job's CloudWatch logs")
@@ -62,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     push = data_commands.add_parser(
         "push", parents=both, help="upload an ImageFolder dataset (train/ and val/)"
     )
-    push.add_argument("dir", type=Path, metavar="DIR")
+    push.add_argument(
+        "dir",
+        type=Path,
+        metavar="DIR",
+        help="the dataset folder: DIR/train/<class>/<image> and DIR/val/<class>/<image>, same classes",
+    )
     push.add_argument("--force", action="store_true", help="replace the dataset even while training runs")
     push.add_argument(
         "--delete", action="store_true", help="remove objects under data/ that DIR does not have"

@@ -4,16 +4,30 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
+import subprocess
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    NoRegionError,
+    PartialCredentialsError,
+    ProfileNotFound,
+    SSOTokenLoadError,
+    TokenRetrievalError,
+    UnauthorizedSSOTokenError,
+)
 from rich.markup import escape
 
 from trainstack.aws import Clients, error_code, explain
 from trainstack.output import console, print_json
-from trainstack.stack import Stack, StackConfig
+from trainstack.session import AWS_CLI_INSTALL, PLUGIN_INSTALL
+from trainstack.stack import PULUMI_INSTALL, Stack, StackConfig
 
 # EC2 vCPU quotas per instance family, from Service Quotas (service code "ec2"). Spot and on-demand
 # are separate pools; new accounts often start with 0 in the GPU ones.
@@ -30,16 +44,85 @@ ON_DEMAND_QUOTAS = {
 _FAMILY = re.compile(r"^([a-z]+)\d")
 # The group spans AZs so a spot shortage in one does not stop training (AutoScaling.2).
 MIN_AZS = 2
+# The floor of the Pulumi SDK in infra/requirements.txt: a CLI older than the program's SDK is unsupported.
+MIN_PULUMI = (3, 150)
+_VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
+# The same advice as the README's setup step.
+CREDENTIALS_FIX = (
+    "run `aws configure sso` (then `aws sso login`), or export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+)
+REGION_FIX = "pulumi config set aws:region us-east-1"
 
 
 @dataclass(frozen=True)
 class Check:
-    """One pass/fail line; `fix` says what to do when it fails."""
+    """One line: `fix` says what to do when it fails. A failed optional check does not fail doctor
+    (a tool only some commands need); an unchecked one could not run because an earlier check failed."""
 
     name: str
     ok: bool
     detail: str
     fix: str = ""
+    optional: bool = False
+    checked: bool = True
+
+    @property
+    def failed(self) -> bool:
+        return not self.ok and not self.optional
+
+
+def not_checked(name: str, needs: str) -> Check:
+    return Check(name, False, f"not checked: needs {needs}", checked=False)
+
+
+def diagnose(error: Exception) -> tuple[str, str]:
+    """A failed AWS call as (what is wrong, how to fix it), for the `detail` and `fix` of a check."""
+    if isinstance(error, NoCredentialsError | PartialCredentialsError):
+        return "no AWS credentials found", CREDENTIALS_FIX
+    if isinstance(error, SSOTokenLoadError | UnauthorizedSSOTokenError | TokenRetrievalError):
+        return f"AWS SSO session expired or missing ({error})", "run `aws sso login` and retry"
+    if isinstance(error, ProfileNotFound):
+        return str(error), "fix AWS_PROFILE, or create the profile with `aws configure sso --profile NAME`"
+    if isinstance(error, NoRegionError):
+        return "no AWS region", f"{REGION_FIX}, or pass --region"
+    if isinstance(error, EndpointConnectionError):
+        return f"cannot reach AWS ({error})", "check your network, proxy and the region name"
+    if isinstance(error, ClientError):
+        code = error_code(error)
+        message = error.response.get("Error", {}).get("Message", "") or code
+        if code in ("AccessDenied", "AccessDeniedException", "UnauthorizedOperation"):
+            return (
+                f"{error.operation_name} was refused ({message})",
+                "grant your identity that action (see `aws sts get-caller-identity`) or use a profile "
+                "that has it",
+            )
+        if code in ("ExpiredToken", "ExpiredTokenException", "RequestExpired"):
+            return f"AWS credentials expired ({code})", "refresh them (`aws sso login` or new keys) and retry"
+        if code in (
+            "InvalidClientTokenId",
+            "SignatureDoesNotMatch",
+            "AuthFailure",
+            "UnrecognizedClientException",
+        ):
+            return f"AWS rejected the credentials ({code})", f"check `aws configure list`; {CREDENTIALS_FIX}"
+    return str(explain(error)), ""
+
+
+def parse_version(text: str) -> tuple[int, ...] | None:
+    """`v3.150.0` → (3, 150, 0); `aws-cli/2.15.30 Python/3.11` → (2, 15, 30)."""
+    match = _VERSION.search(text)
+    return tuple(int(part) for part in match.groups() if part is not None) if match else None
+
+
+def tool_output(argv: list[str]) -> str | None:
+    """What `argv` prints (stdout, else stderr), or None when it is missing, fails or hangs."""
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if result.returncode != 0:
+        return None
+    return (result.stdout or result.stderr).strip()
 
 
 def quota_family(instance_type: str) -> str | None:
@@ -71,24 +154,82 @@ class Doctor:
         self.vcpus: dict[str, int] = {}
 
     def run(self) -> list[Check]:
-        identity = self._guard("credentials", self.check_credentials)
-        if not identity[0].ok:
-            # Without credentials every other call fails the same way: one line says it all.
-            return identity
-        checks = identity + self._guard("region", self.check_region)
-        if not checks[-1].ok:
-            return checks
-        checks += self._guard("instance types", self.check_instance_types)
-        checks += self._guard("spot vCPU quota", self.check_quotas)
-        checks += self._guard("availability zones", self.check_offerings)
-        checks += self._guard("AMI", self.check_ami)
+        """Every check; one that needs AWS is listed as not checked while credentials or region fail."""
+        checks = [self.check_pulumi(), *self.check_session_tools()]
+        credentials = self._guard("credentials", self.check_credentials)
+        region = self._guard("region", self.check_region) if credentials[0].ok else self._region_set()
+        checks += credentials + region
+        aws_checks: list[tuple[str, Callable[[], list[Check]]]] = [
+            ("instance types", self.check_instance_types),
+            ("spot vCPU quota", self.check_quotas),
+            ("availability zones", self.check_offerings),
+            ("AMI", self.check_ami),
+        ]
+        missing = ""
+        if not credentials[0].ok:
+            missing = "AWS credentials"
+        elif region[0].failed:
+            missing = "a valid aws:region"
+        for name, check in aws_checks:
+            checks += [not_checked(name, missing)] if missing else self._guard(name, check)
         return checks
 
     def _guard(self, name: str, check: Callable[[], list[Check]]) -> list[Check]:
         try:
             return check()
         except (BotoCoreError, ClientError) as error:
-            return [Check(name, False, str(explain(error)))]
+            detail, fix = diagnose(error)
+            return [Check(name, False, detail, fix)]
+
+    def check_pulumi(self) -> Check:
+        name = "Pulumi CLI"
+        minimum = ".".join(map(str, MIN_PULUMI))
+        fix = f"install the Pulumi CLI {minimum} or a later 3.x: {PULUMI_INSTALL}"
+        if shutil.which("pulumi") is None:
+            return Check(name, False, "pulumi is not on PATH", fix)
+        output = tool_output(["pulumi", "version"])
+        version = parse_version(output or "")
+        if version is None:
+            return Check(name, False, f"`pulumi version` did not report a version ({output!r})", fix)
+        shown = ".".join(map(str, version))
+        if version[:2] < MIN_PULUMI or version[0] > MIN_PULUMI[0]:
+            return Check(name, False, f"pulumi {shown}: this project needs {minimum} or a later 3.x", fix)
+        return Check(name, True, f"pulumi {shown}")
+
+    def check_session_tools(self) -> list[Check]:
+        """The AWS CLI v2 and its Session Manager plugin: only `trainstack shell` / `forward` need them."""
+        needed_by = "needed by `trainstack shell` and `forward` only"
+        aws = "AWS CLI v2"
+        aws_fix = f"install the AWS CLI v2: {AWS_CLI_INSTALL}"
+        if shutil.which("aws") is None:
+            aws_check = Check(aws, False, f"aws is not on PATH ({needed_by})", aws_fix, optional=True)
+        else:
+            output = tool_output(["aws", "--version"]) or ""
+            version = parse_version(output)
+            shown = ".".join(map(str, version)) if version else "unknown version"
+            good = version is not None and version[0] >= 2
+            aws_check = Check(
+                aws,
+                good,
+                f"aws-cli {shown}" + ("" if good else f" ({needed_by})"),
+                "" if good else aws_fix,
+                optional=True,
+            )
+        plugin = "session-manager-plugin"
+        if shutil.which(plugin) is None:
+            plugin_check = Check(
+                plugin, False, f"not on PATH ({needed_by})", f"install it: {PLUGIN_INSTALL}", optional=True
+            )
+        else:
+            shown = tool_output([plugin, "--version"]) or "installed"
+            plugin_check = Check(plugin, True, shown, optional=True)
+        return [aws_check, plugin_check]
+
+    def _region_set(self) -> list[Check]:
+        """Without credentials only the config itself can be checked: is aws:region set at all."""
+        if not self.region:
+            return [Check("region", False, f"aws:region is not set in {self.config.source}", REGION_FIX)]
+        return [Check("region", True, f"{self.region} (not verified: needs AWS credentials)")]
 
     def check_credentials(self) -> list[Check]:
         identity = self.clients.sts().get_caller_identity()
@@ -97,14 +238,7 @@ class Doctor:
     def check_region(self) -> list[Check]:
         region = self.region
         if not region:
-            return [
-                Check(
-                    "region",
-                    False,
-                    f"aws:region is not set in {self.config.source}",
-                    "pulumi config set aws:region us-east-1",
-                )
-            ]
+            return self._region_set()
         regions = self.clients.ec2().describe_regions(AllRegions=True)["Regions"]
         status = {r["RegionName"]: r.get("OptInStatus", "opt-in-not-required") for r in regions}
         if region not in status:
@@ -113,7 +247,7 @@ class Doctor:
                     "region",
                     False,
                     f"'{region}' is not an AWS region",
-                    "pulumi config set aws:region us-east-1",
+                    REGION_FIX,
                 )
             ]
         if status[region] == "not-opted-in":
@@ -288,7 +422,7 @@ class Doctor:
 def run(clients: Clients, stack: Stack, *, as_json: bool) -> int:
     config = stack.config
     checks = Doctor(clients, config).run()
-    ok = all(c.ok for c in checks)
+    ok = not any(c.failed for c in checks)
     if as_json:
         print_json(
             {
@@ -301,9 +435,31 @@ def run(clients: Clients, stack: Stack, *, as_json: bool) -> int:
     else:
         out = console()
         for c in checks:
-            mark = "[green]✔[/]" if c.ok else "[red]✘[/]"
-            fix = f"  [yellow]→ {escape(c.fix)}[/]" if c.fix else ""
-            out.print(f"{mark} {escape(c.name)}: {escape(c.detail)}{fix}")
-        summary = "all checks passed" if ok else f"{sum(not c.ok for c in checks)} check(s) failed"
-        out.print(f"[bold]{summary}[/]")
+            out.print(f"{_mark(c)} {escape(c.name)}: {escape(c.detail)}{_fix(c)}")
+        out.print(f"[bold]{summary(checks)}[/]")
     return 0 if ok else 1
+
+
+def _mark(check: Check) -> str:
+    if check.ok:
+        return "[green]✔[/]"
+    if not check.checked:
+        return "[dim]-[/]"
+    return "[yellow]![/]" if check.optional else "[red]✘[/]"
+
+
+def _fix(check: Check) -> str:
+    return f"  [yellow]→ {escape(check.fix)}[/]" if check.fix else ""
+
+
+def summary(checks: list[Check]) -> str:
+    """`all checks passed` or how many failed; missing optional tools and checks not run counted apart."""
+    failed = sum(c.failed and c.checked for c in checks)
+    parts = [f"{failed} check(s) failed" if failed else "all checks passed"]
+    unchecked = sum(not c.checked for c in checks)
+    if unchecked:
+        parts.append(f"{unchecked} not checked")
+    optional = sum(c.optional and not c.ok for c in checks)
+    if optional:
+        parts.append(f"{optional} optional tool(s) missing")
+    return ", ".join(parts)

@@ -54,8 +54,33 @@ class Quotas:
         return Clients(None, overrides={"service-quotas": self.client})
 
 
+def install_tools(bin_dir: Path, pulumi: str | None = "v3.160.0", plugin: bool = True) -> None:
+    """Stand-ins for the Pulumi CLI, the AWS CLI v2 and the Session Manager plugin, printing versions."""
+    bin_dir.mkdir(exist_ok=True)
+    scripts = {"aws": "echo 'aws-cli/2.15.30 Python/3.11.8 Linux/6.1 exe/x86_64'"}
+    if pulumi is not None:
+        scripts["pulumi"] = f"echo '{pulumi}'"
+    if plugin:
+        scripts["session-manager-plugin"] = "echo 1.2.650.0"
+    for name in ("aws", "pulumi", "session-manager-plugin"):
+        (bin_dir / name).unlink(missing_ok=True)
+    for name, body in scripts.items():
+        script = bin_dir / name
+        script.write_text(f"#!/bin/sh\n{body}\n")
+        script.chmod(0o755)
+
+
 @pytest.fixture()
-def doctor(aws: Any, tmp_path: Path, cli: Callable[..., Result]) -> Callable[..., Result]:
+def tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A PATH holding only the fake tools (and the shell they need)."""
+    bin_dir = tmp_path / "bin"
+    install_tools(bin_dir)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    return bin_dir
+
+
+@pytest.fixture()
+def doctor(aws: Any, tmp_path: Path, cli: Callable[..., Result], tools: Path) -> Callable[..., Result]:
     boto3.client("ssm", region_name=REGION).put_parameter(
         Name=AMI_PARAMETER, Value="ami-0123456789abcdef0", Type="String"
     )
@@ -79,6 +104,9 @@ def test_doctor_passes_a_ready_account_line_by_line(doctor: Callable[..., Result
     assert all(line.startswith("✔") for line in lines[:-1])
     assert lines[-1] == "all checks passed"
     assert any("credentials: arn:aws:" in line for line in lines)
+    assert "✔ Pulumi CLI: pulumi 3.160.0" in lines
+    assert "✔ AWS CLI v2: aws-cli 2.15.30" in lines
+    assert "✔ session-manager-plugin: 1.2.650.0" in lines
     assert "✔ type g6.xlarge: 4 vCPUs, 1 × NVIDIA L4" in result.out
     assert f"All G and VT Spot Instance Requests ({G_SPOT}): 64 vCPUs, the group needs 8" in result.out
     assert f"{AMI_PARAMETER} → ami-0123456789abcdef0" in result.out
@@ -157,7 +185,33 @@ def test_doctor_without_region_config_names_the_key(doctor: Callable[..., Result
     assert "pulumi config set aws:region us-east-1" in result.out
 
 
-def test_doctor_without_credentials_is_one_failing_line(
+def test_doctor_without_credentials_still_checks_the_tools_and_config_and_says_how_to_log_in(
+    doctor: Callable[..., Result], monkeypatch: pytest.MonkeyPatch, tools: Path
+):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name)
+    install_tools(tools, pulumi=None)
+
+    result = doctor({}, Quotas(), "--json")
+
+    assert result.code == 1
+    checks = {c["name"]: c for c in result.json()["checks"]}
+    assert not checks["Pulumi CLI"]["ok"]
+    assert "https://www.pulumi.com/docs/iac/download-install/" in checks["Pulumi CLI"]["fix"]
+    assert checks["credentials"]["detail"] == "no AWS credentials found"
+    assert checks["credentials"]["fix"].startswith("run `aws configure sso`")
+    assert checks["region"]["ok"] and "not verified" in checks["region"]["detail"]
+    assert checks["AMI"] == {
+        "name": "AMI",
+        "ok": False,
+        "detail": "not checked: needs AWS credentials",
+        "fix": "",
+        "optional": False,
+        "checked": False,
+    }
+
+
+def test_doctor_without_credentials_prints_every_line_and_a_summary(
     doctor: Callable[..., Result], monkeypatch: pytest.MonkeyPatch
 ):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
@@ -166,10 +220,45 @@ def test_doctor_without_credentials_is_one_failing_line(
     result = doctor({}, Quotas())
 
     assert result.code == 1
-    assert result.out.splitlines()[0].startswith(
-        "✘ credentials: no AWS credentials found: run `aws configure`"
+    assert "✘ credentials: no AWS credentials found  → run `aws configure sso`" in result.out
+    assert "- spot vCPU quota: not checked: needs AWS credentials" in result.out
+    assert result.out.splitlines()[-1] == "1 check(s) failed, 4 not checked"
+
+
+@pytest.mark.parametrize(
+    ("version", "shown"), [("v3.120.0", "3.120.0"), ("v4.0.1", "4.0.1"), ("pulumi says hello", None)]
+)
+def test_doctor_fails_a_pulumi_cli_it_cannot_use_and_links_the_install_page(
+    doctor: Callable[..., Result], tools: Path, version: str, shown: str | None
+):
+    install_tools(tools, pulumi=version)
+
+    result = doctor({}, Quotas().applied(G_SPOT, 64))
+
+    assert result.code == 1
+    line = next(line for line in result.out.splitlines() if line.startswith("✘ Pulumi CLI"))
+    assert (f"pulumi {shown}: this project needs 3.150" if shown else "did not report a version") in line
+    assert (
+        "→ install the Pulumi CLI 3.150 or a later 3.x: https://www.pulumi.com/docs/iac/download-install/"
+        in line
     )
-    assert result.out.splitlines()[1] == "1 check(s) failed"
+    assert "✔ AMI" in result.out  # the AWS checks ran all the same
+
+
+def test_doctor_warns_without_failing_when_the_session_manager_plugin_is_missing(
+    doctor: Callable[..., Result], tools: Path
+):
+    install_tools(tools, plugin=False)
+
+    result = doctor({}, Quotas().applied(G_SPOT, 64))
+
+    assert result.code == 0, result.out
+    assert (
+        "! session-manager-plugin: not on PATH (needed by `trainstack shell` and `forward` only)"
+        in result.out
+    )
+    assert "session-manager-working-with-install-plugin.html" in result.out
+    assert result.out.splitlines()[-1] == "all checks passed, 1 optional tool(s) missing"
 
 
 @pytest.mark.parametrize(
