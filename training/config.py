@@ -39,6 +39,9 @@ class DataConfig:
     # "auto": on GPU every core but one per process, up to 8; on CPU an eighth of the cores.
     num_workers: int | Literal["auto"] = "auto"
     prefetch_factor: int = 4
+    # Undecodable images of a split tolerated (skipped and listed in metrics.json) before the job stops with
+    # exit 65: a fraction of the split's size.
+    max_bad_fraction: float = 0.01
 
 
 @dataclass
@@ -249,6 +252,8 @@ def _check_values(c: Config) -> list[str]:
 
     at_least("data.image_size", c.data.image_size, 16)
     at_least("data.prefetch_factor", c.data.prefetch_factor, 1)
+    if not 0 <= c.data.max_bad_fraction <= 1:
+        problems.append(f"data.max_bad_fraction: must be in [0, 1], got {c.data.max_bad_fraction:g}")
     if isinstance(c.data.num_workers, int):
         at_least("data.num_workers", c.data.num_workers, 0)
     at_least("train.epochs", c.train.epochs, 1)
