@@ -2,7 +2,8 @@
 
 Exit codes: 0 completed; 75 stopped on SIGTERM/SIGINT or the stop file, checkpoint saved; 2 config error,
 every problem of the file, the data folders and the S3 URIs at once, one line each; 1 failed, including an S3
-that could not be reached at start (transient: the next start may succeed).
+that could not be reached at start (transient: the next start may succeed); 65 dataset error: more undecodable
+images than data.max_bad_fraction allows (permanent: do not retry).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from training.config import Config
 
 EXIT_CONFIG = 2
+# sysexits EX_DATAERR: the dataset itself is bad (too many undecodable images); permanent, do not retry.
+EXIT_DATA = 65
 EXIT_FAILED = 1
 EXIT_STOPPED = 75
 
@@ -165,6 +168,7 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
     from botocore.exceptions import BotoCoreError, ClientError
 
     from training.config import ConfigError
+    from training.dataset_layout import BadDataError
 
     try:
         config = _checked_config(args.config, args.overrides)
@@ -185,6 +189,9 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)
         return EXIT_CONFIG
+    except BadDataError as exc:
+        print(f"data error: {exc}", file=sys.stderr)
+        return EXIT_DATA
     except S3UnreachableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -1,12 +1,15 @@
-"""ImageFolder data with per-sample seeded augmentation and a sampler that resumes mid-epoch."""
+"""ImageFolder data with per-sample seeded augmentation, a sampler that resumes mid-epoch, and the
+undecodable images of a split named, skipped and counted against `data.max_bad_fraction`."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -17,6 +20,9 @@ from torchvision import transforms as v1
 from torchvision.transforms import v2
 
 from training.config import Config
+from training.dataset_layout import BadDataError, class_folders, is_hidden
+
+log = logging.getLogger("training")
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -26,9 +32,92 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 SampleKey = tuple[int, int]
 
 
+# PIL's ImageFile.LOAD_TRUNCATED_IMAGES stays False on purpose: a truncated file must be reported and
+# skipped, not silently padded with grey and trained on.
+# Substitutes tried for one unreadable training image before its slot is left empty: bounded so a dataset of
+# non-images (git-lfs pointers named .jpg) fails at the threshold check instead of one worker reading it all.
+MAX_SUBSTITUTES = 16
+# How many paths of each split metrics.json lists (the count is always complete).
+REPORTED_PATHS = 100
+# What the error line names before "and N more".
+NAMED_IN_ERROR = 5
+
+# (path, why) of an image that could not be decoded.
+Unreadable = tuple[str, str]
+
+
 def _read_rgb(path: str) -> Image.Image:
     with Image.open(path) as image:
         return image.convert("RGB")
+
+
+def decode_problem(path: str, error: Exception) -> str | None:
+    """Why `path` is not a usable image, or None when `error` is not the file's fault.
+
+    PIL's decode errors (UnidentifiedImageError, "image file is truncated") are OSErrors without an errno;
+    an OSError with one (EIO, EACCES) is the instance's disk or permissions, not the dataset, and must fail
+    the life (exit 1, retried) rather than be counted as bad data (exit 65, never retried).
+    """
+    if isinstance(error, OSError) and error.errno is not None:
+        return None
+    try:
+        if Path(path).stat().st_size == 0:
+            return "empty file (0 bytes)"
+    except OSError:
+        return None
+    return f"{type(error).__name__}: {error}".replace("\n", " ")
+
+
+# Everything PIL raises for a file that is not a decodable image (SyntaxError/ValueError: broken chunks in
+# some plugins; DecompressionBombError: a declared size over PIL's pixel limit).
+DECODE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+
+
+class Sample(NamedTuple):
+    """One loaded sample. `image` is None when no readable image could stand in for it (it is dropped)."""
+
+    image: torch.Tensor | None
+    target: int
+    unreadable: tuple[Unreadable, ...]
+
+
+class Batch(NamedTuple):
+    """A collated micro-batch plus the unreadable files met while loading it (workers are other processes:
+    the paths travel with the batch to the main process, which counts them)."""
+
+    images: torch.Tensor
+    targets: torch.Tensor
+    unreadable: list[Unreadable]
+
+
+def collate_samples(samples: Sequence[Sample]) -> Batch:
+    kept = [s for s in samples if s.image is not None]
+    unreadable = [entry for s in samples for entry in s.unreadable]
+    if not kept:
+        return Batch(torch.empty(0), torch.empty(0, dtype=torch.long), unreadable)
+    # default_collate: in a worker it stacks straight into shared memory, saving a copy per batch.
+    images = torch.utils.data.default_collate([s.image for s in kept])
+    targets = torch.tensor([s.target for s in kept], dtype=torch.long)
+    return Batch(images, targets, unreadable)
+
+
+class VisibleImageFolder(datasets.ImageFolder):
+    """ImageFolder without hidden files and folders: `.ipynb_checkpoints` is not a class, `._x.jpg`
+    (macOS AppleDouble) and anything under `__MACOSX` are not images."""
+
+    def __init__(self, root: str, **kwargs: Any) -> None:
+        def visible_image(path: str) -> bool:
+            return datasets.folder.has_file_allowed_extension(
+                path, datasets.folder.IMG_EXTENSIONS
+            ) and not is_hidden(os.path.relpath(path, root))
+
+        super().__init__(root, loader=_read_rgb, is_valid_file=visible_image, **kwargs)
+
+    def find_classes(self, directory: str | os.PathLike[str]) -> tuple[list[str], dict[str, int]]:
+        classes = class_folders(Path(directory))
+        if not classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+        return classes, {name: i for i, name in enumerate(classes)}
 
 
 class TrainAugment:
@@ -88,11 +177,16 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return (((seed * 1_000_003) ^ (epoch * 7_919)) * 2_654_435_761 + index) % (2**63 - 1)
 
 
-class SeededImageFolder(Dataset[tuple[torch.Tensor, int]]):
-    """An ImageFolder whose random transforms draw from a generator seeded per (seed, epoch, index)."""
+class SeededImageFolder(Dataset[Sample]):
+    """An ImageFolder whose random transforms draw from a generator seeded per (seed, epoch, index).
+
+    An image that cannot be decoded is reported with the sample and replaced by the next readable one in
+    folder order: every micro-batch keeps its size (no empty batch, no BatchNorm over one sample, no DDP
+    rank without gradients), and the replacement is as deterministic as the order.
+    """
 
     def __init__(self, root: str, transform: Callable[[Image.Image], torch.Tensor], seed: int) -> None:
-        self.folder = datasets.ImageFolder(root, loader=_read_rgb)
+        self.folder = VisibleImageFolder(root)
         self.transform = transform
         self.seed = seed
 
@@ -103,16 +197,29 @@ class SeededImageFolder(Dataset[tuple[torch.Tensor, int]]):
     def __len__(self) -> int:
         return len(self.folder)
 
-    def __getitem__(self, key: SampleKey) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: SampleKey) -> Sample:
         epoch, index = key
-        path, target = self.folder.samples[index]
-        image = self.folder.loader(path)
+        unreadable: list[Unreadable] = []
+        for offset in range(min(MAX_SUBSTITUTES + 1, len(self))):
+            path, target = self.folder.samples[(index + offset) % len(self)]
+            try:
+                image = self.folder.loader(path)
+            except DECODE_ERRORS as exc:
+                problem = decode_problem(path, exc)
+                if problem is None:
+                    raise
+                unreadable.append((path, problem))
+                continue
+            return Sample(self._augment(image, epoch, index), target, tuple(unreadable))
+        return Sample(None, self.folder.samples[index][1], tuple(unreadable))
+
+    def _augment(self, image: Image.Image, epoch: int, index: int) -> torch.Tensor:
         # The transform draws from torch's global CPU generator: seed it for this sample, then put the
         # caller's state back (torch.manual_seed + fork_rng also seed every accelerator: ~100x slower).
         saved = torch.get_rng_state()
         torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
         try:
-            return self.transform(image), target
+            return self.transform(image)
         finally:
             torch.set_rng_state(saved)
 
@@ -178,18 +285,99 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         return (self.steps_per_epoch - self.start_step) * self.plan.accumulation
 
 
-class EvalDataset(Dataset[tuple[torch.Tensor, int]]):
-    """The validation folder, deterministic transforms, keyed by plain index."""
+class EvalDataset(Dataset[Sample]):
+    """The validation folder, deterministic transforms, keyed by plain index; an unreadable image is
+    reported and dropped (nothing trains on it, so no stand-in is needed)."""
 
     def __init__(self, root: str, image_size: int) -> None:
-        self.folder = datasets.ImageFolder(root, loader=_read_rgb, transform=eval_transform(image_size))
+        self.folder = VisibleImageFolder(root)
+        self.transform = eval_transform(image_size)
 
     def __len__(self) -> int:
         return len(self.folder)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image, target = self.folder[index]
-        return image, target
+    def __getitem__(self, index: int) -> Sample:
+        path, target = self.folder.samples[index]
+        try:
+            image = self.folder.loader(path)
+        except DECODE_ERRORS as exc:
+            problem = decode_problem(path, exc)
+            if problem is None:
+                raise
+            return Sample(None, target, ((path, problem),))
+        return Sample(self.transform(image), target, ())
+
+
+@dataclass
+class SkippedFiles:
+    """The unreadable images met so far, per split ("train", "val"): each logged once, listed in
+    metrics.json, and each pass over a split (an epoch, an evaluation) checked against
+    `data.max_bad_fraction` of the split's size."""
+
+    max_fraction: float
+    split_sizes: dict[str, int]
+    split_dirs: dict[str, str]
+    found: dict[str, dict[str, str]] = field(default_factory=dict)
+    _pass: dict[str, tuple[int, set[str]]] = field(default_factory=dict)
+
+    def record(self, split: str, unreadable: Iterable[Sequence[str]], pass_id: int) -> None:
+        """Note the files met by one batch of pass `pass_id` (the epoch) of `split`."""
+        current, seen = self._pass.get(split, (pass_id, set()))
+        if current != pass_id:
+            seen = set()
+        self._pass[split] = (pass_id, seen)
+        known = self.found.setdefault(split, {})
+        for path, problem in unreadable:
+            seen.add(path)
+            if path not in known:
+                known[path] = problem
+                log.warning("skipped unreadable image %s: %s", path, problem)
+
+    def pass_count(self, split: str) -> int:
+        """Distinct unreadable files met in the current pass over `split` (by this process)."""
+        return len(self._pass.get(split, (0, set()))[1])
+
+    def check(self, split: str, count: int) -> None:
+        """Raise BadDataError when `count` unreadable files (the pass's, all ranks) exceed the threshold."""
+        size = self.split_sizes[split]
+        if count <= self.max_fraction * size:
+            return
+        key = f"data.{split}_dir"
+        met = sorted(self._pass.get(split, (0, set()))[1]) or sorted(self.found.get(split, {}))
+        named = ", ".join(met[:NAMED_IN_ERROR])
+        more = f" and {count - NAMED_IN_ERROR} more" if count > NAMED_IN_ERROR else ""
+        raise BadDataError(
+            f"{key}: {count} of the {size} images in {self.split_dirs[split]} cannot be decoded "
+            f"(found so far), over data.max_bad_fraction={self.max_fraction:g}: {named}{more}; "
+            "replace or delete them (then `trainstack data push`), or raise data.max_bad_fraction"
+        )
+
+    def no_readable_image(self, split: str) -> BadDataError:
+        """The error for a micro-batch left empty: no readable image within MAX_SUBSTITUTES of any sample."""
+        met = sorted(self._pass.get(split, (0, set()))[1])
+        return BadDataError(
+            f"data.{split}_dir: {len(met)} images in {self.split_dirs[split]} cannot be decoded, "
+            f"{MAX_SUBSTITUTES + 1} of them in a row ({', '.join(met[:NAMED_IN_ERROR])}, ...); "
+            "is the dataset made of images (not git-lfs pointers)? replace them and `trainstack data push`"
+        )
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """metrics.json's `skipped_files`: per split the count and the first REPORTED_PATHS paths, sorted."""
+        return {
+            split: {
+                "count": len(self.found.get(split, {})),
+                "paths": sorted(self.found.get(split, {}))[:REPORTED_PATHS],
+            }
+            for split in self.split_sizes
+        }
+
+    def to_state(self) -> dict[str, dict[str, str]]:
+        """What a checkpoint carries, so metrics.json also lists files met by earlier lives."""
+        return {split: dict(paths) for split, paths in self.found.items()}
+
+    def load_state(self, state: dict[str, dict[str, str]] | None) -> None:
+        for split, paths in (state or {}).items():
+            self.found.setdefault(split, {}).update(paths)
 
 
 def ignore_interrupt(_worker_id: int) -> None:
@@ -222,15 +410,19 @@ def loader_options(config: Config, world_size: int, on_gpu: bool) -> dict[str, A
 
 def train_loader(
     dataset: SeededImageFolder, sampler: ResumableBatchSampler, options: dict[str, Any]
-) -> DataLoader[tuple[torch.Tensor, int]]:
-    return DataLoader(dataset, batch_sampler=sampler, **options)
+) -> DataLoader[Sample]:
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_samples, **options)
 
 
 def eval_loader(
     dataset: EvalDataset, batch_size: int, rank: int, world_size: int, options: dict[str, Any]
-) -> DataLoader[tuple[torch.Tensor, int]]:
+) -> DataLoader[Sample]:
     shard = list(range(rank, len(dataset), world_size))
     options = {**options, "persistent_workers": False} if options.get("num_workers") else options
     return DataLoader(
-        torch.utils.data.Subset(dataset, shard), batch_size=batch_size, shuffle=False, **options
+        torch.utils.data.Subset(dataset, shard),
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=collate_samples,
+        **options,
     )

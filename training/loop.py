@@ -21,10 +21,12 @@ from training.batch_size import cuda_step_probe, fits, search_micro_batch
 from training.checkpoint import CheckpointManager
 from training.config import Config, ConfigError
 from training.data import (
+    Batch,
     BatchPlan,
     EvalDataset,
     ResumableBatchSampler,
     SeededImageFolder,
+    SkippedFiles,
     eval_loader,
     loader_options,
     train_loader,
@@ -155,6 +157,11 @@ class Trainer:
             config.data.train_dir, train_transform(config.data.image_size), t.seed
         )
         self.val_set = EvalDataset(config.data.val_dir, config.data.image_size)
+        self.skipped_files = SkippedFiles(
+            config.data.max_bad_fraction,
+            {"train": len(self.train_set), "val": len(self.val_set)},
+            {"train": config.data.train_dir, "val": config.data.val_dir},
+        )
         self.num_classes = len(self.train_set.classes)
         torch.manual_seed(t.seed)  # identical initial weights on every rank and every life
         self.raw_model = build_model(config.model.name, self.num_classes, self.device)
@@ -196,6 +203,7 @@ class Trainer:
         self.state = TrainState(**saved["train"])
         self.history = History.from_state(saved["history"])
         restore_rng(saved["rng"])
+        self.skipped_files.load_state(saved.get("skipped_files"))
 
     def _snapshot(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
         self._fold_epoch_sums()
@@ -215,6 +223,7 @@ class Trainer:
             },
             "precision": self.precision.precision,
             "classes": self.train_set.classes,
+            "skipped_files": self.skipped_files.to_state(),
         }
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -351,7 +360,7 @@ class Trainer:
         self,
         model: nn.Module,
         criterion: nn.Module,
-        batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+        batches: Iterator[Batch],
         scheduler: torch.optim.lr_scheduler.LRScheduler,
     ) -> tuple[float, torch.Tensor, torch.Tensor]:
         """One optimizer step over `accumulation` micro-batches; returns (loader wait, loss sum, correct)."""
@@ -362,8 +371,11 @@ class Trainer:
         channels_last = self.device.type == "cuda"
         for k in range(plan.accumulation):
             fetch_started = time.perf_counter()
-            images, targets = next(batches)
+            images, targets, unreadable = next(batches)
             wait += time.perf_counter() - fetch_started
+            self.skipped_files.record("train", unreadable, self.state.epoch)
+            if not len(targets):
+                raise self.skipped_files.no_readable_image("train")
             images = images.to(self.device, non_blocking=True)
             if channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
@@ -389,7 +401,31 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        self._check_bad_data("train")
         return wait, loss_sum, correct
+
+    def _check_bad_data(self, split: str) -> None:
+        """BadDataError (exit 65) on every rank at once when this pass over `split` met too many unreadable
+        files; ranks read disjoint shards of a pass, so the sum over ranks is the pass's count."""
+        count = self.skipped_files.pass_count(split)
+        if self.world.distributed:
+            count = round(dist_utils.sum_across(self.world, [float(count)], self.device)[0])
+        self.skipped_files.check(split, count)
+
+    def _skipped_files_summary(self) -> dict[str, Any]:
+        """metrics.json's `skipped_files`, with the files every rank met (call on all ranks)."""
+        if self.world.distributed:
+            states: list[Any] = [None] * self.world.size
+            torch.distributed.all_gather_object(states, self.skipped_files.to_state())
+            for state in states:
+                self.skipped_files.load_state(state)
+        summary = self.skipped_files.summary()
+        if self.world.is_main and any(split["count"] for split in summary.values()):
+            log.warning(
+                "skipped unreadable images: %s; listed in metrics.json",
+                ", ".join(f"{name} {split['count']}" for name, split in summary.items()),
+            )
+        return summary
 
     def _accumulate_epoch(self, loss_sum: torch.Tensor, correct: torch.Tensor) -> None:
         # float64 additions in the same order as Python floats would do them: the same sums, no sync.
@@ -437,7 +473,10 @@ class Trainer:
     def _evaluate(self, model: nn.Module, val_loader: Any) -> tuple[float, float]:
         model.eval()
         loss_sum = correct = count = 0.0
-        for images, targets in val_loader:
+        for images, targets, unreadable in val_loader:
+            self.skipped_files.record("val", unreadable, self.state.epoch)
+            if not len(targets):
+                continue
             images = images.to(self.device, non_blocking=True)
             if self.device.type == "cuda":
                 images = images.contiguous(memory_format=torch.channels_last)
@@ -449,6 +488,7 @@ class Trainer:
             count += len(targets)
         model.train()
         loss_sum, correct, count = dist_utils.sum_across(self.world, [loss_sum, correct, count], self.device)
+        self._check_bad_data("val")
         return loss_sum / max(count, 1), correct / max(count, 1)
 
     # -- checkpoints and endings -----------------------------------------------------------------------
@@ -533,6 +573,7 @@ class Trainer:
         self, scheduler: torch.optim.lr_scheduler.LRScheduler, progress: ProgressReporter, life_started: float
     ) -> int:
         self._save(scheduler, life_started)
+        skipped_files = self._skipped_files_summary()
         if self.world.is_main:
             if not self.checkpoints.finish():
                 log.warning(
@@ -552,6 +593,7 @@ class Trainer:
                 **progress.summary(),
                 "wall_seconds": self.state.wall_seconds + time.monotonic() - life_started,
                 "checkpoints": self.checkpoints.timings.as_dict(),
+                "skipped_files": skipped_files,
             }
             write_artifacts(self.raw_model, self.history, summary, self.output_dir, self.config.output.uri)
             log.info("training complete: %d steps; results in %s", self.state.global_step, self.output_dir)
