@@ -23,6 +23,7 @@ from rich.progress import (
 )
 from s3transfer.subscribers import BaseSubscriber
 
+from training.dataset_layout import is_hidden
 from trainstack.aws import Clients
 from trainstack.errors import CliError
 from trainstack.output import console, print_json
@@ -58,11 +59,13 @@ def validate_image_folder(root: Path) -> list[str]:
         folder = root / split
         if not folder.is_dir():
             raise CliError(f"dataset {root}: no {split}/ folder; {layout}")
-        names = {p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")}
+        names = {p.name for p in folder.iterdir() if p.is_dir() and not is_hidden(p.name)}
         if not names:
             raise CliError(f"dataset {folder}: no class folders; {layout}")
         for name in sorted(names):
-            if not any(_is_image(p) for p in (folder / name).rglob("*")):
+            if not any(
+                _is_image(p) and not is_hidden(p.relative_to(folder)) for p in (folder / name).rglob("*")
+            ):
                 raise CliError(
                     f"dataset {folder / name}: no image files ({', '.join(IMG_EXTENSIONS)}); "
                     "add images or remove the empty class folder"
@@ -91,12 +94,13 @@ def _sha256(path: Path) -> str:
 
 
 def scan_dataset(root: Path) -> list[LocalFile]:
-    """Every file of train/ and val/ (hidden files such as .DS_Store left out)."""
+    """Every file of train/ and val/, without hidden ones (.DS_Store, .ipynb_checkpoints/, __MACOSX/): the
+    instance would not download them, nor the trainer read them."""
     files = []
     for split in SPLITS:
         for path in sorted((root / split).rglob("*")):
             relative = path.relative_to(root)
-            if path.is_file() and not any(part.startswith(".") for part in relative.parts):
+            if path.is_file() and not is_hidden(relative):
                 files.append(LocalFile(relative.as_posix(), path, path.stat().st_size, _sha256(path)))
     return files
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,40 @@ def test_results_pull_before_completion_says_so(deployed: Deployed, tmp_path: Pa
     result = deployed.run("results", "pull", str(tmp_path / "out"))
     assert result.code == 1
     assert "no results yet in s3://trainstack-test-data/results/ (training is running)" in result.err
+
+
+def test_push_leaves_hidden_files_and_folders_out(deployed: Deployed, tmp_path: Path):
+    dataset = make_dataset(tmp_path / "ds")
+    for junk in (
+        "train/.ipynb_checkpoints/1.jpg",
+        "train/__MACOSX/cat/._1.jpg",
+        "train/cat/._1.jpg",
+        "val/dog/.thumbnails/1.png",
+        "val/__MACOSX/dog/1.jpg",
+    ):
+        (dataset / junk).parent.mkdir(parents=True, exist_ok=True)
+        (dataset / junk).write_bytes(b"not part of the dataset")
+
+    result = deployed.run("data", "push", str(dataset), "--json")
+
+    assert result.code == 0, result.err
+    assert result.json()["classes"] == ["cat", "dog"]
+    assert _keys(deployed, "data/") == [
+        f"data/{split}/{name}"
+        for split in ("train", "val")
+        for name in ("cat/1.jpg", "cat/2.png", "dog/1.jpg")
+    ]
+
+
+def test_a_class_folder_with_only_hidden_images_is_empty(tmp_path: Path):
+    dataset = make_dataset(tmp_path / "ds")
+    for split in ("train", "val"):
+        (dataset / split / "bird" / ".ipynb_checkpoints").mkdir(parents=True)
+        (dataset / split / "bird" / ".ipynb_checkpoints" / "1.jpg").write_bytes(b"x")
+    with pytest.raises(CliError, match=r"train/bird: no image files"):
+        validate_image_folder(dataset)
+
+
+def test_the_cli_shares_the_hidden_path_rule_without_importing_torch():
+    code = "import sys, trainstack.transfer; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
