@@ -12,12 +12,30 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+# Only the demo's own folder is emptied: the README's trainer example keeps its files in .demo/.
+DEFAULT_WORKDIR = Path(".demo/end-to-end")
+# Piped or logged (CI), rich would assume 80 columns: tables get this width instead, and lines never wrap.
+PIPED_WIDTH = 160
+
+
+def demo_console() -> Console:
+    """On a terminal: its width, long lines wrapped by the terminal. Piped: lines whole, tables 160 wide."""
+    console = Console(soft_wrap=True)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = PIPED_WIDTH
+    return console
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__)
-    parser.add_argument("--workdir", type=Path, default=Path(".demo"), help="scratch folder (default .demo)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=DEFAULT_WORKDIR,
+        help=f"the demo's own folder, emptied at each run (default {DEFAULT_WORKDIR})",
+    )
     args = parser.parse_args(argv)
-    console = Console()
+    console = demo_console()
 
     from demo.run import ISOLATED_ENV
 

@@ -20,6 +20,8 @@ import yaml
 
 from bootstrap.cloud_init import AGENT_CONFIG_PATH
 
+REPO = Path(__file__).resolve().parent.parent
+
 
 @dataclass
 class AgentRun:
@@ -65,14 +67,21 @@ def boot_agent(
     on_event: Callable[[AgentRun, dict[str, Any]], None],
     on_line: Callable[[AgentRun, str], None],
 ) -> AgentRun:
-    """Write the agent config and start `python -m bootstrap.agent` from the unpacked bundle."""
+    """Write the agent config and start the agent from the unpacked bundle (through `demo.agent`)."""
     config_file = Path(config["scratch_dir"]).parent / f"{name}-agent.yaml"
     config_file.parent.mkdir(parents=True, exist_ok=True)
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    # The agent and trainer come from the unpacked bundle (first on the path); only the entry point that
+    # hands the agent simulated spot prices (demo.agent) comes from the repository.
     process = subprocess.Popen(
-        [sys.executable, "-m", "bootstrap.agent", "--config", str(config_file)],
+        [sys.executable, "-m", "demo.agent", "--config", str(config_file)],
         cwd=code_root,
-        env={**os.environ, **env, "PYTHONPATH": str(code_root), "PYTHONUNBUFFERED": "1"},
+        env={
+            **os.environ,
+            **env,
+            "PYTHONPATH": os.pathsep.join((str(code_root), str(REPO))),
+            "PYTHONUNBUFFERED": "1",
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

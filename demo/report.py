@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -97,33 +99,48 @@ def print_timeline(result: DemoResult, console: Console) -> None:
     t0 = result.started
     table = Table(title="Spot interruption, resume, completion", show_lines=False)
     table.add_column("t (s)", justify="right")
-    table.add_column("what happened")
+    table.add_column("what happened", overflow="fold")
     rows: list[tuple[float, str]] = []
-    confirmed = f"checkpoint step {result.stop_event.get('checkpoint_step')} confirmed in S3; instance 1 done"
-    for instance in ("instance-1", "instance-2"):
-        steps = [s for s in result.samples if s.instance == instance]
-        if steps:
-            rows.append((steps[0].time, f"{instance} training: first progress at step {steps[0].step}"))
-            rows.append((steps[-1].time, f"{instance} last progress at step {steps[-1].step}"))
+    checkpoint = result.stop_event.get("checkpoint_step")
+    total = result.total_steps
+    first = [s for s in result.samples if s.instance == "instance-1"]
+    if first:
+        rows.append((first[0].time, f"instance 1 trains: first reported step {first[0].step}/{total}"))
     if result.notice_at:
-        rows.append((result.notice_at, "spot interruption notice (IMDS spot/instance-action)"))
-    if result.stop_confirmed_at:
         rows.append(
             (
-                result.stop_confirmed_at,
-                confirmed,
+                result.notice_at,
+                "spot interruption notice injected into IMDS (spot/instance-action); "
+                f"the trainer had reported step {result.notice_step}/{total}",
             )
+        )
+    if result.notice_seen_at:
+        rows.append((result.notice_seen_at, "the agent's IMDS poll finds the notice and stops the trainer"))
+    if result.trainer_stopped_at:
+        rows.append(
+            (
+                result.trainer_stopped_at,
+                f"the trainer finishes step {result.trainer_stopped_step}, saves it and exits (75)",
+            )
+        )
+    if result.stop_confirmed_at:
+        rows.append(
+            (result.stop_confirmed_at, f"checkpoint step {checkpoint} confirmed in S3; instance 1 done")
         )
     if result.instance2_booted_at:
         rows.append((result.instance2_booted_at, "instance 2 (replacement, other type and AZ) boots"))
     if result.resumed_at:
-        rows.append((result.resumed_at, f"instance 2 resumes at step {result.resumed_step}"))
+        rows.append((result.resumed_at, f"instance 2 resumes at step {result.resumed_step}/{total}"))
+    second = [s for s in result.samples if s.instance == "instance-2"]
+    if second:
+        rows.append((second[-1].time, f"instance 2 reaches step {second[-1].step}/{total}"))
     for moment, text in sorted(rows):
         table.add_row(f"{moment - t0:.1f}", text)
     console.print(table)
     summary = Table(show_header=False, box=None)
-    lost = steps_lost(result)
-    summary.add_row("steps lost", str(lost))
+    summary.add_column("what")
+    summary.add_column("value", overflow="fold")
+    summary.add_row("steps lost", str(steps_lost(result)))
     if result.stop_confirmed_at:
         summary.add_row(
             "notice → checkpoint confirmed", f"{result.stop_confirmed_at - result.notice_at:.1f}s"
@@ -136,13 +153,38 @@ def print_timeline(result: DemoResult, console: Console) -> None:
     summary.add_row("final validation accuracy", str(final_accuracy(result)))
     summary.add_row("artifacts", "\n".join(result.artifacts))
     summary.add_row("group desired capacity", str(result.desired_capacity))
-    summary.add_row("estimated cost (moto's spot price)", f"${result.ledger.get('total_cost_usd', 0):.6f}")
+    summary.add_row("estimated cost", cost_line(result.ledger))
     console.print(summary)
     # The agent's log says it "could not complete the drain hook": that is moto, not the agent.
     console.print(
         "[dim]note: moto lacks CompleteLifecycleAction, so the agent's drain-hook call fails here; "
         "on AWS it releases the instance at once instead of at the hook's timeout.[/]"
     )
+
+
+def cost_line(ledger: dict[str, Any]) -> str:
+    """`$0.0034 for 31 s of instance time at simulated spot prices (g6.xlarge $0.38/h, ...)`."""
+    lives = ledger.get("lives") or []
+    seconds = sum(_seconds(life) for life in lives)
+    prices = {
+        life["instance_type"]: life["price_usd_per_hour"]
+        for life in lives
+        if life.get("price_usd_per_hour") is not None
+    }
+    listed = ", ".join(f"{name} ${price:.2f}/h" for name, price in prices.items())
+    return (
+        f"${float(ledger.get('total_cost_usd') or 0):.4f} for {seconds:.0f} s of instance time "
+        f"at simulated spot prices ({listed or 'none known'})"
+    )
+
+
+def _seconds(life: dict[str, Any]) -> float:
+    try:
+        start = datetime.fromisoformat(str(life["started_at"]).replace("Z", "+00:00"))
+        end = datetime.fromisoformat(str(life["ended_at"]).replace("Z", "+00:00"))
+    except (KeyError, ValueError):
+        return 0.0
+    return max(0.0, (end - start).total_seconds())
 
 
 def plot_timeline(result: DemoResult, path: Path) -> Path:

@@ -58,6 +58,10 @@ class DemoResult:
     instance_ids: list[str] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     notice_at: float = 0.0
+    notice_step: int = 0  # the last step the trainer had reported when the notice was injected
+    notice_seen_at: float = 0.0  # when the agent's IMDS poll found it
+    trainer_stopped_at: float = 0.0
+    trainer_stopped_step: int | None = None  # the step boundary the trainer stopped at (its own log line)
     stop_event: dict[str, Any] = field(default_factory=dict)
     stop_confirmed_at: float = 0.0
     instance2_booted_at: float = 0.0
@@ -112,7 +116,7 @@ class Demo:
 
     def _echo(self, run: AgentRun, event: dict[str, Any]) -> None:
         extra = {k: v for k, v in event.items() if k not in ("time", "stage", "message", "argv", "metrics")}
-        details = escape(", ".join(f"{k}={v}" for k, v in extra.items())[:160])
+        details = escape(", ".join(f"{k}={v}" for k, v in extra.items()))
         elapsed = time.time() - self.result.started
         self.console.print(
             f"[dim]{elapsed:6.1f}s[/] [bold cyan]{run.name}[/] [magenta]{event['stage']:<12}[/] "
@@ -144,6 +148,7 @@ class Demo:
                     and last >= INTERRUPT_AT_FRACTION * total
                 ):
                     self.result.notice_at = time.time()
+                    self.result.notice_step = last
                     interrupt.inject_spot_notice()
                     # What capacity rebalancing does on the notice: the group lets this instance go and
                     # launches a replacement straight away.
@@ -151,7 +156,9 @@ class Demo:
                         InstanceId=interrupt.instance.instance_id, ShouldDecrementDesiredCapacity=False
                     )
                     self.console.print(
-                        f"[bold red]>>> spot interruption notice injected at step {last}/{total}[/]",
+                        f"[bold red]>>> spot interruption notice injected into IMDS "
+                        f"(the trainer last reported step {last}/{total}; it stops at the next step "
+                        "boundary after the agent's poll finds the notice)[/]",
                         highlight=False,
                     )
             time.sleep(0.2)
@@ -234,6 +241,12 @@ class Demo:
         code = self._watch(run, scratch / "scratch", interrupt, stack)
         time.sleep(0.3)  # let the output pump drain the last lines
         if interrupt is not None:
+            seen = next((t for t, e in run.events if e.get("stage") == "interruption"), None)
+            self.result.notice_seen_at = seen or 0.0
+            stop_line = next(((t, line) for t, line in run.trainer_lines if "stopped at step" in line), None)
+            if stop_line:
+                self.result.trainer_stopped_at = stop_line[0]
+                self.result.trainer_stopped_step = int(stop_line[1].split("stopped at step")[1].split()[0])
             stopped = run.find("trainer stopped")
             if stopped:
                 self.result.stop_confirmed_at, self.result.stop_event = stopped

@@ -24,6 +24,9 @@ for _key, _value in _ISOLATED_ENV.items():
     os.environ[_key] = _value
 os.environ.pop("AWS_PROFILE", None)
 os.environ.pop("AWS_ENDPOINT_URL", None)
+# `make test` runs one xdist worker per core, and the trainers the tests start are tiny: one intra-op
+# thread per process is faster than two fighting over the cores (a test life: 7 s vs 8 s alone, 19 s loaded).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,20 @@ def test_demo_resumes_after_a_spot_interruption_with_zero_steps_lost_and_scales_
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=540,
-        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "COLUMNS": "200"},
+        timeout=240,
+        # Piped, as in CI; one torch thread, as for every trainer the tests start (tests/conftest.py).
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     for check in ("steps lost = 0", "instance 2 resumed at the checkpoint step", "group scaled to zero"):
         assert f"PASS {check}" in output, output[-4000:]
     assert "FAIL" not in output
+    # Piped output is not cut at 80 columns: whole artifact names, whole lines.
+    assert "s3://trainstack-demo-data/results/metrics.json" in output
+    assert "…" not in output
+    cost = next(line for line in output.splitlines() if "estimated cost" in line)
+    assert "at simulated spot prices (g6.xlarge $0.38/h, g5.xlarge $0.44/h)" in cost
+    assert "$0.0000 " not in cost
     assert (tmp_path / "demo" / "timeline.png").stat().st_size > 10_000
     assert (tmp_path / "demo" / "user-data.yaml").read_text().startswith("#cloud-config")

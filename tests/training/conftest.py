@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,21 @@ FAST = [
 ]
 STEPS_PER_EPOCH = 8  # 4 classes x 32 images / batch 16
 TOTAL_STEPS = 16
+
+
+# Every trainer a test starts; `reap_trainers` kills the ones still running when the test ends.
+_STARTED: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def reap_trainers() -> Iterator[None]:
+    """No trainer outlives its test, whatever way the test ended (failure, timeout)."""
+    yield
+    while _STARTED:
+        process = _STARTED.pop()
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
 
 
 @dataclass(frozen=True)
@@ -73,7 +88,7 @@ class Run:
         full_env.pop("TRAINSTACK_FAULT", None)
         if fault:
             full_env["TRAINSTACK_FAULT"] = fault
-        return subprocess.Popen(
+        process = subprocess.Popen(
             self.command(),
             cwd=REPO,
             env=full_env,
@@ -81,12 +96,20 @@ class Run:
             stderr=subprocess.STDOUT,
             text=True,
         )
+        _STARTED.append(process)
+        return process
 
     def life(
         self, env: dict[str, str] | None = None, fault: str = "", timeout: float = 180
     ) -> tuple[int, str]:
         process = self.popen(env, fault)
-        output, _ = process.communicate(timeout=timeout)
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # A hung life fails the test and never outlives it.
+            process.kill()
+            output, _ = process.communicate()
+            pytest.fail(f"{self.root}: a trainer life ran past {timeout}s\n{output[-3000:]}")
         return process.returncode, output
 
 

@@ -6,7 +6,9 @@ import json
 import random
 import shutil
 import signal
+import subprocess
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -24,6 +26,17 @@ def finish(run: Run, max_lives: int = 6) -> None:
             return
         assert code == EXIT_STOPPED, output
     pytest.fail(f"{run.root} did not complete in {max_lives} lives")
+
+
+def wait_until(process: subprocess.Popen[str], condition: Callable[[], bool], timeout: float = 120) -> None:
+    """Poll until `condition` holds or the process exits; kill it (and fail) if neither happens in time."""
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and not condition():
+        if time.monotonic() > deadline:
+            process.kill()
+            process.communicate()
+            pytest.fail(f"nothing happened within {timeout}s")
+        time.sleep(0.02)
 
 
 def assert_same_model(run: Run, baseline: Run) -> None:
@@ -71,8 +84,7 @@ def test_resume_after_random_sigkills_is_bitwise_exact(make_run: MakeRun, baseli
     for _ in range(4):
         progress.unlink(missing_ok=True)
         process = run.popen()
-        while not progress.exists() and process.poll() is None:
-            time.sleep(0.02)
+        wait_until(process, progress.exists)
         # Training has started (its first log line): kill at a random moment of the next second,
         # which on this job spans several steps and, every third step, a checkpoint write.
         time.sleep(rng.uniform(0.0, 1.0))
@@ -104,10 +116,7 @@ def test_stop_file_present_at_start_stops_before_training_and_resume_is_exact(
     progress = run.output / "progress.json"
     progress.unlink(missing_ok=True)
     process = run.popen()
-    while process.poll() is None and not (
-        progress.exists() and json.loads(progress.read_text())["step"] >= 3
-    ):
-        time.sleep(0.02)
+    wait_until(process, lambda: progress.exists() and json.loads(progress.read_text())["step"] >= 3)
     stop_file.touch()
     output, _ = process.communicate(timeout=120)
     assert process.returncode == EXIT_STOPPED, output
