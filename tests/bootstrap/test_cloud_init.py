@@ -143,7 +143,7 @@ def test_every_shell_script_in_bootstrap_is_shellcheck_clean() -> None:
     assert scripts, "no shell scripts found under bootstrap/"
     shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
     result = subprocess.run(
-        [shellcheck, "--severity=style", *map(str, scripts)], capture_output=True, text=True
+        [shellcheck, "--severity=style", *map(str, scripts)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stdout
 
@@ -152,7 +152,9 @@ def test_systemd_units_have_no_unknown_keys_or_syntax_errors(tmp_path: Path) -> 
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze not installed (apt-get install systemd)")
     units = [shutil.copy(p, tmp_path) for p in sorted((REPO / "bootstrap/instance").glob("*.service"))]
-    result = subprocess.run(["systemd-analyze", "verify", *map(str, units)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["systemd-analyze", "verify", *map(str, units)], capture_output=True, text=True, timeout=120
+    )
     # ExecStart lives in the unpacked bundle on the instance, so only "not executable" may be reported here.
     problems = [
         line

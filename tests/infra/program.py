@@ -81,9 +81,10 @@ def example_config() -> dict[str, Any]:
 def _fallback_job_file() -> Path:
     import tempfile
 
-    path = Path(tempfile.gettempdir()) / "trainstack-test-job.yaml"
-    path.write_text(yaml.safe_dump(FALLBACK_JOB))
-    return path
+    # A file of its own per call: parallel test workers must not write the same path.
+    with tempfile.NamedTemporaryFile("w", prefix="trainstack-job-", suffix=".yaml", delete=False) as file:
+        file.write(yaml.safe_dump(FALLBACK_JOB))
+    return Path(file.name)
 
 
 class _Mocks(pulumi.runtime.Mocks):
