@@ -7,11 +7,12 @@ from typing import Any
 import boto3
 from botocore.config import Config
 
-# Standard mode retries throttling and 5xx (S3 SlowDown included) with backoff; 8 attempts ride out a
-# short S3 or API brown-out without the instance life failing over it.
-RETRY_CONFIG = Config(retries={"mode": "standard", "max_attempts": 8}, connect_timeout=10, read_timeout=60)
+# Every AWS call of the agent is bounded: standard mode retries throttling and 5xx (S3 SlowDown included)
+# with backoff, 4 attempts of at most 5 s to connect and 20 s per read ride out a short brown-out, and a
+# blackholed endpoint costs at most about 100 s per call — never on the stop path, which makes no calls.
+RETRY_CONFIG = Config(retries={"mode": "standard", "max_attempts": 4}, connect_timeout=5, read_timeout=20)
 
 
-def client(service: str, region: str) -> Any:
+def client(service: str, region: str, config: Config = RETRY_CONFIG) -> Any:
     """A client honouring AWS_ENDPOINT_URL (boto3 does natively): the agent runs against moto unchanged."""
-    return boto3.session.Session().client(service, region_name=region, config=RETRY_CONFIG)  # type: ignore[call-overload]
+    return boto3.session.Session().client(service, region_name=region, config=config)  # type: ignore[call-overload]

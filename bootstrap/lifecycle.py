@@ -90,10 +90,9 @@ class AwsClients:
     cloudwatch: Any
 
     @classmethod
-    def for_region(cls, region: str) -> AwsClients:
-        return cls(
-            *(aws.client(name, region) for name in ("s3", "autoscaling", "sns", "logs", "ec2", "cloudwatch"))
-        )
+    def for_region(cls, region: str, config: Any = aws.RETRY_CONFIG) -> AwsClients:
+        names = ("s3", "autoscaling", "sns", "logs", "ec2", "cloudwatch")
+        return cls(*(aws.client(name, region, config) for name in names))
 
 
 @dataclass(frozen=True)

@@ -136,11 +136,11 @@ class ImdsSimulator:
             "instance-life-cycle": inst.lifecycle,
             "spot/instance-action": json.dumps(spot) if spot else None,
             "events/recommendations/rebalance": json.dumps(rebalance) if rebalance else None,
-            "autoscaling/target-lifecycle-state": (
-                self._lifecycle_state(inst.instance_id) if self._lifecycle_state else "InService"
-            ),
             **inst.extra,
         }
+        if path == "autoscaling/target-lifecycle-state":
+            # Asked only for this path: the callback may call the (simulated) group, which can be slow.
+            return self._lifecycle_state(inst.instance_id) if self._lifecycle_state else "InService"
         value = values.get(path)
         return None if value is None else str(value)
 
