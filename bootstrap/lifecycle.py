@@ -21,7 +21,7 @@ from typing import Any
 
 from bootstrap import aws
 from bootstrap.agent_config import AgentConfig
-from bootstrap.datasync import DataSync, SyncAborted
+from bootstrap.datasync import DataSync, DiskSpaceError, SyncAborted
 from bootstrap.eventlog import EventLog, iso, utc_now
 from bootstrap.fleet import Fleet
 from bootstrap.gpumetrics import GpuMetricPublisher
@@ -376,6 +376,17 @@ class InstanceLife:
         except SyncAborted:
             self.log.event("data", "dataset sync aborted by the stop", reason=self._stop_state()[0])
             return self._stopped_before_training()
+        except DiskSpaceError as exc:
+            # The next instance gets the same disk: retrying would only bill for the same failure.
+            self.log.event("failed", "dataset does not fit on this instance", error=str(exc))
+            return Failure(
+                "failed",
+                str(exc),
+                list(self.log.tail),
+                fix="raise trainstack:rootVolumeSizeGb (or use a type with a larger instance store), "
+                "run pulumi up, then trainstack resume",
+                permanent=True,
+            )
         return self._train(scratch, gpu_count)
 
     def _stopped_before_training(self) -> str:
@@ -502,7 +513,13 @@ class InstanceLife:
         except UploadAbandonedError:
             return self._stopped_before_training()
         command = self._trainer_command or default_trainer_command(gpu_count)
-        trainer = TrainerProcess(command, paths, dict(self.config.job), self._trainer_log_sink())
+        trainer = TrainerProcess(
+            command,
+            paths,
+            dict(self.config.job),
+            self._trainer_log_sink(),
+            defer_early_signals=self._trainer_command is None,
+        )
         self._progress_file = paths.progress_file
         metrics = GpuMetricPublisher(self.clients.cloudwatch, self.config.group_name, self.log)
         with self._stop_lock:

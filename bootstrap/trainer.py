@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from training.stop import stop_signals_blocked
 
 DLAMI_PYTHON = Path("/opt/pytorch/bin/python")
 CODE_ROOT = Path(__file__).resolve().parent.parent
@@ -104,8 +107,14 @@ class TrainerProcess:
         paths: TrainerPaths,
         job: dict[str, object],
         on_line: Callable[[str], None],
+        *,
+        defer_early_signals: bool = False,
     ) -> None:
         self._command = list(command)
+        # The built-in trainer unblocks SIGTERM once its handler exists (training/stop.py), so a stop sent
+        # while its interpreter starts stays pending instead of killing it. A user's job may not: it keeps
+        # the default mask, and the stop file still reaches it.
+        self._defer_early_signals = defer_early_signals
         self.paths = paths
         self._job = job
         self._on_line = on_line
@@ -126,17 +135,18 @@ class TrainerProcess:
         self.paths.progress_file.unlink(missing_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CODE_ROOT), env.get("PYTHONPATH", "")) if p)
-        self._process = subprocess.Popen(
-            self.argv,
-            cwd=CODE_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            # Its own process group: a signal meant for the agent does not hit the trainer unasked.
-            start_new_session=True,
-        )
+        with stop_signals_blocked() if self._defer_early_signals else contextlib.nullcontext():
+            self._process = subprocess.Popen(
+                self.argv,
+                cwd=CODE_ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+                # Its own process group: a signal meant for the agent does not hit the trainer unasked.
+                start_new_session=True,
+            )
         self._pump = threading.Thread(target=self._pump_output, name="trainer-output", daemon=True)
         self._pump.start()
 

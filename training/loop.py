@@ -271,7 +271,13 @@ class Trainer:
         if saved is not None:
             self._load(saved)
             scheduler.load_state_dict(saved["scheduler"])
-            log.info("resuming at step %d (epoch %d)", self.state.global_step, self.state.epoch + 1)
+            log.info(
+                "resuming at step %d (epoch %d) from %s; to start over, delete that folder (and output.dir) "
+                "or set checkpoint.dir to a new one",
+                self.state.global_step,
+                self.state.epoch + 1,
+                self.checkpoints.root,
+            )
         self._epoch_loss = torch.tensor(self.state.epoch_loss_sum, dtype=torch.float64, device=self.device)
         self._epoch_correct = torch.tensor(self.state.epoch_correct, dtype=torch.float64, device=self.device)
         model: nn.Module = self.raw_model

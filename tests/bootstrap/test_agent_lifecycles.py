@@ -376,3 +376,18 @@ def test_training_starts_when_the_dataset_arrives_during_the_wait(
     upload_dataset(stack)
     assert running.result(timeout=120).outcome == "completed"
     assert stack.group()["DesiredCapacity"] == 0
+
+
+def test_a_dataset_larger_than_the_disk_stops_the_job_at_once_naming_the_space_needed(
+    make_life: MakeLife, stack: LocalStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from bootstrap import datasync
+
+    monkeypatch.setattr(datasync.shutil, "disk_usage", lambda _path: shutil._ntuple_diskusage(10**9, 10**9, 10))
+    result = make_life(fake={"steps": 4}).run()
+    assert (result.outcome, result.exit_code) == ("gave_up", 0)
+    (alert,) = stack.alerts()
+    assert "not enough disk space" in alert["Subject"] and "rootVolumeSizeGb" in alert["Message"]
+    assert stack.group()["DesiredCapacity"] == 0

@@ -49,6 +49,7 @@ def test_every_resource_belongs_to_a_component_with_a_trainstack_type(example_st
         "trainstack:identity:Identity",
         "trainstack:fleet:Fleet",
         "trainstack:observability:Observability",
+        "trainstack:capacity:CapacityFallback",
     }
     for resource in example_stack.resources:
         if not resource.type.startswith("trainstack:"):
@@ -114,7 +115,6 @@ def test_group_tags_reach_the_instances(example_stack: StackRun) -> None:
 def test_on_demand_mix_and_max_price_come_from_config() -> None:
     config = {
         **example_config(),
-        "trainstack:instanceCount": 3,
         "trainstack:onDemandBaseCapacity": 1,
         "trainstack:onDemandPercentageAboveBase": 50,
         "trainstack:spotMaxPrice": "0.75",
@@ -126,7 +126,7 @@ def test_on_demand_mix_and_max_price_come_from_config() -> None:
         50,
     )
     assert distribution["spotMaxPrice"] == "0.75"
-    assert group["maxSize"] == 3
+    assert group["maxSize"] == 1  # one instance until multi-node training exists (config refuses more)
 
 
 def test_launch_template_boots_the_resolved_ami_from_its_root_device(example_stack: StackRun) -> None:

@@ -76,7 +76,7 @@ def test_agent_config_carries_the_jobs_guards() -> None:
             "maxCostUsd": "25",
             "maxConsecutiveFailures": "5",
             "stallTimeoutMinutes": "12",
-            "instanceCount": "2",
+            "instanceCount": "1",
         },
         region="eu-west-1",
         project="trainstack",
@@ -86,7 +86,7 @@ def test_agent_config_carries_the_jobs_guards() -> None:
         config, bucket="trainstack-prod-1", topic_arn="arn:aws:sns:eu-west-1:1:t", log_group="/l"
     )
     assert (built.max_cost_usd, built.max_consecutive_failures, built.stall_minutes) == (25.0, 5, 12.0)
-    assert (built.instance_count, built.stack, built.group_name) == (2, "prod", "trainstack-prod-gpu")
+    assert (built.instance_count, built.stack, built.group_name) == (1, "prod", "trainstack-prod-gpu")
     assert AgentConfig.from_mapping(yaml.safe_load(built.to_yaml())) == built
 
 

@@ -34,9 +34,9 @@ def _explain(violations: list[Violation]) -> str:
         {},
         {"trainstack:privateSubnets": True},
         {"trainstack:sshIngressCidrs": ["203.0.113.7/32"], "trainstack:alertEmail": "ml-team@example.com"},
-        {"trainstack:instanceCount": 2, "trainstack:retainDataOnDestroy": False},
+        {"trainstack:retainDataOnDestroy": False},
     ],
-    ids=["example-stack", "private-subnets", "ssh-and-email", "two-instances-no-retain"],
+    ids=["example-stack", "private-subnets", "ssh-and-email", "no-retain"],
 )
 def test_trainstack_program_has_zero_violations(overrides: dict[str, Any]) -> None:
     violations = _violations(overrides)

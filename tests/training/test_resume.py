@@ -193,7 +193,7 @@ def test_replacement_instance_resumes_from_s3_bitwise_exact(
     shutil.rmtree(run.checkpoints)  # the replacement instance starts with an empty disk
     code, output = run.life(env=aws.env())
     assert code == 0, output
-    assert "restored checkpoint step 6 from s3://job/checkpoints" in output
+    assert "restored checkpoint from S3 (step=6 uri=s3://job/checkpoints)" in output
     assert_same_model(run, baseline)
     results = s3.list_objects_v2(Bucket="job", Prefix="results/")["Contents"]
     assert sorted(item["Key"] for item in results) == [
