@@ -385,7 +385,9 @@ def test_a_dataset_larger_than_the_disk_stops_the_job_at_once_naming_the_space_n
 
     from bootstrap import datasync
 
-    monkeypatch.setattr(datasync.shutil, "disk_usage", lambda _path: shutil._ntuple_diskusage(10**9, 10**9, 10))
+    monkeypatch.setattr(
+        datasync.shutil, "disk_usage", lambda _path: shutil._ntuple_diskusage(10**9, 10**9, 10)
+    )
     result = make_life(fake={"steps": 4}).run()
     assert (result.outcome, result.exit_code) == ("gave_up", 0)
     (alert,) = stack.alerts()
