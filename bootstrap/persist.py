@@ -1,6 +1,6 @@
 """The one owner of a job's checkpoints in S3: restore before the job, upload while it runs, flush at a stop.
 
-Guarantees (docs/checkpoints.md):
+Guarantees (docs/job-contract.md):
 - only committed step directories (a `manifest.json` with each file's sha256) are uploaded, the files
   before the manifest, and `latest.json` after the manifest;
 - `latest.json` only ever moves forward, through S3 conditional writes (If-Match / If-None-Match), so two
@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 from boto3.s3.transfer import TransferConfig, create_transfer_manager
 from botocore.exceptions import ClientError
 
-from training.checkpoint_format import (
+from trainstack_job.layout import (
     LATEST,
     MANIFEST,
     STEP_DIR,

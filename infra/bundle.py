@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BUNDLED_PACKAGES = ("training", "bootstrap")
+BUNDLED_PACKAGES = ("training", "bootstrap", "trainstack_job")
 BUNDLE_FILE_NAME = "bundle.tar.gz"
 # Only source and data files travel; caches and editor droppings would change the hash for nothing.
 _BUNDLED_SUFFIXES = {".py", ".yaml", ".yml", ".sh", ".service", ".txt", ".json", ".cfg"}

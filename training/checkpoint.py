@@ -1,4 +1,4 @@
-"""Checkpoints in the docs/checkpoints.md layout: atomic local writes; S3 through the shared persister."""
+"""Checkpoints in the docs/job-contract.md layout: atomic local writes; S3 through the shared persister."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from training.checkpoint_format import (
+from training.faults import fault_point
+from trainstack_job.layout import (
     LATEST,
     MANIFEST,
     STEP_DIR,
@@ -25,7 +26,6 @@ from training.checkpoint_format import (
     verify_dir,
     write_atomic,
 )
-from training.faults import fault_point
 
 log = logging.getLogger(__name__)
 

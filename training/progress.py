@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from training.checkpoint_format import now_iso, write_atomic
+from trainstack_job.layout import now_iso, write_atomic
 
 log = logging.getLogger("training")
 

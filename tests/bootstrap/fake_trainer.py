@@ -1,4 +1,4 @@
-"""Test-double trainer honouring the trainer ↔ agent contract (docs/checkpoints.md): stop file/SIGTERM →
+"""Test-double trainer honouring the trainer ↔ agent contract (docs/job-contract.md): stop file/SIGTERM →
 committed local checkpoint → exit 75; checkpoint-request file; progress.json; artifacts on completion.
 Checkpoints stay in checkpoint.dir: the agent's persister owns their copy in S3.
 

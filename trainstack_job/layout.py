@@ -1,4 +1,4 @@
-"""The checkpoint layout every job and the agent agree on (docs/checkpoints.md); no torch, no boto3.
+"""The checkpoint layout every job and the agent agree on (docs/job-contract.md); standard library only.
 
 A checkpoint is a directory `step-<N>/` holding the job's files and `manifest.json`, which lists each
 file's size and sha256. The manifest is written last and the directory is renamed into place, so a
@@ -16,13 +16,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-MANIFEST = "manifest.json"
-LATEST = "latest.json"
-STEP_DIR = re.compile(r"^step-(\d+)$")
+from trainstack_job.contract import LATEST, MANIFEST, STEP_DIR_PREFIX
+
+STEP_DIR = re.compile(rf"^{STEP_DIR_PREFIX}(\d+)$")
+__all__ = ["LATEST", "MANIFEST", "STEP_DIR"]
 
 
 def step_dir_name(step: int) -> str:
-    return f"step-{step}"
+    return f"{STEP_DIR_PREFIX}{step}"
 
 
 def now_iso() -> str:

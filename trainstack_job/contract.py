@@ -1,0 +1,106 @@
+"""The contracts every part of trainstack keeps: exit codes, a job's environment, file names, bucket layout,
+job statuses and life outcomes, stack output names. Standard library only: infra, bootstrap, training, the
+CLI and users' jobs all import it. docs/job-contract.md and docs/internals.md describe the same values.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, IntEnum
+
+
+class ExitCode(IntEnum):
+    """What a job's exit status means to the agent."""
+
+    COMPLETED = 0
+    # Any other status not listed here is an ordinary failure: the next life retries.
+    FAILED = 1
+    # Permanent failures: another instance cannot fix them, so the job stops at once.
+    CONFIG_ERROR = 2
+    DATA_ERROR = 65  # sysexits EX_DATAERR
+    # Stopped on request with its newest checkpoint committed in the checkpoint directory.
+    STOPPED = 75  # sysexits EX_TEMPFAIL
+
+
+class JobEnv(str, Enum):
+    """Environment variables the agent sets for a job (docs/job-contract.md)."""
+
+    CHECKPOINT_DIR = "TRAINSTACK_CHECKPOINT_DIR"
+    OUTPUT_DIR = "TRAINSTACK_OUTPUT_DIR"
+    DATA_DIR = "TRAINSTACK_DATA_DIR"
+    STOP_FILE = "TRAINSTACK_STOP_FILE"
+    CHECKPOINT_REQUEST_FILE = "TRAINSTACK_CHECKPOINT_REQUEST_FILE"
+    PROGRESS_FILE = "TRAINSTACK_PROGRESS_FILE"
+    RESTORED_STEP = "TRAINSTACK_RESTORED_STEP"
+
+
+# Files inside a job's checkpoint directory (trainstack_job/layout.py reads and writes them).
+MANIFEST = "manifest.json"
+LATEST = "latest.json"
+STEP_DIR_PREFIX = "step-"
+
+# Objects under the stack bucket's state/ prefix.
+LEDGER = "ledger.json"
+PROGRESS = "progress.json"
+CONTROL = "control.json"
+DATA_MANIFEST = "data-manifest.json"
+
+
+class BucketPrefix(str, Enum):
+    """Top-level prefixes of the stack bucket."""
+
+    DATA = "data/"
+    CODE = "code/"
+    CHECKPOINTS = "checkpoints/"
+    RESULTS = "results/"
+    STATE = "state/"
+
+
+class JobStatus(str, Enum):
+    """`status` of state/ledger.json."""
+
+    WAITING_FOR_DATA = "waiting_for_data"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    COST_CAP = "cost_cap"
+    NO_DATA = "no_data"
+
+
+class LifeOutcome(str, Enum):
+    """`outcome` of one instance life in state/ledger.json."""
+
+    RUNNING = "running"
+    COMPLETED = "completed"
+    PREEMPTED = "preempted"  # stopped on a spot notice, scale-in or shutdown
+    INTERRUPTED = "interrupted"  # the instance vanished; closed by the next life from its heartbeat
+    STOPPED = "stopped"
+    COST_CAP = "cost_cap"
+    FAILED = "failed"
+    STALLED = "stalled"
+    NO_DATA = "no_data"
+
+
+class StackOutput(str, Enum):
+    """`pulumi stack output` names the CLI reads."""
+
+    REGION = "region"
+    BUCKET_NAME = "bucket_name"
+    DATA_PREFIX = "data_prefix"
+    CODE_PREFIX = "code_prefix"
+    CHECKPOINTS_PREFIX = "checkpoints_prefix"
+    RESULTS_PREFIX = "results_prefix"
+    STATE_PREFIX = "state_prefix"
+    DATA_UPLOAD_COMMAND = "data_upload_command"
+    GROUP_NAME = "group_name"
+    INSTANCE_COUNT = "instance_count"
+    INSTANCE_TYPES = "instance_types"
+    LOG_GROUP_NAME = "log_group_name"
+    TOPIC_ARN = "topic_arn"
+    KMS_KEY_ARN = "kms_key_arn"
+    DASHBOARD_URL = "dashboard_url"
+    SSM_SESSION_COMMAND = "ssm_session_command"
+
+
+# What resumes a job the agent scaled to zero (stopped, cost cap, failed, no data): never `pulumi up` alone.
+RESUME_COMMAND = "trainstack resume"
