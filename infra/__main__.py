@@ -13,6 +13,7 @@ import pulumi_aws as aws  # noqa: E402
 
 from bootstrap.agent_config import Prefixes  # noqa: E402
 from infra.bundle import build_bundle  # noqa: E402
+from infra.capacity import CapacityFallback, CapacityFallbackArgs  # noqa: E402
 from infra.config import load_stack_config  # noqa: E402
 from infra.fleet import Fleet, FleetArgs, resolve_image  # noqa: E402
 from infra.identity import Identity, IdentityArgs  # noqa: E402
@@ -106,6 +107,25 @@ fleet = Fleet(
         tags=tags,
     ),
 )
+if config.spot_fallback_minutes > 0:
+    CapacityFallback(
+        "capacity",
+        CapacityFallbackArgs(
+            name=config.name,
+            stack=config.stack,
+            partition=partition,
+            region=config.region,
+            account_id=account_id,
+            group_name=config.group_name,
+            fallback_minutes=config.spot_fallback_minutes,
+            spot_on_demand_percentage=config.on_demand_percentage_above_base,
+            kms_key_arn=storage.key.arn,
+            log_group_name=f"{config.log_group_name}/capacity-fallback",
+            log_retention_days=config.log_retention_days,
+            depends_on=[fleet.group],
+            tags=tags,
+        ),
+    )
 
 pulumi.export("region", config.region)
 pulumi.export("bucket_name", storage.bucket.bucket)

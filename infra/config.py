@@ -49,6 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "maxCostUsd": "",
     "maxConsecutiveFailures": 3,
     "stallTimeoutMinutes": 30,
+    "spotFallbackMinutes": 15,
 }
 
 # Instance families with NVIDIA GPUs that the x86_64 Deep Learning AMI boots on.
@@ -128,6 +129,7 @@ class StackConfig:
     max_cost_usd: float | None
     max_consecutive_failures: int
     stall_timeout_minutes: int
+    spot_fallback_minutes: int = 15
 
     @property
     def name(self) -> str:
@@ -217,6 +219,7 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
     max_cost_text = value("maxCostUsd", _string, "25").strip()
     max_failures = value("maxConsecutiveFailures", _integer, "3")
     stall_minutes = value("stallTimeoutMinutes", _integer, "30")
+    fallback_minutes = _spot_fallback_minutes(value("spotFallbackMinutes", _integer, "15"), problems)
 
     _check_instance_types(instance_types, problems)
     if isinstance(instance_count, int) and instance_count != 1:
@@ -323,7 +326,17 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
         max_cost_usd=max_cost,
         max_consecutive_failures=max_failures,
         stall_timeout_minutes=stall_minutes,
+        spot_fallback_minutes=fallback_minutes,
     )
+
+
+def _spot_fallback_minutes(minutes: Any, problems: _Problems) -> int:
+    """0 = never; otherwise the minutes without a launch, while the group wants one, before on-demand."""
+    _check_range(
+        problems, "spotFallbackMinutes", minutes, 0, 24 * 60, "15",
+        "minutes without a spot launch before launching on-demand; 0 = never",
+    )  # fmt: skip
+    return int(minutes)
 
 
 def _string(raw: Any) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pulumi_policy import Policy, PolicyConfigSchema, ResourceValidationPolicy, Severity
 
-from . import compute, identity, network, observability, storage
+from . import capacity, compute, identity, network, observability, storage
 from . import resource_types as t
 from .control import resource_policy, stack_policy
 
@@ -218,4 +218,5 @@ POLICIES: list[Policy] = [
         Severity.CRITICAL,
         "fetch secrets at boot from SSM Parameter Store or Secrets Manager with the instance role",
     ),
+    *capacity.POLICIES,
 ]

@@ -143,8 +143,16 @@ def test_pinned_ami_is_used_as_is() -> None:
 
 
 def test_event_rules_send_readable_sentences_to_the_topic(example_stack: StackRun) -> None:
-    rules = {r.name: r.inputs for r in example_stack.of_type("aws:cloudwatch/eventRule:EventRule")}
-    targets = example_stack.of_type("aws:cloudwatch/eventTarget:EventTarget")
+    rules = {
+        r.name: r.inputs
+        for r in example_stack.of_type("aws:cloudwatch/eventRule:EventRule")
+        if r.parent == "observability"
+    }
+    targets = [
+        r
+        for r in example_stack.of_type("aws:cloudwatch/eventTarget:EventTarget")
+        if r.parent == "observability"
+    ]
     assert len(rules) == len(targets) == 3
     for target in targets:
         assert target.inputs["arn"] == example_stack.outputs["topic_arn"]

@@ -226,7 +226,8 @@ def compliant_stack() -> list[Resource]:
                             {
                                 "Effect": "Allow",
                                 "Action": "autoscaling:SetDesiredCapacity",
-                                "Resource": "arn:aws:autoscaling:*",
+                                "Resource": "arn:aws:autoscaling:us-east-1:123456789012:autoScalingGroup:*:"
+                                "autoScalingGroupName/trainstack-dev-gpu",
                             }
                         ),
                     }

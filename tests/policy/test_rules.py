@@ -406,6 +406,30 @@ MUTATIONS: list[tuple[str, Mutation, str, str]] = [
 ]
 
 
+MUTATIONS += [
+    (
+        "lambda-logging-to-its-default-group",
+        _add(Resource("aws:lambda/function:Function", "function", {"runtime": "python3.13"})),
+        "lambda-logs-encrypted",
+        "/aws/lambda/<name> is unencrypted",
+    ),
+    (
+        "instance-role-sets-capacity-of-every-group",
+        _set(
+            "instance-role",
+            "inlinePolicies",
+            0,
+            "policy",
+            value=_policy_document(
+                {"Effect": "Allow", "Action": "autoscaling:SetDesiredCapacity", "Resource": "*"}
+            ),
+        ),
+        "autoscaling-changes-scoped",
+        "name the group",
+    ),
+]
+
+
 def test_every_policy_is_mandatory_and_names_its_controls() -> None:
     for policy in POLICIES:
         assert policy.enforcement_level is not None and policy.enforcement_level.value == "mandatory"

@@ -1,0 +1,193 @@
+"""Capacity fallback: a small function that launches on-demand when spot capacity is missing, then returns."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pulumi
+import pulumi_aws as aws
+
+from infra import policies
+
+HANDLER = Path(__file__).resolve().parent / "capacity_fallback" / "handler.py"
+SCHEDULE = "rate(5 minutes)"
+# Auto Scaling's Describe* actions take no resource ARN; AWS requires `"Resource": "*"` for them.
+DESCRIBE_ACTIONS = ["autoscaling:DescribeAutoScalingGroups", "autoscaling:DescribeScalingActivities"]
+
+
+@dataclass
+class CapacityFallbackArgs:
+    name: str
+    stack: str
+    partition: str
+    region: str
+    account_id: str
+    group_name: str
+    fallback_minutes: int
+    # The group's configured OnDemandPercentageAboveBaseCapacity: the value "back to spot" restores.
+    spot_on_demand_percentage: int
+    kms_key_arn: pulumi.Input[str]
+    log_group_name: str
+    log_retention_days: int
+    # Created after the group exists, so its first launch failures already reach the function.
+    depends_on: list[pulumi.Resource] = field(default_factory=list)
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+def group_arn_pattern(*, partition: str, region: str, account_id: str, group_name: str) -> str:
+    """The group's ARN with its generated id left open: the name is fixed before the group exists."""
+    return (
+        f"arn:{partition}:autoscaling:{region}:{account_id}:autoScalingGroup:*:"
+        f"autoScalingGroupName/{group_name}"
+    )
+
+
+def function_policy(*, group_arn: str, log_group_arn: str) -> dict[str, Any]:
+    """The function's role: read its group, change that group only, write its own log group."""
+    return {
+        "Version": "2012-10-17",
+        "Statement": [
+            {"Sid": "ReadTheGroup", "Effect": "Allow", "Action": DESCRIBE_ACTIONS, "Resource": "*"},
+            {
+                "Sid": "SwitchThisGroupsPurchaseOption",
+                "Effect": "Allow",
+                "Action": "autoscaling:UpdateAutoScalingGroup",
+                "Resource": group_arn,
+            },
+            {
+                "Sid": "WriteItsOwnLogs",
+                "Effect": "Allow",
+                "Action": ["logs:CreateLogStream", "logs:PutLogEvents"],
+                "Resource": f"{log_group_arn}:*",
+            },
+        ],
+    }
+
+
+def group_events_pattern(group_name: str) -> dict[str, Any]:
+    """Unsuccessful launches (spot capacity may be gone), terminations (an on-demand life may have ended)."""
+    return {
+        "source": ["aws.autoscaling"],
+        "detail-type": ["EC2 Instance Launch Unsuccessful", "EC2 Instance Terminate Successful"],
+        "detail": {"AutoScalingGroupName": [group_name]},
+    }
+
+
+class CapacityFallback(pulumi.ComponentResource):
+    """Lambda function, its role and encrypted log group, and the two EventBridge rules that invoke it."""
+
+    function: aws.lambda_.Function
+    log_group: aws.cloudwatch.LogGroup
+    role: aws.iam.Role
+
+    def __init__(
+        self, name: str, args: CapacityFallbackArgs, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        super().__init__("trainstack:capacity:CapacityFallback", name, None, opts)
+        self._name = name
+        self._args = args
+        self._child = pulumi.ResourceOptions(parent=self)
+        # Named under the stack's log prefix: the key policy lets CloudWatch Logs encrypt exactly those.
+        self.log_group = aws.cloudwatch.LogGroup(
+            f"{name}-logs",
+            name=args.log_group_name,
+            retention_in_days=args.log_retention_days,
+            kms_key_id=args.kms_key_arn,
+            tags=args.tags,
+            opts=self._child,
+        )
+        self.role = self._create_role()
+        self.function = self._create_function()
+        self._invoke_on(
+            "group-events",
+            "launch failures and terminations",
+            event_pattern=json.dumps(group_events_pattern(args.group_name)),
+        )
+        self._invoke_on("schedule", f"capacity check, {SCHEDULE}", schedule=SCHEDULE)
+        self.register_outputs({"function_name": self.function.name, "log_group_name": self.log_group.name})
+
+    def _create_role(self) -> aws.iam.Role:
+        args = self._args
+        role = aws.iam.Role(
+            f"{self._name}-role",
+            name=f"{args.name}-capacity-fallback",
+            description=f"{args.name} capacity fallback: reads and switches {args.group_name} only",
+            assume_role_policy=json.dumps(policies.assume_role_policy("lambda.amazonaws.com")),
+            max_session_duration=3600,
+            tags=args.tags,
+            opts=self._child,
+        )
+        group_arn = group_arn_pattern(
+            partition=args.partition,
+            region=args.region,
+            account_id=args.account_id,
+            group_name=args.group_name,
+        )
+        aws.iam.RolePolicy(
+            f"{self._name}-policy",
+            role=role.id,
+            policy=self.log_group.arn.apply(
+                lambda arn: json.dumps(function_policy(group_arn=group_arn, log_group_arn=arn))
+            ),
+            opts=self._child,
+        )
+        return role
+
+    def _create_function(self) -> aws.lambda_.Function:
+        args = self._args
+        return aws.lambda_.Function(
+            f"{self._name}-function",
+            name=f"{args.name}-capacity-fallback",
+            description=f"{args.name}: on-demand after {args.fallback_minutes} min without a spot launch",
+            runtime=aws.lambda_.Runtime.PYTHON3D13,
+            architectures=["arm64"],
+            handler="handler.handler",
+            # One file, stdlib + boto3 (in the runtime): no build step, and the path holds from any cwd.
+            code=pulumi.AssetArchive({"handler.py": pulumi.FileAsset(str(HANDLER))}),
+            role=self.role.arn,
+            timeout=30,
+            memory_size=128,
+            environment=aws.lambda_.FunctionEnvironmentArgs(
+                variables={
+                    "GROUP_NAME": args.group_name,
+                    "FALLBACK_MINUTES": str(args.fallback_minutes),
+                    "SPOT_ON_DEMAND_PERCENTAGE": str(args.spot_on_demand_percentage),
+                }
+            ),
+            logging_config=aws.lambda_.FunctionLoggingConfigArgs(
+                log_format="Text", log_group=self.log_group.name
+            ),
+            tags=args.tags,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.log_group]),
+        )
+
+    def _invoke_on(
+        self, role: str, description: str, *, event_pattern: str | None = None, schedule: str | None = None
+    ) -> None:
+        args = self._args
+        rule = aws.cloudwatch.EventRule(
+            f"{self._name}-{role}",
+            name=f"{args.name}-capacity-{role}",
+            description=f"trainstack {args.stack}: {description} -> capacity fallback",
+            event_pattern=event_pattern,
+            schedule_expression=schedule,
+            tags=args.tags,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=args.depends_on),
+        )
+        permission = aws.lambda_.Permission(
+            f"{self._name}-{role}-invoke",
+            action="lambda:InvokeFunction",
+            function=self.function.name,
+            principal="events.amazonaws.com",
+            source_arn=rule.arn,
+            opts=self._child,
+        )
+        aws.cloudwatch.EventTarget(
+            f"{self._name}-{role}-target",
+            rule=rule.name,
+            arn=self.function.arn,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[permission]),
+        )

@@ -1,0 +1,212 @@
+"""The capacity fallback's Lambda handler: spot → on-demand after a launch drought, back to spot after."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import boto3
+
+# Stdlib + boto3 only: this file is the whole Lambda package (infra/capacity.py zips it alone).
+
+LOG = logging.getLogger("trainstack.capacity_fallback")
+LOG.setLevel(logging.INFO)
+
+FALL_BACK = "fall_back_to_on_demand"
+RETURN_TO_SPOT = "return_to_spot"
+STAY = "none"
+
+ON_DEMAND_ONLY = 100
+# Auto Scaling retries a failed launch within minutes for as long as it wants capacity. A longer silence
+# between two failures means it stopped wanting (scaled to zero, then resumed): a new drought starts.
+DROUGHT_GAP = timedelta(minutes=30)
+# How far back the scaling activities are read: longer than any fallback delay a user would configure.
+LOOKBACK = timedelta(hours=12)
+_MAX_PAGES = 10
+_ACTIVE_STATES = ("Pending", "Pending:Wait", "Pending:Proceed", "InService")
+_LAUNCH_FAILED = ("Failed", "Cancelled")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the program configured for this one group (the function's environment)."""
+
+    group_name: str
+    fallback_minutes: int
+    spot_on_demand_percentage: int  # the group's configured OnDemandPercentageAboveBaseCapacity
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Settings:
+        return cls(
+            group_name=env["GROUP_NAME"],
+            fallback_minutes=int(env["FALLBACK_MINUTES"]),
+            spot_on_demand_percentage=int(env["SPOT_ON_DEMAND_PERCENTAGE"]),
+        )
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch attempt from the group's scaling activities."""
+
+    started_at: datetime
+    succeeded: bool
+
+
+@dataclass(frozen=True)
+class Group:
+    """The part of DescribeAutoScalingGroups the decision reads."""
+
+    desired: int
+    active: int  # instances pending or in service
+    on_demand_percentage: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str
+    reason: str
+
+
+def decide(group: Group, launches: Sequence[Launch], now: datetime, settings: Settings) -> Decision:
+    """The whole policy, pure: what to do with the group now. State lives in the group itself.
+
+    The group is "in fallback" when it is set to 100% on-demand while configured for spot. No other state is
+    kept: how long the group has gone without a launch is read from its scaling activities.
+    """
+    if settings.fallback_minutes <= 0 or settings.spot_on_demand_percentage >= ON_DEMAND_ONLY:
+        return Decision(STAY, "fallback disabled (spotFallbackMinutes 0, or the group is already on-demand)")
+    newest_first = sorted(launches, key=lambda launch: launch.started_at, reverse=True)
+    if group.on_demand_percentage >= ON_DEMAND_ONLY:
+        return _in_fallback(group, newest_first)
+    if group.active >= group.desired:
+        return Decision(STAY, f"has what it wants ({group.active} of {group.desired})")
+    since = drought_start(newest_first, now)
+    if since is None:
+        return Decision(STAY, "wants an instance; no unsuccessful launch yet")
+    waited = now - since
+    if waited < timedelta(minutes=settings.fallback_minutes):
+        return Decision(
+            STAY,
+            f"no spot launch for {_minutes(waited)} of {settings.fallback_minutes} min while wanting "
+            f"{group.desired - group.active}",
+        )
+    return Decision(
+        FALL_BACK,
+        f"no spot launch for {_minutes(waited)} (limit {settings.fallback_minutes} min) while wanting "
+        f"{group.desired - group.active}: launching on-demand",
+    )
+
+
+def _in_fallback(group: Group, newest_first: Sequence[Launch]) -> Decision:
+    # Back to spot at the next launch after the on-demand life: a running on-demand instance is never cut
+    # short (its job would pay a checkpoint and a restore); once it is gone, spot is tried first again.
+    if group.active > 0:
+        return Decision(STAY, "on-demand instance running; spot is tried again at the next launch")
+    if group.desired == 0:
+        return Decision(RETURN_TO_SPOT, "group at zero: the next launch tries spot first")
+    if newest_first and newest_first[0].succeeded:
+        return Decision(RETURN_TO_SPOT, "the on-demand life ended and a launch is due: spot first")
+    return Decision(STAY, "waiting for the on-demand launch")
+
+
+def drought_start(newest_first: Sequence[Launch], now: datetime) -> datetime | None:
+    """When the current run of unsuccessful launches began (None: the newest launch succeeded, or none)."""
+    start: datetime | None = None
+    later = now
+    for launch in newest_first:
+        if launch.succeeded or later - launch.started_at > DROUGHT_GAP:
+            break
+        start = later = launch.started_at
+    return start
+
+
+def read_group(description: Mapping[str, Any]) -> Group:
+    distribution = description.get("MixedInstancesPolicy", {}).get("InstancesDistribution", {})
+    active = sum(1 for i in description.get("Instances", []) if i.get("LifecycleState") in _ACTIVE_STATES)
+    return Group(
+        desired=int(description["DesiredCapacity"]),
+        active=active,
+        on_demand_percentage=int(distribution.get("OnDemandPercentageAboveBaseCapacity", ON_DEMAND_ONLY)),
+    )
+
+
+def read_launches(activities: Iterable[Mapping[str, Any]]) -> list[Launch]:
+    """Launch attempts only (terminations are not launches); a launch in progress counts as launched."""
+    return [
+        Launch(started_at=activity["StartTime"], succeeded=activity.get("StatusCode") not in _LAUNCH_FAILED)
+        for activity in activities
+        if str(activity.get("Description", "")).startswith("Launching a new EC2 instance")
+    ]
+
+
+def distribution_update(description: Mapping[str, Any], on_demand_percentage: int) -> dict[str, Any]:
+    """The group's own mixed instances policy with one field changed, as UpdateAutoScalingGroup takes it."""
+    policy = description["MixedInstancesPolicy"]
+    template = policy["LaunchTemplate"]
+    spec = template["LaunchTemplateSpecification"]
+    # Describe returns the template's id and name; Update takes exactly one of them.
+    which = {"LaunchTemplateId": spec["LaunchTemplateId"]} if spec.get("LaunchTemplateId") else {
+        "LaunchTemplateName": spec["LaunchTemplateName"]
+    }  # fmt: skip
+    launch_template: dict[str, Any] = {"LaunchTemplateSpecification": {**which, "Version": spec["Version"]}}
+    if template.get("Overrides"):
+        launch_template["Overrides"] = template["Overrides"]
+    return {
+        "LaunchTemplate": launch_template,
+        "InstancesDistribution": {
+            **policy.get("InstancesDistribution", {}),
+            "OnDemandPercentageAboveBaseCapacity": on_demand_percentage,
+        },
+    }
+
+
+def run(event: Mapping[str, Any], autoscaling: Any, settings: Settings, now: datetime) -> dict[str, str]:
+    """Read the group, decide, act; returns the decision (also logged as one JSON line)."""
+    named = event.get("detail", {}).get("AutoScalingGroupName")
+    if named and named != settings.group_name:
+        # The rule filters by group already; a stray event must never move another group.
+        return _log({"action": STAY, "reason": f"event of another group, {named}", "group": named})
+    groups = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[settings.group_name])
+    if not groups["AutoScalingGroups"]:
+        return _log({"action": STAY, "reason": "group not found", "group": settings.group_name})
+    description = groups["AutoScalingGroups"][0]
+    decision = decide(read_group(description), _recent_launches(autoscaling, settings, now), now, settings)
+    if decision.action != STAY:
+        percentage = ON_DEMAND_ONLY if decision.action == FALL_BACK else settings.spot_on_demand_percentage
+        autoscaling.update_auto_scaling_group(
+            AutoScalingGroupName=settings.group_name,
+            MixedInstancesPolicy=distribution_update(description, percentage),
+        )
+    return _log({"action": decision.action, "reason": decision.reason, "group": settings.group_name})
+
+
+def _recent_launches(autoscaling: Any, settings: Settings, now: datetime) -> list[Launch]:
+    activities: list[Mapping[str, Any]] = []
+    request: dict[str, Any] = {"AutoScalingGroupName": settings.group_name, "MaxRecords": 100}
+    for _ in range(_MAX_PAGES):
+        page = autoscaling.describe_scaling_activities(**request)
+        activities.extend(page.get("Activities", []))
+        # Newest first: stop once a page reaches past the lookback.
+        if not page.get("NextToken") or any(a["StartTime"] < now - LOOKBACK for a in page["Activities"]):
+            break
+        request["NextToken"] = page["NextToken"]
+    return read_launches(activities)
+
+
+def _minutes(delta: timedelta) -> str:
+    return f"{delta.total_seconds() / 60:.0f} min"
+
+
+def _log(result: dict[str, str]) -> dict[str, str]:
+    LOG.info(json.dumps(result))
+    return result
+
+
+def handler(event: Mapping[str, Any], context: object) -> dict[str, str]:
+    """Lambda entry point: the group's launch-unsuccessful or termination event, or the 5-minute schedule."""
+    return run(event, boto3.client("autoscaling"), Settings.from_env(os.environ), datetime.now(timezone.utc))
