@@ -50,6 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "maxConsecutiveFailures": 3,
     "stallTimeoutMinutes": 30,
     "spotFallbackMinutes": 15,
+    "expectedHours": "",
 }
 
 # Instance families with NVIDIA GPUs that the x86_64 Deep Learning AMI boots on.
@@ -130,6 +131,7 @@ class StackConfig:
     max_consecutive_failures: int
     stall_timeout_minutes: int
     spot_fallback_minutes: int = 15
+    expected_hours: float | None = None
 
     @property
     def name(self) -> str:
@@ -220,6 +222,7 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
     max_failures = value("maxConsecutiveFailures", _integer, "3")
     stall_minutes = value("stallTimeoutMinutes", _integer, "30")
     fallback_minutes = _spot_fallback_minutes(value("spotFallbackMinutes", _integer, "15"), problems)
+    expected_hours = _expected_hours(value("expectedHours", _string, "24").strip(), problems)
 
     _check_instance_types(instance_types, problems)
     if isinstance(instance_count, int) and instance_count != 1:
@@ -327,6 +330,7 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
         max_consecutive_failures=max_failures,
         stall_timeout_minutes=stall_minutes,
         spot_fallback_minutes=fallback_minutes,
+        expected_hours=expected_hours,
     )
 
 
@@ -337,6 +341,16 @@ def _spot_fallback_minutes(minutes: Any, problems: _Problems) -> int:
         "minutes without a spot launch before launching on-demand; 0 = never",
     )  # fmt: skip
     return int(minutes)
+
+
+def _expected_hours(text: str, problems: _Problems) -> float | None:
+    """The job's expected length for `trainstack estimate`; empty = unknown."""
+    if not text:
+        return None
+    if _PRICE.match(text) and float(text) > 0:
+        return float(text)
+    problems.add("expectedHours", f"{text!r} is not a positive number of hours; empty = unknown", "24")
+    return None
 
 
 def _string(raw: Any) -> str:

@@ -9,14 +9,14 @@ from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from trainstack import control, doctor, logs, prices, session, status, transfer
+from trainstack import control, doctor, estimate, logs, prices, session, status, transfer
 from trainstack.aws import Clients, explain
 from trainstack.errors import CliError
 from trainstack.output import print_error
 from trainstack.stack import Stack
 
 # Commands that run before `pulumi up` read only the stack config; the rest need its outputs.
-_CONFIG_ONLY = {"doctor", "prices"}
+_CONFIG_ONLY = {"doctor", "prices", "estimate"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--days", type=float, default=1.0, help="price history window in days (default 1)"
     )
 
+    estimate_parser = commands.add_parser(
+        "estimate",
+        parents=both,
+        help="projected job cost per instance type, spot and on-demand, beside maxCostUsd",
+        description="Before `pulumi up`: instance count x expected hours (trainstack:expectedHours) x "
+        "today's spot price (cheapest AZ) and on-demand price of each configured type, the cheapest and the "
+        "most expensive, beside the cost cap trainstack:maxCostUsd.",
+    )
+    estimate_parser.add_argument(
+        "--hours", type=float, metavar="H", help="expected job hours (default: trainstack:expectedHours)"
+    )
+    estimate_parser.add_argument(
+        "--markdown", action="store_true", help="a Markdown table (the pull-request comment)"
+    )
+
     shell = commands.add_parser("shell", parents=[common], help="SSM Session Manager shell on an instance")
     shell.add_argument("--instance", metavar="ID", help="instance id (default: the first in service)")
     forward = commands.add_parser(
@@ -142,6 +157,8 @@ def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
         )
     if command == "results":
         return transfer.run_pull(clients, stack, args.dir, as_json=as_json)
+    if command == "estimate":
+        return estimate.run(clients, stack, hours=args.hours, as_json=as_json, as_markdown=args.markdown)
     if command == "prices":
         return prices.run(clients, stack, types=args.types, days=args.days, as_json=as_json)
     if command == "shell":
