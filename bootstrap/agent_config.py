@@ -56,6 +56,8 @@ class AgentConfig:
     # completes once its last upload is confirmed; null = the group has none.
     lifecycle_hook: str | None = "trainstack-drain"
     job: dict[str, Any] = field(default_factory=dict)
+    # A user's own job (bootstrap/job.py JobSpec.to_mapping()); null = the built-in trainer with `job`.
+    user_job: dict[str, Any] | None = None
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(asdict(self), sort_keys=False)
@@ -109,6 +111,13 @@ class AgentConfig:
             problems.append("'gpu_required' must be true or false")
         if "job" in raw and not isinstance(raw["job"], dict):
             problems.append("'job' must be a mapping (the trainer's YAML config)")
+        if raw.get("user_job") is not None:
+            from bootstrap.job import JobSpec, JobSpecError
+
+            try:
+                JobSpec.from_mapping(raw["user_job"], "'user_job'")
+            except JobSpecError as exc:
+                problems += exc.problems
         if raw.get("scratch_dir") is not None and not isinstance(raw["scratch_dir"], str):
             problems.append(
                 "'scratch_dir' must be a path or null (null = instance-store NVMe, else root volume)"

@@ -10,6 +10,7 @@ Two promises shape this module (docs/internals.md, "Agent lives"):
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -26,15 +27,18 @@ from bootstrap.eventlog import EventLog, iso, utc_now
 from bootstrap.fleet import Fleet
 from bootstrap.gpumetrics import GpuMetricPublisher
 from bootstrap.imds import ImdsClient, ImdsUnavailableError, InstanceIdentity
+from bootstrap.job import BUNDLE_JOB_DIR, JobSpec, JobSpecError, prepare_python
 from bootstrap.ledger import FAILED_OUTCOMES, JobLedger, LedgerStore
 from bootstrap.logshipper import LogShipper
 from bootstrap.notify import Notifier, format_duration, format_metrics
 from bootstrap.persist import CheckpointPersister, PersistResult, UploadAbandonedError
 from bootstrap.preflight import GpuPreflight
 from bootstrap.pricing import PriceLookup, SpotPriceLookup
+from bootstrap.results import upload_results
 from bootstrap.scratch import prepare_scratch
 from bootstrap.statestore import LEDGER, PROGRESS, StateStore
 from bootstrap.trainer import (
+    CODE_ROOT,
     EXIT_COMPLETED,
     EXIT_STOPPED,
     PERMANENT_FAILURES,
@@ -123,8 +127,13 @@ class InstanceLife:
         release_wait_seconds: float = 120.0,
         state_poll_seconds: float = 10.0,
         tick_seconds: float = 0.5,
+        job_root: Path | None = None,
     ) -> None:
         self.config = config
+        # Where a user's job workdir is: inside the unpacked bundle on an instance, anywhere in the demo.
+        self._job_root = job_root or CODE_ROOT / BUNDLE_JOB_DIR
+        self.user_job = JobSpec.from_mapping(config.user_job, "user_job") if config.user_job else None
+        self._paths: TrainerPaths | None = None
         self.log = log or EventLog()
         self.clients = clients or AwsClients.for_region(config.region)
         self.imds = imds or ImdsClient()
@@ -364,6 +373,8 @@ class InstanceLife:
         if gpu_count is None:
             return "replace"
         scratch = prepare_scratch(self.config.scratch_dir, self.log)
+        if self.user_job is not None and not self.user_job.data_sync:
+            return self._train(scratch, gpu_count)
         dataset = DataSync(
             self.clients.s3, self.config.bucket, self.config.prefixes.data, self.config.region, self.log
         )
@@ -501,25 +512,25 @@ class InstanceLife:
 
     def _train(self, scratch: Path, gpu_count: int) -> str | Failure:
         prefixes = self.config.prefixes
-        paths = TrainerPaths(
-            scratch=scratch, output_uri=f"s3://{self.config.bucket}/{prefixes.results.rstrip('/')}"
-        )
+        paths = self._paths = TrainerPaths(scratch=scratch)
+        keep = self.user_job.checkpoint_keep if self.user_job else 3
         persister = CheckpointPersister(
-            self.clients.s3, self.config.bucket, prefixes.checkpoints, paths.checkpoint_dir, self.log
+            self.clients.s3,
+            self.config.bucket,
+            prefixes.checkpoints,
+            paths.checkpoint_dir,
+            self.log,
+            keep=keep,
         )
         self.phase = "restore"
         try:
             restored = persister.restore(should_abort=self._stopping.is_set)
-        except UploadAbandonedError:
+            trainer = self._job_process(paths, gpu_count, restored)
+        except (UploadAbandonedError, InterruptedError):
             return self._stopped_before_training()
-        command = self._trainer_command or default_trainer_command(gpu_count)
-        trainer = TrainerProcess(
-            command,
-            paths,
-            dict(self.config.job),
-            self._trainer_log_sink(),
-            defer_early_signals=self._trainer_command is None,
-        )
+        except JobSpecError as exc:
+            fix = "fix the job's requirements file, run pulumi up, then trainstack resume"
+            return Failure("failed", exc.problems[0], list(self.log.tail), fix=fix, permanent=True)
         self._progress_file = paths.progress_file
         metrics = GpuMetricPublisher(self.clients.cloudwatch, self.config.group_name, self.log)
         with self._stop_lock:
@@ -547,6 +558,36 @@ class InstanceLife:
         persister.close()
         self._upload_progress_quietly()
         return self._classify_exit(code, reason, persisted, trainer)
+
+    def _job_process(self, paths: TrainerPaths, gpu_count: int, restored: int | None) -> TrainerProcess:
+        """The job to run: a user's command in its workdir (and requirements), or the built-in trainer."""
+        spec = self.user_job
+        env = paths.contract_env(with_data=spec is None or spec.data_sync, restored_step=restored)
+        if spec is None:
+            command = self._trainer_command or default_trainer_command(gpu_count)
+            return TrainerProcess(
+                command,
+                paths,
+                dict(self.config.job),
+                self._trainer_log_sink(),
+                defer_early_signals=self._trainer_command is None,
+                env=env,
+            )
+        workdir = self._job_root / spec.workdir
+        self.phase = "job-setup"
+        python = prepare_python(
+            trainer_python(),
+            workdir / spec.requirements if spec.requirements else None,
+            paths.scratch / "python",
+            self.log.event,
+            should_abort=self._stopping.is_set,
+        )
+        # `python` in the job's command means the job's interpreter: the AMI's PyTorch env or its venv.
+        command = [python if arg in ("python", "python3") else arg for arg in spec.command]
+        self.log.event("job", "user job", name=spec.name, workdir=str(workdir), restored_step=restored)
+        return TrainerProcess(
+            command, paths, {}, self._trainer_log_sink(), user_job=True, cwd=workdir, env={**env, **spec.env}
+        )
 
     def _trainer_log_sink(self) -> Any:
         assert self.identity is not None
@@ -585,7 +626,9 @@ class InstanceLife:
                     return "killed"
             else:
                 progress = read_progress(trainer.paths.progress_file)
-                if watchdog.observe(progress.get("step") if progress else None):
+                # A user's job that never reports progress is not watched (docs/job-contract.md).
+                watched = progress is not None or self.user_job is None
+                if watched and watchdog.observe(progress.get("step") if progress else None):
                     idle = round(watchdog.idle_seconds())
                     trainer.kill()
                     if restarted:
@@ -674,19 +717,25 @@ class InstanceLife:
 
     def _completed(self) -> LifeResult:
         results = self.config.prefixes.results
-        missing = []
-        for name in ("model.pt", "metrics.json"):
-            try:
-                self.clients.s3.head_object(Bucket=self.config.bucket, Key=results + name)
-            except Exception:
-                missing.append(f"s3://{self.config.bucket}/{results}{name}")
-        if missing:
-            return self._failed(
-                Failure(
-                    "failed", f"trainer exited 0 but {', '.join(missing)} is missing", list(self.log.tail)
+        assert self._paths is not None
+        output = self._paths.output_dir
+        if self.user_job is None:
+            expected = [output / name for name in ("model.pt", "metrics.json")]
+            missing = ", ".join(str(path) for path in expected if not path.is_file())
+            if missing:
+                return self._failed(
+                    Failure("failed", f"trainer exited 0 but {missing} is missing", list(self.log.tail))
                 )
-            )
-        metrics = self._metrics()
+        try:
+            keys = upload_results(self.clients.s3, self.config.bucket, results, output)
+        except Exception as exc:
+            # The next life restores the final checkpoint, finishes at once and uploads again.
+            reason = f"results upload failed: {_one_line(exc)}"
+            return self._failed(Failure("failed", reason, list(self.log.tail)))
+        self.log.event(
+            "results", "results uploaded", uri=f"s3://{self.config.bucket}/{results}", files=len(keys)
+        )
+        metrics = self._metrics(output)
 
         def complete(ledger: JobLedger) -> None:
             ledger.end_life("completed", utc_now())
@@ -711,13 +760,13 @@ class InstanceLife:
         self.log.event("end", "completed; scaled to zero", cost_usd=ledger.total_cost_usd, metrics=metrics)
         return LifeResult("completed")
 
-    def _metrics(self) -> dict[str, Any] | None:
+    @staticmethod
+    def _metrics(output: Path) -> dict[str, Any] | None:
         try:
-            return StateStore(self.clients.s3, self.config.bucket, self.config.prefixes.results).read(
-                "metrics.json"
-            )
-        except Exception:
+            value = json.loads((output / "metrics.json").read_text())
+        except (OSError, ValueError):
             return None
+        return value if isinstance(value, dict) else None
 
     def _failed(self, failure: Failure) -> LifeResult:
         limit = self.config.max_consecutive_failures

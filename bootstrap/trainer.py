@@ -1,4 +1,5 @@
-"""Starts and steers the trainer (`python -m training`, one rank per GPU), per docs/internals.md."""
+"""Starts and steers a job: the built-in trainer (`python -m training`, one rank per GPU) or a user's own
+command, both under the same contract (docs/job-contract.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from bootstrap.job import contract_env
 from training.stop import stop_signals_blocked
 
 DLAMI_PYTHON = Path("/opt/pytorch/bin/python")
@@ -53,17 +55,18 @@ def default_trainer_command(gpu_count: int) -> list[str]:
 
 @dataclass(frozen=True)
 class TrainerPaths:
-    """Where the trainer reads and writes on this instance, and where its results go in S3.
-
-    Checkpoints stay local (checkpoint.uri is empty): the agent's persister owns their copy in S3.
-    """
+    """Where a job reads and writes on this instance. Checkpoints and results stay local: the agent's
+    persister owns their copies in S3 (checkpoint.uri and output.uri are empty for the built-in trainer)."""
 
     scratch: Path
-    output_uri: str
 
     @property
     def checkpoint_dir(self) -> Path:
         return self.scratch / "checkpoints"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.scratch / "data"
 
     @property
     def config_file(self) -> Path:
@@ -86,16 +89,28 @@ class TrainerPaths:
         return self.scratch / "CHECKPOINT"
 
     def overrides(self) -> list[str]:
+        """The built-in trainer's config overrides: the same places as the contract's variables."""
         return [
-            f"data.train_dir={self.scratch / 'data' / 'train'}",
-            f"data.val_dir={self.scratch / 'data' / 'val'}",
+            f"data.train_dir={self.data_dir / 'train'}",
+            f"data.val_dir={self.data_dir / 'val'}",
             f"checkpoint.dir={self.checkpoint_dir}",
             "checkpoint.uri=",
             f"output.dir={self.output_dir}",
-            f"output.uri={self.output_uri}",
+            "output.uri=",
             f"train.stop_file={self.stop_file}",
             f"train.checkpoint_request_file={self.checkpoint_request_file}",
         ]
+
+    def contract_env(self, *, with_data: bool, restored_step: int | None) -> dict[str, str]:
+        return contract_env(
+            checkpoint_dir=self.checkpoint_dir,
+            output_dir=self.output_dir,
+            data_dir=self.data_dir if with_data else None,
+            stop_file=self.stop_file,
+            checkpoint_request_file=self.checkpoint_request_file,
+            progress_file=self.progress_file,
+            restored_step=restored_step,
+        )
 
 
 class TrainerProcess:
@@ -109,8 +124,15 @@ class TrainerProcess:
         on_line: Callable[[str], None],
         *,
         defer_early_signals: bool = False,
+        user_job: bool = False,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self._command = list(command)
+        # A user's command runs as given; the built-in trainer also gets its config file and overrides.
+        self._user_job = user_job
+        self._cwd = cwd or CODE_ROOT
+        self._env = dict(env or {})
         # The built-in trainer unblocks SIGTERM once its handler exists (training/stop.py), so a stop sent
         # while its interpreter starts stays pending instead of killing it. A user's job may not: it keeps
         # the default mask, and the stop file still reaches it.
@@ -124,21 +146,26 @@ class TrainerProcess:
 
     @property
     def argv(self) -> list[str]:
+        if self._user_job:
+            return list(self._command)
         return [*self._command, "--config", str(self.paths.config_file), *self.paths.overrides()]
 
     def start(self) -> None:
         self.paths.output_dir.mkdir(parents=True, exist_ok=True)
-        self.paths.config_file.write_text(yaml.safe_dump(self._job, sort_keys=False))
+        self.paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        if not self._user_job:
+            self.paths.config_file.write_text(yaml.safe_dump(self._job, sort_keys=False))
         # A stale stop or checkpoint request from an earlier run must not stop this one.
         self.paths.stop_file.unlink(missing_ok=True)
         self.paths.checkpoint_request_file.unlink(missing_ok=True)
         self.paths.progress_file.unlink(missing_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
+        # The bundle on the path: `import trainstack_job` works in any job without an install.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CODE_ROOT), env.get("PYTHONPATH", "")) if p)
         with stop_signals_blocked() if self._defer_early_signals else contextlib.nullcontext():
             self._process = subprocess.Popen(
                 self.argv,
-                cwd=CODE_ROOT,
+                cwd=self._cwd,
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

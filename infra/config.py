@@ -45,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "retainDataOnDestroy": True,
     "noncurrentVersionDays": 30,
     "logRetentionDays": 30,
+    "flowLogRetentionDays": 365,
     "trainingConfig": "training/configs/default.yaml",
     "maxCostUsd": "",
     "maxConsecutiveFailures": 3,
@@ -130,6 +131,8 @@ class StackConfig:
     max_cost_usd: float | None
     max_consecutive_failures: int
     stall_timeout_minutes: int
+    # FSBP CloudWatch.16's default: the network record is kept longer than the training logs.
+    flow_log_retention_days: int = 365
     spot_fallback_minutes: int = 15
     expected_hours: float | None = None
 
@@ -217,6 +220,7 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
     retain = value("retainDataOnDestroy", _boolean, "true")
     noncurrent_days = value("noncurrentVersionDays", _integer, "30")
     log_days = value("logRetentionDays", _integer, "30")
+    flow_log_days = value("flowLogRetentionDays", _integer, "365")
     training_config = value("trainingConfig", _string, "training/configs/default.yaml").strip()
     max_cost_text = value("maxCostUsd", _string, "25").strip()
     max_failures = value("maxConsecutiveFailures", _integer, "3")
@@ -287,6 +291,13 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
             f"({', '.join(map(str, LOG_RETENTION_DAYS))})",
             "30",
         )
+    if flow_log_days not in LOG_RETENTION_DAYS:
+        problems.add(
+            "flowLogRetentionDays",
+            f"{flow_log_days!r} is not a CloudWatch Logs retention period "
+            f"({', '.join(map(str, LOG_RETENTION_DAYS))})",
+            "365",
+        )
     training_path, job = _load_training_config(training_config, problems)
     max_cost: float | None = None
     if max_cost_text:
@@ -324,6 +335,7 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
         retain_data_on_destroy=retain,
         noncurrent_version_days=noncurrent_days,
         log_retention_days=log_days,
+        flow_log_retention_days=flow_log_days,
         training_config=training_path,
         job=job,
         max_cost_usd=max_cost,
@@ -436,21 +448,40 @@ def _check_vpc_cidr(cidr: str, problems: _Problems) -> None:
         problems.add("vpcCidr", f"{cidr!r} is not a private (RFC 1918) range", "10.42.0.0/16")
 
 
+# The most address space SSH may be opened to, all sshIngressCidrs together: one IPv4 /8, one IPv6 /32.
+# The policy pack's no-unrestricted-ingress judges every security group by the same numbers (SECURITY.md).
+MAX_INGRESS_ADDRESSES = {4: 2**24, 6: 2**96}
+
+
 def _check_ssh_cidrs(cidrs: tuple[str, ...], problems: _Problems) -> None:
     example = "'[\"203.0.113.7/32\"]'"
+    networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
     for cidr in cidrs:
         try:
-            network = ipaddress.ip_network(cidr)
+            networks.append(ipaddress.ip_network(cidr))
         except ValueError:
             problems.add("sshIngressCidrs", f"{cidr!r} is not a CIDR (host bits must be zero)", example)
+    # Judged by the address space they open together, not by how they are written: ["0.0.0.0/1",
+    # "128.0.0.0/1"] is the whole internet, and so is "::0/0".
+    unions: dict[int, list[ipaddress.IPv4Network | ipaddress.IPv6Network]] = {
+        4: list(ipaddress.collapse_addresses(n for n in networks if isinstance(n, ipaddress.IPv4Network))),
+        6: list(ipaddress.collapse_addresses(n for n in networks if isinstance(n, ipaddress.IPv6Network))),
+    }
+    for (version, union), widest in zip(unions.items(), ("/8", "/32"), strict=True):
+        size = sum(network.num_addresses for network in union)
+        if size <= MAX_INGRESS_ADDRESSES[version]:
             continue
-        if network.prefixlen == 0:
-            problems.add(
-                "sshIngressCidrs",
-                f"{cidr!r} opens SSH to the whole internet and is refused; use SSM Session Manager "
-                "(no open port) or your own address",
-                example,
-            )
+        written = [str(n) for n in networks if n.version == version]
+        subject = ", ".join(repr(cidr) for cidr in written[:3]) + (", ..." if len(written) > 3 else "")
+        verb = "opens" if len(written) == 1 else "together open"
+        whole = size == 2 ** (32 if version == 4 else 128)
+        reach = "the whole internet" if whole else f"more than an IPv{version} {widest}, i.e. the internet"
+        problems.add(
+            "sshIngressCidrs",
+            f"{subject} {verb} SSH to {reach} and is refused; use SSM Session Manager (no open port) "
+            "or your own address",
+            example,
+        )
 
 
 def _load_training_config(path_text: str, problems: _Problems) -> tuple[Path, dict[str, Any]]:
@@ -481,6 +512,6 @@ def _load_training_config(path_text: str, problems: _Problems) -> tuple[Path, di
 def _instance_overrides() -> list[str]:
     """What the agent sets on the instance, with placeholder paths: the file's own values for these keys never
     reach the trainer, so preview neither checks them nor needs the folders to exist."""
-    paths = TrainerPaths(scratch=Path("/scratch"), output_uri="s3://preview-bucket/results")
+    paths = TrainerPaths(scratch=Path("/scratch"))
     # The agent also passes the instance's GPU count (bootstrap/trainer.py: default_trainer_command).
     return [*paths.overrides(), "train.processes=1"]

@@ -1,6 +1,6 @@
 """Test-double trainer honouring the trainer ↔ agent contract (docs/job-contract.md): stop file/SIGTERM →
-committed local checkpoint → exit 75; checkpoint-request file; progress.json; artifacts on completion.
-Checkpoints stay in checkpoint.dir: the agent's persister owns their copy in S3.
+committed local checkpoint → exit 75; checkpoint-request file; progress.json; results in output.dir.
+Checkpoints and results stay local: the agent uploads them.
 
 Behaviour is steered by the job config's `fake:` mapping: steps, step_seconds, checkpoint_every,
 crash_at_step, exit_code (of the crash), hang_at_step, ignore_stop, checkpoint_bytes, complete_on_stop.
@@ -18,9 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import boto3
 import yaml
-from botocore.config import Config
 
 STOP = {"requested": False}
 
@@ -29,11 +27,6 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
     config_file = Path(argv[argv.index("--config") + 1])
     overrides = dict(arg.split("=", 1) for arg in argv if "=" in arg and not arg.startswith("--"))
     return yaml.safe_load(config_file.read_text()) or {}, overrides
-
-
-def split_uri(uri: str) -> tuple[str, str]:
-    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
-    return bucket, prefix.rstrip("/")
 
 
 def write_json_atomically(path: Path, value: dict[str, Any]) -> None:
@@ -66,8 +59,10 @@ def main() -> int:
     root = Path(overrides["checkpoint.dir"])
     root.mkdir(parents=True, exist_ok=True)
     assert not overrides.get("checkpoint.uri"), "under the agent the trainer must not upload checkpoints"
-    s3 = boto3.client("s3", config=Config(retries={"mode": "standard", "max_attempts": 8}))
-    out_bucket, out_prefix = split_uri(overrides["output.uri"])
+    assert not overrides.get("output.uri"), "under the agent the trainer must not upload its results"
+    assert os.environ["TRAINSTACK_CHECKPOINT_DIR"] == str(root), (
+        "the contract's variables name the same places"
+    )
     output_dir = Path(overrides["output.dir"])
     output_dir.mkdir(parents=True, exist_ok=True)
     stop_file = Path(overrides["train.stop_file"])
@@ -119,9 +114,8 @@ def main() -> int:
             return 75
         if stop and fake.get("complete_on_stop"):
             step = steps  # the stop came at the very end: finish instead
-    s3.put_object(Bucket=out_bucket, Key=f"{out_prefix}/model.pt", Body=b"fake weights")
-    metrics = {"val_accuracy": 0.5, "steps": step}
-    s3.put_object(Bucket=out_bucket, Key=f"{out_prefix}/metrics.json", Body=json.dumps(metrics).encode())
+    (output_dir / "model.pt").write_bytes(b"fake weights")
+    (output_dir / "metrics.json").write_text(json.dumps({"val_accuracy": 0.5, "steps": step}))
     return 0
 
 

@@ -118,7 +118,7 @@ def test_the_trainer_accepts_the_command_line_the_agent_builds(
 ) -> None:
     from training.__main__ import main as trainer_main
 
-    paths = TrainerPaths(scratch=tmp_path, output_uri="s3://b/results")
+    paths = TrainerPaths(scratch=tmp_path)
     argv = TrainerProcess(default_trainer_command(2), paths, {}, lambda _line: None).argv
     assert argv[1:3] == ["-m", "training"]
     # The job file is written only when the trainer starts: a config error (exit 2), not an argument error.
@@ -127,14 +127,14 @@ def test_the_trainer_accepts_the_command_line_the_agent_builds(
 
 
 def test_trainer_overrides_follow_the_internals_contract() -> None:
-    paths = TrainerPaths(Path("/s"), "s3://b/results")
+    paths = TrainerPaths(Path("/s"))
     assert paths.overrides() == [
         "data.train_dir=/s/data/train",
         "data.val_dir=/s/data/val",
         "checkpoint.dir=/s/checkpoints",
         "checkpoint.uri=",  # the agent's persister owns the S3 copy
         "output.dir=/s/output",
-        "output.uri=s3://b/results",
+        "output.uri=",  # the agent uploads the results
         "train.stop_file=/s/STOP",
         "train.checkpoint_request_file=/s/CHECKPOINT",
     ]

@@ -1,0 +1,258 @@
+"""A user's own job: its job file (validated at preview and on the instance), its Python environment, its
+command line and the contract environment the agent gives it (docs/job-contract.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainstack_job.contract import JobEnv
+
+# Where the job's workdir sits inside the code bundle (infra/bundle.py puts it there).
+BUNDLE_JOB_DIR = "job"
+_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_KNOWN = {"name", "command", "workdir", "requirements", "env", "data", "checkpoint"}
+# Packages a job's requirements may not replace: the AMI's builds match its CUDA driver.
+PINNED_PACKAGES = ("torch", "torchvision", "torchaudio")
+
+
+class JobSpecError(ValueError):
+    """Every problem of a job file, one line each, naming the key and the fix."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What `examples/<name>/job.yaml` says; paths relative to the job file's folder."""
+
+    name: str
+    command: tuple[str, ...]
+    workdir: str = "."
+    requirements: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    data_sync: bool = True
+    checkpoint_keep: int = 3
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The form carried in the agent config (workdir: where the bundle put it)."""
+        return {
+            "name": self.name,
+            "command": list(self.command),
+            "workdir": self.workdir,
+            "requirements": self.requirements,
+            "env": dict(self.env),
+            "data": {"sync": self.data_sync},
+            "checkpoint": {"keep": self.checkpoint_keep},
+        }
+
+    @classmethod
+    def from_mapping(cls, raw: Any, source: str, base_dir: Path | None = None) -> JobSpec:
+        """Validate a parsed job file; with `base_dir`, also that workdir and requirements exist there."""
+        if not isinstance(raw, dict):
+            raise JobSpecError(
+                [f"{source}: expected a mapping with name, command, workdir; see docs/job-contract.md"]
+            )
+        problems = [
+            f"{source}: {key}: unknown key (known: {', '.join(sorted(_KNOWN))})"
+            for key in raw
+            if key not in _KNOWN
+        ]
+        name = raw.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            problems.append(f"{source}: name: required, lowercase letters, digits and '-' (e.g. charlm)")
+        command = raw.get("command")
+        if isinstance(command, str):
+            problems.append(
+                f'{source}: command: give the argv as a list, e.g. [python, train.py], not "{command}"'
+            )
+        elif (
+            not isinstance(command, list)
+            or not command
+            or not all(isinstance(a, (str, int, float)) for a in command)
+        ):
+            problems.append(
+                f"{source}: command: required, a non-empty list of arguments, e.g. [python, train.py]"
+            )
+        workdir = raw.get("workdir", ".")
+        if not isinstance(workdir, str) or Path(workdir).is_absolute() or ".." in Path(workdir).parts:
+            problems.append(f"{source}: workdir: a folder relative to the job file, inside it (e.g. .)")
+        requirements = raw.get("requirements")
+        if requirements is not None and not isinstance(requirements, str):
+            problems.append(f"{source}: requirements: a file name relative to workdir, e.g. requirements.txt")
+        env = raw.get("env", {}) or {}
+        if not isinstance(env, dict):
+            problems.append(f"{source}: env: a mapping of NAME: value")
+            env = {}
+        for key, value in env.items():
+            if not isinstance(key, str) or not _ENV_NAME.match(key):
+                problems.append(f"{source}: env.{key}: not a valid environment variable name")
+            elif key.startswith("TRAINSTACK_"):
+                problems.append(
+                    f"{source}: env.{key}: TRAINSTACK_* are set by the agent; choose another name"
+                )
+            elif not isinstance(value, (str, int, float, bool)):
+                problems.append(f"{source}: env.{key}: a string value")
+        data = raw.get("data", {}) or {}
+        if not isinstance(data, dict) or set(data) - {"sync"} or not isinstance(data.get("sync", True), bool):
+            problems.append(f"{source}: data: only {{sync: true|false}} is known")
+            data = {}
+        checkpoint = raw.get("checkpoint", {}) or {}
+        keep = checkpoint.get("keep", 3) if isinstance(checkpoint, dict) else None
+        if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= 100:
+            problems.append(f"{source}: checkpoint.keep: an integer from 1 to 100")
+            keep = 3
+        if base_dir is not None and isinstance(workdir, str) and not problems:
+            root = base_dir / workdir
+            if not root.is_dir():
+                problems.append(f"{source}: workdir: {root} is not a folder")
+            elif requirements and not (root / requirements).is_file():
+                problems.append(f"{source}: requirements: {root / requirements} does not exist")
+        if problems:
+            raise JobSpecError(problems)
+        return cls(
+            name=str(name),
+            command=tuple(str(a) for a in command),  # type: ignore[union-attr]
+            workdir=str(workdir),
+            requirements=requirements,
+            env={str(k): _env_value(v) for k, v in env.items()},
+            data_sync=bool(data.get("sync", True)),
+            checkpoint_keep=int(keep),
+        )
+
+
+def _env_value(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def load_job_spec(path: Path) -> JobSpec:
+    """Read and validate a job file, its workdir and requirements included."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise JobSpecError(
+            [f"{path}: cannot read the job file ({exc.strerror}); check trainstack:job"]
+        ) from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise JobSpecError([f"{path}{where}: not valid YAML; fix the syntax there"]) from None
+    return JobSpec.from_mapping(raw, str(path), base_dir=path.parent)
+
+
+def contract_env(
+    *,
+    checkpoint_dir: Path,
+    output_dir: Path,
+    data_dir: Path | None,
+    stop_file: Path,
+    checkpoint_request_file: Path,
+    progress_file: Path,
+    restored_step: int | None,
+) -> dict[str, str]:
+    """The variables every job gets, the built-in trainer included."""
+    env = {
+        JobEnv.CHECKPOINT_DIR.value: str(checkpoint_dir),
+        JobEnv.OUTPUT_DIR.value: str(output_dir),
+        JobEnv.STOP_FILE.value: str(stop_file),
+        JobEnv.CHECKPOINT_REQUEST_FILE.value: str(checkpoint_request_file),
+        JobEnv.PROGRESS_FILE.value: str(progress_file),
+        JobEnv.RESTORED_STEP.value: "" if restored_step is None else str(restored_step),
+    }
+    if data_dir is not None:
+        env[JobEnv.DATA_DIR.value] = str(data_dir)
+    return env
+
+
+def pinned_constraints(python: str) -> str:
+    """`torch==<AMI version>` lines for the packages a job's requirements must never replace."""
+    script = (
+        "import importlib.metadata as m\n"
+        f"for name in {PINNED_PACKAGES!r}:\n"
+        "    try:\n"
+        "        print(f'{name}=={m.version(name)}')\n"
+        "    except m.PackageNotFoundError:\n"
+        "        pass\n"
+    )
+    result = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    return result.stdout
+
+
+def prepare_python(
+    base_python: str,
+    requirements: Path | None,
+    cache_root: Path,
+    log: Callable[..., None],
+    should_abort: Callable[[], bool] = lambda: False,
+) -> str:
+    """The interpreter the job runs with: the AMI's own, or a venv on top of it with the job's requirements.
+
+    The venv sees the AMI's packages (--system-site-packages) and pip is constrained to their torch
+    version, so torch is never reinstalled. It is keyed by the requirements' content and reused by later
+    lives on this instance.
+    """
+    if requirements is None:
+        return base_python
+    constraints = pinned_constraints(base_python)
+    key = hashlib.sha256(requirements.read_bytes() + constraints.encode() + base_python.encode()).hexdigest()[
+        :16
+    ]
+    venv = cache_root / f"venv-{key}"
+    python = venv / "bin" / "python"
+    ready = venv / ".trainstack-ready"
+    if ready.is_file():
+        log("job", "job environment reused", requirements=str(requirements), venv=str(venv))
+        return str(python)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    subprocess.run([base_python, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    constraints_file = venv / "constraints.txt"
+    constraints_file.write_text(constraints)
+    log(
+        "job", "installing the job's requirements", requirements=str(requirements), pinned=constraints.split()
+    )
+    process = subprocess.Popen(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "-q",
+            "-r",
+            str(requirements),
+            "-c",
+            str(constraints_file),
+        ],
+        env={**os.environ, "PIP_CACHE_DIR": str(cache_root / "pip-cache")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    while True:
+        try:
+            output, _ = process.communicate(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            if should_abort():
+                process.kill()
+                process.communicate()
+                raise InterruptedError("requirements install interrupted by a stop") from None
+    if process.returncode != 0:
+        tail = " | ".join(output.strip().splitlines()[-3:])
+        raise JobSpecError(
+            [f"{requirements}: pip install failed ({tail}); fix the requirements (torch stays the AMI's)"]
+        )
+    ready.write_text(sys.version)
+    return str(python)
