@@ -1,24 +1,36 @@
-"""`python -m bench`: the CPU benchmarks, printed as a table (record them in bench/RESULTS.md)."""
+"""`python -m bench`: the CPU benchmarks; `python -m bench cost`: the cost replay (see bench/RESULTS.md)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import platform
+import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.cpu import checkpoint_overhead, trainer_vs_naive
-from bench.emergency import emergency_checkpoint_seconds
-from training.sample_data import write_dataset
-
 
 def main() -> None:
+    if sys.argv[1:2] == ["cost"]:
+        # Pure Python: no torch import for the cost replay.
+        from bench.cost import main as cost_main
+
+        cost_main(sys.argv[2:])
+        return
+    cpu_benchmarks()
+
+
+def cpu_benchmarks() -> None:
+    import torch
+
+    from bench.cpu import checkpoint_overhead, trainer_vs_naive
+    from bench.emergency import emergency_checkpoint_seconds
+    from training.sample_data import write_dataset
+
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved repetitions per comparison")
     parser.add_argument("--model", default="resnet18")
