@@ -55,7 +55,7 @@ network = Network(
         ssh_ingress_cidrs=list(config.ssh_ingress_cidrs),
         kms_key_arn=storage.key.arn,
         flow_log_group_name=config.flow_log_group_name,
-        log_retention_days=config.log_retention_days,
+        flow_log_retention_days=config.flow_log_retention_days,
         tags=tags,
     ),
 )

@@ -28,7 +28,7 @@ class NetworkArgs:
     ssh_ingress_cidrs: list[str]
     kms_key_arn: pulumi.Input[str]
     flow_log_group_name: str
-    log_retention_days: int
+    flow_log_retention_days: int
     tags: dict[str, str] = field(default_factory=dict)
 
 
@@ -160,7 +160,8 @@ class Network(pulumi.ComponentResource):
         log_group = aws.cloudwatch.LogGroup(
             f"{name}-flow-logs",
             name=args.flow_log_group_name,
-            retention_in_days=args.log_retention_days,
+            # A year by default (CloudWatch.16): who tried to reach what, long after the training logs go.
+            retention_in_days=args.flow_log_retention_days,
             kms_key_id=args.kms_key_arn,
             tags=args.tags,
             opts=self._child,

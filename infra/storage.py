@@ -1,14 +1,56 @@
-"""Storage: the stack's KMS key and the one bucket holding data, code, checkpoints, results and state."""
+"""Storage: the stack's KMS key, the one bucket holding data, code, checkpoints, results and state, and the
+log bucket recording every request made to it (S3 server access logging)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import pulumi
 import pulumi_aws as aws
 
 from infra import policies
+
+# The bucket's access log (FSBP S3.9): who read or wrote which object, when, from where. Kept a year, like
+# the VPC flow logs; log objects are written once, so old versions only ever come from deletes.
+ACCESS_LOG_PREFIX = "s3-access/"
+ACCESS_LOG_DAYS = 365
+_ACCESS_LOG_NONCURRENT_DAYS = 7
+_LOG_DELIVERY = "logging.s3.amazonaws.com"
+
+
+def access_log_bucket_policy(
+    *, log_bucket_arn: str, source_bucket_arn: str, account_id: str
+) -> dict[str, Any]:
+    """TLS only (S3.5); S3 log delivery may write under ACCESS_LOG_PREFIX for this account's bucket only.
+
+    The confused-deputy guard AWS documents for log delivery: aws:SourceAccount and aws:SourceArn.
+    """
+    return {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Sid": "DenyInsecureTransport",
+                "Effect": "Deny",
+                "Principal": "*",
+                "Action": "s3:*",
+                "Resource": [log_bucket_arn, f"{log_bucket_arn}/*"],
+                "Condition": {"Bool": {"aws:SecureTransport": "false"}},
+            },
+            {
+                "Sid": "S3ServerAccessLogDelivery",
+                "Effect": "Allow",
+                "Principal": {"Service": _LOG_DELIVERY},
+                "Action": "s3:PutObject",
+                "Resource": f"{log_bucket_arn}/{ACCESS_LOG_PREFIX}*",
+                "Condition": {
+                    "StringEquals": {"aws:SourceAccount": account_id},
+                    "ArnLike": {"aws:SourceArn": source_bucket_arn},
+                },
+            },
+        ],
+    }
 
 
 @dataclass
@@ -28,6 +70,7 @@ class Storage(pulumi.ComponentResource):
 
     key: aws.kms.Key
     bucket: aws.s3.Bucket
+    access_log_bucket: aws.s3.Bucket
 
     def __init__(self, name: str, args: StorageArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("trainstack:storage:Storage", name, None, opts)
@@ -44,7 +87,14 @@ class Storage(pulumi.ComponentResource):
             opts=self._keep,
         )
         self._lock_down_bucket(name)
-        self.register_outputs({"key_arn": self.key.arn, "bucket_name": self.bucket.bucket})
+        self.access_log_bucket = self._create_access_log_bucket(name)
+        self.register_outputs(
+            {
+                "key_arn": self.key.arn,
+                "bucket_name": self.bucket.bucket,
+                "access_log_bucket_name": self.access_log_bucket.bucket,
+            }
+        )
 
     def _create_key(self, name: str) -> aws.kms.Key:
         args = self._args
@@ -149,3 +199,98 @@ class Storage(pulumi.ComponentResource):
             ),
             opts=pulumi.ResourceOptions.merge(self._keep, pulumi.ResourceOptions(depends_on=[block])),
         )
+
+    def _create_access_log_bucket(self, name: str) -> aws.s3.Bucket:
+        """A log bucket only S3 log delivery writes to, then server access logging of the bucket into it.
+
+        SSE-S3, not the stack's key: S3 log delivery does not support SSE-KMS default encryption on its
+        target bucket. No logging of its own (it would log its own deliveries), no Object Lock (log
+        delivery refuses such targets); otherwise as locked down as the data bucket.
+        """
+        args = self._args
+        logs = aws.s3.Bucket(
+            f"{name}-access-logs",
+            bucket_prefix=f"{args.name}-logs-",
+            force_destroy=not args.retain_data_on_destroy,
+            tags=args.tags,
+            opts=self._keep,
+        )
+        block = aws.s3.BucketPublicAccessBlock(
+            f"{name}-access-logs-public-access-block",
+            bucket=logs.id,
+            block_public_acls=True,
+            block_public_policy=True,
+            ignore_public_acls=True,
+            restrict_public_buckets=True,
+            opts=self._keep,
+        )
+        aws.s3.BucketOwnershipControls(
+            f"{name}-access-logs-ownership",
+            bucket=logs.id,
+            rule=aws.s3.BucketOwnershipControlsRuleArgs(object_ownership="BucketOwnerEnforced"),
+            opts=self._keep,
+        )
+        aws.s3.BucketVersioning(
+            f"{name}-access-logs-versioning",
+            bucket=logs.id,
+            versioning_configuration=aws.s3.BucketVersioningVersioningConfigurationArgs(status="Enabled"),
+            opts=self._keep,
+        )
+        aws.s3.BucketServerSideEncryptionConfiguration(
+            f"{name}-access-logs-encryption",
+            bucket=logs.id,
+            rules=[
+                aws.s3.BucketServerSideEncryptionConfigurationRuleArgs(
+                    apply_server_side_encryption_by_default=aws.s3.BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultArgs(
+                        sse_algorithm="AES256"
+                    ),
+                )
+            ],
+            opts=self._keep,
+        )
+        aws.s3.BucketLifecycleConfiguration(
+            f"{name}-access-logs-lifecycle",
+            bucket=logs.id,
+            rules=[
+                aws.s3.BucketLifecycleConfigurationRuleArgs(
+                    id="expire-access-logs",
+                    status="Enabled",
+                    filter=aws.s3.BucketLifecycleConfigurationRuleFilterArgs(prefix=""),
+                    expiration=aws.s3.BucketLifecycleConfigurationRuleExpirationArgs(days=ACCESS_LOG_DAYS),
+                    noncurrent_version_expiration=aws.s3.BucketLifecycleConfigurationRuleNoncurrentVersionExpirationArgs(
+                        noncurrent_days=_ACCESS_LOG_NONCURRENT_DAYS
+                    ),
+                    abort_incomplete_multipart_upload=aws.s3.BucketLifecycleConfigurationRuleAbortIncompleteMultipartUploadArgs(
+                        days_after_initiation=1
+                    ),
+                ),
+            ],
+            opts=self._keep,
+        )
+        policy = aws.s3.BucketPolicy(
+            f"{name}-access-logs-policy",
+            bucket=logs.id,
+            policy=pulumi.Output.all(logs.arn, self.bucket.arn).apply(
+                lambda arns: json.dumps(
+                    access_log_bucket_policy(
+                        log_bucket_arn=arns[0], source_bucket_arn=arns[1], account_id=args.account_id
+                    )
+                )
+            ),
+            opts=pulumi.ResourceOptions.merge(self._keep, pulumi.ResourceOptions(depends_on=[block])),
+        )
+        # After the policy: until it exists, S3 cannot deliver and would drop the first logs.
+        aws.s3.BucketLogging(
+            f"{name}-access-logging",
+            bucket=self.bucket.id,
+            target_bucket=logs.id,
+            target_prefix=ACCESS_LOG_PREFIX,
+            # Keys partitioned by the time of the request: s3-access/<account>/<region>/<bucket>/YYYY/MM/DD/.
+            target_object_key_format=aws.s3.BucketLoggingTargetObjectKeyFormatArgs(
+                partitioned_prefix=aws.s3.BucketLoggingTargetObjectKeyFormatPartitionedPrefixArgs(
+                    partition_date_source="EventTime"
+                )
+            ),
+            opts=pulumi.ResourceOptions.merge(self._keep, pulumi.ResourceOptions(depends_on=[policy])),
+        )
+        return logs

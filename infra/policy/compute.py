@@ -6,6 +6,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from . import resource_types as t
+from .keys import is_aws_managed_key
 from .properties import Unknown, as_bool, as_int, count, get, is_set, is_unknown, items
 from .user_data import decode, find_secrets
 
@@ -87,7 +88,7 @@ def _volume_problems(where: str, volume: Any) -> Iterator[str]:
     encrypted = get(volume, "encrypted")
     if not is_unknown(encrypted) and as_bool(encrypted) is not True:
         yield f"set {where}.encrypted = true"
-    elif not is_set(get(volume, "kmsKeyId")):
+    elif not is_set(get(volume, "kmsKeyId")) or is_aws_managed_key(get(volume, "kmsKeyId")):
         yield f"set {where}.kmsKeyId to a customer managed KMS key (not the AWS managed aws/ebs key)"
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -105,6 +105,13 @@ def _action_matches(pattern: str, action: str) -> bool:
     return fnmatchcase(action.lower(), pattern.lower())
 
 
-def is_wildcard_action(action: str) -> bool:
-    """`*` or `service:*` (IAM.1/IAM.21); a narrower pattern like `s3:Get*` is allowed."""
-    return action.strip() == "*" or action.strip().endswith(":*")
+def is_wildcard_action(action: str, allowed_patterns: Collection[str] = ()) -> bool:
+    """Any `*` or `?` in an action (`*`, `s3:*`, `s3:?*`, `s3:*Object*`), unless explicitly allowed (IAM.21).
+
+    A pattern grants whatever AWS adds under it later; only the exact patterns in `allowed_patterns`
+    (compared case-insensitively, as IAM compares actions) pass.
+    """
+    action = action.strip()
+    if "*" not in action and "?" not in action:
+        return False
+    return action.lower() not in {pattern.strip().lower() for pattern in allowed_patterns}

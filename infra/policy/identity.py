@@ -1,7 +1,8 @@
-"""Checks on IAM policy documents: no wildcard actions, no decrypt on every KMS key."""
+"""Checks on IAM: no wildcard actions, no decrypt on every KMS key, no AWS managed admin policies."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -40,12 +41,16 @@ class _UnreadableError(Exception):
 def no_wildcard_actions(
     resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
 ) -> Iterator[str]:
-    """IAM.1 / IAM.21: Allow statements name their actions; no `*`, `service:*` or Allow+NotAction."""
+    """IAM.1 / IAM.21: Allow statements name their actions: no `*` or `?` pattern, no Allow+NotAction.
+
+    Policy config `allowedActionPatterns` (default none) lists patterns a stack has reviewed and accepts.
+    """
+    allowed = [str(pattern) for pattern in config.get("allowedActionPatterns", [])]
     try:
         for where, statement in _allow_statements(resource_type, props):
             if statement.not_actions:
                 yield f"{where} allows NotAction (everything else): list the actions it needs instead"
-            wildcards = [action for action in statement.actions if is_wildcard_action(action)]
+            wildcards = [action for action in statement.actions if is_wildcard_action(action, allowed)]
             if wildcards:
                 yield f"{where} allows {', '.join(wildcards)}: list the actions it needs instead"
     except _UnreadableError as error:
@@ -70,3 +75,53 @@ def _all_keys(resource: str) -> bool:
         return False
     resource = resource.strip()
     return resource == "*" or resource.startswith("arn:aws:kms:*") or resource.endswith(":key/*")
+
+
+# AWS managed policies that hand over a whole service or the account: AdministratorAccess (and its
+# -Amplify/-AWSElasticBeanstalk variants), PowerUserAccess, job-function/*Administrator, and every
+# *FullAccess policy (IAMFullAccess, AmazonS3FullAccess, AWSLambda_FullAccess, ...).
+_AWS_MANAGED_POLICY = re.compile(r"^arn:aws[a-z-]*:iam::aws:policy/(?:[\w+=,.@-]+/)*(?P<name>[\w+=,.@-]+)$")
+_BROAD_POLICY_NAME = re.compile(r"(?i)administrator|poweruser|fullaccess")
+_MANAGED_POLICY_PROPERTIES = {
+    t.IAM_ROLE: "managedPolicyArns",
+    t.ROLE_POLICY_ATTACHMENT: "policyArn",
+    t.USER_POLICY_ATTACHMENT: "policyArn",
+    t.GROUP_POLICY_ATTACHMENT: "policyArn",
+    t.POLICY_ATTACHMENT: "policyArn",
+    t.ROLE_POLICY_ATTACHMENTS_EXCLUSIVE: "policyArns",
+    t.USER_POLICY_ATTACHMENTS_EXCLUSIVE: "policyArns",
+    t.GROUP_POLICY_ATTACHMENTS_EXCLUSIVE: "policyArns",
+}
+MANAGED_POLICY_ATTACHERS = tuple(_MANAGED_POLICY_PROPERTIES)
+
+
+def broad_aws_managed_policy(arn: str) -> str | None:
+    """The policy's name when `arn` is an AWS managed admin, power-user or *FullAccess policy, else None."""
+    match = _AWS_MANAGED_POLICY.match(arn.strip())
+    if match and _BROAD_POLICY_NAME.search(match.group("name")):
+        return match.group("name")
+    return None
+
+
+def no_admin_managed_policies(
+    resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
+) -> Iterator[str]:
+    """IAM.1 / CIS 1.16 / CKV_AWS_274: no AWS managed admin or *FullAccess policy is attached.
+
+    The documents of AWS managed policies are not in the stack, so iam-no-wildcard-actions never sees their
+    `*`: an attachment of AdministratorAccess is judged by its ARN instead.
+    """
+    prop = _MANAGED_POLICY_PROPERTIES.get(resource_type)
+    if prop is None:
+        return
+    arns = items(props, prop)
+    for index, arn in enumerate([] if isinstance(arns, Unknown) else arns):
+        if not isinstance(arn, str) or is_unknown(arn):
+            continue
+        name = broad_aws_managed_policy(arn)
+        if name:
+            where = f"{prop}[{index}]" if prop.endswith("Arns") else prop
+            yield (
+                f"{where} attaches the AWS managed {name}, which grants far more than one stack needs: "
+                "attach a policy that names the actions and resources it needs"
+            )

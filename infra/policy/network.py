@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import ipaddress
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pulumi_policy import PolicyResource, ReportViolation
@@ -11,14 +12,24 @@ from . import resource_types as t
 from .properties import Unknown, as_bool, as_int, get, is_unknown, items
 from .stack import describe, of_type, require_configurer
 
-_ANYWHERE = ("0.0.0.0/0", "::/0")  # sources an ingress rule is refused for
 _ALL_PROTOCOLS = ("-1", "all")
+
+# How much address space an ingress rule may open before it counts as "the internet" (EC2.18/EC2.19).
+# Judged on the union of a resource's ingress sources, so 0.0.0.0/1 + 128.0.0.0/1 is the internet too.
+# IPv4: at most one /8 (16.7 M addresses), the largest block any single organisation was ever assigned;
+# an office, VPN or CI egress range is /16 or smaller. IPv6: at most one /32, a regional registry's
+# minimum allocation to a whole ISP; a site gets a /48. infra/config.py refuses sshIngressCidrs the same way.
+MAX_INGRESS_ADDRESSES = {4: 2**24, 6: 2**96}
+_WIDEST = {4: "/8", 6: "/32"}
+_IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+# CloudWatch.16's default: flow logs are the record of who tried to reach what, kept a year.
+FLOW_LOG_MINIMUM_RETENTION_DAYS = 365
 
 
 def no_unrestricted_ingress(
     resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
 ) -> Iterator[str]:
-    """EC2.18 / EC2.19 / CIS 5.2-5.3: ingress from 0.0.0.0/0 or ::/0 is refused.
+    """EC2.18 / EC2.19 / CIS 5.2-5.3: ingress from the internet (more than a /8 or an IPv6 /32) is refused.
 
     Policy config `authorizedPublicPorts` (default none) lists TCP/UDP ports that may stay open to the
     world, the way Security Hub's EC2.18 parameter does, for stacks that do serve the Internet.
@@ -26,30 +37,77 @@ def no_unrestricted_ingress(
     authorized = {int(port) for port in config.get("authorizedPublicPorts", [])}
     if resource_type == t.SECURITY_GROUP:
         rules = items(props, "ingress")
-        for index, rule in enumerate([] if isinstance(rules, Unknown) else rules):
-            if not is_unknown(rule):
-                yield from _open_rule_problems(f"ingress[{index}]", rule, authorized, "protocol")
+        known = [] if isinstance(rules, Unknown) else rules
+        open_rules = [
+            (f"ingress[{index}]", rule)
+            for index, rule in enumerate(known)
+            if not is_unknown(rule) and not _ports_authorized(rule, authorized, "protocol")
+        ]
+        yield from _wide_ingress_problems(open_rules, "protocol", _rule_sources)
     elif resource_type == t.SECURITY_GROUP_RULE:
-        if get(props, "type") == "ingress":
-            yield from _open_rule_problems("the rule", props, authorized, "protocol")
-    elif resource_type == t.SECURITY_GROUP_INGRESS_RULE:
-        sources = [get(props, "cidrIpv4"), get(props, "cidrIpv6")]
-        if any(source in _ANYWHERE for source in sources) and not _ports_authorized(
-            props, authorized, "ipProtocol"
-        ):
-            yield _open_message("the rule", props, "ipProtocol")
+        if get(props, "type") == "ingress" and not _ports_authorized(props, authorized, "protocol"):
+            yield from _wide_ingress_problems([("the rule", props)], "protocol", _rule_sources)
+    elif resource_type == t.SECURITY_GROUP_INGRESS_RULE and not _ports_authorized(
+        props, authorized, "ipProtocol"
+    ):
+        yield from _wide_ingress_problems([("the rule", props)], "ipProtocol", _ingress_rule_sources)
 
 
-def _open_rule_problems(where: str, rule: Any, authorized: set[int], protocol_key: str) -> Iterator[str]:
+def _rule_sources(rule: Any) -> list[Any]:
     sources: list[Any] = []
     for key in ("cidrBlocks", "ipv6CidrBlocks"):
         values = items(rule, key)
         if not isinstance(values, Unknown):
             sources.extend(values)
-    if any(source in _ANYWHERE for source in sources) and not _ports_authorized(
-        rule, authorized, protocol_key
-    ):
-        yield _open_message(where, rule, protocol_key)
+    return sources
+
+
+def _ingress_rule_sources(rule: Any) -> list[Any]:
+    return [get(rule, "cidrIpv4"), get(rule, "cidrIpv6")]
+
+
+def _networks(sources: list[Any]) -> list[_IpNetwork]:
+    """The known, well-formed CIDRs among `sources` (AWS itself rejects malformed ones)."""
+    networks: list[_IpNetwork] = []
+    for source in sources:
+        if isinstance(source, str) and not is_unknown(source):
+            try:
+                networks.append(ipaddress.ip_network(source.strip(), strict=False))
+            except ValueError:
+                continue
+    return networks
+
+
+def wide_address_space(networks: list[_IpNetwork]) -> str | None:
+    """What `networks` together open, when that is more than MAX_INGRESS_ADDRESSES; None when narrower."""
+    unions: dict[int, list[_IpNetwork]] = {
+        4: list(ipaddress.collapse_addresses(n for n in networks if isinstance(n, ipaddress.IPv4Network))),
+        6: list(ipaddress.collapse_addresses(n for n in networks if isinstance(n, ipaddress.IPv6Network))),
+    }
+    for version, union in unions.items():
+        size = sum(network.num_addresses for network in union)
+        if size > MAX_INGRESS_ADDRESSES[version]:
+            shown = ", ".join(str(network) for network in union[:3]) + (", ..." if len(union) > 3 else "")
+            share = size / 2 ** (32 if version == 4 else 128)
+            return shown if share == 1 else f"{shown} ({share:.0%} of all IPv{version} addresses)"
+    return None
+
+
+def _wide_ingress_problems(
+    open_rules: list[tuple[str, Any]], protocol_key: str, sources: Callable[[Any], list[Any]]
+) -> Iterator[str]:
+    """One line per rule that alone opens too much; one line for rules that do so only together."""
+    narrow: list[tuple[str, Any]] = []
+    for where, rule in open_rules:
+        wide = wide_address_space(_networks(sources(rule)))
+        if wide:
+            yield _open_message(where, _ports(rule, protocol_key), wide)
+        else:
+            narrow.append((where, rule))
+    together = wide_address_space([n for _, rule in narrow for n in _networks(sources(rule))])
+    if together and len(narrow) > 1:
+        wheres = " and ".join(where for where, _ in narrow)
+        yield _open_message(f"{wheres} together", "their ports", together, verb="open")
 
 
 def _ports_authorized(rule: Any, authorized: set[int], protocol_key: str) -> bool:
@@ -62,12 +120,16 @@ def _ports_authorized(rule: Any, authorized: set[int], protocol_key: str) -> boo
     return all(port in authorized for port in range(low, high + 1))
 
 
-def _open_message(where: str, rule: Any, protocol_key: str) -> str:
-    low, high = get(rule, "fromPort"), get(rule, "toPort")
-    ports = "all ports" if str(get(rule, protocol_key) or "-1") in _ALL_PROTOCOLS else f"ports {low}-{high}"
+def _ports(rule: Any, protocol_key: str) -> str:
+    if str(get(rule, protocol_key) or "-1") in _ALL_PROTOCOLS:
+        return "all ports"
+    return f"ports {get(rule, 'fromPort')}-{get(rule, 'toPort')}"
+
+
+def _open_message(where: str, ports: str, wide: str, verb: str = "opens") -> str:
     return (
-        f"{where} opens {ports} to 0.0.0.0/0 or ::/0, which is refused: use SSM Session Manager, or allow "
-        "explicit CIDRs "
+        f"{where} {verb} {ports} to {wide}, more than an IPv4 /8 or IPv6 /32, which counts as the internet "
+        "and is refused: use SSM Session Manager, or allow narrower CIDRs "
         "(or list the port in the policy's authorizedPublicPorts config)"
     )
 
@@ -149,3 +211,48 @@ def no_public_ip_with_private_networking(
                 "(the stack routes egress through a NAT gateway)",
                 resource.urn,
             )
+
+
+def vpc_flow_logs_retained(
+    resources: Sequence[PolicyResource], config: Mapping[str, Any], report: ReportViolation
+) -> None:
+    """CloudWatch.16: a log group receiving VPC flow logs keeps them a year (the control's default).
+
+    Policy config `minimumRetentionDays` (default 365) sets the floor. Training logs are judged by
+    log-group-retained-and-encrypted's own, lower floor; flow logs delivered to S3 are not judged here.
+    """
+    minimum = int(config.get("minimumRetentionDays", FLOW_LOG_MINIMUM_RETENTION_DAYS))
+    log_groups = of_type(resources, [t.LOG_GROUP])
+    for flow_log in of_type(resources, [t.FLOW_LOG]):
+        destination_type = get(flow_log.props, "logDestinationType")
+        if destination_type not in (None, "cloud-watch-logs"):
+            continue
+        for group in log_groups:
+            if not _delivers_to(flow_log, group):
+                continue
+            raw = get(group.props, "retentionInDays")
+            days = as_int(raw)
+            if not is_unknown(raw) and (days is None or days < minimum):
+                report(
+                    f"{describe(group)}: set retentionInDays to at least {minimum} for the VPC flow logs of "
+                    f"{describe(flow_log)} (it is {raw if raw is not None else 'unset'})",
+                    group.urn,
+                )
+
+
+def _delivers_to(flow_log: PolicyResource, group: PolicyResource) -> bool:
+    """Does the flow log write to this log group (by engine dependency, ARN, or an ARN ending in its name)?"""
+    for prop in ("logDestination", "logGroupName"):
+        if any(dependency.urn == group.urn for dependency in flow_log.property_dependencies.get(prop, [])):
+            return True
+        value = get(flow_log.props, prop)
+        if not isinstance(value, str) or is_unknown(value):
+            continue
+        identities = [get(group.props, key) for key in ("arn", "id", "name")]
+        if value in [i for i in identities if isinstance(i, str) and not is_unknown(i)]:
+            return True
+        name = get(group.props, "name")
+        by_name = isinstance(name, str) and not is_unknown(name)
+        if by_name and value.removesuffix(":*").endswith(f":log-group:{name}"):
+            return True
+    return False

@@ -5,18 +5,21 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from .keys import aws_managed_alias, is_aws_managed_key
 from .properties import as_int, get, is_set, is_unknown
-
-_AWS_MANAGED_SNS_KEY = "alias/aws/sns"
 
 
 def topic_encrypted(resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]) -> Iterator[str]:
-    """SNS.1: topics are encrypted at rest with a customer managed KMS key."""
+    """SNS.1: topics are encrypted at rest with a customer managed KMS key (the stack's own, not AWS's).
+
+    An AWS managed key (alias/aws/sns, by alias or alias ARN) encrypts too, but its key policy is AWS's:
+    the stack can neither limit who decrypts nor let EventBridge, Budgets and alarms publish.
+    """
     key = get(props, "kmsMasterKeyId")
     if not is_set(key):
         yield "set kmsMasterKeyId to a customer managed KMS key"
-    elif key == _AWS_MANAGED_SNS_KEY:
-        yield "set kmsMasterKeyId to a customer managed KMS key, not alias/aws/sns"
+    elif is_aws_managed_key(key):
+        yield f"set kmsMasterKeyId to the stack's customer managed KMS key, not {aws_managed_alias(key)}"
 
 
 def log_group_retained_and_encrypted(

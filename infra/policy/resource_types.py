@@ -35,6 +35,7 @@ BUCKET_LIFECYCLES = (
 )
 BUCKET_ACLS = ("aws:s3/bucketAcl:BucketAcl", "aws:s3/bucketAclV2:BucketAclV2")
 BUCKET_OWNERSHIP_CONTROLS = "aws:s3/bucketOwnershipControls:BucketOwnershipControls"
+BUCKET_LOGGINGS = ("aws:s3/bucketLogging:BucketLogging", "aws:s3/bucketLoggingV2:BucketLoggingV2")
 
 KMS_KEY = "aws:kms/key:Key"
 IAM_POLICY = "aws:iam/policy:Policy"
@@ -44,6 +45,15 @@ IAM_INLINE_POLICIES = (
     "aws:iam/userPolicy:UserPolicy",
     "aws:iam/groupPolicy:GroupPolicy",
 )
+
+# What attaches managed policies (by ARN) to roles, users and groups.
+ROLE_POLICY_ATTACHMENT = "aws:iam/rolePolicyAttachment:RolePolicyAttachment"
+USER_POLICY_ATTACHMENT = "aws:iam/userPolicyAttachment:UserPolicyAttachment"
+GROUP_POLICY_ATTACHMENT = "aws:iam/groupPolicyAttachment:GroupPolicyAttachment"
+POLICY_ATTACHMENT = "aws:iam/policyAttachment:PolicyAttachment"
+ROLE_POLICY_ATTACHMENTS_EXCLUSIVE = "aws:iam/rolePolicyAttachmentsExclusive:RolePolicyAttachmentsExclusive"
+USER_POLICY_ATTACHMENTS_EXCLUSIVE = "aws:iam/userPolicyAttachmentsExclusive:UserPolicyAttachmentsExclusive"
+GROUP_POLICY_ATTACHMENTS_EXCLUSIVE = "aws:iam/groupPolicyAttachmentsExclusive:GroupPolicyAttachmentsExclusive"
 
 SNS_TOPIC = "aws:sns/topic:Topic"
 LOG_GROUP = "aws:cloudwatch/logGroup:LogGroup"

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from pulumi_policy import Policy, PolicyConfigSchema, ResourceValidationPolicy, Severity
+from typing import TypeVar
+
+from pulumi_policy import (
+    Policy,
+    PolicyConfigSchema,
+    ResourceValidationPolicy,
+    Severity,
+    StackValidationPolicy,
+)
 
 from . import capacity, compute, identity, network, observability, storage
 from . import resource_types as t
@@ -12,7 +20,10 @@ _LAUNCHERS = (t.LAUNCH_TEMPLATE, t.INSTANCE, t.LAUNCH_CONFIGURATION)
 _IAM_DOCUMENTS = (t.IAM_POLICY, t.IAM_ROLE, *t.IAM_INLINE_POLICIES)
 
 
-def _with_config(policy: ResourceValidationPolicy, schema: PolicyConfigSchema) -> ResourceValidationPolicy:
+_Configurable = TypeVar("_Configurable", ResourceValidationPolicy, StackValidationPolicy)
+
+
+def _with_config(policy: _Configurable, schema: PolicyConfigSchema) -> _Configurable:
     policy.config_schema = schema
     return policy
 
@@ -88,14 +99,35 @@ POLICIES: list[Policy] = [
         'aws.ec2.FlowLog(vpc_id=vpc.id, traffic_type="ALL", ...)',
     ),
     _with_config(
+        stack_policy(
+            "vpc-flow-logs-retained",
+            ["CloudWatch.16"],
+            "Log groups that receive VPC flow logs keep them at least a year (minimumRetentionDays).",
+            network.vpc_flow_logs_retained,
+            Severity.MEDIUM,
+            "aws.cloudwatch.LogGroup(retention_in_days=365, ...) as the flow log's log_destination",
+        ),
+        PolicyConfigSchema(
+            properties={
+                "minimumRetentionDays": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "default": network.FLOW_LOG_MINIMUM_RETENTION_DAYS,
+                }
+            }
+        ),
+    ),
+    _with_config(
         resource_policy(
             "no-unrestricted-ingress",
             ["EC2.18", "EC2.19", "CIS 5.2", "CIS 5.3"],
-            "Ingress from 0.0.0.0/0 or ::/0 is refused on every security group (SSM replaces SSH).",
+            "Ingress from the internet (sources whose union exceeds an IPv4 /8 or an IPv6 /32, 0.0.0.0/0 "
+            "included) is refused on every security group (SSM replaces SSH).",
             [t.SECURITY_GROUP, t.SECURITY_GROUP_RULE, t.SECURITY_GROUP_INGRESS_RULE],
             network.no_unrestricted_ingress,
             Severity.CRITICAL,
-            "ingress only from explicit CIDRs or security groups; reach instances with SSM Session Manager",
+            "ingress only from narrow CIDRs (at most a /8 together) or security groups; reach instances with "
+            "SSM Session Manager",
         ),
         PolicyConfigSchema(
             properties={
@@ -128,7 +160,8 @@ POLICIES: list[Policy] = [
     stack_policy(
         "s3-sse-kms",
         ["S3.17"],
-        "Every bucket encrypts by default with SSE-KMS under a customer managed key.",
+        "Every bucket encrypts by default with SSE-KMS under a customer managed key (access log buckets: "
+        "SSE-S3, the only default encryption S3 log delivery supports).",
         storage.sse_kms,
         Severity.HIGH,
         "aws.s3.BucketServerSideEncryptionConfiguration with sse_algorithm aws:kms and kms_master_key_id",
@@ -159,6 +192,16 @@ POLICIES: list[Policy] = [
         Severity.MEDIUM,
         "drop aws.s3.BucketAcl; BucketOwnershipControls rule object_ownership BucketOwnerEnforced",
     ),
+    stack_policy(
+        "s3-access-logging",
+        ["S3.9"],
+        "Every bucket has server access logging to a separate log bucket (log buckets themselves are "
+        "exempt).",
+        storage.access_logging_enabled,
+        Severity.MEDIUM,
+        "aws.s3.BucketLogging(bucket=b.id, target_bucket=log_bucket.id, target_prefix=...) and a log bucket "
+        "policy allowing logging.s3.amazonaws.com s3:PutObject with aws:SourceAccount/aws:SourceArn",
+    ),
     resource_policy(
         "kms-key-rotation-enabled",
         ["KMS.4"],
@@ -177,19 +220,38 @@ POLICIES: list[Policy] = [
         Severity.HIGH,
         'Resource: [key.arn] in every statement that allows "kms:Decrypt"',
     ),
+    _with_config(
+        resource_policy(
+            "iam-no-wildcard-actions",
+            ["IAM.1", "IAM.21"],
+            "IAM policies (managed and inline) allow named actions only: no * or ? in an action "
+            "(s3:*, s3:?*, s3:*Object*) unless in allowedActionPatterns, and no Allow+NotAction.",
+            _IAM_DOCUMENTS,
+            identity.no_wildcard_actions,
+            Severity.HIGH,
+            'Action: ["s3:GetObject", ...] instead of "s3:*"',
+        ),
+        PolicyConfigSchema(
+            properties={
+                "allowedActionPatterns": {"type": "array", "items": {"type": "string"}, "default": []}
+            }
+        ),
+    ),
     resource_policy(
-        "iam-no-wildcard-actions",
-        ["IAM.1", "IAM.21"],
-        "IAM policies (managed and inline) allow named actions only: no *, service:* or Allow+NotAction.",
-        _IAM_DOCUMENTS,
-        identity.no_wildcard_actions,
-        Severity.HIGH,
-        'Action: ["s3:GetObject", ...] instead of "s3:*"',
+        "iam-no-admin-managed-policies",
+        ["IAM.1", "CIS 1.16", "CKV_AWS_274"],
+        "No AWS managed AdministratorAccess, PowerUserAccess, *Administrator or *FullAccess policy is "
+        "attached (role managedPolicyArns or any policy attachment).",
+        identity.MANAGED_POLICY_ATTACHERS,
+        identity.no_admin_managed_policies,
+        Severity.CRITICAL,
+        "attach a customer managed policy (or inline policy) naming the actions and resources the role needs",
     ),
     resource_policy(
         "sns-topic-encrypted",
         ["SNS.1"],
-        "SNS topics are encrypted at rest with a customer managed KMS key.",
+        "SNS topics are encrypted at rest with a customer managed KMS key, never the AWS managed "
+        "alias/aws/sns.",
         [t.SNS_TOPIC],
         observability.topic_encrypted,
         Severity.MEDIUM,

@@ -42,11 +42,9 @@ def refers_to(resource: PolicyResource, prop: str, target: PolicyResource) -> Re
         return Reference.UNKNOWN
     identities = [get(target.props, key) for key in _IDENTITY_PROPERTIES]
     known = {str(identity) for identity in identities if identity is not None and not is_unknown(identity)}
-    if str(value) in known:
-        return Reference.YES
-    if not known:
-        return Reference.UNKNOWN
-    return Reference.NO
+    # A value known at preview cannot come from a target whose identity is still unknown: that identity
+    # only exists after `up`, so a literal here names some other resource.
+    return Reference.YES if str(value) in known else Reference.NO
 
 
 @dataclass(frozen=True)

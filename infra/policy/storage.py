@@ -9,8 +9,9 @@ from pulumi_policy import PolicyResource, ReportViolation
 
 from . import resource_types as t
 from .documents import Statement, UnreadableDocumentError, statements
+from .keys import is_aws_managed_key
 from .properties import Unknown, as_bool, get, is_set, is_unknown, items
-from .stack import configurers, describe, of_type, require_configurer
+from .stack import Reference, configurers, describe, of_type, refers_to, require_configurer
 
 _PUBLIC_ACCESS_FLAGS = ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")
 _KMS_ALGORITHMS = ("aws:kms", "aws:kms:dsse")
@@ -97,17 +98,22 @@ def _denies_plain_http(statement: Statement) -> bool:
 
 
 def sse_kms(resources: Sequence[PolicyResource], config: Mapping[str, Any], report: ReportViolation) -> None:
-    """S3.17: default encryption is SSE-KMS with a customer managed key."""
+    """S3.17: default encryption is SSE-KMS with a customer managed key.
+
+    A server access log bucket (the target of a BucketLogging) may use SSE-S3 instead: S3 log delivery
+    does not support SSE-KMS default encryption on its target, so there SSE-S3 is the only choice.
+    """
     for bucket in _buckets(resources):
+        log_target = receives_access_logs(resources, bucket) is not Reference.NO
         inline = get(bucket.props, "serverSideEncryptionConfiguration", "rule")
-        if inline is not None and _encryption_rule_problem(inline) is None:
+        if inline is not None and _encryption_rule_problem(inline, log_target) is None:
             continue
 
-        def problem(configuration: PolicyResource) -> str | None:
+        def problem(configuration: PolicyResource, log_target: bool = log_target) -> str | None:
             rules = items(configuration.props, "rules")
             if isinstance(rules, Unknown):
                 return None
-            problems = [_encryption_rule_problem(rule) for rule in rules]
+            problems = [_encryption_rule_problem(rule, log_target) for rule in rules]
             return None if any(p is None for p in problems) else (problems[0] or _NO_SSE_RULE)
 
         require_configurer(
@@ -124,16 +130,19 @@ def sse_kms(resources: Sequence[PolicyResource], config: Mapping[str, Any], repo
 _NO_SSE_RULE = 'apply_server_side_encryption_by_default sse_algorithm="aws:kms" with kms_master_key_id'
 
 
-def _encryption_rule_problem(rule: Any) -> str | None:
+def _encryption_rule_problem(rule: Any, log_target: bool = False) -> str | None:
     if is_unknown(rule):
         return None
     default = get(rule, "applyServerSideEncryptionByDefault")
     if is_unknown(default):
         return None
     algorithm = get(default, "sseAlgorithm")
+    if log_target and algorithm == "AES256":
+        return None
     if not is_unknown(algorithm) and algorithm not in _KMS_ALGORITHMS:
         return f'set sseAlgorithm = "aws:kms" (it is {algorithm})'
-    if not is_set(get(default, "kmsMasterKeyId")):
+    key = get(default, "kmsMasterKeyId")
+    if not is_set(key) or is_aws_managed_key(key):
         return "set kmsMasterKeyId to a customer managed KMS key (not the AWS managed aws/s3 key)"
     return None
 
@@ -244,3 +253,93 @@ def key_rotation_enabled(
     rotation = get(props, "enableKeyRotation")
     if not is_unknown(rotation) and as_bool(rotation) is not True:
         yield "set enableKeyRotation = true"
+
+
+def access_logging_enabled(
+    resources: Sequence[PolicyResource], config: Mapping[str, Any], report: ReportViolation
+) -> None:
+    """S3.9: every bucket's requests are logged (server access logging) to another bucket.
+
+    A bucket that itself receives access logs is exempt: logging it would log its own log deliveries
+    (S3 recommends against it). Logging a bucket into itself is refused for the same reason.
+    """
+    for bucket in _buckets(resources):
+        if receives_access_logs(resources, bucket) is not Reference.NO:
+            continue
+        inline_target = get(bucket.props, "logging", "targetBucket")
+        if is_set(inline_target) and not _is_bucket(inline_target, bucket):
+            continue
+
+        def problem(logging: PolicyResource, bucket: PolicyResource = bucket) -> str | None:
+            target = get(logging.props, "targetBucket")
+            if not is_set(target):
+                return f"set targetBucket on {describe(logging)}"
+            if _is_bucket(target, bucket):
+                return (
+                    f"{describe(logging)} logs the bucket into itself (every delivery is logged again): "
+                    "send the logs to a separate log bucket"
+                )
+            return None
+
+        require_configurer(
+            resources,
+            bucket,
+            t.BUCKET_LOGGINGS,
+            "bucket",
+            problem=problem,
+            missing=(
+                "add an aws.s3.BucketLogging with target_bucket=<a separate log bucket> "
+                "(whose policy lets logging.s3.amazonaws.com write)"
+            ),
+            report=report,
+        )
+
+
+def receives_access_logs(resources: Sequence[PolicyResource], bucket: PolicyResource) -> Reference:
+    """Is `bucket` the target of another bucket's server access logging? UNKNOWN while IDs are unknown."""
+    answer = Reference.NO
+    for logging in of_type(resources, t.BUCKET_LOGGINGS):
+        if refers_to(logging, "bucket", bucket) is Reference.YES:
+            continue  # a bucket logging into itself is not a log bucket; access_logging_enabled says so
+        reference = refers_to(logging, "targetBucket", bucket)
+        if reference is Reference.YES:
+            return Reference.YES
+        if reference is Reference.UNKNOWN:
+            answer = Reference.UNKNOWN
+    for source in _buckets(resources):
+        target = get(source.props, "logging", "targetBucket")
+        if source.urn != bucket.urn and is_set(target) and _is_bucket(target, bucket):
+            return Reference.YES
+    # Its own policy says so too: a bucket that lets S3 log delivery write is a log bucket even while no
+    # BucketLogging (or one in another stack) points at it.
+    documents = [get(bucket.props, "policy")]
+    found = configurers(resources, bucket, [t.BUCKET_POLICY], "bucket")
+    documents += [get(policy.props, "policy") for policy in found.found]
+    for document in documents:
+        try:
+            parsed = statements(document)
+        except UnreadableDocumentError:
+            continue
+        if parsed is None:
+            answer = Reference.UNKNOWN
+        elif any(_lets_log_delivery_write(statement) for statement in parsed):
+            return Reference.YES
+    return answer
+
+
+_LOG_DELIVERY = "logging.s3.amazonaws.com"
+
+
+def _lets_log_delivery_write(statement: Statement) -> bool:
+    return (
+        statement.allows()
+        and _LOG_DELIVERY in statement.principals
+        and statement.covers_action("s3:PutObject")
+    )
+
+
+def _is_bucket(value: Any, bucket: PolicyResource) -> bool:
+    if is_unknown(value):
+        return False
+    names = [get(bucket.props, key) for key in ("bucket", "id")]
+    return str(value) in [str(name) for name in names if name is not None and not is_unknown(name)]

@@ -229,7 +229,7 @@ def test_destroy_keeps_only_the_bucket_and_its_key_by_default(example_stack: Sta
     assert "aws:kms/key:Key" in kept
     # Kept with the bucket so a retained bucket stays private, encrypted and TLS-only.
     assert all(t.startswith(("aws:s3/bucket", "aws:kms/key:Key")) for t in kept), kept
-    assert example_stack.one("aws:s3/bucket:Bucket").inputs["forceDestroy"] is False
+    assert all(b.inputs["forceDestroy"] is False for b in example_stack.of_type("aws:s3/bucket:Bucket"))
     for type_token in BILLING_TYPES_DELETED_ON_DESTROY:
         assert not any(r.retain_on_delete for r in example_stack.of_type(type_token)), type_token
 
@@ -237,7 +237,7 @@ def test_destroy_keeps_only_the_bucket_and_its_key_by_default(example_stack: Sta
 def test_destroy_removes_everything_when_data_is_not_retained() -> None:
     stack = run_stack({**example_config(), "trainstack:retainDataOnDestroy": False})
     assert not [r.name for r in stack.resources if r.retain_on_delete]
-    assert stack.one("aws:s3/bucket:Bucket").inputs["forceDestroy"] is True
+    assert all(b.inputs["forceDestroy"] is True for b in stack.of_type("aws:s3/bucket:Bucket"))
     assert stack.one("aws:kms/key:Key").inputs["deletionWindowInDays"] == 7
 
 

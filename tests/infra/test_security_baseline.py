@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from infra.policies import actions_of
-from tests.infra.program import ACCOUNT_ID, StackRun, example_config, run_stack
+from tests.infra.program import ACCOUNT_ID, RecordedResource, StackRun, example_config, run_stack
 
 LT = "aws:ec2/launchTemplate:LaunchTemplate"
 ASG = "aws:autoscaling/group:Group"
@@ -13,6 +13,17 @@ ASG = "aws:autoscaling/group:Group"
 
 def _key_arn(stack: StackRun) -> str:
     return str(stack.outputs["kms_key_arn"])
+
+
+def _data_bucket(stack: StackRun, type_token: str) -> RecordedResource:
+    """The data bucket (or its companion of that type), not the access-log bucket's."""
+    (found,) = [r for r in stack.of_type(type_token) if "access-log" not in r.name]
+    return found
+
+
+def _access_log_bucket(stack: StackRun, type_token: str) -> RecordedResource:
+    (found,) = [r for r in stack.of_type(type_token) if "access-logs" in r.name]
+    return found
 
 
 def _launch_template_ebs(stack: StackRun) -> dict:
@@ -83,6 +94,25 @@ def test_default_security_group_allows_nothing_EC2_2(example_stack: StackRun) ->
     assert default.get("egress", []) == []
 
 
+def test_vpc_flow_logs_are_kept_a_year_and_training_logs_as_configured_CloudWatch_16() -> None:  # noqa: N802 - named after the control
+    def retention(stack: StackRun) -> dict[str, int]:
+        return {
+            g.inputs["name"]: g.inputs["retentionInDays"]
+            for g in stack.of_type("aws:cloudwatch/logGroup:LogGroup")
+        }
+
+    default = retention(run_stack())
+    assert default["/trainstack/dev/vpc-flow-logs"] == 365
+    assert default["/trainstack/dev"] == 30
+    tuned = retention(
+        run_stack(
+            {**example_config(), "trainstack:flowLogRetentionDays": 731, "trainstack:logRetentionDays": 7}
+        )
+    )
+    assert tuned["/trainstack/dev/vpc-flow-logs"] == 731
+    assert tuned["/trainstack/dev"] == 7
+
+
 def test_vpc_flow_logs_are_on_EC2_6(example_stack: StackRun) -> None:  # noqa: N802 - named after the control
     flow_log = example_stack.one("aws:ec2/flowLog:FlowLog").inputs
     assert flow_log["vpcId"] == f"{example_stack.one('aws:ec2/vpc:Vpc').name}-id"
@@ -105,13 +135,13 @@ def test_ssh_opens_only_port_22_to_the_listed_cidrs_EC2_18_EC2_19_CIS_5_3() -> N
 
 
 def test_bucket_blocks_all_public_access_S3_1_S3_8(example_stack: StackRun) -> None:  # noqa: N802 - named after the control
-    block = example_stack.one("aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock").inputs
+    block = _data_bucket(example_stack, "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock").inputs
     for setting in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets"):
         assert block[setting] is True, setting
 
 
 def test_bucket_policy_denies_requests_without_tls_S3_5(example_stack: StackRun) -> None:  # noqa: N802 - named after the control
-    policy = json.loads(example_stack.one("aws:s3/bucketPolicy:BucketPolicy").inputs["policy"])
+    policy = json.loads(_data_bucket(example_stack, "aws:s3/bucketPolicy:BucketPolicy").inputs["policy"])
     bucket_arn = f"arn:aws:s3:::{example_stack.outputs['bucket_name']}"
     (deny,) = [
         s for s in policy["Statement"] if s.get("Condition", {}).get("Bool", {}).get("aws:SecureTransport")
@@ -123,15 +153,16 @@ def test_bucket_policy_denies_requests_without_tls_S3_5(example_stack: StackRun)
 
 
 def test_bucket_encrypts_with_the_stack_cmk_and_refuses_other_keys_S3_17(example_stack: StackRun) -> None:  # noqa: N802 - named after the control
-    (rule,) = example_stack.one(
-        "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration"
+    (rule,) = _data_bucket(
+        example_stack,
+        "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
     ).inputs["rules"]
     assert rule["applyServerSideEncryptionByDefault"] == {
         "sseAlgorithm": "aws:kms",
         "kmsMasterKeyId": _key_arn(example_stack),
     }
     assert rule["bucketKeyEnabled"] is True
-    policy = json.loads(example_stack.one("aws:s3/bucketPolicy:BucketPolicy").inputs["policy"])
+    policy = json.loads(_data_bucket(example_stack, "aws:s3/bucketPolicy:BucketPolicy").inputs["policy"])
     other_keys = [s for s in policy["Statement"] if "ArnNotEquals" in s.get("Condition", {})]
     assert other_keys and other_keys[0]["Effect"] == "Deny"
     condition = other_keys[0]["Condition"]["ArnNotEquals"]
@@ -139,25 +170,25 @@ def test_bucket_encrypts_with_the_stack_cmk_and_refuses_other_keys_S3_17(example
 
 
 def test_bucket_versioning_is_enabled_S3_14(example_stack: StackRun) -> None:  # noqa: N802 - named after the control
-    versioning = example_stack.one("aws:s3/bucketVersioning:BucketVersioning").inputs
+    versioning = _data_bucket(example_stack, "aws:s3/bucketVersioning:BucketVersioning").inputs
     assert versioning["versioningConfiguration"]["status"] == "Enabled"
 
 
 def test_bucket_lifecycle_aborts_uploads_and_expires_old_versions_S3_10_S3_13(  # noqa: N802 - named after the control
     example_stack: StackRun,
 ) -> None:
-    rules = example_stack.one("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration").inputs[
-        "rules"
-    ]
+    rules = _data_bucket(
+        example_stack, "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration"
+    ).inputs["rules"]
     assert all(rule["status"] == "Enabled" for rule in rules)
     assert any(r.get("abortIncompleteMultipartUpload", {}).get("daysAfterInitiation") == 1 for r in rules)
     assert any(r.get("noncurrentVersionExpiration", {}).get("noncurrentDays") == 30 for r in rules)
 
 
 def test_bucket_disables_acls_S3_12(example_stack: StackRun) -> None:  # noqa: N802 - named after the control
-    controls = example_stack.one("aws:s3/bucketOwnershipControls:BucketOwnershipControls").inputs
+    controls = _data_bucket(example_stack, "aws:s3/bucketOwnershipControls:BucketOwnershipControls").inputs
     assert controls["rule"]["objectOwnership"] == "BucketOwnerEnforced"
-    assert "acl" not in example_stack.one("aws:s3/bucket:Bucket").inputs
+    assert "acl" not in _data_bucket(example_stack, "aws:s3/bucket:Bucket").inputs
 
 
 def test_kms_key_rotates_KMS_4(example_stack: StackRun) -> None:  # noqa: N802 - named after the control
@@ -190,9 +221,10 @@ def test_alert_topic_is_encrypted_with_the_stack_cmk_SNS_1(example_stack: StackR
 
 def test_every_log_group_has_retention_and_the_stack_cmk_CloudWatch(example_stack: StackRun) -> None:  # noqa: N802 - named after the control
     groups = example_stack.of_type("aws:cloudwatch/logGroup:LogGroup")
-    assert len(groups) == 2
+    assert len(groups) >= 2
     for group in groups:
-        assert group.inputs["retentionInDays"] == 30, group.name
+        expected = 365 if group.inputs["name"].endswith("/vpc-flow-logs") else 30
+        assert group.inputs["retentionInDays"] == expected, group.name
         assert group.inputs["kmsKeyId"] == _key_arn(example_stack), group.name
 
 
@@ -207,3 +239,58 @@ def test_key_policy_lets_alert_sources_use_the_key_for_the_encrypted_topic(examp
     assert {"events.amazonaws.com", "budgets.amazonaws.com", "cloudwatch.amazonaws.com"} <= services
     assert "logs.us-east-1.amazonaws.com" in services
     assert ACCOUNT_ID in json.dumps(policy)
+
+
+def test_bucket_access_is_logged_to_its_own_log_bucket_S3_9(example_stack: StackRun) -> None:  # noqa: N802 - named after the control
+    (logging,) = example_stack.of_type("aws:s3/bucketLogging:BucketLogging")
+    data = _data_bucket(example_stack, "aws:s3/bucket:Bucket")
+    logs = _access_log_bucket(example_stack, "aws:s3/bucket:Bucket")
+    assert logging.inputs["bucket"] == f"{data.name}-id"
+    assert logging.inputs["targetBucket"] == f"{logs.name}-id"
+    assert logging.inputs["targetPrefix"] == "s3-access/"
+    assert not [
+        r
+        for r in example_stack.of_type("aws:s3/bucketLogging:BucketLogging")
+        if r.inputs["bucket"] == f"{logs.name}-id"
+    ]
+
+
+def test_access_log_bucket_is_locked_down_with_sse_s3_and_expiry(example_stack: StackRun) -> None:
+    block = _access_log_bucket(example_stack, "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock").inputs
+    assert all(
+        block[s] is True
+        for s in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")
+    )
+    ownership = _access_log_bucket(example_stack, "aws:s3/bucketOwnershipControls:BucketOwnershipControls")
+    assert ownership.inputs["rule"]["objectOwnership"] == "BucketOwnerEnforced"
+    (rule,) = _access_log_bucket(
+        example_stack,
+        "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
+    ).inputs["rules"]
+    # S3 log delivery supports only SSE-S3 default encryption on its target bucket, not SSE-KMS.
+    assert rule["applyServerSideEncryptionByDefault"] == {"sseAlgorithm": "AES256"}
+    (expiry,) = _access_log_bucket(
+        example_stack, "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration"
+    ).inputs["rules"]
+    assert expiry["status"] == "Enabled" and expiry["expiration"]["days"] == 365
+    assert expiry["noncurrentVersionExpiration"]["noncurrentDays"] >= 1
+
+
+def test_only_s3_log_delivery_for_this_bucket_and_account_may_write_access_logs(
+    example_stack: StackRun,
+) -> None:
+    policy = json.loads(
+        _access_log_bucket(example_stack, "aws:s3/bucketPolicy:BucketPolicy").inputs["policy"]
+    )
+    allows = [s for s in policy["Statement"] if s["Effect"] == "Allow"]
+    (delivery,) = allows
+    assert delivery["Principal"] == {"Service": "logging.s3.amazonaws.com"}
+    assert delivery["Action"] == "s3:PutObject"
+    assert delivery["Resource"].endswith("/s3-access/*")
+    data_arn = f"arn:aws:s3:::{example_stack.outputs['bucket_name']}"
+    assert delivery["Condition"] == {
+        "StringEquals": {"aws:SourceAccount": ACCOUNT_ID},
+        "ArnLike": {"aws:SourceArn": data_arn},
+    }
+    (deny,) = [s for s in policy["Statement"] if s["Effect"] == "Deny"]
+    assert deny["Condition"] == {"Bool": {"aws:SecureTransport": "false"}} and deny["Action"] == "s3:*"

@@ -11,6 +11,11 @@ KEY_ARN = "arn:aws:kms:us-east-1:123456789012:key/1234abcd-12ab-34cd-56ef-123456
 BUCKET = "trainstack-dev-artifacts"
 BUCKET_ARN = f"arn:aws:s3:::{BUCKET}"
 VPC_ID = "vpc-0abc"
+LOG_BUCKET = "trainstack-dev-access-logs"
+LOG_BUCKET_ARN = f"arn:aws:s3:::{LOG_BUCKET}"
+FLOW_LOG_GROUP = "/trainstack/dev/vpc-flow-logs"
+FLOW_LOG_GROUP_ARN = f"arn:aws:logs:us-east-1:123456789012:log-group:{FLOW_LOG_GROUP}"
+SSM_CORE = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
 
 USER_DATA = """#cloud-config
 write_files:
@@ -74,7 +79,12 @@ def compliant_stack() -> list[Resource]:
         Resource(
             "aws:ec2/flowLog:FlowLog",
             "flow-log",
-            {"vpcId": VPC_ID, "trafficType": "ALL", "logDestinationType": "cloud-watch-logs"},
+            {
+                "vpcId": VPC_ID,
+                "trafficType": "ALL",
+                "logDestinationType": "cloud-watch-logs",
+                "logDestination": FLOW_LOG_GROUP_ARN,
+            },
             {"vpcId": ["vpc"]},
         ),
         Resource(
@@ -236,6 +246,103 @@ def compliant_stack() -> list[Resource]:
         ),
         Resource("aws:sns/topic:Topic", "topic", {"kmsMasterKeyId": KEY_ARN}),
         Resource("aws:cloudwatch/logGroup:LogGroup", "logs", {"retentionInDays": 30, "kmsKeyId": KEY_ARN}),
+        *_audit_trail(),
+    ]
+
+
+ACCESS_LOG_BUCKET_POLICY = _document(
+    {
+        "Sid": "DenyInsecureTransport",
+        "Effect": "Deny",
+        "Principal": "*",
+        "Action": "s3:*",
+        "Resource": [LOG_BUCKET_ARN, f"{LOG_BUCKET_ARN}/*"],
+        "Condition": {"Bool": {"aws:SecureTransport": "false"}},
+    },
+    {
+        "Sid": "S3ServerAccessLogDelivery",
+        "Effect": "Allow",
+        "Principal": {"Service": "logging.s3.amazonaws.com"},
+        "Action": "s3:PutObject",
+        "Resource": f"{LOG_BUCKET_ARN}/s3-access/*",
+        "Condition": {
+            "StringEquals": {"aws:SourceAccount": "123456789012"},
+            "ArnLike": {"aws:SourceArn": BUCKET_ARN},
+        },
+    },
+)
+
+
+def _audit_trail() -> list[Resource]:
+    """Who did what: the bucket's access logs in a log bucket of their own, flow logs kept a year, and the
+    one AWS managed policy the instance needs (SSM core), attached the way the program attaches it."""
+    return [
+        Resource(
+            "aws:s3/bucketLogging:BucketLogging",
+            "bucket-logging",
+            {"bucket": BUCKET, "targetBucket": LOG_BUCKET, "targetPrefix": "s3-access/"},
+        ),
+        Resource("aws:s3/bucket:Bucket", "access-logs", {"bucket": LOG_BUCKET, "id": LOG_BUCKET}),
+        Resource(
+            "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock",
+            "access-logs-public-access",
+            {
+                "bucket": LOG_BUCKET,
+                "blockPublicAcls": True,
+                "blockPublicPolicy": True,
+                "ignorePublicAcls": True,
+                "restrictPublicBuckets": True,
+            },
+        ),
+        Resource(
+            "aws:s3/bucketPolicy:BucketPolicy",
+            "access-logs-policy",
+            {"bucket": LOG_BUCKET, "policy": ACCESS_LOG_BUCKET_POLICY},
+        ),
+        Resource(
+            "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
+            "access-logs-encryption",
+            {
+                "bucket": LOG_BUCKET,
+                "rules": [{"applyServerSideEncryptionByDefault": {"sseAlgorithm": "AES256"}}],
+            },
+        ),
+        Resource(
+            "aws:s3/bucketVersioning:BucketVersioning",
+            "access-logs-versioning",
+            {"bucket": LOG_BUCKET, "versioningConfiguration": {"status": "Enabled"}},
+        ),
+        Resource(
+            "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration",
+            "access-logs-lifecycle",
+            {
+                "bucket": LOG_BUCKET,
+                "rules": [
+                    {
+                        "id": "expire-access-logs",
+                        "status": "Enabled",
+                        "filter": {},
+                        "expiration": {"days": 365},
+                        "noncurrentVersionExpiration": {"noncurrentDays": 7},
+                    }
+                ],
+            },
+        ),
+        Resource(
+            "aws:s3/bucketOwnershipControls:BucketOwnershipControls",
+            "access-logs-ownership",
+            {"bucket": LOG_BUCKET, "rule": {"objectOwnership": "BucketOwnerEnforced"}},
+        ),
+        Resource(
+            "aws:cloudwatch/logGroup:LogGroup",
+            "flow-logs",
+            {"name": FLOW_LOG_GROUP, "retentionInDays": 365, "kmsKeyId": KEY_ARN},
+        ),
+        Resource(
+            "aws:iam/rolePolicyAttachment:RolePolicyAttachment",
+            "ssm-core",
+            {"role": "instance-role", "policyArn": SSM_CORE},
+        ),
     ]
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pulumi_policy import (
+    Policy,
     PolicyResource,
     PolicyResourceOptions,
     ResourceValidationArgs,
@@ -63,17 +64,26 @@ class Verdict:
 
 
 def check(
-    resources: Sequence[Resource], config: Mapping[str, Mapping[str, Any]] | None = None
+    resources: Sequence[Resource],
+    config: Mapping[str, Mapping[str, Any]] | None = None,
+    policies: Sequence[Policy] = POLICIES,
 ) -> list[Violation]:
     """Every violation every policy reports on these resources (resource policies, then stack policies)."""
-    return evaluate(resources, config).violations
+    return evaluate(resources, config, policies).violations
 
 
-def evaluate(resources: Sequence[Resource], config: Mapping[str, Mapping[str, Any]] | None = None) -> Verdict:
-    """Violations, plus the policies deferred to `up` by an unknown value, as the engine records them."""
+def evaluate(
+    resources: Sequence[Resource],
+    config: Mapping[str, Mapping[str, Any]] | None = None,
+    policies: Sequence[Policy] = POLICIES,
+) -> Verdict:
+    """Violations, plus the policies deferred to `up` by an unknown value, as the engine records them.
+
+    `policies` defaults to the whole pack; a test passes a smaller pack to show what a missing policy misses.
+    """
     config = config or {}
     verdict = Verdict()
-    for policy in POLICIES:
+    for policy in policies:
 
         def report(message: str, urn: str | None = None, policy_name: str = policy.name) -> None:
             verdict.violations.append(Violation(policy_name, message, urn))

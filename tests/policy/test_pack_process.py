@@ -131,6 +131,7 @@ def test_stack_policies_see_a_bucket_without_its_safeguards(analyzer: analyzer_p
         "s3-sse-kms",
         "s3-versioning-enabled",
         "s3-lifecycle-configured",
+        "s3-access-logging",
     }
     assert all(d.urn == bucket.urn for d in diagnostics)
 

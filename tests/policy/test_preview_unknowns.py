@@ -25,13 +25,15 @@ def _unknown_if_computed(value: Any) -> Any:
 
 
 def _as_first_preview(resources: list[Resource], *, with_dependencies: bool) -> list[Resource]:
+    bucket_names = {str(r.props.get("bucket")): r.name for r in resources if r.type == "aws:s3/bucket:Bucket"}
     for resource in resources:
+        configured_bucket = bucket_names.get(str(resource.props.get("bucket")))
         resource.props = _unknown_if_computed(resource.props)
         resource.props.pop("id", None)
         resource.depends_on = {}
         if with_dependencies:
-            if "bucket" in resource.props and resource.name != "bucket":
-                resource.depends_on["bucket"] = ["bucket"]
+            if configured_bucket and resource.name != configured_bucket:
+                resource.depends_on["bucket"] = [configured_bucket]
             if "vpcId" in resource.props:
                 resource.depends_on["vpcId"] = ["vpc"]
     return resources
@@ -97,6 +99,7 @@ def test_a_configurer_for_another_bucket_does_not_count() -> None:
         "s3-sse-kms",
         "s3-versioning-enabled",
         "s3-lifecycle-configured",
+        "s3-access-logging",
     }
 
 

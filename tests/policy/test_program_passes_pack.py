@@ -58,6 +58,8 @@ def test_program_resources_are_the_ones_the_pack_reads() -> None:
         "aws:sns/topic:Topic",
         "aws:cloudwatch/logGroup:LogGroup",
         "aws:iam/rolePolicy:RolePolicy",
+        "aws:iam/rolePolicyAttachment:RolePolicyAttachment",
+        "aws:s3/bucketLogging:BucketLogging",
     } <= types
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from infra.policy.rules import POLICIES
-from tests.policy.golden import BUCKET, KEY_ARN, compliant_stack, named
+from tests.policy.golden import BUCKET, KEY_ARN, SSM_CORE, compliant_stack, named
 from tests.policy.harness import Resource, check
 
 Mutation = Callable[[list[Resource]], None]
@@ -313,7 +313,11 @@ MUTATIONS: list[tuple[str, Mutation, str, str]] = [
             "instance-inline",
             "policy",
             value=_policy_document(
-                {"Effect": "Allow", "Action": "kms:Re*", "Resource": "arn:aws:kms:*:123456789012:key/*"}
+                {
+                    "Effect": "Allow",
+                    "Action": "kms:ReEncryptFrom",
+                    "Resource": "arn:aws:kms:*:123456789012:key/*",
+                }
             ),
         ),
         "kms-no-decrypt-on-all-keys",
@@ -430,6 +434,125 @@ MUTATIONS += [
 ]
 
 
+def _ssh_from(*cidrs: str) -> Mutation:
+    """The instance group's SSH rule opened to `cidrs` (IPv4 and IPv6 mixed as written)."""
+    return _set(
+        "instances",
+        "ingress",
+        0,
+        value={
+            "protocol": "tcp",
+            "fromPort": 22,
+            "toPort": 22,
+            "cidrBlocks": [c for c in cidrs if ":" not in c],
+            "ipv6CidrBlocks": [c for c in cidrs if ":" in c],
+        },
+    )
+
+
+def _instance_inline_allows(*actions: str) -> Mutation:
+    return _set(
+        "instance-inline",
+        "policy",
+        value=_policy_document(
+            {"Effect": "Allow", "Action": list(actions), "Resource": f"arn:aws:s3:::{BUCKET}/checkpoints/*"}
+        ),
+    )
+
+
+# Issue 12: the internet judged by address space, admin and wildcard grants in disguise, the stack's own
+# key on the topic, the bucket's access log (S3.9) and flow logs kept a year (CloudWatch.16).
+MUTATIONS += [
+    (
+        "ssh-open-to-the-internet-in-two-halves",
+        _ssh_from("0.0.0.0/1", "128.0.0.0/1"),
+        "no-unrestricted-ingress",
+        "ingress[0] opens ports 22-22 to 0.0.0.0/0",
+    ),
+    (
+        "ssh-open-to-ipv6-zero-spelled-differently",
+        _ssh_from("::0/0"),
+        "no-unrestricted-ingress",
+        "ingress[0] opens ports 22-22 to ::/0",
+    ),
+    (
+        "ssh-open-to-a-quarter-of-ipv4",
+        _ssh_from("64.0.0.0/2"),
+        "no-unrestricted-ingress",
+        "64.0.0.0/2 (25% of all IPv4 addresses)",
+    ),
+    (
+        "two-narrow-rules-that-together-exceed-a-slash-8",
+        _set(
+            "instances",
+            "ingress",
+            value=[
+                {"protocol": "tcp", "fromPort": 22, "toPort": 22, "cidrBlocks": ["44.0.0.0/8"]},
+                {"protocol": "tcp", "fromPort": 443, "toPort": 443, "cidrBlocks": ["45.0.0.0/8"]},
+            ],
+        ),
+        "no-unrestricted-ingress",
+        "ingress[0] and ingress[1] together open their ports to 44.0.0.0/7",
+    ),
+    (
+        "ingress-rule-open-to-ipv6-global-unicast",
+        _set("ssh-from-office", "cidrIpv6", value="2000::/3"),
+        "no-unrestricted-ingress",
+        "the rule opens ports 22-22 to 2000::/3",
+    ),
+    (
+        "administrator-access-attached",
+        _set("ssm-core", "policyArn", value="arn:aws:iam::aws:policy/AdministratorAccess"),
+        "iam-no-admin-managed-policies",
+        "policyArn attaches the AWS managed AdministratorAccess",
+    ),
+    (
+        "power-user-in-role-managed-policy-arns",
+        _set(
+            "instance-role", "managedPolicyArns", value=[SSM_CORE, "arn:aws:iam::aws:policy/PowerUserAccess"]
+        ),
+        "iam-no-admin-managed-policies",
+        "managedPolicyArns[1] attaches the AWS managed PowerUserAccess",
+    ),
+    (
+        "question-mark-wildcard",
+        _instance_inline_allows("s3:GetObject", "s3:?*"),
+        "iam-no-wildcard-actions",
+        "allows s3:?*",
+    ),
+    (
+        "infix-wildcard",
+        _instance_inline_allows("s3:*Object*"),
+        "iam-no-wildcard-actions",
+        "allows s3:*Object*",
+    ),
+    (
+        "topic-aws-managed-key-by-alias-arn",
+        _set("topic", "kmsMasterKeyId", value="arn:aws:kms:us-east-1:123456789012:alias/aws/sns"),
+        "sns-topic-encrypted",
+        "not alias/aws/sns",
+    ),
+    (
+        "no-access-logging",
+        _remove("bucket-logging"),
+        "s3-access-logging",
+        "'bucket': add an aws.s3.BucketLogging",
+    ),
+    (
+        "bucket-logs-into-itself",
+        _set("bucket-logging", "targetBucket", value=BUCKET),
+        "s3-access-logging",
+        "logs the bucket into itself",
+    ),
+    (
+        "flow-logs-kept-a-month",
+        _set("flow-logs", "retentionInDays", value=30),
+        "vpc-flow-logs-retained",
+        "set retentionInDays to at least 365",
+    ),
+]
+
+
 def test_every_policy_is_mandatory_and_names_its_controls() -> None:
     for policy in POLICIES:
         assert policy.enforcement_level is not None and policy.enforcement_level.value == "mandatory"
@@ -458,3 +581,16 @@ def test_mutation_fails_with_that_policys_message(mutation: Mutation, policy: st
     for violation in violations:
         assert "\n" not in violation.message
         assert "'" in violation.message, "the message names the resource"
+
+
+@pytest.mark.parametrize("removed", [policy.name for policy in POLICIES])
+def test_a_pack_without_any_one_policy_lets_a_mutation_through(removed: str) -> None:
+    """Each policy earns its place: without it, some weakening passes with zero violations."""
+    smaller_pack = [policy for policy in POLICIES if policy.name != removed]
+    undetected = []
+    for name, mutation, _, _ in MUTATIONS:
+        resources = compliant_stack()
+        mutation(resources)
+        if check(resources, policies=smaller_pack) == []:
+            undetected.append(name)
+    assert undetected, f"every mutation is still caught without {removed}: it guards nothing of its own"
