@@ -96,7 +96,7 @@ fleet = Fleet(
     FleetArgs(
         config=config,
         image=image,
-        bundle=build_bundle(),
+        bundle=build_bundle(job_dir=config.user_job_dir),
         bucket_name=storage.bucket.bucket,
         kms_key_arn=storage.key.arn,
         topic_arn=observability.topic.arn,

@@ -1,4 +1,5 @@
-"""The code bundle an instance runs: `training/` + `bootstrap/`, archived reproducibly, content-addressed."""
+"""The code bundle an instance runs: `training/`, `bootstrap/`, `trainstack_job/` and a user's job workdir
+(under `job/`), archived reproducibly, content-addressed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import io
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from bootstrap.job import BUNDLE_JOB_DIR
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_PACKAGES = ("training", "bootstrap", "trainstack_job")
@@ -28,16 +31,43 @@ class CodeBundle:
         return f"{code_prefix}{self.sha256}/{BUNDLE_FILE_NAME}"
 
 
-def _bundled_files(root: Path) -> list[Path]:
-    files: list[Path] = []
+# A job's workdir travels whole (its data files included) but never its local run folders or caches.
+_JOB_SKIPPED_DIRS = {"__pycache__", "checkpoints", "output", ".git", ".venv", "venv", "node_modules"}
+# User-data stays small, but the bundle goes to S3: this only catches a dataset committed by mistake.
+MAX_JOB_BYTES = 200 * 2**20
+
+
+class BundleError(ValueError):
+    """The job's workdir cannot be bundled; the message names the folder and the fix."""
+
+
+def _bundled_files(root: Path) -> list[tuple[str, Path]]:
+    files: list[tuple[str, Path]] = []
     for package in BUNDLED_PACKAGES:
         for path in (root / package).rglob("*"):
             if path.is_file() and path.suffix in _BUNDLED_SUFFIXES and "__pycache__" not in path.parts:
-                files.append(path)
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+                files.append((path.relative_to(root).as_posix(), path))
+    return files
 
 
-def build_bundle(root: Path = REPO_ROOT) -> CodeBundle:
+def job_files(job_dir: Path) -> list[tuple[str, Path]]:
+    files: list[tuple[str, Path]] = []
+    total = 0
+    for path in job_dir.rglob("*"):
+        parts = path.relative_to(job_dir).parts
+        if not path.is_file() or any(p.startswith(".") or p in _JOB_SKIPPED_DIRS for p in parts):
+            continue
+        total += path.stat().st_size
+        files.append((f"{BUNDLE_JOB_DIR}/{'/'.join(parts)}", path))
+    if total > MAX_JOB_BYTES:
+        raise BundleError(
+            f"trainstack:job: the workdir {job_dir} holds {total / 2**20:.0f} MiB; keep data out of it "
+            "(trainstack data push) so the code bundle stays small"
+        )
+    return files
+
+
+def build_bundle(root: Path = REPO_ROOT, job_dir: Path | None = None) -> CodeBundle:
     """Archive the instance code byte-for-byte reproducibly: same sources, same sha256.
 
     Sorted entries, zeroed timestamps and owners, and a fixed gzip header mean the hash changes
@@ -45,8 +75,9 @@ def build_bundle(root: Path = REPO_ROOT) -> CodeBundle:
     """
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in _bundled_files(root):
-            info = tarfile.TarInfo(path.relative_to(root).as_posix())
+        entries = _bundled_files(root) + (job_files(job_dir) if job_dir is not None else [])
+        for name, path in sorted(entries):
+            info = tarfile.TarInfo(name)
             content = path.read_bytes()
             info.size = len(content)
             info.mode = 0o755 if path.suffix == ".sh" else 0o644

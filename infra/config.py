@@ -14,7 +14,9 @@ from typing import Any
 import pulumi
 import yaml
 
+from bootstrap.job import JobSpec, JobSpecError, load_job_spec
 from bootstrap.trainer import TrainerPaths
+from infra.bundle import BundleError, job_files
 from training.config import ConfigError, apply_overrides, build_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "logRetentionDays": 30,
     "flowLogRetentionDays": 365,
     "trainingConfig": "training/configs/default.yaml",
+    "job": "",
     "maxCostUsd": "",
     "maxConsecutiveFailures": 3,
     "stallTimeoutMinutes": 30,
@@ -135,6 +138,9 @@ class StackConfig:
     flow_log_retention_days: int = 365
     spot_fallback_minutes: int = 15
     expected_hours: float | None = None
+    # A user's own job (trainstack:job): its validated spec and the folder bundled as its workdir.
+    user_job: JobSpec | None = None
+    user_job_dir: Path | None = None
 
     @property
     def name(self) -> str:
@@ -222,6 +228,7 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
     log_days = value("logRetentionDays", _integer, "30")
     flow_log_days = value("flowLogRetentionDays", _integer, "365")
     training_config = value("trainingConfig", _string, "training/configs/default.yaml").strip()
+    job_file = value("job", _string, "examples/charlm/job.yaml").strip()
     max_cost_text = value("maxCostUsd", _string, "25").strip()
     max_failures = value("maxConsecutiveFailures", _integer, "3")
     stall_minutes = value("stallTimeoutMinutes", _integer, "30")
@@ -299,6 +306,7 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
             "365",
         )
     training_path, job = _load_training_config(training_config, problems)
+    user_job, user_job_dir = _load_user_job(job_file, problems) if job_file else (None, None)
     max_cost: float | None = None
     if max_cost_text:
         if _PRICE.match(max_cost_text) and float(max_cost_text) > 0:
@@ -343,6 +351,8 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
         stall_timeout_minutes=stall_minutes,
         spot_fallback_minutes=fallback_minutes,
         expected_hours=expected_hours,
+        user_job=user_job,
+        user_job_dir=user_job_dir,
     )
 
 
@@ -507,6 +517,26 @@ def _load_training_config(path_text: str, problems: _Problems) -> tuple[Path, di
     except ConfigError as exc:
         problems.lines.extend(f"{NAMESPACE}:trainingConfig: {shown}: {problem}" for problem in exc.problems)
     return path, job
+
+
+def _load_user_job(path_text: str, problems: _Problems) -> tuple[JobSpec | None, Path | None]:
+    """The job file named by trainstack:job, validated by the agent's own parser (workdir and requirements
+    must exist), so a bad job file fails `pulumi preview` naming the key."""
+    path = Path(path_text)
+    if not path.is_absolute():
+        path = REPO_ROOT / path
+    try:
+        spec = load_job_spec(path)
+    except JobSpecError as exc:
+        problems.lines.extend(f"{NAMESPACE}:job: {problem}" for problem in exc.problems)
+        return None, None
+    workdir = (path.parent / spec.workdir).resolve()
+    try:
+        job_files(workdir)
+    except BundleError as exc:
+        problems.lines.append(str(exc))
+        return None, None
+    return spec, workdir
 
 
 def _instance_overrides() -> list[str]:

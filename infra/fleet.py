@@ -251,4 +251,5 @@ def agent_config(config: StackConfig, *, bucket: str, topic_arn: str, log_group:
         instance_count=config.instance_count,
         lifecycle_hook=LIFECYCLE_HOOK_NAME,
         job=config.job,
+        user_job=config.user_job.to_mapping() if config.user_job else None,
     )

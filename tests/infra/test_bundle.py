@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import base64
+import gzip
+import io
 import shutil
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -69,7 +72,7 @@ def test_a_code_change_rolls_new_user_data(
     (root / "training" / "__init__.py").write_text("# a new trainer release\n")
     changed = build_bundle(root)
 
-    def build_changed(root_dir: Path = REPO_ROOT) -> CodeBundle:
+    def build_changed(root_dir: Path = REPO_ROOT, job_dir: Path | None = None) -> CodeBundle:
         return changed
 
     monkeypatch.setattr(infra.bundle, "build_bundle", build_changed)
@@ -78,3 +81,29 @@ def test_a_code_change_rolls_new_user_data(
     assert key == changed.key() != old_key
     assert user_data != old_user_data
     assert changed.sha256 in base64.b64decode(user_data).decode()
+
+
+def test_a_users_job_travels_under_job_and_its_run_folders_stay_behind(tmp_path: Path) -> None:
+    job = tmp_path / "myjob"
+    (job / "checkpoints" / "step-1").mkdir(parents=True)
+    (job / "checkpoints" / "step-1" / "state.pt").write_bytes(b"x")
+    (job / ".ipynb_checkpoints").mkdir()
+    (job / ".ipynb_checkpoints" / "train-checkpoint.py").write_text("old")
+    (job / "train.py").write_text("print('hi')\n")
+    (job / "corpus.txt").write_text("text")
+    bundle = build_bundle(job_dir=job)
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(bundle.data))) as tar:
+        names = tar.getnames()
+    assert {"job/train.py", "job/corpus.txt", "trainstack_job/contract.py"} <= set(names)
+    assert not any(n.startswith(("job/checkpoints", "job/.ipynb")) for n in names)
+    (job / "train.py").write_text("print('changed')\n")
+    assert build_bundle(job_dir=job).sha256 != bundle.sha256, "a job change is a new content-addressed bundle"
+
+
+def test_a_job_workdir_holding_a_dataset_is_refused_at_preview(tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text("name: big\ncommand: [python, train.py]\n")
+    (tmp_path / "train.py").write_text("")
+    with (tmp_path / "data.bin").open("wb") as handle:
+        handle.truncate(infra.bundle.MAX_JOB_BYTES + 1)
+    with pytest.raises(infra.bundle.BundleError, match="trainstack data push"):
+        infra.bundle.job_files(tmp_path)

@@ -1,0 +1,65 @@
+"""`trainstack:job`: a user's job file is validated at preview by the agent's own parser and bundled."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bootstrap.agent_config import AgentConfig
+from infra.config import StackConfig, StackConfigError, parse_stack_config
+from infra.fleet import agent_config
+
+
+def _parse(**raw: Any) -> StackConfig:
+    return parse_stack_config(raw, region="us-east-1", project="trainstack", stack="dev")
+
+
+def _problems(**raw: Any) -> list[str]:
+    with pytest.raises(StackConfigError) as error:
+        _parse(**raw)
+    return [line for line in str(error.value).splitlines() if line.startswith("  - ")]
+
+
+def _job_dir(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "train.py").write_text("print('training')\n")
+    (tmp_path / "job.yaml").write_text(text)
+    return tmp_path / "job.yaml"
+
+
+def test_a_valid_job_file_reaches_the_agent_config_and_round_trips(tmp_path: Path) -> None:
+    job = _job_dir(tmp_path, "name: mine\ncommand: [python, train.py, --steps, 10]\nenv: {SEED: 1}\n")
+    config = _parse(job=str(job))
+    assert config.user_job is not None and config.user_job_dir == tmp_path.resolve()
+    built = agent_config(
+        config, bucket="trainstack-dev-1", topic_arn="arn:aws:sns:us-east-1:1:t", log_group="/l"
+    )
+    assert built.user_job == {
+        "name": "mine",
+        "command": ["python", "train.py", "--steps", "10"],
+        "workdir": ".",
+        "requirements": None,
+        "env": {"SEED": "1"},
+        "data": {"sync": True},
+        "checkpoint": {"keep": 3},
+    }
+    assert AgentConfig.from_mapping(__import__("yaml").safe_load(built.to_yaml())) == built
+
+
+def test_every_problem_of_a_bad_job_file_fails_preview_naming_the_key(tmp_path: Path) -> None:
+    job = _job_dir(
+        tmp_path,
+        "name: Mine!\ncommand: python train.py\ncheckpoint: {keep: 0}\nenv: {TRAINSTACK_X: 1}\n",
+    )
+    lines = _problems(job=str(job))
+    text = "\n".join(lines)
+    for key in ("name:", "command:", "checkpoint.keep:", "env.TRAINSTACK_X:"):
+        assert f"trainstack:job: {job}: {key}" in text, key
+    assert all(line.count("\n") == 0 for line in lines)
+
+
+def test_a_missing_requirements_file_or_job_file_fails_preview(tmp_path: Path) -> None:
+    job = _job_dir(tmp_path, "name: mine\ncommand: [python, train.py]\nrequirements: requirements.txt\n")
+    assert any("requirements.txt does not exist" in line for line in _problems(job=str(job)))
+    assert any("cannot read the job file" in line for line in _problems(job=str(tmp_path / "nope.yaml")))
