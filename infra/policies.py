@@ -16,6 +16,7 @@ RESOURCE_STAR_REQUIRED = frozenset(
         "cloudwatch:PutMetricData",  # scoped by the cloudwatch:namespace condition instead
         "autoscaling:DescribeAutoScalingGroups",
         "autoscaling:DescribeAutoScalingInstances",
+        "autoscaling:DescribeScalingActivities",  # the capacity fallback reads why launches failed
         "ec2:DescribeSpotPriceHistory",
     }
 )
