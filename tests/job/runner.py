@@ -1,0 +1,84 @@
+"""Runs a job script the way the agent does: contract variables set, a stop file touched mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainstack_job.contract import JobEnv
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Run:
+    returncode: int
+    output: str
+
+
+class JobSandbox:
+    """The directories and files the agent would give one job, under `root`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_dir = root / "checkpoints"
+        self.output_dir = root / "output"
+        self.stop_file = root / "stop"
+        self.progress_file = root / "progress.json"
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1",
+            JobEnv.CHECKPOINT_DIR.value: str(self.checkpoint_dir),
+            JobEnv.OUTPUT_DIR.value: str(self.output_dir),
+            JobEnv.DATA_DIR.value: str(self.root / "data"),
+            JobEnv.STOP_FILE.value: str(self.stop_file),
+            JobEnv.CHECKPOINT_REQUEST_FILE.value: str(self.root / "checkpoint-request"),
+            JobEnv.PROGRESS_FILE.value: str(self.progress_file),
+            JobEnv.RESTORED_STEP.value: "",
+            **(extra or {}),
+        }
+
+    def progress_step(self) -> int:
+        try:
+            return int(json.loads(self.progress_file.read_text())["step"])
+        except (OSError, ValueError, KeyError):
+            return -1
+
+    def run(
+        self,
+        argv: list[str],
+        cwd: Path,
+        *,
+        stop_at_step: int | None = None,
+        timeout: float = 60,
+        env: dict[str, str] | None = None,
+    ) -> Run:
+        """Run `python argv...`; with `stop_at_step`, touch the stop file once progress reaches it."""
+        self.stop_file.unlink(missing_ok=True)
+        self.progress_file.unlink(missing_ok=True)
+        log = self.root / f"run-{time.monotonic_ns()}.log"
+        deadline = time.monotonic() + timeout
+        with log.open("w") as sink:
+            process = subprocess.Popen(
+                [sys.executable, *argv], cwd=cwd, env=self.env(env), stdout=sink, stderr=subprocess.STDOUT
+            )
+            try:
+                while process.poll() is None and time.monotonic() < deadline:
+                    if stop_at_step is not None and self.progress_step() >= stop_at_step:
+                        self.stop_file.touch()
+                        stop_at_step = None
+                    time.sleep(0.01)
+                returncode = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            finally:
+                process.kill()
+                process.wait()
+        return Run(returncode, log.read_text())
