@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -59,10 +60,12 @@ class JobSandbox:
         cwd: Path,
         *,
         stop_at_step: int | None = None,
+        stop_with_sigterm: bool = False,
         timeout: float = 60,
         env: dict[str, str] | None = None,
     ) -> Run:
-        """Run `python argv...`; with `stop_at_step`, touch the stop file once progress reaches it."""
+        """Run `python argv...`; with `stop_at_step`, touch the stop file (or send SIGTERM) once progress
+        reaches it."""
         self.stop_file.unlink(missing_ok=True)
         self.progress_file.unlink(missing_ok=True)
         log = self.root / f"run-{time.monotonic_ns()}.log"
@@ -74,7 +77,10 @@ class JobSandbox:
             try:
                 while process.poll() is None and time.monotonic() < deadline:
                     if stop_at_step is not None and self.progress_step() >= stop_at_step:
-                        self.stop_file.touch()
+                        if stop_with_sigterm:
+                            process.send_signal(signal.SIGTERM)
+                        else:
+                            self.stop_file.touch()
                         stop_at_step = None
                     time.sleep(0.01)
                 returncode = process.wait(timeout=max(1.0, deadline - time.monotonic()))

@@ -1,0 +1,39 @@
+"""The Hugging Face Trainer callback: a stop request commits the Trainer's checkpoint as a trainstack step,
+exits 75, and the rerun resumes at the same global step and completes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.job.runner import JobSandbox
+from trainstack_job.contract import ExitCode
+from trainstack_job.layout import committed_steps, verify_dir
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # the Trainer needs it
+
+HERE = Path(__file__).parent
+
+
+def test_hf_trainer_job_stops_with_a_committed_checkpoint_and_resumes_at_the_same_step(
+    tmp_path: Path,
+) -> None:
+    sandbox = JobSandbox(tmp_path)
+    stopped = sandbox.run(["hf_job.py"], HERE, stop_at_step=25)
+    assert stopped.returncode == ExitCode.STOPPED, stopped.output
+    steps = committed_steps(sandbox.checkpoint_dir)
+    assert steps and 25 <= steps[0] < 60, stopped.output
+    assert 20 in steps  # the Trainer's own save_steps checkpoint, committed too
+    directory = sandbox.checkpoint_dir / f"step-{steps[0]}"
+    assert verify_dir(directory)[0] is not None
+    assert (directory / "trainer_state.json").is_file()
+    assert not list(sandbox.output_dir.glob("checkpoint-*"))  # moved into the checkpoint directory
+
+    resumed = sandbox.run(["hf_job.py"], HERE)
+    assert resumed.returncode == ExitCode.COMPLETED, resumed.output
+    assert re.search(rf"^start global_step {steps[0]}$", resumed.output, re.MULTILINE), resumed.output
+    assert re.search(r"^end global_step 60$", resumed.output, re.MULTILINE), resumed.output
+    assert (sandbox.output_dir / "model.safetensors").is_file()
