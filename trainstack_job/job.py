@@ -118,6 +118,9 @@ class Job:
             signal.signal(signal.SIGINT, self._on_signal)
         except ValueError:  # not the main thread: signals cannot be caught here, the stop file still works
             return
+        # A launcher may start the job with stop signals blocked so that none kills it while it loads;
+        # now that they only set a flag, let them in (a pending one is delivered at once).
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
         self._watching_signals = True
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:

@@ -210,3 +210,26 @@ def test_sigterm_in_a_subprocess_commits_and_exits_75(tmp_path: Path) -> None:
     directory = tmp_path / "checkpoints" / f"step-{steps[0]}"
     assert verify_dir(directory)[0] is not None
     assert (directory / "state.txt").read_text() == str(steps[0])
+
+
+def test_a_sigterm_pending_while_the_job_starts_is_answered_not_fatal(tmp_path: Path) -> None:
+    script = tmp_path / "blocked.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while the job is still loading
+            from trainstack_job import Job
+            job = Job.from_env()
+            assert job.should_stop()
+            with job.save_checkpoint(0) as directory:
+                (directory / "state.txt").write_text("0")
+            job.exit_stopped(0)
+            """
+        )
+    )
+    env = {**os.environ, **contract_env(tmp_path), "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, timeout=30, check=False)
+    assert result.returncode == ExitCode.STOPPED
+    assert committed_steps(tmp_path / "checkpoints") == [0]
