@@ -190,6 +190,24 @@ def pinned_constraints(python: str) -> str:
     return result.stdout
 
 
+def _see_base_packages(base_python: str, python: str) -> None:
+    """Put the base environment's site-packages on the new venv's path, after its own."""
+    ask = (
+        "import site, sysconfig\n"
+        "p = sysconfig.get_paths()\n"
+        "print(*dict.fromkeys([p['purelib'], p['platlib'], *site.getsitepackages()]), sep='\\n')"
+    )
+    base = subprocess.run([base_python, "-c", ask], capture_output=True, text=True, timeout=60, check=True)
+    own = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    Path(own.stdout.strip(), "_trainstack_base_env.pth").write_text(base.stdout)
+
+
 def prepare_python(
     base_python: str,
     requirements: Path | None,
@@ -199,9 +217,10 @@ def prepare_python(
 ) -> str:
     """The interpreter the job runs with: the AMI's own, or a venv on top of it with the job's requirements.
 
-    The venv sees the AMI's packages (--system-site-packages) and pip is constrained to their torch
-    version, so torch is never reinstalled. It is keyed by the requirements' content and reused by later
-    lives on this instance.
+    The venv sees the AMI's packages (a .pth file naming their site-packages: `--system-site-packages`
+    would see the interpreter's base, not the AMI's own venv) and pip is constrained to their torch version,
+    so torch is found installed and never reinstalled. It is keyed by the requirements' content and reused
+    by later lives on this instance.
     """
     if requirements is None:
         return base_python
@@ -216,7 +235,8 @@ def prepare_python(
         log("job", "job environment reused", requirements=str(requirements), venv=str(venv))
         return str(python)
     cache_root.mkdir(parents=True, exist_ok=True)
-    subprocess.run([base_python, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    subprocess.run([base_python, "-m", "venv", str(venv)], check=True, timeout=300)
+    _see_base_packages(base_python, str(python))
     constraints_file = venv / "constraints.txt"
     constraints_file.write_text(constraints)
     log(

@@ -102,6 +102,7 @@ def test_trainer_config_too_big_for_user_data_names_the_key(tmp_path: Path) -> N
     from tests.infra.program import example_config, run_stack
 
     huge = tmp_path / "huge.yaml"
-    huge.write_text(yaml.safe_dump({"notes": ["x" * 100] * 200}))
+    # Valid for the trainer (the agent overrides output.dir on the instance) but far over 16 KB.
+    huge.write_text(yaml.safe_dump({"output": {"dir": "/x" * 10_000}}))
     with pytest.raises(StackConfigError, match="trainstack:trainingConfig: user-data is"):
         run_stack({**example_config(), "trainstack:trainingConfig": str(huge)})

@@ -1,0 +1,90 @@
+"""A user's own job under the real agent: the same spot promise as the built-in trainer."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bootstrap.eventlog import EventLog
+from bootstrap.job import JobSpec, JobSpecError, load_job_spec, pinned_constraints, prepare_python
+from bootstrap.lifecycle import InstanceLife
+from demo.imds import ImdsSimulator
+from demo.stack import LocalStack
+
+JOB_DIR = Path(__file__).with_name("user_job")
+
+
+def user_life(stack: LocalStack, scratch: Path, **spec_changes: Any) -> InstanceLife:
+    spec = {**load_job_spec(JOB_DIR / "job.yaml").to_mapping(), **spec_changes}
+    config = stack.agent_config(poll_seconds=0.2, scratch_dir=str(scratch), user_job=spec)
+    return InstanceLife(
+        config,
+        log=EventLog(io.StringIO()),
+        identity_wait_seconds=2,
+        release_wait_seconds=1,
+        state_poll_seconds=0.5,
+        tick_seconds=0.1,
+        job_root=JOB_DIR,
+    )
+
+
+def test_a_users_job_resumes_after_a_spot_notice_with_no_step_lost_and_its_results_uploaded(
+    stack: LocalStack, imds: ImdsSimulator, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = user_life(stack, tmp_path / "instance-1")
+    running = ThreadPoolExecutor(max_workers=1).submit(first.run)
+    progress = tmp_path / "instance-1" / "output" / "progress.json"
+    deadline = time.monotonic() + 60
+    while not (progress.exists() and json.loads(progress.read_text() or "{}").get("step", 0) >= 25):
+        assert time.monotonic() < deadline, "the job never made progress"
+        time.sleep(0.05)
+    imds.inject_spot_notice()
+    assert running.result(timeout=60).outcome == "preempted"
+    latest = stack.read_json("checkpoints/latest.json")
+    reached = json.loads(progress.read_text())["step"]
+    assert latest is not None and latest["step"] == reached, "steps lost between progress and the checkpoint"
+
+    imds.clear_events()
+    capsys.readouterr()
+    second = user_life(stack, tmp_path / "instance-2")
+    assert second.run().outcome == "completed"
+    assert json.dumps({"event": "resumed", "step": latest["step"]}) in capsys.readouterr().out
+    assert stack.read_json("results/result.json") == {"steps": 400}
+    assert stack.group()["DesiredCapacity"] == 0
+
+
+def test_a_job_file_with_every_kind_of_mistake_is_refused_naming_each_key() -> None:
+    with pytest.raises(JobSpecError) as error:
+        JobSpec.from_mapping(
+            {"name": "x", "command": [], "workdir": "../up", "epochs": 3, "data": {"sync": "yes"}}, "job.yaml"
+        )
+    assert [p.split(": ")[1] for p in error.value.problems] == ["epochs", "command", "workdir", "data"]
+
+
+def test_requirements_go_into_a_cached_venv_on_top_of_the_amis_torch(tmp_path: Path) -> None:
+    import sys
+
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("# nothing to install: the venv still sees the base packages\n")
+    logged: list[str] = []
+    python = prepare_python(
+        sys.executable, requirements, tmp_path / "cache", lambda *a, **_: logged.append(a[1])
+    )
+    assert python != sys.executable and Path(python).exists()
+    again = prepare_python(
+        sys.executable, requirements, tmp_path / "cache", lambda *a, **_: logged.append(a[1])
+    )
+    assert again == python and logged[-1] == "job environment reused"
+    assert "torch==" in pinned_constraints(sys.executable), "pip is constrained to the base torch"
+    import subprocess
+
+    seen = subprocess.run(
+        [python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
+    )
+    assert seen.returncode == 0 and seen.stdout.strip().startswith("2."), "the venv sees the base torch"
