@@ -938,12 +938,20 @@ class InstanceLife:
             # Not an error: the hook's timeout releases the instance anyway, a few minutes later.
             self.log.event(
                 "release",
-                "drain hook not completed here; the group releases the instance at the hook's timeout",
+                "drain hook not completed (moto lacks CompleteLifecycleAction; on AWS this is a permission "
+                "or API problem); the group releases the instance at the hook's timeout",
                 hook=hook,
-                detail=_one_line(exc),
+                reason=_error_code(exc),
             )
             return
         self.log.event("release", "drain hook completed; the group terminates this instance now", hook=hook)
+
+
+def _error_code(exc: BaseException) -> str:
+    """AWS's error code (AccessDenied, ValidationError…) or the exception's kind: one calm word."""
+    response = getattr(exc, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return str(code or type(exc).__name__)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -34,8 +34,23 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_WORKDIR,
         help=f"the demo's own folder, emptied at each run (default {DEFAULT_WORKDIR})",
     )
+    parser.add_argument(
+        "--job",
+        type=Path,
+        help="your own job instead of the built-in trainer: its folder or job file (e.g. examples/charlm)",
+    )
     args = parser.parse_args(argv)
     console = demo_console()
+    job_file = args.job / "job.yaml" if args.job is not None and args.job.is_dir() else args.job
+    if job_file is not None:
+        from bootstrap.job import JobSpecError, load_job_spec
+
+        try:
+            load_job_spec(job_file)
+        except JobSpecError as exc:
+            for problem in exc.problems:
+                console.print(f"[bold red]job error:[/] {escape(problem)}", highlight=False)
+            return 2
 
     from demo.run import ISOLATED_ENV
 
@@ -58,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"
     console.rule("trainstack local demo: embedded S3/KMS/SNS/Auto Scaling (moto) + simulated IMDS")
     try:
-        result = Demo(workdir, console).run()
+        result = Demo(workdir, console, job_file).run()
     except Exception as exc:
         console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
         return 1

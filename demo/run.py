@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -16,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from bootstrap.cloud_init import render_user_data
+from bootstrap.job import JobSpec, load_job_spec
 from demo.imds import ImdsSimulator, SimulatedInstance
 from demo.instance import AgentRun, agent_config_from_user_data, boot_agent, install_bundle
 from demo.stack import LocalStack, create_stack
@@ -35,6 +37,7 @@ ISOLATED_ENV = {
     "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
 }
 INTERRUPT_AT_FRACTION = 0.4
+STOPPED_AT = re.compile(r"stopped at step (\d+)")
 LIFE_TIMEOUT_S = 420
 
 
@@ -76,6 +79,7 @@ class DemoResult:
     ledger: dict[str, Any] = field(default_factory=dict)
     bucket: str = ""
     workdir: Path = Path(".demo")
+    job_name: str | None = None  # a user's job (`--job`); None = the built-in trainer
 
 
 def _validate_user_data(path: Path) -> str:
@@ -109,10 +113,14 @@ def _progress_step(scratch: Path) -> tuple[int, int] | None:
 class Demo:
     """Runs the story; prints each agent stage as it happens."""
 
-    def __init__(self, workdir: Path, console: Console) -> None:
+    def __init__(self, workdir: Path, console: Console, job_file: Path | None = None) -> None:
         self.workdir = workdir
         self.console = console
         self.result = DemoResult(started=time.time(), workdir=workdir)
+        # A user's job, validated as `pulumi preview` does; its folder is bundled as on a real stack.
+        self.job: JobSpec | None = load_job_spec(job_file) if job_file is not None else None
+        self.job_dir = (job_file.parent / self.job.workdir).resolve() if job_file and self.job else None
+        self.result.job_name = self.job.name if self.job else None
 
     def _echo(self, run: AgentRun, event: dict[str, Any]) -> None:
         extra = {k: v for k, v in event.items() if k not in ("time", "stage", "message", "argv", "metrics")}
@@ -172,16 +180,24 @@ class Demo:
             f"[bold]stack[/] bucket s3://{stack.bucket} (SSE-KMS), topic, log group, group {stack.group_name}"
         )
 
-        dataset = self.workdir / "dataset"
-        write_dataset(dataset)
-        count = _upload_tree(stack, dataset, "data/")
-        self.console.print(f"[bold]dataset[/] {count} generated images uploaded to s3://{stack.bucket}/data/")
+        if self.job is None or self.job.data_sync:
+            dataset = self.workdir / "dataset"
+            write_dataset(dataset)
+            count = _upload_tree(stack, dataset, "data/")
+            self.console.print(
+                f"[bold]dataset[/] {count} generated images uploaded to s3://{stack.bucket}/data/"
+            )
 
-        bundle = build_bundle(REPO)
+        bundle = build_bundle(REPO, job_dir=self.job_dir)
         result.bundle_key = bundle.key()
         stack.client("s3").put_object(Bucket=stack.bucket, Key=result.bundle_key, Body=bundle.data)
         job = yaml.safe_load(JOB_CONFIG.read_text())
-        config = stack.agent_config(job=job, stall_minutes=5.0)
+        user_job = self.job.to_mapping() if self.job else None
+        config = stack.agent_config(job=job, user_job=user_job, stall_minutes=5.0)
+        if self.job is not None:
+            self.console.print(
+                f"[bold]job[/] {self.job.name}: {' '.join(self.job.command)} (in {self.job_dir})"
+            )
         user_data = render_user_data(config, bundle_key=result.bundle_key, bundle_sha256=bundle.sha256)
         user_data_path = self.workdir / "user-data.yaml"
         user_data_path.write_text(user_data)
@@ -243,17 +259,23 @@ class Demo:
         if interrupt is not None:
             seen = next((t for t, e in run.events if e.get("stage") == "interruption"), None)
             self.result.notice_seen_at = seen or 0.0
-            stop_line = next(((t, line) for t, line in run.trainer_lines if "stopped at step" in line), None)
-            if stop_line:
-                self.result.trainer_stopped_at = stop_line[0]
-                self.result.trainer_stopped_step = int(stop_line[1].split("stopped at step")[1].split()[0])
             stopped = run.find("trainer stopped")
             if stopped:
                 self.result.stop_confirmed_at, self.result.stop_event = stopped
+                # Any job: the agent reports the newest step the job committed when it stopped.
+                self.result.trainer_stopped_at = stopped[0]
+                self.result.trainer_stopped_step = stopped[1].get("newest_local_step")
+            for at, line in run.trainer_lines:
+                # The job's own word on when it reached that step boundary (the built-in trainer, the helper).
+                said = STOPPED_AT.search(line)
+                if said:
+                    self.result.trainer_stopped_at, self.result.trainer_stopped_step = at, int(said.group(1))
+                    break
         else:
-            resumed = next(((t, line) for t, line in run.trainer_lines if "resuming at step" in line), None)
-            if resumed:
-                self.result.resumed_at = resumed[0]
-                self.result.resumed_step = int(resumed[1].split("resuming at step")[1].split()[0])
+            starting = run.find("trainer starting")
+            if starting:
+                self.result.resumed_at = starting[0]
+                restored = starting[1].get("restored_step")
+                self.result.resumed_step = int(restored) if restored is not None else None
         self.console.print(f"[bold]{name}[/] agent exited with {code}")
         return code

@@ -37,3 +37,38 @@ def test_demo_resumes_after_a_spot_interruption_with_zero_steps_lost_and_scales_
     assert "$0.0000 " not in cost
     assert (tmp_path / "demo" / "timeline.png").stat().st_size > 10_000
     assert (tmp_path / "demo" / "user-data.yaml").read_text().startswith("#cloud-config")
+
+
+def run_demo(tmp_path: Path, *extra: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "demo", "--workdir", str(tmp_path / "demo"), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.mark.slow
+def test_the_demo_takes_a_users_job_and_keeps_the_same_promise(tmp_path: Path) -> None:
+    output = run_demo(tmp_path, "--job", "tests/bootstrap/user_job")
+    for check in ("steps lost = 0", "instance 2 resumed at the checkpoint step", "results in S3"):
+        assert f"PASS {check}" in output, output[-4000:]
+    assert "FAIL" not in output and "s3://trainstack-demo-data/results/result.json" in output
+
+
+def test_a_bad_job_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text("name: x\ncommand: python train.py\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "demo", "--job", str(tmp_path), "--workdir", str(tmp_path / "demo")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "job error:" in result.stdout and "command:" in result.stdout and "Traceback" not in result.stdout
