@@ -10,13 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from trainstack_job import Job
+try:
+    from trainstack_job import Job
+except ModuleNotFoundError:  # run from a trainstack checkout that is not installed: use the checkout's copy
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from trainstack_job import Job
 
 
 class CharGRU(nn.Module):

@@ -11,14 +11,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainstack_job import Job
-from trainstack_job.lightning import TrainstackCallback, resume_path
+try:
+    from trainstack_job import Job
+    from trainstack_job.lightning import TrainstackCallback, resume_path
+except ModuleNotFoundError:  # run from a trainstack checkout that is not installed: use the checkout's copy
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from trainstack_job import Job
+    from trainstack_job.lightning import TrainstackCallback, resume_path
 
 CLASSES = 10
 
