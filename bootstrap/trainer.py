@@ -44,12 +44,8 @@ def trainer_python() -> str:
 
 
 def default_trainer_command(gpu_count: int) -> list[str]:
-    """`python -m training`, which starts one rank per GPU itself (training/launch.py).
-
-    Not torchrun: torchrun reports a rank's exit 75 (stopped, checkpoint confirmed) as its own exit 1 and
-    kills ranks 30 s after its own SIGTERM, too soon for the last upload; the trainer's launcher sets the
-    same rank variables and keeps the 0 / 75 contract for the whole group.
-    """
+    """`python -m training`, which starts one rank per GPU through PyTorch's elastic engine (training/launch.py)
+    configured to keep the 0 / 75 contract for the whole group."""
     return [trainer_python(), "-m", "training", f"train.processes={max(gpu_count, 1)}"]
 
 

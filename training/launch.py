@@ -1,79 +1,102 @@
-"""Start one trainer process per device and keep the exit-code contract (0 / 75 / failure) for the group.
+"""One trainer rank per device through PyTorch's elastic engine (torch.distributed.launcher), with the job
+contract kept for the group: 0 = every rank completed, 75 = every rank stopped with its checkpoint, else 1.
 
-torchrun reports any non-zero worker exit, 75 included, as its own exit 1 with a traceback, and kills
-workers 30 s after its own SIGTERM: too little for an S3 upload. This launcher forwards stop signals,
-waits for every rank to finish its checkpoint, and exits 75 only if every rank did.
+The engine's defaults clash with that contract, so they are set through its API:
+- it reports a worker's exit 75 as a failure (ChildFailedError): the exit codes are read from the error
+  and mapped back to 75 when every failed rank stopped on request;
+- on SIGTERM it kills workers after 30 s: it is told not to handle SIGTERM/SIGINT at all
+  (`signals_to_handle`), this launcher forwards them to its process group instead, and each rank stops at its
+  next step boundary, commits its checkpoint and exits 75; `shutdown_timeout` covers the rest of the notice;
+- it restarts failed workers: `max_restarts=0`, since the agent (not the launcher) decides about another life.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
-import time
+import uuid
+from pathlib import Path
 from types import FrameType
+
+from trainstack_job.contract import ExitCode
 
 log = logging.getLogger("training")
 
-EXIT_STOPPED = 75
-# After one rank fails the others are stuck in a collective; give them this long, then kill them.
-FAILURE_GRACE_SECONDS = 30.0
+# Of the 120 s spot notice: the agent itself kills the job at its own deadline before this.
+SHUTDOWN_TIMEOUT_SECONDS = 110
+# Only signals nobody sends in normal operation stay with the engine.
+ENGINE_SIGNALS = "SIGHUP,SIGQUIT"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+def _children() -> list[int]:
+    """This process's child processes (the engine starts one per rank), from /proc."""
+    pids: list[int] = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            pids += [int(pid) for pid in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return pids
 
 
 def group_exit_code(codes: list[int]) -> int:
-    if all(code == 0 for code in codes):
-        return 0
-    if all(code == EXIT_STOPPED for code in codes):
-        return EXIT_STOPPED
-    return next((code for code in codes if code not in (0, EXIT_STOPPED) and code > 0), 1)
+    """The group's exit code from its ranks' (0 for ranks that completed)."""
+    if all(code == ExitCode.COMPLETED for code in codes):
+        return int(ExitCode.COMPLETED)
+    if all(code == ExitCode.STOPPED for code in codes):
+        return int(ExitCode.STOPPED)
+    failed = [code for code in codes if code not in (ExitCode.COMPLETED, ExitCode.STOPPED)]
+    # A permanent failure (config, data) wins so the agent stops the job instead of retrying.
+    for permanent in (ExitCode.DATA_ERROR, ExitCode.CONFIG_ERROR):
+        if permanent in failed:
+            return int(permanent)
+    return next((code for code in failed if code > 0), int(ExitCode.FAILED))
 
 
 def launch(argv: list[str], processes: int) -> int:
     """Run `python -m training argv` as `processes` ranks on this machine; returns the group's exit code."""
-    port = _free_port()
-    children: list[subprocess.Popen[bytes]] = []
-    for rank in range(processes):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(processes),
-            "LOCAL_WORLD_SIZE": str(processes),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        children.append(subprocess.Popen([sys.executable, "-m", "training", *argv], env=env))
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=processes,
+        run_id=f"trainstack-{uuid.uuid4().hex[:8]}",
+        # torchrun --standalone: a c10d store on a free local port, no external rendezvous service.
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.5,
+        start_method="spawn",
+        signals_to_handle=ENGINE_SIGNALS,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_SECONDS,
+    )
+    forwarded = {"done": False}
 
     def forward(signum: int, _frame: FrameType | None) -> None:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
+        # Each rank catches the signal itself and stops at its next step boundary with a checkpoint.
+        if not forwarded["done"]:
+            forwarded["done"] = True
+            log.warning("%s received: asking every rank to stop", signal.Signals(signum).name)
+            for pid in _children():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        failed_at: float | None = None
-        while any(child.poll() is None for child in children):
-            codes = [child.returncode for child in children if child.returncode is not None]
-            if failed_at is None and any(code not in (0, EXIT_STOPPED) for code in codes):
-                failed_at = time.monotonic()
-                log.error("a trainer rank failed; stopping the others")
-                forward(signal.SIGTERM, None)
-            if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_SECONDS:
-                for child in children:
-                    if child.poll() is None:
-                        child.kill()
-            time.sleep(0.2)
+        elastic_launch(config, sys.executable)("-m", "training", *argv)
+    except ChildFailedError as exc:
+        failures = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+        codes = [failures.get(rank, int(ExitCode.COMPLETED)) for rank in range(processes)]
+        code = group_exit_code(codes)
+        if code != ExitCode.STOPPED:
+            log.error("trainer ranks exited %s; group exit %d", failures, code)
+        return code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return group_exit_code([child.returncode for child in children])
+    return int(ExitCode.COMPLETED)

@@ -39,3 +39,30 @@ def test_two_ranks_match_one_process_and_a_stop_on_one_rank_stops_both(
     assert ddp.keys() == single.keys()
     for name, value in single.items():
         torch.testing.assert_close(ddp[name], value, rtol=1e-4, atol=1e-5, msg=f"{name} drifted")
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_elastic_launcher_stops_every_rank_with_a_checkpoint_and_exit_75(
+    make_run: MakeRun,
+) -> None:
+    """The engine would report a rank's 75 as a failure and kill ranks 30 s after its SIGTERM: the launcher
+    keeps SIGTERM to itself, every rank commits its checkpoint, and the group exits 75."""
+    import signal
+    import time
+
+    run = make_run("train.processes=2", "train.epochs=50")
+    process = run.popen()
+    progress = run.output / "progress.json"
+    deadline = time.monotonic() + 120
+    while not (progress.exists() and json.loads(progress.read_text() or "{}").get("step", 0) >= 2):
+        assert process.poll() is None and time.monotonic() < deadline, "the ranks never trained"
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == EXIT_STOPPED, output[-3000:]
+    assert "ChildFailedError" not in output and "Traceback" not in output
+    latest = json.loads((run.checkpoints / "latest.json").read_text())
+    assert (
+        json.loads((run.checkpoints / f"step-{latest['step']}" / "manifest.json").read_text())["world_size"]
+        == 2
+    )
