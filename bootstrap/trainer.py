@@ -44,8 +44,8 @@ def trainer_python() -> str:
 
 
 def default_trainer_command(gpu_count: int) -> list[str]:
-    """`python -m training`, which starts one rank per GPU through PyTorch's elastic engine (training/launch.py)
-    configured to keep the 0 / 75 contract for the whole group."""
+    """`python -m training`: one rank per GPU through PyTorch's elastic engine (training/launch.py), set up
+    to keep the 0 / 75 contract for the whole group."""
     return [trainer_python(), "-m", "training", f"train.processes={max(gpu_count, 1)}"]
 
 
