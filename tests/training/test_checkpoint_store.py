@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from training.checkpoint import CheckpointManager
-from training.store import S3Prefix
 
 BUCKET = "trainstack-test"
 
@@ -30,6 +29,12 @@ def save_steps(manager: CheckpointManager, *steps: int) -> None:
 def bucket(aws: object) -> str:
     boto3.client("s3").create_bucket(Bucket=BUCKET)
     return f"s3://{BUCKET}/checkpoints"
+
+
+def read_latest() -> dict[str, object]:
+    body = boto3.client("s3").get_object(Bucket=BUCKET, Key="checkpoints/latest.json")["Body"].read()
+    value: dict[str, object] = json.loads(body)
+    return value
 
 
 def s3_keys() -> list[str]:
@@ -81,7 +86,7 @@ def test_s3_upload_order_layout_and_keep_k(tmp_path: Path, bucket: str) -> None:
         "checkpoints/step-3/manifest.json",
         "checkpoints/step-3/state.pt",
     ]
-    latest = json.loads(S3Prefix(bucket).read_bytes("latest.json") or b"{}")
+    latest = read_latest()
     assert latest["step"] == 3 and latest["dir"] == "step-3"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.json", "step-2", "step-3"]
 
@@ -119,7 +124,7 @@ def test_a_trainer_run_by_hand_exits_truthfully_when_s3_never_confirms(tmp_path:
     )
     manager.save(state_for(9), step=9, epoch=0, world_size=1, config_hash="h")
     assert manager.finish(timeout=2) is False
-    assert json.loads(S3Prefix(bucket).read_bytes("latest.json") or b"{}")["step"] == 5
+    assert read_latest()["step"] == 5
     restored = CheckpointManager(tmp_path / "replacement", bucket).restore()
     assert restored is not None and restored.step == 5
 
@@ -131,4 +136,4 @@ def test_local_checkpoint_newer_than_s3_is_uploaded_on_restore(tmp_path: Path, b
     restored = manager.restore()
     assert restored is not None and restored.step == 8
     assert manager.wait_uploaded(timeout=30)
-    assert json.loads(S3Prefix(bucket).read_bytes("latest.json") or b"{}")["step"] == 8
+    assert read_latest()["step"] == 8
