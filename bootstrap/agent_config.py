@@ -51,6 +51,8 @@ class AgentConfig:
     max_consecutive_failures: int = 3
     max_cost_usd: float | None = None
     instance_count: int = 1
+    # The instance has an Elastic Fabric Adapter: the job gets bootstrap/efa.py's environment.
+    efa: bool = False
     scratch_dir: str | None = None
     # The group's EC2_INSTANCE_TERMINATING hook (infra/fleet.py LIFECYCLE_HOOK_NAME) that the agent
     # completes once its last upload is confirmed; null = the group has none.
@@ -109,6 +111,8 @@ class AgentConfig:
             _check_number(raw, "max_cost_usd", problems, low=0.01, high=1e7)
         if "gpu_required" in raw and not isinstance(raw["gpu_required"], bool):
             problems.append("'gpu_required' must be true or false")
+        if "efa" in raw and not isinstance(raw["efa"], bool):
+            problems.append("'efa' must be true or false")
         if "job" in raw and not isinstance(raw["job"], dict):
             problems.append("'job' must be a mapping (the trainer's YAML config)")
         if raw.get("user_job") is not None:

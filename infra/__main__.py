@@ -56,6 +56,7 @@ network = Network(
         kms_key_arn=storage.key.arn,
         flow_log_group_name=config.flow_log_group_name,
         flow_log_retention_days=config.flow_log_retention_days,
+        peer_traffic=config.multi_node,
         tags=tags,
     ),
 )

@@ -17,6 +17,7 @@ import yaml
 from bootstrap.job import JobSpec, JobSpecError, load_job_spec
 from bootstrap.trainer import TrainerPaths
 from infra.bundle import BundleError, job_files
+from infra.efa import all_support_efa
 from training.config import ConfigError, apply_overrides, build_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "stallTimeoutMinutes": 30,
     "spotFallbackMinutes": 15,
     "expectedHours": "",
+    "placementStrategy": "",
 }
 
 # Instance families with NVIDIA GPUs that the x86_64 Deep Learning AMI boots on.
@@ -91,6 +93,8 @@ SPOT_ALLOCATION_STRATEGIES = (
     "capacity-optimized-prioritized",
     "lowest-price",
 )
+# "" = no placement group; "cluster" = a cluster placement group (one AZ) for multi-node jobs.
+PLACEMENT_STRATEGIES = ("", "cluster")
 # CloudWatch Logs accepts only these retention periods.
 LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557,
                       2922, 3288, 3653)  # fmt: skip
@@ -141,11 +145,27 @@ class StackConfig:
     # A user's own job (trainstack:job): its validated spec and the folder bundled as its workdir.
     user_job: JobSpec | None = None
     user_job_dir: Path | None = None
+    placement_strategy: str = ""
 
     @property
     def name(self) -> str:
         """Prefix for physical names that must be unique in the account and region."""
         return f"{self.project}-{self.stack}"
+
+    @property
+    def multi_node(self) -> bool:
+        """Several instances train one job: their security group lets them reach each other."""
+        return self.instance_count > 1
+
+    @property
+    def cluster_placement(self) -> bool:
+        return self.placement_strategy == "cluster"
+
+    @property
+    def efa(self) -> bool:
+        """An EFA on each instance: multi-node, every type takes one, and one subnet (EFA OS-bypass traffic
+        stays within a subnet), which cluster placement guarantees."""
+        return self.multi_node and self.cluster_placement and all_support_efa(self.instance_types)
 
     @property
     def group_name(self) -> str:
@@ -234,6 +254,7 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
     stall_minutes = value("stallTimeoutMinutes", _integer, "30")
     fallback_minutes = _spot_fallback_minutes(value("spotFallbackMinutes", _integer, "15"), problems)
     expected_hours = _expected_hours(value("expectedHours", _string, "24").strip(), problems)
+    placement_strategy = value("placementStrategy", _string, "cluster").strip()
 
     _check_instance_types(instance_types, problems)
     if isinstance(instance_count, int) and instance_count != 1:
@@ -243,6 +264,12 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
             "would each train the same job and race on the same checkpoints; for more GPUs use one "
             'instance of a multi-GPU type (e.g. instanceTypes ["g6.12xlarge"], 4 x L4)',
             "1",
+        )
+    if placement_strategy not in PLACEMENT_STRATEGIES:
+        problems.add(
+            "placementStrategy",
+            f"unknown strategy {placement_strategy!r}; use '' (none) or cluster (one AZ, multi-node jobs)",
+            "cluster",
         )
     if strategy not in SPOT_ALLOCATION_STRATEGIES:
         problems.add(
@@ -353,6 +380,7 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
         expected_hours=expected_hours,
         user_job=user_job,
         user_job_dir=user_job_dir,
+        placement_strategy=placement_strategy,
     )
 
 

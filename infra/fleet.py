@@ -77,6 +77,7 @@ class Fleet(pulumi.ComponentResource):
 
     bundle_object: aws.s3.BucketObjectv2
     launch_template: aws.ec2.LaunchTemplate
+    placement_group: aws.ec2.PlacementGroup | None
     group: aws.autoscaling.Group
 
     def __init__(self, name: str, args: FleetArgs, opts: pulumi.ResourceOptions | None = None) -> None:
@@ -107,6 +108,7 @@ class Fleet(pulumi.ComponentResource):
             )
         )
         self.launch_template = self._create_launch_template(user_data)
+        self.placement_group = self._create_placement_group() if config.cluster_placement else None
         self.group = self._create_group()
         self.register_outputs(
             {
@@ -128,6 +130,9 @@ class Fleet(pulumi.ComponentResource):
             network_interfaces=[
                 aws.ec2.LaunchTemplateNetworkInterfaceArgs(
                     device_index=0,
+                    # One EFA on the primary card when the job spans nodes (infra/efa.py: why only one).
+                    network_card_index=0 if config.efa else None,
+                    interface_type="efa" if config.efa else None,
                     security_groups=[args.security_group_id],
                     # Public subnets have no NAT, so instances need an address to reach AWS APIs; the
                     # security group still admits nothing inbound. Private subnets: never a public address.
@@ -164,8 +169,19 @@ class Fleet(pulumi.ComponentResource):
             opts=self._child,
         )
 
+    def _create_placement_group(self) -> aws.ec2.PlacementGroup:
+        return aws.ec2.PlacementGroup(
+            f"{self._name}-placement",
+            # Close together in one AZ for the job's collectives; such capacity is scarcer, spot included.
+            strategy="cluster",
+            tags=self._args.tags,
+            opts=self._child,
+        )
+
     def _create_group(self) -> aws.autoscaling.Group:
         args, config = self._args, self._args.config
+        # A cluster placement group lives in one AZ, so the group gets that AZ's subnet only.
+        subnet_ids = args.subnet_ids[:1] if self.placement_group else args.subnet_ids
         return aws.autoscaling.Group(
             f"{self._name}-group",
             # A fixed name: the user-data and the instance policy must name the group before it exists.
@@ -173,7 +189,8 @@ class Fleet(pulumi.ComponentResource):
             min_size=0,
             max_size=config.instance_count,
             desired_capacity=config.instance_count,
-            vpc_zone_identifiers=args.subnet_ids,
+            vpc_zone_identifiers=subnet_ids,
+            placement_group=self.placement_group.name if self.placement_group else None,
             capacity_rebalance=True,
             mixed_instances_policy=aws.autoscaling.GroupMixedInstancesPolicyArgs(
                 instances_distribution=aws.autoscaling.GroupMixedInstancesPolicyInstancesDistributionArgs(
@@ -249,6 +266,7 @@ def agent_config(config: StackConfig, *, bucket: str, topic_arn: str, log_group:
         max_consecutive_failures=config.max_consecutive_failures,
         max_cost_usd=config.max_cost_usd,
         instance_count=config.instance_count,
+        efa=config.efa,
         lifecycle_hook=LIFECYCLE_HOOK_NAME,
         job=config.job,
         user_job=config.user_job.to_mapping() if config.user_job else None,

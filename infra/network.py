@@ -29,6 +29,8 @@ class NetworkArgs:
     kms_key_arn: pulumi.Input[str]
     flow_log_group_name: str
     flow_log_retention_days: int
+    # Multi-node jobs: the instances reach each other (NCCL, c10d, gloo, EFA) and nothing else does.
+    peer_traffic: bool = False
     tags: dict[str, str] = field(default_factory=dict)
 
 
@@ -222,6 +224,27 @@ class Network(pulumi.ComponentResource):
                 (80, "Ubuntu apt mirrors"),
             )
         ]
+        if args.peer_traffic:
+            # All protocols and ports, but only between members of this group, i.e. this job's instances:
+            # NCCL and gloo pick ephemeral ports, and an EFA needs all traffic to and from its own group.
+            ingress.append(
+                aws.ec2.SecurityGroupIngressArgs(
+                    description="Multi-node training: all traffic from this job's other instances",
+                    protocol="-1",
+                    from_port=0,
+                    to_port=0,
+                    self=True,
+                )
+            )
+            egress.append(
+                aws.ec2.SecurityGroupEgressArgs(
+                    description="Multi-node training: all traffic to this job's other instances",
+                    protocol="-1",
+                    from_port=0,
+                    to_port=0,
+                    self=True,
+                )
+            )
         return aws.ec2.SecurityGroup(
             f"{self._name}-instance-sg",
             vpc_id=self.vpc.id,

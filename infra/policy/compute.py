@@ -95,10 +95,15 @@ def _volume_problems(where: str, volume: Any) -> Iterator[str]:
 def group_spans_zones_and_types(
     resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
 ) -> Iterator[str]:
-    """AutoScaling.2 / AutoScaling.6: spot capacity comes back fastest from several AZs and types."""
+    """AutoScaling.2 / AutoScaling.6: spot capacity comes back fastest from several AZs and types.
+
+    A group in a placement group may keep to one zone: a cluster placement group (a multi-node job's nodes
+    close together) exists in a single AZ, and its several instance types still spread the spot risk.
+    """
     zones = count(props, "availabilityZones")
     subnets = count(props, "vpcZoneIdentifiers")
-    if not isinstance(zones, Unknown) and not isinstance(subnets, Unknown) and max(zones, subnets) < 2:
+    one_zone = not isinstance(zones, Unknown) and not isinstance(subnets, Unknown) and max(zones, subnets) < 2
+    if one_zone and not is_set(get(props, "placementGroup")):
         yield "give vpcZoneIdentifiers subnets in two or more Availability Zones"
     overrides = items(props, "mixedInstancesPolicy", "launchTemplate", "overrides")
     if isinstance(overrides, Unknown) or any(is_unknown(o) for o in overrides):

@@ -29,7 +29,9 @@ FLOW_LOG_MINIMUM_RETENTION_DAYS = 365
 def no_unrestricted_ingress(
     resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
 ) -> Iterator[str]:
-    """EC2.18 / EC2.19 / CIS 5.2-5.3: ingress from the internet (more than a /8 or an IPv6 /32) is refused.
+    """EC2.18 / EC2.19 / CIS 5.2-5.3: ingress from the internet (more than a /8 or an IPv6 /32) is refused,
+    and so is ingress from another security group; a self-referencing rule (members of the same group, e.g.
+    the nodes of one multi-node job) passes.
 
     Policy config `authorizedPublicPorts` (default none) lists TCP/UDP ports that may stay open to the
     world, the way Security Hub's EC2.18 parameter does, for stacks that do serve the Internet.
@@ -38,6 +40,9 @@ def no_unrestricted_ingress(
     if resource_type == t.SECURITY_GROUP:
         rules = items(props, "ingress")
         known = [] if isinstance(rules, Unknown) else rules
+        for index, rule in enumerate(known):
+            if not is_unknown(rule):
+                yield from _other_group_problems(f"ingress[{index}]", _inline_source_groups(rule))
         open_rules = [
             (f"ingress[{index}]", rule)
             for index, rule in enumerate(known)
@@ -45,12 +50,41 @@ def no_unrestricted_ingress(
         ]
         yield from _wide_ingress_problems(open_rules, "protocol", _rule_sources)
     elif resource_type == t.SECURITY_GROUP_RULE:
-        if get(props, "type") == "ingress" and not _ports_authorized(props, authorized, "protocol"):
+        if get(props, "type") != "ingress":
+            return
+        yield from _other_group_problems("the rule", _rule_source_groups(props, "sourceSecurityGroupId"))
+        if not _ports_authorized(props, authorized, "protocol"):
             yield from _wide_ingress_problems([("the rule", props)], "protocol", _rule_sources)
-    elif resource_type == t.SECURITY_GROUP_INGRESS_RULE and not _ports_authorized(
-        props, authorized, "ipProtocol"
-    ):
-        yield from _wide_ingress_problems([("the rule", props)], "ipProtocol", _ingress_rule_sources)
+    elif resource_type == t.SECURITY_GROUP_INGRESS_RULE:
+        yield from _other_group_problems("the rule", _rule_source_groups(props, "referencedSecurityGroupId"))
+        if not _ports_authorized(props, authorized, "ipProtocol"):
+            yield from _wide_ingress_problems([("the rule", props)], "ipProtocol", _ingress_rule_sources)
+
+
+def _inline_source_groups(rule: Any) -> list[str]:
+    """Groups an inline rule admits besides its own (`self: true` names the group itself, not listed here)."""
+    groups = items(rule, "securityGroups")
+    if isinstance(groups, Unknown):
+        return []
+    return [group for group in groups if isinstance(group, str) and not is_unknown(group)]
+
+
+def _rule_source_groups(props: Any, source_key: str) -> list[str]:
+    """The source group of a separate rule resource, unless it is the rule's own group (or not known yet)."""
+    source = get(props, source_key)
+    if not isinstance(source, str) or not source or is_unknown(source):
+        return []
+    own = get(props, "securityGroupId")
+    return [] if is_unknown(own) or source == own else [source]
+
+
+def _other_group_problems(where: str, groups: list[str]) -> Iterator[str]:
+    """Only members of the group itself may come in: another group's members are other workloads."""
+    for group in groups:
+        yield (
+            f"{where} admits security group {group}, not only this group's own members: allow peers with a "
+            "self-referencing rule (self = true) and reach instances with SSM Session Manager"
+        )
 
 
 def _rule_sources(rule: Any) -> list[Any]:

@@ -67,7 +67,8 @@ POLICIES: list[Policy] = [
     resource_policy(
         "group-spans-zones-and-types",
         ["AutoScaling.2", "AutoScaling.6"],
-        "Auto Scaling groups span two or more Availability Zones and two or more instance types.",
+        "Auto Scaling groups span two or more Availability Zones (one in a placement group) and two or more "
+        "instance types.",
         [t.AUTOSCALING_GROUP],
         compute.group_spans_zones_and_types,
         Severity.MEDIUM,
@@ -122,12 +123,13 @@ POLICIES: list[Policy] = [
             "no-unrestricted-ingress",
             ["EC2.18", "EC2.19", "CIS 5.2", "CIS 5.3"],
             "Ingress from the internet (sources whose union exceeds an IPv4 /8 or an IPv6 /32, 0.0.0.0/0 "
-            "included) is refused on every security group (SSM replaces SSH).",
+            "included) or from another security group is refused on every security group (SSM replaces "
+            "SSH); a self-referencing rule between the group's own members passes.",
             [t.SECURITY_GROUP, t.SECURITY_GROUP_RULE, t.SECURITY_GROUP_INGRESS_RULE],
             network.no_unrestricted_ingress,
             Severity.CRITICAL,
-            "ingress only from narrow CIDRs (at most a /8 together) or security groups; reach instances with "
-            "SSM Session Manager",
+            "ingress only from narrow CIDRs (at most a /8 together) or the group itself (self = true); reach "
+            "instances with SSM Session Manager",
         ),
         PolicyConfigSchema(
             properties={

@@ -553,6 +553,51 @@ MUTATIONS += [
 ]
 
 
+def _peer_rule(**source: object) -> Resource:
+    """A multi-node job's peer rule as a separate resource on the instance group sg-1, from `source`."""
+    props = {"type": "ingress", "protocol": "-1", "fromPort": 0, "toPort": 0, "securityGroupId": "sg-1"}
+    return Resource("aws:ec2/securityGroupRule:SecurityGroupRule", "peers", {**props, **source})
+
+
+def _inline_peer_rule(**source: object) -> Mutation:
+    """The instance group's inline peer rule (all traffic), admitting `source`."""
+
+    def mutate(resources: list[Resource]) -> None:
+        rule = {"protocol": "-1", "fromPort": 0, "toPort": 0, "self": True, **source}
+        named(resources, "instances").props["ingress"].append(rule)
+
+    return mutate
+
+
+# Issue 11: multi-node peers may talk through a self-referencing rule, and through nothing wider.
+MUTATIONS += [
+    (
+        "ingress-from-another-group",
+        _inline_peer_rule(self=False, securityGroups=["sg-0other"]),
+        "no-unrestricted-ingress",
+        "ingress[1] admits security group sg-0other",
+    ),
+    (
+        "peer-rule-from-another-group",
+        _add(_peer_rule(sourceSecurityGroupId="sg-0other")),
+        "no-unrestricted-ingress",
+        "the rule admits security group sg-0other",
+    ),
+    (
+        "peer-ingress-rule-from-another-group",
+        _set("ssh-from-office", "referencedSecurityGroupId", value="sg-0other"),
+        "no-unrestricted-ingress",
+        "the rule admits security group sg-0other",
+    ),
+    (
+        "peer-rule-widened-to-the-internet",
+        _inline_peer_rule(cidrBlocks=["0.0.0.0/0"]),
+        "no-unrestricted-ingress",
+        "ingress[1] opens all ports to 0.0.0.0/0",
+    ),
+]
+
+
 def test_every_policy_is_mandatory_and_names_its_controls() -> None:
     for policy in POLICIES:
         assert policy.enforcement_level is not None and policy.enforcement_level.value == "mandatory"

@@ -1,0 +1,202 @@
+"""Infra for multi-node jobs: peer rules, cluster placement in one zone, EFA on the types that take one.
+
+infra/config.py still refuses instanceCount > 1 (no multi-node engine yet), so these runs swap in the
+example stack's validated config with a larger `instance_count`, the one field that refusal guards.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pytest
+import yaml
+
+import infra.config
+from bootstrap.agent_config import AgentConfig
+from bootstrap.efa import efa_environment, supports_device_rdma
+from infra.config import DEFAULTS, StackConfigError, parse_stack_config
+from infra.efa import EFA_INSTANCE_TYPES, all_support_efa, supports_efa
+from infra.fleet import agent_config
+from tests.infra.program import DEFAULT_OFFERINGS, REGION, StackRun, example_config, run_stack
+from tests.policy.harness import Resource, check
+
+SECURITY_GROUP = "aws:ec2/securityGroup:SecurityGroup"
+PLACEMENT_GROUP = "aws:ec2/placementGroup:PlacementGroup"
+GROUP = "aws:autoscaling/group:Group"
+LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
+EFA_TYPES = ["p5.48xlarge", "p4d.24xlarge"]
+EFA_OFFERINGS = {
+    "us-east-1a": ("p5.48xlarge", "p4d.24xlarge"),
+    "us-east-1b": ("p4d.24xlarge",),
+    "us-east-1d": ("p5.48xlarge",),
+}
+
+
+def _run(
+    overrides: Mapping[str, Any],
+    *,
+    instance_count: int = 2,
+    offerings: Mapping[str, Iterable[str]] = DEFAULT_OFFERINGS,
+) -> StackRun:
+    """The whole program under mocks with `overrides`, as if instanceCount = `instance_count` were allowed."""
+    validated = infra.config.load_stack_config
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            infra.config,
+            "load_stack_config",
+            lambda: dataclasses.replace(validated(), instance_count=instance_count),
+        )
+        return run_stack({**example_config(), **overrides}, offerings=offerings)
+
+
+@pytest.fixture(scope="module")
+def spread_multinode() -> StackRun:
+    """Two nodes of the default (non-EFA) types, no placement group."""
+    return _run({})
+
+
+@pytest.fixture(scope="module")
+def cluster_efa() -> StackRun:
+    """Two nodes of EFA types in a cluster placement group."""
+    return _run(
+        {"trainstack:instanceTypes": EFA_TYPES, "trainstack:placementStrategy": "cluster"},
+        offerings=EFA_OFFERINGS,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster_without_efa() -> StackRun:
+    """Two nodes of the default types (g6.xlarge takes no EFA) in a cluster placement group."""
+    return _run({"trainstack:placementStrategy": "cluster"})
+
+
+def _peer_rules(stack: StackRun, direction: str) -> list[dict[str, Any]]:
+    return [rule for rule in stack.one(SECURITY_GROUP).inputs.get(direction, []) if rule.get("self")]
+
+
+def _interface(stack: StackRun) -> dict[str, Any]:
+    (interface,) = stack.one(LAUNCH_TEMPLATE).inputs["networkInterfaces"]
+    return dict(interface)
+
+
+def _agent_yaml(stack: StackRun) -> dict[str, Any]:
+    user_data = yaml.safe_load(base64.b64decode(stack.one(LAUNCH_TEMPLATE).inputs["userData"]).decode())
+    (entry,) = [f for f in user_data["write_files"] if f["path"] == "/etc/trainstack/agent.yaml"]
+    return dict(yaml.safe_load(entry["content"]))
+
+
+def test_single_instance_stack_has_no_peer_rule_placement_group_or_efa(example_stack: StackRun) -> None:
+    assert _peer_rules(example_stack, "ingress") == [] and _peer_rules(example_stack, "egress") == []
+    assert example_stack.of_type(PLACEMENT_GROUP) == []
+    assert "placementGroup" not in example_stack.one(GROUP).inputs
+    assert "interfaceType" not in _interface(example_stack)
+    assert _agent_yaml(example_stack)["efa"] is False
+
+
+def test_multinode_instances_may_reach_each_other_and_nothing_else_new(spread_multinode: StackRun) -> None:
+    ingress = spread_multinode.one(SECURITY_GROUP).inputs.get("ingress", [])
+    assert ingress == _peer_rules(spread_multinode, "ingress")
+    for direction in ("ingress", "egress"):
+        (rule,) = _peer_rules(spread_multinode, direction)
+        assert rule["protocol"] == "-1" and rule["self"] is True
+        assert not any(rule.get(key) for key in ("cidrBlocks", "ipv6CidrBlocks", "securityGroups"))
+
+
+def test_no_placement_group_keeps_every_zone(spread_multinode: StackRun, example_stack: StackRun) -> None:
+    assert spread_multinode.of_type(PLACEMENT_GROUP) == []
+    zones = spread_multinode.one(GROUP).inputs["vpcZoneIdentifiers"]
+    assert len(zones) >= 2 and zones == example_stack.one(GROUP).inputs["vpcZoneIdentifiers"]
+
+
+def test_cluster_placement_puts_the_group_in_one_zone(cluster_without_efa: StackRun) -> None:
+    placement = cluster_without_efa.one(PLACEMENT_GROUP)
+    assert placement.inputs["strategy"] == "cluster"
+    group = cluster_without_efa.one(GROUP).inputs
+    assert group["placementGroup"] == placement.inputs.get("name", placement.name)
+    # The first zone's subnet only (us-east-1a: the first zone that offers the types).
+    assert group["vpcZoneIdentifiers"] == ["network-public-us-east-1a-id"]
+
+
+def test_efa_types_in_a_cluster_get_an_efa_interface(cluster_efa: StackRun) -> None:
+    interface = _interface(cluster_efa)
+    assert interface["interfaceType"] == "efa"
+    assert interface["networkCardIndex"] == 0 and interface["deviceIndex"] == 0
+    assert _agent_yaml(cluster_efa)["efa"] is True
+
+
+def test_g6_xlarge_gets_no_efa_even_in_a_cluster(cluster_without_efa: StackRun) -> None:
+    assert "interfaceType" not in _interface(cluster_without_efa)
+    assert _agent_yaml(cluster_without_efa)["efa"] is False
+
+
+def test_multinode_cluster_efa_stack_passes_the_policy_pack(cluster_efa: StackRun) -> None:
+    resources = [Resource(r.type, r.name, {**r.inputs, "id": f"{r.name}-id"}) for r in cluster_efa.resources]
+    violations = check(resources)
+    assert violations == [], "\n".join(f"{v.policy}: {v.message}" for v in violations)
+
+
+def _config(**raw: Any) -> infra.config.StackConfig:
+    values = {key: value for key, value in example_config().items() if key.startswith("trainstack:")}
+    merged = {key.split(":", 1)[1]: value for key, value in values.items()} | raw
+    return parse_stack_config(merged, region=REGION, project="trainstack", stack="dev")
+
+
+def test_placement_strategy_defaults_to_none_and_accepts_cluster() -> None:
+    assert DEFAULTS["placementStrategy"] == ""
+    assert _config().placement_strategy == ""
+    assert _config(placementStrategy="cluster").cluster_placement
+
+
+def test_unknown_placement_strategy_is_refused_naming_the_key() -> None:
+    with pytest.raises(StackConfigError, match=r"trainstack:placementStrategy: unknown strategy 'spread'"):
+        _config(placementStrategy="spread")
+
+
+def test_instance_count_above_one_is_still_refused() -> None:
+    with pytest.raises(StackConfigError, match="multi-node training is not available yet"):
+        _config(instanceCount=2)
+
+
+def test_efa_needs_several_nodes_a_cluster_and_every_type_to_take_one() -> None:
+    efa_cluster = _config(instanceTypes=EFA_TYPES, placementStrategy="cluster")
+    assert not efa_cluster.multi_node and not efa_cluster.efa
+    assert dataclasses.replace(efa_cluster, instance_count=2).efa
+    assert not dataclasses.replace(efa_cluster, instance_count=2, placement_strategy="").efa
+    mixed = dataclasses.replace(efa_cluster, instance_count=2, instance_types=("p5.48xlarge", "g6.xlarge"))
+    assert not mixed.efa
+
+
+def test_agent_config_carries_efa() -> None:
+    config = dataclasses.replace(
+        _config(instanceTypes=EFA_TYPES, placementStrategy="cluster"), instance_count=2
+    )
+    filled = agent_config(config, bucket="trainstack-dev-bucket", topic_arn="arn:t", log_group="/t")
+    assert filled.efa is True
+    assert AgentConfig.from_mapping(yaml.safe_load(filled.to_yaml())).efa is True
+
+
+def test_agent_config_refuses_a_non_boolean_efa() -> None:
+    raw = {"region": REGION, "bucket": "trainstack-dev", "group_name": "g", "topic_arn": "t"}
+    raw["log_group"] = "/l"
+    with pytest.raises(ValueError, match="'efa' must be true or false"):
+        AgentConfig.from_mapping({**raw, "efa": "yes"})
+
+
+def test_efa_table_covers_the_types_aws_lists() -> None:
+    for instance_type in ("p4d.24xlarge", "p5.48xlarge", "p5e.48xlarge", "g6e.8xlarge", "g5.8xlarge"):
+        assert supports_efa(instance_type), instance_type
+    for instance_type in ("g6.xlarge", "g5.xlarge", "g6e.4xlarge", "g4dn.xlarge"):
+        assert not supports_efa(instance_type), instance_type
+    assert EFA_INSTANCE_TYPES["p5.48xlarge"] == 32 and EFA_INSTANCE_TYPES["p4d.24xlarge"] == 4
+    assert all_support_efa(EFA_TYPES) and not all_support_efa([]) and not all_support_efa(["g6.xlarge"])
+
+
+def test_efa_environment_selects_the_efa_provider_and_rdma_only_where_supported() -> None:
+    assert efa_environment() == {"FI_PROVIDER": "efa"}
+    assert efa_environment(device_rdma=True) == {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
+    assert "NCCL_SOCKET_IFNAME" not in efa_environment(device_rdma=True)
+    assert supports_device_rdma("p5.48xlarge") and supports_device_rdma("p4d.24xlarge")
+    assert not supports_device_rdma("g6e.12xlarge")
