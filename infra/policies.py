@@ -18,6 +18,7 @@ RESOURCE_STAR_REQUIRED = frozenset(
         "autoscaling:DescribeAutoScalingInstances",
         "autoscaling:DescribeScalingActivities",  # the capacity fallback reads why launches failed
         "ec2:DescribeSpotPriceHistory",
+        "pricing:GetProducts",  # an on-demand life's price (bootstrap/pricing.py)
     }
 )
 METRIC_NAMESPACE = "trainstack"
