@@ -11,6 +11,8 @@ from types import FrameType
 from bootstrap.agent_config import DEFAULT_PATH, AgentConfig, AgentConfigError
 from bootstrap.lifecycle import InstanceLife
 
+# The agent's own exit status for an unreadable agent config, as argparse exits on bad usage; not a job's
+# exit code (trainstack_job.contract.ExitCode), which only the agent reads.
 EXIT_BAD_CONFIG = 2
 
 

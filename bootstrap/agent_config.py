@@ -9,6 +9,8 @@ from typing import Any
 
 import yaml
 
+from trainstack_job.contract import BucketPrefix
+
 DEFAULT_PATH = Path("/etc/trainstack/agent.yaml")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d$")
@@ -22,11 +24,11 @@ class AgentConfigError(ValueError):
 class Prefixes:
     """Where each kind of object lives in the bucket (each ends with '/')."""
 
-    data: str = "data/"
-    code: str = "code/"
-    checkpoints: str = "checkpoints/"
-    results: str = "results/"
-    state: str = "state/"
+    data: str = BucketPrefix.DATA.value
+    code: str = BucketPrefix.CODE.value
+    checkpoints: str = BucketPrefix.CHECKPOINTS.value
+    results: str = BucketPrefix.RESULTS.value
+    state: str = BucketPrefix.STATE.value
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,16 @@ from botocore.exceptions import ClientError
 
 from bootstrap.eventlog import iso
 from bootstrap.imds import InstanceIdentity
+from trainstack_job.contract import JobStatus, LifeOutcome
 
-TERMINAL_STATUSES = {"completed", "failed", "stopped", "cost_cap", "no_data"}
-FAILED_OUTCOMES = {"failed", "stalled"}
+# The ledger is plain JSON: statuses and outcomes are stored as their string values, and these sets (of
+# str enums) match those strings.
+TERMINAL_STATUSES = frozenset(
+    {JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.COST_CAP, JobStatus.NO_DATA}
+)
+FAILED_OUTCOMES = frozenset({LifeOutcome.FAILED, LifeOutcome.STALLED})
 # A life that ended because the instance went away: counted as an interruption, never as a failure.
-INTERRUPTED_OUTCOMES = {"preempted", "interrupted"}
+INTERRUPTED_OUTCOMES = frozenset({LifeOutcome.PREEMPTED, LifeOutcome.INTERRUPTED})
 _T = TypeVar("_T")
 
 
@@ -39,7 +44,7 @@ class JobLedger:
 
     def __init__(self, raw: dict[str, Any] | None = None, life_id: str | None = None) -> None:
         self.data: dict[str, Any] = copy.deepcopy(raw) if raw else {}
-        self.data.setdefault("status", "running")
+        self.data.setdefault("status", JobStatus.RUNNING.value)
         self.data.setdefault("lives", [])
         self.data.setdefault("interruptions", 0)
         self.data.setdefault("consecutive_failures", 0)
@@ -85,23 +90,23 @@ class JobLedger:
         interrupted, billed up to its last heartbeat.
         """
         for earlier in self.data["lives"]:
-            if earlier["outcome"] != "running":
+            if earlier["outcome"] != LifeOutcome.RUNNING:
                 continue
             if earlier["instance_id"] == identity.instance_id:
-                earlier["outcome"] = "failed"
+                earlier["outcome"] = LifeOutcome.FAILED.value
                 earlier["ended_at"] = earlier.get("heartbeat_at") or iso(now)
                 self.data["consecutive_failures"] += 1
             else:
-                earlier["outcome"] = "interrupted"
+                earlier["outcome"] = LifeOutcome.INTERRUPTED.value
                 earlier["ended_at"] = earlier.get("heartbeat_at") or earlier["started_at"]
                 earlier["closed_by"] = identity.instance_id
                 self.data["interruptions"] += 1
             self._price_life(earlier, earlier["ended_at"])
         if self.status in TERMINAL_STATUSES:
             # Someone scaled the group up again after the job ended: a new run with a fresh crash counter.
-            if self.status == "failed":
+            if self.status == JobStatus.FAILED:
                 self.data["consecutive_failures"] = 0
-            self.data["status"] = "running"
+            self.data["status"] = JobStatus.RUNNING.value
         started = iso(now)
         life: dict[str, Any] = {
             "life_id": f"{identity.instance_id}@{started}",
@@ -114,7 +119,7 @@ class JobLedger:
             "ended_at": None,
             "price_usd_per_hour": price_usd_per_hour,
             "cost_usd": 0.0,
-            "outcome": "running",
+            "outcome": LifeOutcome.RUNNING.value,
         }
         if identity.lifecycle != "spot":
             life["price_note"] = (
@@ -133,7 +138,7 @@ class JobLedger:
     def update_cost(self, now: datetime) -> float:
         """Heartbeat: this life's cost so far (time × price) and the job's total, which it returns."""
         life = self._current
-        if life is not None and life["outcome"] == "running":
+        if life is not None and life["outcome"] == LifeOutcome.RUNNING:
             life["heartbeat_at"] = iso(now)
             self._price_life(life, iso(now))
         self.data["total_cost_usd"] = round(
@@ -142,14 +147,14 @@ class JobLedger:
         self.data["updated_at"] = iso(now)
         return self.total_cost_usd
 
-    def end_life(self, outcome: str, now: datetime, **details: Any) -> None:
+    def end_life(self, outcome: LifeOutcome, now: datetime, **details: Any) -> None:
         """Close this life with its outcome. If a successor already closed it (this instance was thought
         dead), the truthful outcome replaces the guess but the counters are not moved twice."""
         life = self._current
         if life is None:
             raise RuntimeError("end_life() before begin_life()")
-        already_closed = life["outcome"] != "running"
-        life["outcome"] = outcome
+        already_closed = life["outcome"] != LifeOutcome.RUNNING
+        life["outcome"] = LifeOutcome(outcome).value
         life["ended_at"] = iso(now)
         life.update(details)
         self._price_life(life, life["ended_at"])
@@ -163,8 +168,8 @@ class JobLedger:
         else:
             self.data["consecutive_failures"] = 0
 
-    def set_status(self, status: str) -> None:
-        self.data["status"] = status
+    def set_status(self, status: JobStatus) -> None:
+        self.data["status"] = JobStatus(status).value
 
     def current_life(self) -> dict[str, Any] | None:
         return self._current

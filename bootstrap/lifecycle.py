@@ -36,11 +36,9 @@ from bootstrap.preflight import GpuPreflight
 from bootstrap.pricing import PriceLookup, SpotPriceLookup
 from bootstrap.results import upload_results
 from bootstrap.scratch import prepare_scratch
-from bootstrap.statestore import LEDGER, PROGRESS, StateStore
+from bootstrap.statestore import StateStore
 from bootstrap.trainer import (
     CODE_ROOT,
-    EXIT_COMPLETED,
-    EXIT_STOPPED,
     PERMANENT_FAILURES,
     TrainerPaths,
     TrainerProcess,
@@ -49,29 +47,32 @@ from bootstrap.trainer import (
 )
 from bootstrap.watchdog import StallWatchdog, read_progress
 from bootstrap.watcher import RebalanceRecommendation, SpotWatcher, TerminationNotice
+from trainstack_job.contract import LEDGER, PROGRESS, RESUME_COMMAND, ExitCode, JobStatus, LifeOutcome
 
 # Outcomes after which this instance has nothing left to do; any other ends the life with exit 1 so that
-# systemd starts the next life on this instance (and the crash counter decides when to give up).
+# systemd starts the next life on this instance (and the crash counter decides when to give up). Besides the
+# ledger's life outcomes, a life can end having replaced its broken instance, skipped (the group was already
+# at zero) or given up on the job.
 FINAL_OUTCOMES = {
-    "completed",
-    "preempted",
-    "stopped",
-    "cost_cap",
+    LifeOutcome.COMPLETED,
+    LifeOutcome.PREEMPTED,
+    LifeOutcome.STOPPED,
+    LifeOutcome.COST_CAP,
     "replaced",
     "skipped",
     "gave_up",
-    "no_data",
+    LifeOutcome.NO_DATA,
 }
 PROGRESS_UPLOAD_SECONDS = 15.0
 # After a completion or failure nothing hurries the last upload but the bill.
 FINAL_UPLOAD_SECONDS = 300.0
 # Why the agent asked the job to stop → what the life's outcome is once it has.
 _STOP_OUTCOMES = {
-    "spot": "preempted",
-    "scale-in": "preempted",
-    "shutdown": "preempted",
-    "control": "stopped",
-    "cost_cap": "cost_cap",
+    "spot": LifeOutcome.PREEMPTED,
+    "scale-in": LifeOutcome.PREEMPTED,
+    "shutdown": LifeOutcome.PREEMPTED,
+    "control": LifeOutcome.STOPPED,
+    "cost_cap": LifeOutcome.COST_CAP,
 }
 
 
@@ -103,7 +104,7 @@ class AwsClients:
 class Failure:
     """Why a life failed; `permanent` failures stop the job at once instead of costing more lives."""
 
-    outcome: str
+    outcome: LifeOutcome
     reason: str
     lines: list[str]
     fix: str = ""
@@ -197,7 +198,7 @@ class InstanceLife:
         identity = self.identity = self._identify()
         self._ship_logs()
         try:
-            self._record(lambda ledger: ledger.set_status("failed"))
+            self._record(lambda ledger: ledger.set_status(JobStatus.FAILED))
         finally:
             self._notify_and_scale_to_zero(
                 "the agent keeps failing; group scaled to zero",
@@ -359,7 +360,7 @@ class InstanceLife:
             outcome = self._prepare_and_train()
         except Exception as exc:
             self.log.event("failed", "instance life failed", error=f"{type(exc).__name__}: {exc}")
-            outcome = Failure("failed", f"{type(exc).__name__}: {exc}", list(self.log.tail))
+            outcome = Failure(LifeOutcome.FAILED, f"{type(exc).__name__}: {exc}", list(self.log.tail))
         finally:
             # No more heartbeats or polls: the outcome below is the last word on this life.
             self._background_stop.set()
@@ -380,7 +381,7 @@ class InstanceLife:
         )
         self.phase = "data-wait"
         if not self._wait_for_dataset(dataset):
-            return self._stopped_before_training() if self._stopping.is_set() else "no_data"
+            return self._stopped_before_training() if self._stopping.is_set() else LifeOutcome.NO_DATA
         self.phase = "data-sync"
         try:
             dataset.sync(scratch / "data", should_abort=self._stopping.is_set)
@@ -391,11 +392,11 @@ class InstanceLife:
             # The next instance gets the same disk: retrying would only bill for the same failure.
             self.log.event("failed", "dataset does not fit on this instance", error=str(exc))
             return Failure(
-                "failed",
+                LifeOutcome.FAILED,
                 str(exc),
                 list(self.log.tail),
                 fix="raise trainstack:rootVolumeSizeGb (or use a type with a larger instance store), "
-                "run pulumi up, then trainstack resume",
+                f"run pulumi up, then {RESUME_COMMAND}",
                 permanent=True,
             )
         return self._train(scratch, gpu_count)
@@ -466,7 +467,9 @@ class InstanceLife:
         if ledger.consecutive_failures >= self.config.max_consecutive_failures:
             self._background_stop.set()
             return self._failed(
-                Failure("failed", "the previous agent run on this instance died", list(self.log.tail))
+                Failure(
+                    LifeOutcome.FAILED, "the previous agent run on this instance died", list(self.log.tail)
+                )
             )
         if self.state.stop_requested():
             self._background_stop.set()
@@ -493,17 +496,17 @@ class InstanceLife:
         source = f"s3://{self.config.bucket}/{self.config.prefixes.data}"
         minutes = self.config.data_wait_minutes
         # Not "running": `trainstack data push` must not take this wait for a training run to protect.
-        self._record(lambda ledger: ledger.set_status("waiting_for_data"))
+        self._record(lambda ledger: ledger.set_status(JobStatus.WAITING_FOR_DATA))
         self.log.event(
             "data", "no dataset yet: waiting for `trainstack data push`", source=source, minutes=minutes
         )
         deadline = time.monotonic() + minutes * 60
         while time.monotonic() < deadline:
             if self._stopping.wait(max(0.0, min(self._state_poll_seconds, deadline - time.monotonic()))):
-                self._record(lambda ledger: ledger.set_status("running"))
+                self._record(lambda ledger: ledger.set_status(JobStatus.RUNNING))
                 return False
             if dataset.present():
-                self._record(lambda ledger: ledger.set_status("running"))
+                self._record(lambda ledger: ledger.set_status(JobStatus.RUNNING))
                 self.log.event("data", "dataset arrived", source=source)
                 return True
         return False
@@ -529,8 +532,8 @@ class InstanceLife:
         except (UploadAbandonedError, InterruptedError):
             return self._stopped_before_training()
         except JobSpecError as exc:
-            fix = "fix the job's requirements file, run pulumi up, then trainstack resume"
-            return Failure("failed", exc.problems[0], list(self.log.tail), fix=fix, permanent=True)
+            fix = f"fix the job's requirements file, run pulumi up, then {RESUME_COMMAND}"
+            return Failure(LifeOutcome.FAILED, exc.problems[0], list(self.log.tail), fix=fix, permanent=True)
         self._progress_file = paths.progress_file
         metrics = GpuMetricPublisher(self.clients.cloudwatch, self.config.group_name, self.log)
         with self._stop_lock:
@@ -646,9 +649,9 @@ class InstanceLife:
         self, code: int | str, reason: str | None, persisted: PersistResult, trainer: TrainerProcess
     ) -> str | Failure:
         progress = read_progress(trainer.paths.progress_file) or {}
-        if code == EXIT_COMPLETED:
+        if code == ExitCode.COMPLETED:
             # A job that completed wins over a stop request that arrived meanwhile.
-            return "completed"
+            return LifeOutcome.COMPLETED
         if reason is not None:
             fields: dict[str, Any] = {
                 "exit_code": code,
@@ -660,7 +663,7 @@ class InstanceLife:
             _, seen_at = self._stop_state()
             if seen_at is not None:
                 fields["notice_to_exit_s"] = round(time.monotonic() - seen_at, 2)
-            confirmed = persisted.confirmed and code == EXIT_STOPPED
+            confirmed = persisted.confirmed and code == ExitCode.STOPPED
             self.log.event(
                 "stop",
                 "trainer stopped; checkpoint confirmed in S3"
@@ -670,19 +673,21 @@ class InstanceLife:
                 **fields,
             )
             return _STOP_OUTCOMES[reason]
-        if code == EXIT_STOPPED:
+        if code == ExitCode.STOPPED:
             # Nobody here asked: the OS sent the stop (shutdown), so this instance is going away.
             self.log.event("stop", "trainer stopped by the system", exit_code=code)
-            return "preempted"
+            return LifeOutcome.PREEMPTED
         if code == "stalled":
-            return Failure("stalled", "trainer stalled", list(trainer.tail)[-25:] or list(self.log.tail))
+            return Failure(
+                LifeOutcome.STALLED, "trainer stalled", list(trainer.tail)[-25:] or list(self.log.tail)
+            )
         self.log.event("failed", "trainer exited with a failure", exit_code=code, step=progress.get("step"))
         lines = list(trainer.tail)[-25:] or list(self.log.tail)
         if isinstance(code, int) and code in PERMANENT_FAILURES:
             why, fix = PERMANENT_FAILURES[code]
-            return Failure("failed", f"{why} (trainer exit {code})", lines, fix=fix, permanent=True)
+            return Failure(LifeOutcome.FAILED, f"{why} (trainer exit {code})", lines, fix=fix, permanent=True)
         signature = {"exit_code": code, "step": progress.get("step")}
-        return Failure("failed", f"trainer exited {code}", lines, signature=signature)
+        return Failure(LifeOutcome.FAILED, f"trainer exited {code}", lines, signature=signature)
 
     def _upload_progress_quietly(self) -> None:
         try:
@@ -695,21 +700,21 @@ class InstanceLife:
     def _finish(self, outcome: str | Failure) -> LifeResult:
         if isinstance(outcome, Failure):
             return self._failed(outcome)
-        if outcome == "completed":
+        if outcome == LifeOutcome.COMPLETED:
             return self._completed()
-        if outcome == "preempted":
-            self._record(lambda ledger: ledger.end_life("preempted", utc_now(), phase=self.phase))
+        if outcome == LifeOutcome.PREEMPTED:
+            self._record(lambda ledger: ledger.end_life(LifeOutcome.PREEMPTED, utc_now(), phase=self.phase))
             self.log.event(
                 "end",
                 "preempted: the group's replacement resumes from the confirmed checkpoint",
                 interruptions=self.ledger.interruptions,
             )
-            return LifeResult("preempted")
-        if outcome == "stopped":
+            return LifeResult(LifeOutcome.PREEMPTED)
+        if outcome == LifeOutcome.STOPPED:
             return self._stopped_by_user()
-        if outcome == "cost_cap":
+        if outcome == LifeOutcome.COST_CAP:
             return self._cost_cap_reached()
-        if outcome == "no_data":
+        if outcome == LifeOutcome.NO_DATA:
             return self._no_dataset()
         if outcome == "replace":
             return self._replace_unhealthy_instance()
@@ -724,22 +729,24 @@ class InstanceLife:
             missing = ", ".join(str(path) for path in expected if not path.is_file())
             if missing:
                 return self._failed(
-                    Failure("failed", f"trainer exited 0 but {missing} is missing", list(self.log.tail))
+                    Failure(
+                        LifeOutcome.FAILED, f"trainer exited 0 but {missing} is missing", list(self.log.tail)
+                    )
                 )
         try:
             keys = upload_results(self.clients.s3, self.config.bucket, results, output)
         except Exception as exc:
             # The next life restores the final checkpoint, finishes at once and uploads again.
             reason = f"results upload failed: {_one_line(exc)}"
-            return self._failed(Failure("failed", reason, list(self.log.tail)))
+            return self._failed(Failure(LifeOutcome.FAILED, reason, list(self.log.tail)))
         self.log.event(
             "results", "results uploaded", uri=f"s3://{self.config.bucket}/{results}", files=len(keys)
         )
         metrics = self._metrics(output)
 
         def complete(ledger: JobLedger) -> None:
-            ledger.end_life("completed", utc_now())
-            ledger.set_status("completed")
+            ledger.end_life(LifeOutcome.COMPLETED, utc_now())
+            ledger.set_status(JobStatus.COMPLETED)
 
         self._record(complete)
         ledger = self.ledger
@@ -758,7 +765,7 @@ class InstanceLife:
         ]
         self._notify_and_scale_to_zero("training completed", lines)
         self.log.event("end", "completed; scaled to zero", cost_usd=ledger.total_cost_usd, metrics=metrics)
-        return LifeResult("completed")
+        return LifeResult(LifeOutcome.COMPLETED)
 
     @staticmethod
     def _metrics(output: Path) -> dict[str, Any] | None:
@@ -782,12 +789,12 @@ class InstanceLife:
                 and previous.get("failure") == failure.signature
             )
             life = ledger.current_life()
-            if life is not None and life["outcome"] == "running":
+            if life is not None and life["outcome"] == LifeOutcome.RUNNING:
                 details = {"failure": failure.signature} if failure.signature else {}
                 ledger.end_life(failure.outcome, utc_now(), **details)
             verdict["failures"] = ledger.consecutive_failures
             if failure.permanent or verdict["repeated"] or ledger.consecutive_failures >= limit:
-                ledger.set_status("failed")
+                ledger.set_status(JobStatus.FAILED)
 
         self._record(end)
         repeated = bool(verdict.get("repeated"))
@@ -819,7 +826,7 @@ class InstanceLife:
                 *[f"  {line}" for line in failure.lines[-25:]],
                 f"Fix: {failure.fix}"
                 if failure.fix
-                else "Fix the cause, then start again: trainstack resume",
+                else f"Fix the cause, then start again: {RESUME_COMMAND}",
             ],
         )
         self.log.event("end", subject, reason=failure.reason, consecutive_failures=failures)
@@ -829,8 +836,8 @@ class InstanceLife:
         source = f"s3://{self.config.bucket}/{self.config.prefixes.data}"
 
         def no_data(ledger: JobLedger) -> None:
-            ledger.end_life("no_data", utc_now())
-            ledger.set_status("no_data")
+            ledger.end_life(LifeOutcome.NO_DATA, utc_now())
+            ledger.set_status(JobStatus.NO_DATA)
 
         self._record(no_data)
         self._notify_and_scale_to_zero(
@@ -839,15 +846,15 @@ class InstanceLife:
                 f"{source} stayed empty for {self.config.data_wait_minutes:g} minutes, so this instance "
                 "stopped billing.",
                 "Upload the dataset: trainstack data push ./dataset   (train/<class>/…, val/<class>/…)",
-                "Then start training: trainstack resume",
+                f"Then start training: {RESUME_COMMAND}",
             ],
         )
-        return LifeResult("no_data")
+        return LifeResult(LifeOutcome.NO_DATA)
 
     def _stopped_by_user(self) -> LifeResult:
         def stopped(ledger: JobLedger) -> None:
-            ledger.end_life("stopped", utc_now())
-            ledger.set_status("stopped")
+            ledger.end_life(LifeOutcome.STOPPED, utc_now())
+            ledger.set_status(JobStatus.STOPPED)
 
         self._record(stopped)
         self._notify_and_scale_to_zero(
@@ -855,15 +862,15 @@ class InstanceLife:
             [
                 "Training stopped on `trainstack stop`; the newest confirmed checkpoint is kept.",
                 f"Checkpoints: s3://{self.config.bucket}/{self.config.prefixes.checkpoints}",
-                "Resume with: trainstack resume",
+                f"Resume with: {RESUME_COMMAND}",
             ],
         )
-        return LifeResult("stopped")
+        return LifeResult(LifeOutcome.STOPPED)
 
     def _cost_cap_reached(self) -> LifeResult:
         def capped(ledger: JobLedger) -> None:
-            ledger.end_life("cost_cap", utc_now())
-            ledger.set_status("cost_cap")
+            ledger.end_life(LifeOutcome.COST_CAP, utc_now())
+            ledger.set_status(JobStatus.COST_CAP)
 
         self._record(capped)
         self._notify_and_scale_to_zero(
@@ -872,16 +879,16 @@ class InstanceLife:
                 f"The job's estimated cost ${self.ledger.total_cost_usd:.4f} reached the cap "
                 f"trainstack:maxCostUsd = ${self.config.max_cost_usd}.",
                 f"The latest checkpoint is kept in s3://{self.config.bucket}/{self.config.prefixes.checkpoints}.",
-                "Raise trainstack:maxCostUsd, run pulumi up, then continue from it with: trainstack resume",
+                f"Raise trainstack:maxCostUsd, run pulumi up, then continue from it with: {RESUME_COMMAND}",
             ],
         )
         self.log.event("end", "cost cap reached; scaled to zero", cost_usd=self.ledger.total_cost_usd)
-        return LifeResult("cost_cap")
+        return LifeResult(LifeOutcome.COST_CAP)
 
     def _replace_unhealthy_instance(self) -> LifeResult:
         assert self.identity is not None
         result = self._failed(
-            Failure("failed", "GPU preflight failed after the driver repair", list(self.log.tail))
+            Failure(LifeOutcome.FAILED, "GPU preflight failed after the driver repair", list(self.log.tail))
         )
         if result.outcome == "gave_up":
             return result

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-LEDGER = "ledger.json"
-PROGRESS = "progress.json"
-CONTROL = "control.json"
+from trainstack_job.contract import CONTROL
 
 
 class StateStore:

@@ -18,22 +18,19 @@ import yaml
 
 from bootstrap.job import contract_env
 from training.stop import stop_signals_blocked
+from trainstack_job.contract import PROGRESS, RESUME_COMMAND, ExitCode
 
 DLAMI_PYTHON = Path("/opt/pytorch/bin/python")
 CODE_ROOT = Path(__file__).resolve().parent.parent
-EXIT_COMPLETED = 0
-EXIT_STOPPED = 75
 # Permanent failures: retrying on another instance cannot help, so the agent stops the job at once.
-EXIT_CONFIG_ERROR = 2
-EXIT_DATA_ERROR = 65
-PERMANENT_FAILURES = {
-    EXIT_CONFIG_ERROR: (
+PERMANENT_FAILURES: dict[int, tuple[str, str]] = {
+    ExitCode.CONFIG_ERROR: (
         "the trainer config is invalid",
-        "fix the keys named above in trainstack:trainingConfig, run pulumi up, then trainstack resume",
+        f"fix the keys named above in trainstack:trainingConfig, run pulumi up, then {RESUME_COMMAND}",
     ),
-    EXIT_DATA_ERROR: (
+    ExitCode.DATA_ERROR: (
         "the dataset has too many unreadable files",
-        "fix or remove the files named above, run trainstack data push, then trainstack resume",
+        f"fix or remove the files named above, run trainstack data push, then {RESUME_COMMAND}",
     ),
 }
 
@@ -74,7 +71,7 @@ class TrainerPaths:
 
     @property
     def progress_file(self) -> Path:
-        return self.output_dir / "progress.json"
+        return self.output_dir / PROGRESS
 
     @property
     def stop_file(self) -> Path:

@@ -21,6 +21,7 @@ from infra.network import Network, NetworkArgs  # noqa: E402
 from infra.observability import Observability, ObservabilityArgs  # noqa: E402
 from infra.placement import lookup_zones  # noqa: E402
 from infra.storage import Storage, StorageArgs  # noqa: E402
+from trainstack_job.contract import StackOutput  # noqa: E402
 
 config = load_stack_config()
 account_id = aws.get_caller_identity().account_id
@@ -128,30 +129,30 @@ if config.spot_fallback_minutes > 0:
         ),
     )
 
-pulumi.export("region", config.region)
-pulumi.export("bucket_name", storage.bucket.bucket)
-pulumi.export("data_prefix", prefixes.data)
-pulumi.export("code_prefix", prefixes.code)
-pulumi.export("checkpoints_prefix", prefixes.checkpoints)
-pulumi.export("results_prefix", prefixes.results)
-pulumi.export("state_prefix", prefixes.state)
+pulumi.export(StackOutput.REGION.value, config.region)
+pulumi.export(StackOutput.BUCKET_NAME.value, storage.bucket.bucket)
+pulumi.export(StackOutput.DATA_PREFIX.value, prefixes.data)
+pulumi.export(StackOutput.CODE_PREFIX.value, prefixes.code)
+pulumi.export(StackOutput.CHECKPOINTS_PREFIX.value, prefixes.checkpoints)
+pulumi.export(StackOutput.RESULTS_PREFIX.value, prefixes.results)
+pulumi.export(StackOutput.STATE_PREFIX.value, prefixes.state)
 pulumi.export(
-    "data_upload_command",
+    StackOutput.DATA_UPLOAD_COMMAND.value,
     storage.bucket.bucket.apply(lambda bucket: f"aws s3 sync ./dataset s3://{bucket}/{prefixes.data}"),
 )
-pulumi.export("group_name", fleet.group.name)
-pulumi.export("instance_count", config.instance_count)
-pulumi.export("instance_types", list(config.instance_types))
-pulumi.export("log_group_name", observability.log_group.name)
-pulumi.export("topic_arn", observability.topic.arn)
-pulumi.export("kms_key_arn", storage.key.arn)
+pulumi.export(StackOutput.GROUP_NAME.value, fleet.group.name)
+pulumi.export(StackOutput.INSTANCE_COUNT.value, config.instance_count)
+pulumi.export(StackOutput.INSTANCE_TYPES.value, list(config.instance_types))
+pulumi.export(StackOutput.LOG_GROUP_NAME.value, observability.log_group.name)
+pulumi.export(StackOutput.TOPIC_ARN.value, observability.topic.arn)
+pulumi.export(StackOutput.KMS_KEY_ARN.value, storage.key.arn)
 pulumi.export(
-    "dashboard_url",
+    StackOutput.DASHBOARD_URL.value,
     f"https://{config.region}.console.aws.amazon.com/cloudwatch/home?region={config.region}"
     f"#dashboards:name={observability.dashboard_name}",
 )
 pulumi.export(
-    "ssm_session_command",
+    StackOutput.SSM_SESSION_COMMAND.value,
     f"aws ssm start-session --region {config.region} --target $(aws autoscaling describe-auto-scaling-groups "
     f"--region {config.region} --auto-scaling-group-names {config.group_name} "
     "--query 'AutoScalingGroups[0].Instances[0].InstanceId' --output text)",

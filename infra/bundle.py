@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bootstrap.job import BUNDLE_JOB_DIR
+from trainstack_job.contract import BucketPrefix
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_PACKAGES = ("training", "bootstrap", "trainstack_job")
@@ -26,7 +27,7 @@ class CodeBundle:
     data: bytes
     sha256: str
 
-    def key(self, code_prefix: str = "code/") -> str:
+    def key(self, code_prefix: str = BucketPrefix.CODE.value) -> str:
         """S3 key of the bundle: `code/<sha256>/bundle.tar.gz`, so any code change is a new object."""
         return f"{code_prefix}{self.sha256}/{BUNDLE_FILE_NAME}"
 

@@ -10,6 +10,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra import policies
+from trainstack_job.contract import StackOutput
 
 GPU_IDLE_THRESHOLD_PERCENT = 10
 GPU_IDLE_MINUTES = 30
@@ -128,8 +129,8 @@ class Observability(pulumi.ComponentResource):
         self._create_budget()
         self.register_outputs(
             {
-                "log_group_name": self.log_group.name,
-                "topic_arn": self.topic.arn,
+                StackOutput.LOG_GROUP_NAME.value: self.log_group.name,
+                StackOutput.TOPIC_ARN.value: self.topic.arn,
                 "dashboard": self.dashboard_name,
             }
         )

@@ -11,6 +11,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra import policies
+from trainstack_job.contract import StackOutput
 
 # The bucket's access log (FSBP S3.9): who read or wrote which object, when, from where. Kept a year, like
 # the VPC flow logs; log objects are written once, so old versions only ever come from deletes.
@@ -91,7 +92,7 @@ class Storage(pulumi.ComponentResource):
         self.register_outputs(
             {
                 "key_arn": self.key.arn,
-                "bucket_name": self.bucket.bucket,
+                StackOutput.BUCKET_NAME.value: self.bucket.bucket,
                 "access_log_bucket_name": self.access_log_bucket.bucket,
             }
         )

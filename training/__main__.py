@@ -16,15 +16,10 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from training.stop import StopRequest
+from trainstack_job.contract import ExitCode
 
 if TYPE_CHECKING:
     from training.config import Config
-
-EXIT_CONFIG = 2
-# sysexits EX_DATAERR: the dataset itself is bad (too many undecodable images); permanent, do not retry.
-EXIT_DATA = 65
-EXIT_FAILED = 1
-EXIT_STOPPED = 75
 
 # Seconds, not boto3's 60 s timeouts and retries: a start-up check must not hold a spot instance for minutes.
 _CHECK_TIMEOUTS: dict[str, Any] = {
@@ -177,8 +172,10 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
         if processes > 1 and "WORLD_SIZE" not in os.environ:
             if stop.signal_name:
                 # No rank has run, so the last checkpoint is still the job's state: nothing to save.
-                log.warning("%s received before training started; exit %d", stop.signal_name, EXIT_STOPPED)
-                return EXIT_STOPPED
+                log.warning(
+                    "%s received before training started; exit %d", stop.signal_name, ExitCode.STOPPED
+                )
+                return ExitCode.STOPPED
             from training.launch import launch
 
             return launch(sys.argv[1:] if argv is None else argv, processes)
@@ -188,25 +185,25 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)
-        return EXIT_CONFIG
+        return ExitCode.CONFIG_ERROR
     except BadDataError as exc:
         print(f"data error: {exc}", file=sys.stderr)
-        return EXIT_DATA
+        return ExitCode.DATA_ERROR
     except S3UnreachableError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return ExitCode.FAILED
     except (ClientError, BotoCoreError) as exc:
         print(
             f"error: S3 request failed: {exc}; check checkpoint.uri/output.uri and the credentials",
             file=sys.stderr,
         )
-        return EXIT_FAILED
+        return ExitCode.FAILED
     except OSError as exc:
         print(
             f"error: {exc.filename or ''}: {exc.strerror or exc}; check the path and free disk space",
             file=sys.stderr,
         )
-        return EXIT_FAILED
+        return ExitCode.FAILED
 
 
 if __name__ == "__main__":

@@ -46,12 +46,9 @@ from training.model import build_model
 from training.precision import PrecisionPlan, choose_precision, resolve_device
 from training.progress import ProgressReporter
 from training.stop import Deadline, StopRequest
+from trainstack_job.contract import ExitCode
 
 log = logging.getLogger("training")
-
-EXIT_COMPLETED = 0
-EXIT_STOPPED = 75
-EXIT_FAILED = 1
 
 # Without a memory probe (CPU), "auto" means this many samples per micro-batch.
 CPU_AUTO_MICRO_BATCH = 64
@@ -544,7 +541,7 @@ class Trainer:
 
     def _stop(self, scheduler: torch.optim.lr_scheduler.LRScheduler, life_started: float) -> int:
         self._save(scheduler, life_started)
-        code = EXIT_STOPPED
+        code = ExitCode.STOPPED
         if self.world.is_main:
             step, reason = self.state.global_step, self.stop.reason()
             if not self.checkpoints.remote_uri:
@@ -553,11 +550,11 @@ class Trainer:
                     step,
                     reason,
                     self.checkpoints.root,
-                    EXIT_STOPPED,
+                    ExitCode.STOPPED,
                 )
             elif self.checkpoints.finish():
                 log.warning(
-                    "stopped at step %d on %s; checkpoint confirmed, exit %d", step, reason, EXIT_STOPPED
+                    "stopped at step %d on %s; checkpoint confirmed, exit %d", step, reason, ExitCode.STOPPED
                 )
             else:
                 # Exit 75 promises a confirmed checkpoint: say the truth with a failure instead.
@@ -568,12 +565,12 @@ class Trainer:
                     reason,
                     self.checkpoints.remote_uri,
                     self.checkpoints.confirmed_remote_step,
-                    EXIT_FAILED,
+                    ExitCode.FAILED,
                 )
-                code = EXIT_FAILED
-        codes = dist_utils.sum_across(self.world, [float(code != EXIT_STOPPED)], self.device)
+                code = ExitCode.FAILED
+        codes = dist_utils.sum_across(self.world, [float(code != ExitCode.STOPPED)], self.device)
         dist_utils.barrier(self.world)
-        return EXIT_FAILED if codes[0] else EXIT_STOPPED
+        return ExitCode.FAILED if codes[0] else ExitCode.STOPPED
 
     def _complete(
         self, scheduler: torch.optim.lr_scheduler.LRScheduler, progress: ProgressReporter, life_started: float
@@ -604,4 +601,4 @@ class Trainer:
             write_artifacts(self.raw_model, self.history, summary, self.output_dir, self.config.output.uri)
             log.info("training complete: %d steps; results in %s", self.state.global_step, self.output_dir)
         dist_utils.barrier(self.world)
-        return EXIT_COMPLETED
+        return ExitCode.COMPLETED

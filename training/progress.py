@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from trainstack_job.contract import PROGRESS
 from trainstack_job.layout import now_iso, write_atomic
 
 log = logging.getLogger("training")
@@ -69,7 +70,7 @@ class ProgressReporter:
         device: torch.device,
         num_workers: int,
     ) -> None:
-        self.path = output_dir / "progress.json" if output_dir else None
+        self.path = output_dir / PROGRESS if output_dir else None
         self.epochs = epochs
         self.total_steps = total_steps
         self.log_every = log_every

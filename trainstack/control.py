@@ -9,13 +9,14 @@ from typing import Any
 from trainstack.aws import Clients
 from trainstack.output import console, print_json
 from trainstack.stack import Stack
-from trainstack.state import CONTROL, encryption_args, read_group, read_job
+from trainstack.state import encryption_args, read_group, read_job
+from trainstack_job.contract import CONTROL, JobStatus, StackOutput
 
 
 def stop(clients: Clients, stack: Stack) -> dict[str, Any]:
     """Write the stop request; with nothing in service no agent would read it, so scale to zero here."""
     outputs = stack.outputs
-    bucket, key = outputs.bucket, outputs.prefix("state_prefix") + CONTROL
+    bucket, key = outputs.bucket, outputs.prefix(StackOutput.STATE_PREFIX) + CONTROL
     request = {"action": "stop", "requested_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     clients.s3().put_object(
         Bucket=bucket,
@@ -43,7 +44,7 @@ def stop(clients: Clients, stack: Stack) -> dict[str, Any]:
 def resume(clients: Clients, stack: Stack) -> dict[str, Any]:
     """Withdraw any stop request and set the group back to the stack's instance count."""
     outputs = stack.outputs
-    bucket, key = outputs.bucket, outputs.prefix("state_prefix") + CONTROL
+    bucket, key = outputs.bucket, outputs.prefix(StackOutput.STATE_PREFIX) + CONTROL
     # Delete first: an agent booting before the delete would read the old request and stop again.
     clients.s3().delete_object(Bucket=bucket, Key=key)
     group = read_group(clients, outputs.group_name)
@@ -53,7 +54,7 @@ def resume(clients: Clients, stack: Stack) -> dict[str, Any]:
     )
     job = read_job(clients, outputs)
     notes = []
-    if job.status == "completed":
+    if job.status == JobStatus.COMPLETED:
         notes.append("training already completed: the new instance restores the final checkpoint and ends")
     failures = int((job.ledger or {}).get("consecutive_failures") or 0)
     if failures:

@@ -17,6 +17,7 @@ from botocore.exceptions import ClientError
 from trainstack.aws import Clients, error_code
 from trainstack.errors import CliError
 from trainstack.stack import Stack
+from trainstack_job.contract import StackOutput
 
 _SINCE = re.compile(r"^(\d+)([smhd])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
@@ -120,7 +121,7 @@ def run(
     clients: Clients, stack: Stack, *, since: str, stream: str | None, follow_: bool, as_json: bool
 ) -> int:
     start = datetime.now(timezone.utc) - parse_since(since)
-    reader = LogReader(clients, stack.outputs.text("log_group_name"), start, stream)
+    reader = LogReader(clients, stack.outputs.text(StackOutput.LOG_GROUP_NAME), start, stream)
     if not follow_:
         print_events(reader.read(), as_json=as_json)
         return 0

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from trainstack.errors import CliError
+from trainstack_job.contract import StackOutput
 
 NAMESPACE = "trainstack"
 PULUMI_INSTALL = "https://www.pulumi.com/docs/iac/download-install/"
@@ -113,42 +114,43 @@ class StackOutputs:
     values: Mapping[str, Any]
     source: str
 
-    def require(self, name: str) -> Any:
-        value = self.values.get(name)
+    def require(self, name: StackOutput) -> Any:
+        value = self.values.get(name.value)
         if value is None or value == "":
             raise CliError(
-                f"stack output '{name}' is missing from {self.source}: run `pulumi up` to update the stack"
+                f"stack output '{name.value}' is missing from {self.source}: "
+                "run `pulumi up` to update the stack"
             )
         return value
 
-    def text(self, name: str) -> str:
+    def text(self, name: StackOutput) -> str:
         return str(self.require(name))
 
-    def prefix(self, name: str) -> str:
+    def prefix(self, name: StackOutput) -> str:
         """A bucket prefix output (`data_prefix`...), always ending with '/'."""
         value = self.text(name)
         return value if value.endswith("/") else value + "/"
 
     @property
     def region(self) -> str | None:
-        value = self.values.get("region")
+        value = self.values.get(StackOutput.REGION.value)
         return str(value) if value else None
 
     @property
     def bucket(self) -> str:
-        return self.text("bucket_name")
+        return self.text(StackOutput.BUCKET_NAME)
 
     @property
     def group_name(self) -> str:
-        return self.text("group_name")
+        return self.text(StackOutput.GROUP_NAME)
 
     @property
     def instance_count(self) -> int:
-        return int(self.require("instance_count"))
+        return int(self.require(StackOutput.INSTANCE_COUNT))
 
     @property
     def instance_types(self) -> list[str]:
-        value = self.require("instance_types")
+        value = self.require(StackOutput.INSTANCE_TYPES)
         return [str(t) for t in value] if isinstance(value, list) else [str(value)]
 
 

@@ -11,11 +11,7 @@ from botocore.exceptions import ClientError
 from trainstack.aws import Clients, is_not_found
 from trainstack.errors import CliError
 from trainstack.stack import StackOutputs
-
-LEDGER = "ledger.json"
-PROGRESS = "progress.json"
-CONTROL = "control.json"
-LATEST_CHECKPOINT = "latest.json"
+from trainstack_job.contract import CONTROL, LATEST, LEDGER, PROGRESS, JobStatus, StackOutput
 
 
 @dataclass(frozen=True)
@@ -127,11 +123,11 @@ class JobState:
 
 def read_job(clients: Clients, outputs: StackOutputs) -> JobState:
     bucket = outputs.bucket
-    state = outputs.prefix("state_prefix")
+    state = outputs.prefix(StackOutput.STATE_PREFIX)
     return JobState(
         ledger=read_json(clients, bucket, state + LEDGER),
         progress=read_json(clients, bucket, state + PROGRESS),
-        checkpoint=read_json(clients, bucket, outputs.prefix("checkpoints_prefix") + LATEST_CHECKPOINT),
+        checkpoint=read_json(clients, bucket, outputs.prefix(StackOutput.CHECKPOINTS_PREFIX) + LATEST),
         control=read_json(clients, bucket, state + CONTROL),
     )
 
@@ -139,14 +135,14 @@ def read_job(clients: Clients, outputs: StackOutputs) -> JobState:
 def training_runs(group: Group, job: JobState) -> bool:
     """The agent says it is training and the group has (or is launching) an instance for it."""
     # desired > 0 covers the gap after a spot interruption, when the replacement is not in service yet.
-    return job.status == "running" and (group.in_service > 0 or group.desired > 0)
+    return job.status == JobStatus.RUNNING and (group.in_service > 0 or group.desired > 0)
 
 
 def encryption_args(outputs: StackOutputs) -> dict[str, Any]:
     """S3 write arguments that satisfy the bucket's deny-unencrypted policy with the stack's own key."""
     # No BucketKeyEnabled: the transfer manager refuses it, and the bucket's own bucket-key setting applies.
     args: dict[str, Any] = {"ServerSideEncryption": "aws:kms"}
-    if outputs.values.get("kms_key_arn"):
+    if outputs.values.get(StackOutput.KMS_KEY_ARN.value):
         # Naming only aws:kms would make S3 use the AWS-managed aws/s3 key instead of the stack's CMK.
-        args["SSEKMSKeyId"] = outputs.text("kms_key_arn")
+        args["SSEKMSKeyId"] = outputs.text(StackOutput.KMS_KEY_ARN)
     return args

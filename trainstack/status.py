@@ -13,6 +13,7 @@ from trainstack.aws import Clients
 from trainstack.output import console, format_duration, format_usd, parse_time, print_json
 from trainstack.stack import Stack
 from trainstack.state import JobState, read_group, read_job
+from trainstack_job.contract import RESUME_COMMAND, JobStatus, LifeOutcome, StackOutput
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def _seconds_since(value: Any, now: datetime) -> float | None:
 
 def remaining_seconds(job: JobState, now: datetime) -> float | None:
     """The trainer's ETA, less the time since it wrote it; zero once the job is over."""
-    if job.status == "completed":
+    if job.status == JobStatus.COMPLETED:
         return 0.0
     progress = job.progress or {}
     eta = progress.get("eta_s")
@@ -57,13 +58,20 @@ def remaining_seconds(job: JobState, now: datetime) -> float | None:
 def estimate_cost(job: JobState, now: datetime) -> Cost:
     ledger = job.ledger or {}
     lives = [life for life in ledger.get("lives", []) if isinstance(life, dict)]
-    running = [life for life in lives if life.get("outcome") == "running" and not life.get("ended_at")]
+    running = [
+        life for life in lives if life.get("outcome") == LifeOutcome.RUNNING and not life.get("ended_at")
+    ]
     # The agent records None when it could not learn its price: unknown, not free.
     prices = [
         float(life["price_usd_per_hour"]) for life in running if life.get("price_usd_per_hour") is not None
     ]
     rate = sum(prices) if prices else None
-    if not running and lives and job.status == "running" and lives[-1].get("price_usd_per_hour") is not None:
+    if (
+        not running
+        and lives
+        and job.status == JobStatus.RUNNING
+        and lives[-1].get("price_usd_per_hour") is not None
+    ):
         # Between lives (a replacement is launching) the last price is the best guess of the next.
         rate = float(lives[-1]["price_usd_per_hour"])
     so_far = ledger.get("total_cost_usd")
@@ -97,7 +105,7 @@ def collect(clients: Clients, stack: Stack, now: datetime | None = None) -> dict
         "status": job.status,
         "next_step": NEXT_STEP.get(job.status),
         "stop_requested": job.control is not None,
-        "dashboard_url": outputs.values.get("dashboard_url"),
+        "dashboard_url": outputs.values.get(StackOutput.DASHBOARD_URL.value),
         "progress": progress,
         "checkpoint": checkpoint,
         "interruptions": int(ledger.get("interruptions") or 0),
@@ -112,13 +120,19 @@ def collect(clients: Clients, stack: Stack, now: datetime | None = None) -> dict
 
 
 # What the user can do next, by the agent's job status (docs/internals.md → ledger).
-NEXT_STEP = {
-    "waiting_for_data": "the instance waits for the dataset: trainstack data push ./dataset",
-    "no_data": "no dataset arrived, group stopped: trainstack data push ./dataset, then trainstack resume",
-    "failed": "the job stopped after repeated failures: read trainstack logs, fix, then trainstack resume",
-    "stopped": "stopped on request with a confirmed checkpoint: trainstack resume continues from it",
-    "cost_cap": "the cost cap stopped the job: raise trainstack:maxCostUsd, pulumi up, trainstack resume",
-    "completed": "done: trainstack results pull",
+NEXT_STEP: dict[str, str] = {
+    JobStatus.WAITING_FOR_DATA: "the instance waits for the dataset: trainstack data push ./dataset",
+    JobStatus.NO_DATA: (
+        f"no dataset arrived, group stopped: trainstack data push ./dataset, then {RESUME_COMMAND}"
+    ),
+    JobStatus.FAILED: (
+        f"the job stopped after repeated failures: read trainstack logs, fix, then {RESUME_COMMAND}"
+    ),
+    JobStatus.STOPPED: f"stopped on request with a confirmed checkpoint: {RESUME_COMMAND} continues from it",
+    JobStatus.COST_CAP: (
+        f"the cost cap stopped the job: raise trainstack:maxCostUsd, pulumi up, then {RESUME_COMMAND}"
+    ),
+    JobStatus.COMPLETED: "done: trainstack results pull",
 }
 
 

@@ -29,12 +29,12 @@ from trainstack.errors import CliError
 from trainstack.output import console, print_json
 from trainstack.stack import Stack
 from trainstack.state import encryption_args, read_group, read_job, read_json, training_runs
+from trainstack_job.contract import DATA_MANIFEST, StackOutput
 
 # torchvision.datasets.folder.IMG_EXTENSIONS: what ImageFolder will load. Copied because the CLI is
 # installed without torch; tests/cli check the two stay equal.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SPLITS = ("train", "val")
-MANIFEST = "data-manifest.json"
 TRANSFER_CONFIG = TransferConfig(
     multipart_threshold=64 * 1024 * 1024, multipart_chunksize=64 * 1024 * 1024, max_concurrency=16
 )
@@ -142,7 +142,7 @@ def push(
 ) -> dict[str, Any]:
     classes = validate_image_folder(root)
     outputs = stack.outputs
-    bucket, prefix = outputs.bucket, outputs.prefix("data_prefix")
+    bucket, prefix = outputs.bucket, outputs.prefix(StackOutput.DATA_PREFIX)
     group = read_group(clients, outputs.group_name)
     job = read_job(clients, outputs)
     if training_runs(group, job) and not force:
@@ -150,7 +150,7 @@ def push(
             f"training is running on {group.in_service} instance(s) of {group.name}: replacing its dataset "
             "mid-run would mix two datasets; run `trainstack stop` first, or pass --force"
         )
-    manifest_key = outputs.prefix("state_prefix") + MANIFEST
+    manifest_key = outputs.prefix(StackOutput.STATE_PREFIX) + DATA_MANIFEST
     manifest = (read_json(clients, bucket, manifest_key) or {}).get("files", {})
     remote = list_objects(clients, bucket, prefix)
     files = scan_dataset(root)
@@ -225,7 +225,7 @@ def push(
 
 def pull(clients: Clients, stack: Stack, destination: Path, *, quiet: bool) -> dict[str, Any]:
     outputs = stack.outputs
-    bucket, prefix = outputs.bucket, outputs.prefix("results_prefix")
+    bucket, prefix = outputs.bucket, outputs.prefix(StackOutput.RESULTS_PREFIX)
     objects = list_objects(clients, bucket, prefix)
     if not objects:
         status = read_job(clients, outputs).status

@@ -12,6 +12,7 @@ from bootstrap.ledger import JobLedger
 from bootstrap.scratch import DLAMI_NVME, MOUNT_POINT, ROOT_VOLUME_DIR, plan_scratch
 from bootstrap.trainer import TrainerPaths, TrainerProcess, default_trainer_command
 from bootstrap.watchdog import StallWatchdog
+from trainstack_job.contract import LifeOutcome
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 SPOT = InstanceIdentity("i-1", "g6.xlarge", "us-east-1a", "us-east-1", "spot")
@@ -21,7 +22,7 @@ OTHER = InstanceIdentity("i-2", "g5.xlarge", "us-east-1b", "us-east-1", "spot")
 def test_cost_accumulates_across_lives_at_each_lifes_price() -> None:
     ledger = JobLedger()
     ledger.begin_life(SPOT, 0.50, T0)
-    ledger.end_life("preempted", T0 + timedelta(hours=2))
+    ledger.end_life(LifeOutcome.PREEMPTED, T0 + timedelta(hours=2))
     ledger = JobLedger(ledger.data)
     ledger.begin_life(OTHER, 1.00, T0 + timedelta(hours=3))
     assert ledger.update_cost(T0 + timedelta(hours=3, minutes=30)) == 1.5
@@ -56,7 +57,7 @@ def test_a_life_closed_by_its_successor_keeps_its_own_outcome_without_counting_t
     successor = JobLedger(draining.data)
     successor.begin_life(OTHER, 0.5, T0 + timedelta(minutes=5))
     late = JobLedger(successor.data, life_id)  # the old instance finishes its drain and reports
-    late.end_life("preempted", T0 + timedelta(minutes=6))
+    late.end_life(LifeOutcome.PREEMPTED, T0 + timedelta(minutes=6))
     assert late.lives[0]["outcome"] == "preempted"
     assert late.interruptions == 1
 
@@ -65,10 +66,10 @@ def test_failures_count_in_a_row_and_a_good_life_resets_them() -> None:
     ledger = JobLedger()
     for _ in range(2):
         ledger.begin_life(SPOT, None, T0)
-        ledger.end_life("failed", T0)
+        ledger.end_life(LifeOutcome.FAILED, T0)
     assert ledger.consecutive_failures == 2
     ledger.begin_life(SPOT, None, T0)
-    ledger.end_life("preempted", T0)
+    ledger.end_life(LifeOutcome.PREEMPTED, T0)
     assert ledger.consecutive_failures == 0
 
 
