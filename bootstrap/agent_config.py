@@ -55,6 +55,8 @@ class AgentConfig:
     instance_count: int = 1
     # The instance has an Elastic Fabric Adapter: the job gets bootstrap/efa.py's environment.
     efa: bool = False
+    # The root EBS volume (gp3): priced into each life's storage cost.
+    root_volume_gb: int = 150
     scratch_dir: str | None = None
     # The group's EC2_INSTANCE_TERMINATING hook (infra/fleet.py LIFECYCLE_HOOK_NAME) that the agent
     # completes once its last upload is confirmed; null = the group has none.
@@ -109,6 +111,7 @@ class AgentConfig:
         _check_number(raw, "data_wait_minutes", problems, low=0.0, high=24 * 60.0)
         _check_number(raw, "max_consecutive_failures", problems, low=1, high=100, integer=True)
         _check_number(raw, "instance_count", problems, low=1, high=1000, integer=True)
+        _check_number(raw, "root_volume_gb", problems, low=1, high=65536, integer=True)
         if raw.get("max_cost_usd") is not None:
             _check_number(raw, "max_cost_usd", problems, low=0.01, high=1e7)
         if "gpu_required" in raw and not isinstance(raw["gpu_required"], bool):

@@ -19,6 +19,8 @@ from trainstack_job.contract import JobEnv
 
 # Where the job's workdir sits inside the code bundle (infra/bundle.py puts it there).
 BUNDLE_JOB_DIR = "job"
+# Spot interruptions in the ledger before its rate replaces the published band for the job.
+MIN_OBSERVED_INTERRUPTIONS = 2
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _KNOWN = {"name", "command", "workdir", "requirements", "env", "data", "checkpoint"}
@@ -174,6 +176,17 @@ def contract_env(
     if data_dir is not None:
         env[JobEnv.DATA_DIR.value] = str(data_dir)
     return env
+
+
+def interruption_env(interruptions: int, spot_hours: float) -> dict[str, str]:
+    """The observed interruption rate for the job (`checkpoint.every_minutes: auto`), once the ledger has
+    MIN_OBSERVED_INTERRUPTIONS: one alone says little about the rate; before that the job uses its default."""
+    if interruptions < MIN_OBSERVED_INTERRUPTIONS or spot_hours <= 0:
+        return {}
+    return {
+        JobEnv.MTBI_HOURS.value: f"{spot_hours / interruptions:.3f}",
+        JobEnv.MTBI_SOURCE.value: f"the ledger's {interruptions} interruptions over {spot_hours:.1f} h",
+    }
 
 
 def pinned_constraints(python: str) -> str:

@@ -18,6 +18,7 @@ from botocore.exceptions import ClientError
 
 from bootstrap.eventlog import iso
 from bootstrap.imds import InstanceIdentity
+from bootstrap.pricing import LifeQuote
 from trainstack_job.contract import JobStatus, LifeOutcome
 
 # The ledger is plain JSON: statuses and outcomes are stored as their string values, and these sets (of
@@ -73,6 +74,14 @@ class JobLedger:
     def lives(self) -> list[dict[str, Any]]:
         return list(self.data["lives"])
 
+    def spot_interruptions(self) -> tuple[int, float]:
+        """Spot lives that ended interrupted, and the job's spot instance-hours so far (a running life to
+        its last heartbeat): the observed interruption rate. On-demand lives are never interrupted."""
+        spot = [x for x in self.data["lives"] if x.get("lifecycle") == "spot"]
+        count = sum(1 for x in spot if x["outcome"] in INTERRUPTED_OUTCOMES)
+        hours = sum(_hours(x["started_at"], x.get("ended_at") or x["heartbeat_at"]) for x in spot)
+        return count, hours
+
     def previous_life(self) -> dict[str, Any] | None:
         """The life before this one (None for the first)."""
         lives = self.data["lives"]
@@ -81,7 +90,7 @@ class JobLedger:
         index = next(i for i, x in enumerate(lives) if x is self._current)
         return lives[index - 1] if index > 0 else None
 
-    def begin_life(self, identity: InstanceIdentity, price_usd_per_hour: float | None, now: datetime) -> str:
+    def begin_life(self, identity: InstanceIdentity, price: LifeQuote | float | None, now: datetime) -> str:
         """Open this life and close the ones left `running`; returns the new life's id.
 
         A life of this same instance still marked running is one the agent died in: it counts as a failure,
@@ -117,30 +126,64 @@ class JobLedger:
             "started_at": started,
             "heartbeat_at": started,
             "ended_at": None,
-            "price_usd_per_hour": price_usd_per_hour,
+            "purchase_option": "spot" if identity.lifecycle == "spot" else "on-demand",
+            "price_source": None,
+            "price_usd_per_hour": price if isinstance(price, int | float) else None,
+            "storage_usd_per_hour": 0.0,
+            "instance_cost_usd": 0.0,
+            "storage_cost_usd": 0.0,
             "cost_usd": 0.0,
+            "priced_at": started,
             "outcome": LifeOutcome.RUNNING.value,
         }
-        if identity.lifecycle != "spot":
-            life["price_note"] = (
-                "on-demand instance: the estimate uses the spot price, the bill will be higher"
-            )
         self.data["lives"].append(life)
         self._current = life
-        self.update_cost(now)
+        self.update_cost(now, price if isinstance(price, LifeQuote) else None)
         return str(life["life_id"])
 
     @staticmethod
-    def _price_life(life: dict[str, Any], end: str) -> None:
+    def _price_life(life: dict[str, Any], end: str, quote: LifeQuote | None = None) -> None:
+        """Bring the life's cost up to `end`: storage and instance accrue at their hourly prices since
+        `priced_at`; a quote then replaces the instance cost with the meter's exact figure (a spot life's
+        integral over its price history) and sets the prices from here on."""
+        if "priced_at" not in life:
+            # A life written before per-option pricing: time × its one price, as it was billed then.
+            if life.get("price_usd_per_hour") is not None:
+                life["cost_usd"] = round(
+                    _hours(life["started_at"], end) * float(life["price_usd_per_hour"]), 6
+                )
+            return
+        hours = _hours(life["priced_at"], end)
         if life.get("price_usd_per_hour") is not None:
-            life["cost_usd"] = round(_hours(life["started_at"], end) * float(life["price_usd_per_hour"]), 6)
+            life["instance_cost_usd"] = float(life["instance_cost_usd"]) + hours * float(
+                life["price_usd_per_hour"]
+            )
+        life["storage_cost_usd"] = float(life["storage_cost_usd"]) + hours * float(
+            life["storage_usd_per_hour"]
+        )
+        life["priced_at"] = max(end, life["priced_at"])
+        if quote is not None:
+            if quote.price_usd_per_hour is not None:
+                life["price_usd_per_hour"] = quote.price_usd_per_hour
+                life["price_source"] = quote.price_source
+            if quote.instance_cost_usd is not None:
+                life["instance_cost_usd"] = quote.instance_cost_usd
+            life["storage_usd_per_hour"] = quote.storage_usd_per_hour
+            if quote.price_note:
+                life["price_note"] = quote.price_note
+            else:
+                life.pop("price_note", None)
+        life["instance_cost_usd"] = round(float(life["instance_cost_usd"]), 9)
+        life["storage_cost_usd"] = round(float(life["storage_cost_usd"]), 9)
+        life["cost_usd"] = round(life["instance_cost_usd"] + life["storage_cost_usd"], 6)
 
-    def update_cost(self, now: datetime) -> float:
-        """Heartbeat: this life's cost so far (time × price) and the job's total, which it returns."""
+    def update_cost(self, now: datetime, quote: LifeQuote | None = None) -> float:
+        """Heartbeat: this life's cost so far (instance + storage, at the quote's prices when there is one)
+        and the job's total, which it returns (the figure the cost cap acts on)."""
         life = self._current
         if life is not None and life["outcome"] == LifeOutcome.RUNNING:
             life["heartbeat_at"] = iso(now)
-            self._price_life(life, iso(now))
+            self._price_life(life, iso(now), quote)
         self.data["total_cost_usd"] = round(
             sum(float(x.get("cost_usd") or 0.0) for x in self.data["lives"]), 6
         )
@@ -236,7 +279,9 @@ class LedgerStore:
             return result
         raise RuntimeError(f"{self.uri}: {self._attempts} concurrent writers in a row; will retry")
 
-    def begin_life(self, identity: InstanceIdentity, price: float | None, now: datetime) -> JobLedger:
+    def begin_life(
+        self, identity: InstanceIdentity, price: LifeQuote | float | None, now: datetime
+    ) -> JobLedger:
         self.life_id = None
         self.life_id = self.update(lambda ledger: ledger.begin_life(identity, price, now))
         return self.last

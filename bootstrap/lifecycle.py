@@ -27,13 +27,13 @@ from bootstrap.eventlog import EventLog, iso, utc_now
 from bootstrap.fleet import Fleet
 from bootstrap.gpumetrics import GpuMetricPublisher
 from bootstrap.imds import ImdsClient, ImdsUnavailableError, InstanceIdentity
-from bootstrap.job import BUNDLE_JOB_DIR, JobSpec, JobSpecError, prepare_python
+from bootstrap.job import BUNDLE_JOB_DIR, JobSpec, JobSpecError, interruption_env, prepare_python
 from bootstrap.ledger import FAILED_OUTCOMES, JobLedger, LedgerStore
 from bootstrap.logshipper import LogShipper
 from bootstrap.notify import Notifier, format_duration, format_metrics
 from bootstrap.persist import CheckpointPersister, PersistResult, UploadAbandonedError
 from bootstrap.preflight import GpuPreflight
-from bootstrap.pricing import PriceLookup, SpotPriceLookup
+from bootstrap.pricing import CostMeter, LifeQuote, PriceLookup
 from bootstrap.results import upload_results
 from bootstrap.scratch import prepare_scratch
 from bootstrap.statestore import StateStore
@@ -139,7 +139,16 @@ class InstanceLife:
         self.clients = clients or AwsClients.for_region(config.region)
         self.imds = imds or ImdsClient()
         self._trainer_command = list(trainer_command) if trainer_command else None
-        self._price_lookup = price_lookup or SpotPriceLookup(self.clients.ec2)
+        self.cost_meter = CostMeter.for_agent(
+            ec2=self.clients.ec2,
+            s3=self.clients.s3,
+            region=config.region,
+            bucket=config.bucket,
+            storage_prefixes=[config.prefixes.checkpoints, config.prefixes.data],
+            root_volume_gb=config.root_volume_gb,
+            fixed_price=price_lookup,
+        )
+        self._life_started: datetime | None = None
         self._identity_wait_seconds = identity_wait_seconds
         self._tick_seconds = tick_seconds
         self._release_wait_seconds = release_wait_seconds
@@ -292,7 +301,7 @@ class InstanceLife:
             try:
                 if self.state.stop_requested():
                     self._request_stop("control")
-                total = self.ledger_store.update(lambda ledger: ledger.update_cost(utc_now()))
+                total = self._heartbeat()
                 cap = self.config.max_cost_usd
                 if cap is not None and total >= cap:
                     self._request_stop("cost_cap", cost_usd=total, cap_usd=cap)
@@ -310,6 +319,11 @@ class InstanceLife:
                     self.log.event(
                         "state", "cannot read or write job state; will retry", error=_one_line(exc)
                     )
+
+    def _heartbeat(self) -> float:
+        """This life's heartbeat and cost in the ledger; returns the job's total (what the cost cap reads)."""
+        quote = self._price(self.identity) if self.identity else None
+        return self.ledger_store.update(lambda ledger: ledger.update_cost(utc_now(), quote))
 
     def _record(self, change: Callable[[JobLedger], Any]) -> bool:
         """Apply a change to the ledger; False (logged) when S3 cannot take it now."""
@@ -351,7 +365,8 @@ class InstanceLife:
         )
         if self._group_scaled_to_zero():
             return LifeResult("skipped")
-        self.ledger_store.begin_life(identity, self._price(identity), utc_now())
+        self._life_started = utc_now()
+        self.ledger_store.begin_life(identity, self._price(identity, announce=True), self._life_started)
         self._spawn("state-poller", self._poll_state)
         guard = self._guards_before_start()
         if guard is not None:
@@ -451,16 +466,27 @@ class InstanceLife:
             return True
         return False
 
-    def _price(self, identity: InstanceIdentity) -> float | None:
+    def _price(self, identity: InstanceIdentity, announce: bool = False) -> LifeQuote | None:
+        """This life's cost so far and its prices (bootstrap/pricing.py); None leaves the ledger at the last
+        known price."""
+        started = self._life_started or utc_now()
         try:
-            price = self._price_lookup(identity.instance_type, identity.az)
+            quote = self.cost_meter.quote(identity, started, utc_now())
         except Exception as exc:
-            self.log.event(
-                "cost", "spot price unavailable; cost not tracked for this life", error=_one_line(exc)
-            )
+            if announce:
+                self.log.event(
+                    "cost", "price unavailable; cost not tracked until it is", error=_one_line(exc)
+                )
             return None
-        self.log.event("cost", "price of this instance", usd_per_hour=price, lifecycle=identity.lifecycle)
-        return price
+        if announce:
+            self.log.event(
+                "cost",
+                "price of this instance",
+                usd_per_hour=quote.price_usd_per_hour,
+                lifecycle=identity.lifecycle,
+                source=quote.price_source,
+            )
+        return quote
 
     def _guards_before_start(self) -> LifeResult | None:
         ledger = self.ledger
@@ -566,6 +592,7 @@ class InstanceLife:
         """The job to run: a user's command in its workdir (and requirements), or the built-in trainer."""
         spec = self.user_job
         env = paths.contract_env(with_data=spec is None or spec.data_sync, restored_step=restored)
+        env |= interruption_env(*self.ledger.spot_interruptions())
         if spec is None:
             command = self._trainer_command or default_trainer_command(gpu_count)
             return TrainerProcess(

@@ -79,7 +79,8 @@ class CheckpointConfig:
     dir: str = "checkpoints"
     uri: str = ""
     every_steps: int = 1000
-    every_minutes: float = 15.0
+    # "auto": Young/Daly from the measured checkpoint time and the interruption rate (checkpoint_policy.py).
+    every_minutes: float | Literal["auto"] = 15.0
     keep: int = 3
 
 
@@ -271,7 +272,8 @@ def _check_values(c: Config) -> list[str]:
     if not 0 <= c.train.label_smoothing < 1:
         problems.append(f"train.label_smoothing: must be in [0, 1), got {c.train.label_smoothing:g}")
     at_least("checkpoint.every_steps", c.checkpoint.every_steps, 0)
-    at_least("checkpoint.every_minutes", c.checkpoint.every_minutes, 0)
+    if c.checkpoint.every_minutes != "auto":
+        at_least("checkpoint.every_minutes", c.checkpoint.every_minutes, 0)
     at_least("checkpoint.keep", c.checkpoint.keep, 1)
     for key, uri in (("checkpoint.uri", c.checkpoint.uri), ("output.uri", c.output.uri)):
         if uri and not is_s3_uri(uri):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from training import distributed as dist_utils
 from training.artifacts import write_artifacts
 from training.batch_size import cuda_step_probe, fits, search_micro_batch
 from training.checkpoint import CheckpointManager
+from training.checkpoint_policy import InterruptionRate
 from training.config import Config, ConfigError
 from training.data import (
     Batch,
@@ -45,7 +47,7 @@ from training.metrics import EpochResult, History
 from training.model import build_model
 from training.precision import PrecisionPlan, choose_precision, resolve_device
 from training.progress import ProgressReporter
-from training.stop import Deadline, StopRequest
+from training.stop import AutoDeadline, Deadline, StopRequest
 from trainstack_job.contract import ExitCode
 
 log = logging.getLogger("training")
@@ -313,7 +315,12 @@ class Trainer:
                 steps_per_epoch,
             )
         criterion = nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
-        deadline = Deadline(config.checkpoint.every_minutes)
+        every = config.checkpoint.every_minutes
+        deadline = (
+            AutoDeadline(InterruptionRate.from_env(os.environ), announce=self.world.is_main)
+            if every == "auto"
+            else Deadline(every)
+        )
         model.train()
         if dist_utils.any_rank(self.world, [self.stop.stop_requested()], self.device)[0]:
             # Asked to stop while starting up: nothing new to save beyond what was restored.
@@ -496,17 +503,22 @@ class Trainer:
 
     # -- checkpoints and endings -----------------------------------------------------------------------
 
-    def _save(self, scheduler: torch.optim.lr_scheduler.LRScheduler, life_started: float) -> None:
-        if self.world.is_main and self.checkpoints.latest_saved_step != self.state.global_step:
-            state = self._snapshot(scheduler)
-            state["train"]["wall_seconds"] = self.state.wall_seconds + time.monotonic() - life_started
-            self.checkpoints.save(
-                state,
-                step=self.state.global_step,
-                epoch=self.state.epoch,
-                world_size=self.world.size,
-                config_hash=self.config_hash,
-            )
+    def _save(self, scheduler: torch.optim.lr_scheduler.LRScheduler, life_started: float) -> float:
+        """Save on the main rank; returns the seconds training waited for it (0 elsewhere, or when this step
+        is saved already)."""
+        if not self.world.is_main or self.checkpoints.latest_saved_step == self.state.global_step:
+            return 0.0
+        started = time.monotonic()
+        state = self._snapshot(scheduler)
+        state["train"]["wall_seconds"] = self.state.wall_seconds + time.monotonic() - life_started
+        self.checkpoints.save(
+            state,
+            step=self.state.global_step,
+            epoch=self.state.epoch,
+            world_size=self.world.size,
+            config_hash=self.config_hash,
+        )
+        return time.monotonic() - started
 
     def _maybe_checkpoint(
         self,
@@ -525,8 +537,13 @@ class Trainer:
         if not (stop or requested or timed or periodic):
             return None
         progress.pause()
-        self._save(scheduler, life_started)
+        waited = self._save(scheduler, life_started)
         deadline.reset()
+        if isinstance(deadline, AutoDeadline):
+            # Every rank takes the main rank's measurement, so all agree on the next deadline.
+            waited = dist_utils.sum_across(self.world, [waited], self.device)[0]
+            if waited > 0:
+                deadline.measured(waited)
         if requested and self.world.is_main:
             if not self.checkpoints.wait_uploaded():
                 log.warning(

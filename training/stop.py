@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
+from training.checkpoint_policy import ASSUMED_CHECKPOINT_SECONDS, InterruptionRate, choose_interval
+
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
@@ -98,3 +100,28 @@ class Deadline:
 
     def due(self) -> bool:
         return self.seconds > 0 and time.monotonic() - self._start >= self.seconds
+
+
+class AutoDeadline(Deadline):
+    """`checkpoint.every_minutes: auto`: a period that follows the measured checkpoint time by Young/Daly.
+
+    Every rank keeps one and is given the same measured time, so all agree on when a checkpoint is due.
+    """
+
+    def __init__(self, rate: InterruptionRate, announce: bool) -> None:
+        self._rate = rate
+        self._announce = announce
+        self.interval = choose_interval(ASSUMED_CHECKPOINT_SECONDS, rate)
+        self._measured = False
+        super().__init__(self.interval.minutes)
+        if announce:
+            log.info("%s, until the first checkpoint is timed", self.interval.describe())
+
+    def measured(self, checkpoint_seconds: float) -> None:
+        """A checkpoint blocked training this long: choose the interval again and restart the period."""
+        self.interval = choose_interval(checkpoint_seconds, self._rate)
+        self.seconds = self.interval.minutes * 60
+        if self._announce and not self._measured:
+            log.info("%s", self.interval.describe())
+        self._measured = True
+        self.reset()

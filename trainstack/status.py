@@ -61,9 +61,12 @@ def estimate_cost(job: JobState, now: datetime) -> Cost:
     running = [
         life for life in lives if life.get("outcome") == LifeOutcome.RUNNING and not life.get("ended_at")
     ]
-    # The agent records None when it could not learn its price: unknown, not free.
+    # The agent records None when it could not learn its price: unknown, not free. The hourly price is the
+    # instance's (by its purchase option) plus its share of storage (root volume, bucket).
     prices = [
-        float(life["price_usd_per_hour"]) for life in running if life.get("price_usd_per_hour") is not None
+        float(life["price_usd_per_hour"]) + float(life.get("storage_usd_per_hour") or 0.0)
+        for life in running
+        if life.get("price_usd_per_hour") is not None
     ]
     rate = sum(prices) if prices else None
     if (
@@ -112,10 +115,23 @@ def collect(clients: Clients, stack: Stack, now: datetime | None = None) -> dict
         "consecutive_failures": int(ledger.get("consecutive_failures") or 0),
         "cost": {
             "so_far_usd": cost.so_far_usd,
+            **_cost_split(ledger),
             "rate_usd_per_hour": cost.rate_usd_per_hour,
             "to_finish_usd": cost.to_finish_usd,
             "estimate_total_usd": cost.estimate_total_usd,
         },
+    }
+
+
+def _cost_split(ledger: dict[str, Any]) -> dict[str, Any]:
+    """The ledger's total by kind, and how the newest life is priced (docs/internals.md → ledger)."""
+    lives = [life for life in ledger.get("lives", []) if isinstance(life, dict)]
+    newest = lives[-1] if lives else {}
+    return {
+        "instance_usd": round(sum(float(x.get("instance_cost_usd") or 0.0) for x in lives), 6),
+        "storage_usd": round(sum(float(x.get("storage_cost_usd") or 0.0) for x in lives), 6),
+        "purchase_option": newest.get("purchase_option") or newest.get("lifecycle"),
+        "price_source": newest.get("price_source"),
     }
 
 
@@ -178,10 +194,12 @@ def render(report: dict[str, Any]) -> None:
         out.print("latest checkpoint: none yet")
     cost = report["cost"]
     out.print(
-        f"interruptions: {report['interruptions']}   cost so far: {format_usd(cost['so_far_usd'])}   "
-        f"to finish: ≈{format_usd(cost['to_finish_usd'])} "
+        f"interruptions: {report['interruptions']}   cost so far: {format_usd(cost['so_far_usd'])} "
+        f"(storage {format_usd(cost['storage_usd'])})   to finish: ≈{format_usd(cost['to_finish_usd'])} "
         f"(at {format_usd(cost['rate_usd_per_hour'], 3)}/h; total ≈{format_usd(cost['estimate_total_usd'])})"
     )
+    if cost["price_source"]:
+        out.print(f"priced as {cost['purchase_option']}: {cost['price_source']}", markup=False)
     if report["dashboard_url"]:
         out.print(f"dashboard: {report['dashboard_url']}", markup=False)
 

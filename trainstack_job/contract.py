@@ -31,6 +31,10 @@ class JobEnv(str, Enum):
     CHECKPOINT_REQUEST_FILE = "TRAINSTACK_CHECKPOINT_REQUEST_FILE"
     PROGRESS_FILE = "TRAINSTACK_PROGRESS_FILE"
     RESTORED_STEP = "TRAINSTACK_RESTORED_STEP"
+    # Mean hours between spot interruptions observed in the ledger, and a phrase saying so; set once the
+    # ledger has enough history (the built-in trainer's `checkpoint.every_minutes: auto` reads them).
+    MTBI_HOURS = "TRAINSTACK_MTBI_HOURS"
+    MTBI_SOURCE = "TRAINSTACK_MTBI_SOURCE"
 
 
 # Files inside a job's checkpoint directory (trainstack_job/layout.py reads and writes them).

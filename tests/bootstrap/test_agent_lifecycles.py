@@ -199,7 +199,7 @@ def test_cost_cap_checkpoints_notifies_and_scales_to_zero(make_life: MakeLife, s
         fake={"steps": 5000, "step_seconds": 0.02, "checkpoint_every": 1000}, max_cost_usd=1000.0
     )
     # $3.6M/h is $1000/s: the life crosses the cap about a second after it begins.
-    life._price_lookup = lambda instance_type, az: 3.6e6
+    life.cost_meter.fixed_price = lambda instance_type, az: 3.6e6
     assert life.run().outcome == "cost_cap"
     assert stack.group()["DesiredCapacity"] == 0
     assert stack.read_json("checkpoints/latest.json") is not None, "the cap stops with a checkpoint"

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bootstrap.imds import InstanceIdentity
 from bootstrap.ledger import JobLedger
+from bootstrap.pricing import GP3_USD_PER_GB_MONTH, ON_DEMAND_FALLBACK_USD_PER_HOUR, CostMeter
 from bootstrap.scratch import DLAMI_NVME, MOUNT_POINT, ROOT_VOLUME_DIR, plan_scratch
 from bootstrap.trainer import TrainerPaths, TrainerProcess, default_trainer_command
 from bootstrap.watchdog import StallWatchdog
@@ -73,10 +75,69 @@ def test_failures_count_in_a_row_and_a_good_life_resets_them() -> None:
     assert ledger.consecutive_failures == 0
 
 
-def test_on_demand_life_notes_that_its_estimate_is_a_spot_price() -> None:
-    ledger = JobLedger()
-    ledger.begin_life(InstanceIdentity("i-3", "g6.xlarge", "us-east-1a", "us-east-1", "on-demand"), 0.4, T0)
-    assert "on-demand" in ledger.lives[0]["price_note"]
+ON_DEMAND = InstanceIdentity("i-3", "g6.xlarge", "us-east-1a", "us-east-1", "on-demand")
+
+
+def _meter(spot: list[tuple[datetime, float]], root_volume_gb: float = 0.0) -> CostMeter:
+    """A meter whose EC2 answers from `spot` and whose Pricing API is unreachable (the built-in table)."""
+
+    class Ec2:
+        def get_paginator(self, _name: str) -> Any:
+            return self
+
+        def paginate(self, **request: Any) -> list[dict[str, Any]]:
+            entries = [
+                {"AvailabilityZone": request["AvailabilityZone"], "Timestamp": t, "SpotPrice": str(p)}
+                for t, p in spot
+            ]
+            return [{"SpotPriceHistory": entries}]
+
+    class Pricing:
+        def get_products(self, **_request: Any) -> dict[str, Any]:
+            raise ConnectionError("pricing unreachable")
+
+    return CostMeter(
+        ec2=Ec2(), pricing=Pricing(), region="us-east-1", root_volume_gb=root_volume_gb, bucket_usage=None
+    )
+
+
+def test_on_demand_life_is_priced_at_the_on_demand_price_not_the_spot_price() -> None:
+    meter, ledger = _meter([(T0, 0.30)]), JobLedger()
+    ledger.begin_life(ON_DEMAND, meter.quote(ON_DEMAND, T0, T0), T0)
+    later = T0 + timedelta(hours=2)
+    ledger.update_cost(later, meter.quote(ON_DEMAND, T0, later))
+    life = ledger.lives[0]
+    assert life["purchase_option"] == "on-demand" and "price_note" not in life
+    assert life["price_usd_per_hour"] == ON_DEMAND_FALLBACK_USD_PER_HOUR["g6.xlarge"]
+    assert life["price_source"].startswith("built-in on-demand table")
+    assert life["instance_cost_usd"] == pytest.approx(2 * ON_DEMAND_FALLBACK_USD_PER_HOUR["g6.xlarge"])
+
+
+def test_spot_life_is_priced_by_the_time_weighted_price_history_across_a_change() -> None:
+    # 0.30/h in force before the start, 0.60/h from one hour in: 3 hours cost 0.30 + 2 × 0.60.
+    meter, ledger = _meter([(T0 - timedelta(hours=5), 0.30), (T0 + timedelta(hours=1), 0.60)]), JobLedger()
+    ledger.begin_life(SPOT, meter.quote(SPOT, T0, T0), T0)
+    end = T0 + timedelta(hours=3)
+    total = ledger.update_cost(end, meter.quote(SPOT, T0, end))
+    life = ledger.lives[0]
+    assert life["instance_cost_usd"] == pytest.approx(1.50)
+    assert life["price_usd_per_hour"] == 0.60 and "1 price change" in life["price_source"]
+    assert total == pytest.approx(1.50), "the cost cap's figure is the same sum"
+
+
+def test_storage_accrues_pro_rata_beside_the_instance() -> None:
+    meter, ledger = _meter([(T0, 0.0)], root_volume_gb=730), JobLedger()  # 730 GB gp3 = 0.08 $/h
+    ledger.begin_life(SPOT, meter.quote(SPOT, T0, T0), T0)
+    ledger.end_life(LifeOutcome.COMPLETED, T0 + timedelta(hours=10))
+    life = ledger.lives[0]
+    assert life["storage_cost_usd"] == pytest.approx(10 * GP3_USD_PER_GB_MONTH)
+    assert ledger.total_cost_usd == pytest.approx(life["instance_cost_usd"] + life["storage_cost_usd"])
+
+
+def test_an_on_demand_price_nobody_knows_falls_back_to_spot_with_a_note() -> None:
+    meter = _meter([(T0, 0.30)])
+    quote = meter.quote(InstanceIdentity("i-4", "x9.huge", "us-east-1a", "us-east-1", "on-demand"), T0, T0)
+    assert quote.price_usd_per_hour == 0.30 and quote.price_note and "bill will be higher" in quote.price_note
 
 
 def test_a_new_run_after_the_crash_guard_tripped_starts_with_a_fresh_counter() -> None:

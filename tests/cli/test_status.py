@@ -86,6 +86,23 @@ def test_cost_so_far_counts_running_lives_since_the_ledger_was_written_and_estim
     assert cost.estimate_total_usd == pytest.approx(1.30 + 0.06 + 0.72)
 
 
+def test_projection_prices_the_remaining_hours_at_the_instance_plus_storage_price():
+    job = _running_job(NOW)
+    job["ledger"]["lives"][-1].update(
+        purchase_option="on-demand",
+        price_source="AWS Pricing API, on-demand us-east-1",
+        storage_usd_per_hour=0.04,
+        instance_cost_usd=0.28,
+        storage_cost_usd=0.02,
+    )
+    cost = estimate_cost(JobState(job["ledger"], job["progress"], job["checkpoint"], None), NOW)
+    assert cost.rate_usd_per_hour == pytest.approx(0.40)
+    assert cost.so_far_usd == pytest.approx(1.30 + 0.40 / 6)
+    # Two hours left (the trainer's remaining steps at its recent speed) at 0.40/h.
+    assert cost.to_finish_usd == pytest.approx(0.80)
+    assert cost.estimate_total_usd == pytest.approx(1.30 + 0.40 / 6 + 0.80)
+
+
 def test_completed_job_has_nothing_left_to_pay():
     job = _running_job(NOW)
     job["ledger"].update(status="completed", total_cost_usd=2.0)
@@ -136,6 +153,8 @@ def test_status_json_reports_group_instances_progress_checkpoint_and_cost(deploy
     assert report["interruptions"] == 1
     assert report["cost"]["so_far_usd"] == pytest.approx(1.36, abs=0.01)
     assert report["cost"]["to_finish_usd"] == pytest.approx(0.72, abs=0.01)
+    assert report["cost"]["estimate_total_usd"] == pytest.approx(1.36 + 0.72, abs=0.01)
+    assert report["cost"]["purchase_option"] == "spot"
     assert report["stop_requested"] is False
 
 
