@@ -23,6 +23,7 @@ from typing import Any
 from bootstrap import aws
 from bootstrap.agent_config import AgentConfig
 from bootstrap.datasync import DataSync, DiskSpaceError, SyncAborted
+from bootstrap.efa import efa_environment, supports_device_rdma
 from bootstrap.eventlog import EventLog, iso, utc_now
 from bootstrap.fleet import Fleet
 from bootstrap.gpumetrics import GpuMetricPublisher
@@ -593,6 +594,9 @@ class InstanceLife:
         spec = self.user_job
         env = paths.contract_env(with_data=spec is None or spec.data_sync, restored_step=restored)
         env |= interruption_env(*self.ledger.spot_interruptions())
+        if self.config.efa and self.identity is not None:
+            # NCCL over EFA between the nodes (infra/efa.py chose an EFA type and a cluster placement group).
+            env |= efa_environment(device_rdma=supports_device_rdma(self.identity.instance_type))
         if spec is None:
             command = self._trainer_command or default_trainer_command(gpu_count)
             return TrainerProcess(

@@ -88,3 +88,19 @@ def test_requirements_go_into_a_cached_venv_on_top_of_the_amis_torch(tmp_path: P
         [python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
     )
     assert seen.returncode == 0 and seen.stdout.strip().startswith("2."), "the venv sees the base torch"
+
+
+def test_a_job_on_an_efa_cluster_gets_the_libfabric_settings(
+    stack: LocalStack, imds: ImdsSimulator, tmp_path: Path
+) -> None:
+    spec = load_job_spec(JOB_DIR / "job.yaml").to_mapping()
+    config = stack.agent_config(poll_seconds=0.2, scratch_dir=str(tmp_path), user_job=spec, efa=True)
+    life = InstanceLife(config, log=EventLog(io.StringIO()), identity_wait_seconds=2, job_root=JOB_DIR)
+    life.identity = life.imds.identity("us-east-1")
+    from bootstrap.trainer import TrainerPaths
+
+    process = life._job_process(TrainerPaths(tmp_path), gpu_count=0, restored=None)
+    assert process._env["FI_PROVIDER"] == "efa"
+    plain = InstanceLife(stack.agent_config(scratch_dir=str(tmp_path), user_job=spec), job_root=JOB_DIR)
+    plain.identity = life.identity
+    assert "FI_PROVIDER" not in plain._job_process(TrainerPaths(tmp_path), gpu_count=0, restored=None)._env
