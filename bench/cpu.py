@@ -15,6 +15,7 @@ from torch import nn
 
 from bench.naive import naive_step_ends
 from training.config import Config, load_config
+from training.data import Batch
 from training.loop import Trainer
 
 TINY = Path(__file__).resolve().parents[1] / "training" / "configs" / "tiny.yaml"
@@ -35,7 +36,7 @@ class TimedTrainer(Trainer):
         self,
         model: nn.Module,
         criterion: nn.Module,
-        batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+        batches: Iterator[Batch],
         scheduler: torch.optim.lr_scheduler.LRScheduler,
     ) -> tuple[float, torch.Tensor, torch.Tensor]:
         result = super()._optimizer_step(model, criterion, batches, scheduler)
