@@ -30,7 +30,7 @@ from bootstrap.gpumetrics import GpuMetricPublisher
 from bootstrap.imds import ImdsClient, ImdsUnavailableError, InstanceIdentity
 from bootstrap.job import BUNDLE_JOB_DIR, JobSpec, JobSpecError, interruption_env, prepare_python
 from bootstrap.ledger import FAILED_OUTCOMES, JobLedger, LedgerStore
-from bootstrap.logshipper import LogShipper
+from bootstrap.logshipper import LogShipper, close_all
 from bootstrap.notify import Notifier, format_duration, format_metrics
 from bootstrap.persist import CheckpointPersister, PersistResult, UploadAbandonedError
 from bootstrap.preflight import GpuPreflight
@@ -199,8 +199,7 @@ class InstanceLife:
                 self._release_instance(self.identity)
         finally:
             self._stop_background()
-            for shipper in self._shippers:
-                shipper.close()
+            close_all(self._shippers)
         return result
 
     def give_up(self) -> LifeResult:
@@ -217,8 +216,7 @@ class InstanceLife:
                     "Read why with: trainstack logs  (or journalctl -u trainstack-agent on the instance).",
                 ],
             )
-            for shipper in self._shippers:
-                shipper.close()
+            close_all(self._shippers)
         return LifeResult("gave_up")
 
     # -- stop requests (no network on this path) ----------------------------------------------------

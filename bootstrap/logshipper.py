@@ -84,10 +84,23 @@ class LogShipper:
             # Back off while the service refuses; back to the normal pace once a batch goes through.
             delay = _FLUSH_SECONDS if self.flush() else min(delay * 2, 60.0)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Flush what is left, waiting at most `timeout` seconds (an unreachable service is not awaited)."""
+    def begin_close(self) -> None:
+        """Ask the shipping thread to send what is left and stop (several shippers close in parallel)."""
         self._closed = True
         self._wake.set()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Flush what is left, waiting at most `timeout` seconds (an unreachable service is not awaited)."""
+        self.begin_close()
         self._thread.join(timeout=timeout)
         if not self._thread.is_alive():
             self.flush()
+
+
+def close_all(shippers: list[LogShipper], timeout: float = 10.0) -> None:
+    """Close every shipper within one shared `timeout`, not one timeout each."""
+    deadline = time.monotonic() + timeout
+    for shipper in shippers:
+        shipper.begin_close()
+    for shipper in shippers:
+        shipper.close(timeout=max(0.0, deadline - time.monotonic()))

@@ -66,7 +66,7 @@ def test_a_bad_job_file_is_refused_before_anything_starts(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("example", "steps"), [("charlm", "200"), ("lightning-mnist-like", "240")])
+@pytest.mark.parametrize(("example", "steps"), [("charlm", "200"), ("lightning-mnist-like", "120")])
 def test_each_example_survives_a_spot_notice_under_the_real_agent(
     tmp_path: Path, example: str, steps: str
 ) -> None:
