@@ -48,7 +48,7 @@ from bootstrap.trainer import (
 )
 from bootstrap.watchdog import StallWatchdog, read_progress
 from bootstrap.watcher import RebalanceRecommendation, SpotWatcher, TerminationNotice
-from trainstack_job.contract import LEDGER, PROGRESS, RESUME_COMMAND, ExitCode, JobStatus, LifeOutcome
+from trainstack_job.contract import LEDGER, PROGRESS, RESUME_COMMAND, ExitCode, JobEnv, JobStatus, LifeOutcome
 
 # Outcomes after which this instance has nothing left to do; any other ends the life with exit 1 so that
 # systemd starts the next life on this instance (and the crash counter decides when to give up). Besides the
@@ -592,6 +592,7 @@ class InstanceLife:
         spec = self.user_job
         env = paths.contract_env(with_data=spec is None or spec.data_sync, restored_step=restored)
         env |= interruption_env(*self.ledger.spot_interruptions())
+        env[JobEnv.CHECKPOINT_KEEP.value] = str(spec.checkpoint_keep if spec else 3)
         if self.config.efa and self.identity is not None:
             # NCCL over EFA between the nodes (infra/efa.py chose an EFA type and a cluster placement group).
             env |= efa_environment(device_rdma=supports_device_rdma(self.identity.instance_type))

@@ -33,6 +33,7 @@ class JobEnv(str, Enum):
     RESTORED_STEP = "TRAINSTACK_RESTORED_STEP"
     # Mean hours between spot interruptions observed in the ledger, and a phrase saying so; set once the
     # ledger has enough history (the built-in trainer's `checkpoint.every_minutes: auto` reads them).
+    CHECKPOINT_KEEP = "TRAINSTACK_CHECKPOINT_KEEP"
     MTBI_HOURS = "TRAINSTACK_MTBI_HOURS"
     MTBI_SOURCE = "TRAINSTACK_MTBI_SOURCE"
 

@@ -87,6 +87,9 @@ class Job:
             return Path(value) if value else None
 
         restored = env.get(JobEnv.RESTORED_STEP.value, "")
+        # The job file's checkpoint.keep, when the agent runs the job; the caller's default otherwise.
+        kept = env.get(JobEnv.CHECKPOINT_KEEP.value, "")
+        keep = int(kept) if kept.isdigit() and int(kept) > 0 else keep
         job = cls(
             checkpoint_dir=path(JobEnv.CHECKPOINT_DIR) or LOCAL_CHECKPOINT_DIR,
             output_dir=path(JobEnv.OUTPUT_DIR) or LOCAL_OUTPUT_DIR,

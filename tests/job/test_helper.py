@@ -233,3 +233,12 @@ def test_a_sigterm_pending_while_the_job_starts_is_answered_not_fatal(tmp_path: 
     result = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, timeout=30, check=False)
     assert result.returncode == ExitCode.STOPPED
     assert committed_steps(tmp_path / "checkpoints") == [0]
+
+
+def test_the_job_files_keep_reaches_the_helper_through_the_agents_variable(tmp_path: Path) -> None:
+    environ = {"TRAINSTACK_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "TRAINSTACK_CHECKPOINT_KEEP": "1"}
+    job = Job.from_env(environ=environ)
+    for step in (1, 2, 3):
+        with job.save_checkpoint(step) as directory:
+            (directory / "w").write_text(str(step))
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-3"]
