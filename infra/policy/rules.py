@@ -1,4 +1,4 @@
-"""The policies: one per control of DESIGN.md's security baseline, all mandatory."""
+"""The policies: one per control of the security baseline (SECURITY.md), all mandatory."""
 
 from __future__ import annotations
 

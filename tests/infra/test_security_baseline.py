@@ -1,4 +1,4 @@
-"""DESIGN.md's security baseline, one test per control, on the resources the example stack registers."""
+"""The security baseline (SECURITY.md), one test per control, on the resources the example stack registers."""
 
 from __future__ import annotations
 
