@@ -207,4 +207,6 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from training.launch import rank_exit
+
+    sys.exit(rank_exit(main()))

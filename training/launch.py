@@ -2,8 +2,10 @@
 contract kept for the group: 0 = every rank completed, 75 = every rank stopped with its checkpoint, else 1.
 
 The engine's defaults clash with that contract, so they are set through its API:
-- it reports a worker's exit 75 as a failure (ChildFailedError): the exit codes are read from the error
-  and mapped back to 75 when every failed rank stopped on request;
+- it reports a worker's exit 75 as a failure and then kills the other ranks, even one still finishing its
+  clean stop: so a rank under this launcher records its real exit code in RANK_STATUS_DIR and exits 0
+  after a clean stop (`rank_exit`); the launcher reads the codes back. Real failures still exit non-zero,
+  so the engine stops the group as it should, and their codes come from ChildFailedError;
 - on SIGTERM it kills workers after 30 s: it is told not to handle SIGTERM/SIGINT at all
   (`signals_to_handle`), this launcher forwards them to its process group instead, and each rank stops at its
   next step boundary, commits its checkpoint and exits 75; `shutdown_timeout` covers the rest of the notice;
@@ -17,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 from types import FrameType
@@ -29,6 +32,28 @@ log = logging.getLogger("training")
 SHUTDOWN_TIMEOUT_SECONDS = 110
 # Only signals nobody sends in normal operation stay with the engine.
 ENGINE_SIGNALS = "SIGHUP,SIGQUIT"
+# Where each rank leaves its real exit code (set by `launch` for its ranks only).
+RANK_STATUS_DIR = "TRAINSTACK_RANK_STATUS_DIR"
+
+
+def rank_exit(code: int) -> int:
+    """A rank's process exit status: its real code recorded for the launcher, and 0 for the engine after a
+    clean stop (75), which it would otherwise treat as a failure and answer by killing the other ranks."""
+    directory = os.environ.get(RANK_STATUS_DIR)
+    if not directory:
+        return code
+    (Path(directory) / f"rank-{os.environ.get('RANK', '0')}").write_text(str(int(code)))
+    return int(ExitCode.COMPLETED) if code == ExitCode.STOPPED else code
+
+
+def _recorded(directory: Path, processes: int) -> dict[int, int]:
+    codes = {}
+    for rank in range(processes):
+        try:
+            codes[rank] = int((directory / f"rank-{rank}").read_text())
+        except (OSError, ValueError):
+            continue
+    return codes
 
 
 def _children() -> list[int]:
@@ -87,16 +112,21 @@ def launch(argv: list[str], processes: int) -> int:
                     os.kill(pid, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        elastic_launch(config, sys.executable)("-m", "training", *argv)
-    except ChildFailedError as exc:
-        failures = {rank: failure.exitcode for rank, failure in exc.failures.items()}
-        codes = [failures.get(rank, int(ExitCode.COMPLETED)) for rank in range(processes)]
-        code = group_exit_code(codes)
-        if code != ExitCode.STOPPED:
-            log.error("trainer ranks exited %s; group exit %d", failures, code)
-        return code
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return int(ExitCode.COMPLETED)
+    with tempfile.TemporaryDirectory(prefix="trainstack-ranks-") as status_dir:
+        os.environ[RANK_STATUS_DIR] = status_dir  # the engine starts the ranks with this environment
+        failures: dict[int, int] = {}
+        try:
+            elastic_launch(config, sys.executable)("-m", "training", *argv)
+        except ChildFailedError as exc:
+            failures = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+        finally:
+            os.environ.pop(RANK_STATUS_DIR, None)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        # A rank's own record wins over how the engine saw it end (a killed rank has none).
+        recorded = _recorded(Path(status_dir), processes)
+        codes = [recorded.get(rank, failures.get(rank, int(ExitCode.FAILED))) for rank in range(processes)]
+    code = group_exit_code(codes)
+    if code not in (ExitCode.COMPLETED, ExitCode.STOPPED):
+        log.error("trainer ranks exited %s; group exit %d", codes, code)
+    return code

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,4 +66,21 @@ def test_sigterm_to_the_elastic_launcher_stops_every_rank_with_a_checkpoint_and_
     assert (
         json.loads((run.checkpoints / f"step-{latest['step']}" / "manifest.json").read_text())["world_size"]
         == 2
+    )
+
+
+def test_a_rank_under_the_launcher_records_its_real_code_and_a_clean_stop_is_not_a_failure_to_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from training.launch import RANK_STATUS_DIR, group_exit_code, rank_exit
+
+    monkeypatch.setenv(RANK_STATUS_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    assert rank_exit(EXIT_STOPPED) == 0, "the engine would kill the other ranks on a 75"
+    assert (tmp_path / "rank-1").read_text() == "75"
+    assert rank_exit(3) == 3, "a real failure still stops the group"
+    monkeypatch.delenv(RANK_STATUS_DIR)
+    assert rank_exit(EXIT_STOPPED) == EXIT_STOPPED, "outside the launcher nothing changes"
+    assert (
+        group_exit_code([75, 75]) == 75 and group_exit_code([75, -15]) == 1 and group_exit_code([0, 65]) == 65
     )
