@@ -238,9 +238,9 @@ def prepare_python(
     if requirements is None:
         return base_python
     constraints = pinned_constraints(base_python)
-    key = hashlib.sha256(requirements.read_bytes() + constraints.encode() + base_python.encode()).hexdigest()[
-        :16
-    ]
+    # Keyed by what decides the environment: the requirements, the pinned torch and the base interpreter.
+    digest = hashlib.sha256(requirements.read_bytes() + constraints.encode() + base_python.encode())
+    key = digest.hexdigest()[:16]
     venv = cache_root / f"venv-{key}"
     python = venv / "bin" / "python"
     ready = venv / ".trainstack-ready"
