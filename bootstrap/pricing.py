@@ -87,6 +87,7 @@ def on_demand_price(pricing: Any, instance_type: str, region: str) -> float | No
         "tenancy": "Shared",
         "preInstalledSw": "NA",
         "capacitystatus": "Used",
+        "licenseModel": "No License required",
     }
     response = pricing.get_products(
         ServiceCode="AmazonEC2",

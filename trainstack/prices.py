@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 from rich.table import Table
 
+from bootstrap.pricing import on_demand_price
 from trainstack.aws import Clients, explain
 from trainstack.errors import CliError
 from trainstack.output import console, format_usd, print_json
@@ -48,33 +48,6 @@ def spot_history(
     return history
 
 
-def on_demand_price(clients: Clients, instance_type: str, region: str) -> float | None:
-    """Linux, shared tenancy, no pre-installed software: the price an on-demand instance of the group pays."""
-    filters = {
-        "instanceType": instance_type,
-        "regionCode": region,
-        "operatingSystem": "Linux",
-        "tenancy": "Shared",
-        "preInstalledSw": "NA",
-        "capacitystatus": "Used",
-        "licenseModel": "No License required",
-    }
-    response = clients.pricing().get_products(
-        ServiceCode="AmazonEC2",
-        Filters=[{"Type": "TERM_MATCH", "Field": k, "Value": v} for k, v in filters.items()],
-        FormatVersion="aws_v1",
-        MaxResults=10,
-    )
-    for document in response.get("PriceList", []):
-        product = json.loads(document) if isinstance(document, str) else document
-        for term in product.get("terms", {}).get("OnDemand", {}).values():
-            for dimension in term.get("priceDimensions", {}).values():
-                usd = dimension.get("pricePerUnit", {}).get("USD")
-                if usd is not None and float(usd) > 0:
-                    return float(usd)
-    return None
-
-
 def collect(
     clients: Clients, types: list[str], region: str, days: float
 ) -> tuple[list[SpotPrice], list[str]]:
@@ -84,7 +57,8 @@ def collect(
     on_demand: dict[str, float | None] = {}
     for name in types:
         try:
-            on_demand[name] = on_demand_price(clients, name, region)
+            # The agent prices its lives with the same catalogue query: one definition of "on-demand price".
+            on_demand[name] = on_demand_price(clients.pricing(), name, region)
         except (BotoCoreError, ClientError) as error:
             # Spot prices alone still answer the question; say why the comparison is missing.
             notes.append(f"on-demand price of {name} unavailable: {explain(error)}")
