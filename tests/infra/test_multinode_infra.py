@@ -200,3 +200,31 @@ def test_efa_environment_selects_the_efa_provider_and_rdma_only_where_supported(
     assert "NCCL_SOCKET_IFNAME" not in efa_environment(device_rdma=True)
     assert supports_device_rdma("p5.48xlarge") and supports_device_rdma("p4d.24xlarge")
     assert not supports_device_rdma("g6e.12xlarge")
+
+
+def _anywhere(value: Any) -> bool:
+    import ipaddress
+
+    if isinstance(value, dict):
+        return any(_anywhere(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_anywhere(v) for v in value)
+    if isinstance(value, str) and "/" in value:
+        try:
+            return ipaddress.ip_network(value, strict=False).prefixlen == 0
+        except ValueError:
+            return False
+    return False
+
+
+def test_no_resource_of_any_stack_shape_lets_traffic_in_from_anywhere(
+    example_stack: StackRun, spread_multinode: StackRun, cluster_efa: StackRun
+) -> None:
+    """0.0.0.0/0 and ::/0 appear only in routes and egress rules, never in ingress, whatever the shape."""
+    with_ssh = run_stack({**example_config(), "trainstack:sshIngressCidrs": ["203.0.113.7/32"]})
+    for stack in (example_stack, spread_multinode, cluster_efa, with_ssh):
+        for resource in stack.resources:
+            inputs = resource.inputs
+            assert not _anywhere(inputs.get("ingress", [])), f"{resource.name}: ingress from anywhere"
+            standalone = "ingress" in resource.type.lower() or inputs.get("type") == "ingress"
+            assert not (standalone and _anywhere(inputs)), f"{resource.name}: ingress from anywhere"
