@@ -118,10 +118,12 @@ def test_s3_checksum_mismatch_skips_that_checkpoint(
 def test_a_trainer_run_by_hand_exits_truthfully_when_s3_never_confirms(tmp_path: Path, bucket: str) -> None:
     manager = CheckpointManager(tmp_path / "first-life", bucket)
     save_steps(manager, 5)
-    boto3.client("s3").delete_bucket_policy(Bucket=BUCKET)  # no-op in moto: keeps the bucket as is
-    manager.persister._s3.meta.events.register(  # type: ignore[union-attr]
-        "before-call.s3.PutObject", lambda **_: (_ for _ in ()).throw(ConnectionError("S3 unreachable"))
-    )
+
+    def s3_unreachable(**_: object) -> None:
+        raise ConnectionError("S3 unreachable")
+
+    # From here on every upload of this trainer's persister fails, as in an outage that outlasts the stop.
+    manager.persister._s3.meta.events.register("before-call.s3.PutObject", s3_unreachable)  # type: ignore[union-attr]
     manager.save(state_for(9), step=9, epoch=0, world_size=1, config_hash="h")
     assert manager.finish(timeout=2) is False
     assert read_latest()["step"] == 5
