@@ -1,0 +1,302 @@
+"""Generations through S3 (bootstrap/rendezvous.py) against the moto server: who hosts, who joins, who
+takes over when a host is gone, and that of two nodes proposing at once exactly one hosts."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+
+from bootstrap.ledger import _is_conflict
+from bootstrap.rendezvous import RECORD, Membership, Rendezvous
+from tests.conftest import MotoServer
+
+BUCKET = "trainstack-rdzv"
+PREFIX = "state/"
+STALE = 60.0
+ADDRESS = "127.0.0.1"
+
+
+class Clock:
+    """Epoch seconds the test moves by hand: staleness without sleeping."""
+
+    def __init__(self) -> None:
+        self.t = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class SharedS3:
+    """The S3 client every node of a test shares, with two test hooks on the generation record.
+
+    moto checks If-Match / If-None-Match and then stores the object in two steps, without a lock, on one of
+    its request threads; S3 does both atomically. The lock around puts of the record gives moto S3's
+    atomicity: which write gets in, and the 412 the other gets, are still moto's conditional-write answers.
+    `race` makes each of that many threads read the record once before any of them writes it.
+    """
+
+    def __init__(self, client: Any, race: int = 0) -> None:
+        self._client = client
+        self._put_lock = threading.Lock()
+        self._race = threading.Barrier(race) if race else None
+        self._raced = threading.local()
+        self.conflicts = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def get_object(self, **kwargs: Any) -> Any:
+        response = self._client.get_object(**kwargs)
+        if self._race is not None and kwargs["Key"].endswith(RECORD) and not getattr(self._raced, "v", 0):
+            self._raced.v = 1
+            self._race.wait(timeout=10)
+        return response
+
+    def put_object(self, **kwargs: Any) -> Any:
+        if not kwargs["Key"].endswith(RECORD):
+            return self._client.put_object(**kwargs)
+        with self._put_lock:
+            try:
+                return self._client.put_object(**kwargs)
+            except ClientError as exc:
+                if _is_conflict(exc):
+                    self.conflicts += 1
+                raise
+
+
+@pytest.fixture()
+def s3(aws: MotoServer) -> Any:
+    client = boto3.client("s3", region_name="us-east-1")
+    client.create_bucket(Bucket=BUCKET)
+    return client
+
+
+@pytest.fixture()
+def clock() -> Clock:
+    return Clock()
+
+
+NodeFactory = Callable[..., Rendezvous]
+
+
+@pytest.fixture()
+def node(s3: Any, clock: Clock) -> NodeFactory:
+    def build(instance_id: str, client: Any = None, **kwargs: Any) -> Rendezvous:
+        return Rendezvous(
+            client or s3,
+            BUCKET,
+            PREFIX,
+            instance_id=instance_id,
+            address=ADDRESS,
+            stack="demo",
+            min_nodes=1,
+            max_nodes=3,
+            stale_seconds=STALE,
+            now=clock,
+            **kwargs,
+        )
+
+    return build
+
+
+def record(s3: Any) -> dict[str, Any]:
+    return dict(json.loads(s3.get_object(Bucket=BUCKET, Key=PREFIX + RECORD)["Body"].read()))
+
+
+def refused(code: str, status: int) -> ClientError:
+    """A conditional put's refusal, as botocore raises it."""
+    response: Any = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    return ClientError(response, "PutObject")
+
+
+def join_together(nodes: list[Rendezvous], last: int | None) -> list[Membership]:
+    """Every node joins at once (a barrier lines them up), as the survivors of one generation do."""
+    start = threading.Barrier(len(nodes))
+
+    def join(rendezvous: Rendezvous) -> Membership:
+        start.wait(timeout=10)
+        return rendezvous.join(last)
+
+    with ThreadPoolExecutor(len(nodes)) as pool:
+        return list(pool.map(join, nodes))
+
+
+def test_the_first_node_creates_generation_1_and_hosts_it_the_second_joins_it(
+    s3: Any, node: NodeFactory, clock: Clock
+) -> None:
+    a, b = node("i-a"), node("i-b")
+    first = a.join(None)
+    assert first.is_host and first.generation.number == 1 and first.repaired is None
+    host, port = first.generation.endpoint.rsplit(":", 1)
+    assert host == ADDRESS and int(port) > 0
+    assert record(s3) == {
+        "generation": 1,
+        "host_id": "i-a",
+        "endpoint": first.generation.endpoint,
+        "run_id": "demo-g1",
+        "created_at": clock.t,
+        "min_nodes": 1,
+        "max_nodes": 3,
+    }
+    second = b.join(None)
+    assert not second.is_host
+    assert second.generation == first.generation, "same generation: same endpoint and run id"
+    # Each node's file says which generation it launched in.
+    assert {k: v["generation"] for k, v in a.live_nodes().items()} == {"i-a": 1, "i-b": 1}
+
+
+def test_survivors_proposing_at_once_get_exactly_one_host_each_generation(s3: Any, node: NodeFactory) -> None:
+    shared = SharedS3(s3)
+    nodes = [node("i-a", shared), node("i-b", shared)]
+    last: int | None = None
+    for generation in range(1, 6):
+        members = join_together(nodes, last)
+        assert sorted(m.is_host for m in members) == [False, True], f"generation {generation}"
+        assert {m.generation for m in members} == {members[0].generation}
+        assert members[0].generation.number == generation
+        assert members[0].generation.run_id == f"demo-g{generation}"
+        last = generation
+
+
+def test_two_proposals_against_one_etag_are_decided_by_the_s3_conditional_write(
+    s3: Any, node: NodeFactory
+) -> None:
+    node("i-a").join(None)
+    node("i-b").join(None)
+    # Both survivors of generation 1 read it before either writes: both propose generation 2 If-Match the
+    # same ETag; S3 lets one in and answers the other 412, which re-reads and joins the winner.
+    shared = SharedS3(s3, race=2)
+    members = join_together([node("i-a", shared), node("i-b", shared)], 1)
+    assert shared.conflicts == 1
+    assert sorted(m.is_host for m in members) == [False, True]
+    assert {m.generation.number for m in members} == {2}
+    winner = next(m for m in members if m.is_host)
+    assert record(s3)["host_id"] == winner.generation.host_id
+
+
+def test_a_new_node_joins_a_running_generation_whose_host_is_alive(node: NodeFactory, clock: Clock) -> None:
+    a, b = node("i-a"), node("i-b")
+    a.join(None)
+    b.join(None)
+    running = join_together([a, b], 1)[0].generation
+    clock.t += STALE - 1  # within staleness of the joins' heartbeats
+    b.heartbeat(2)
+    newcomer = node("i-c").join(None)
+    assert not newcomer.is_host and newcomer.generation == running
+    assert running.number == 2
+
+
+def test_a_host_whose_heartbeat_is_stale_is_replaced_by_the_next_joiner(
+    s3: Any, node: NodeFactory, clock: Clock
+) -> None:
+    node("i-a").join(None)
+    clock.t += STALE + 1  # i-a vanished without a word: its file stays, its heartbeat ages
+    taken = node("i-b").join(None)
+    assert taken.is_host and taken.generation.number == 2
+    assert record(s3)["host_id"] == "i-b"
+
+
+def test_the_host_interrupted_the_survivors_regroup_under_a_new_host(node: NodeFactory) -> None:
+    a, b, c = node("i-a"), node("i-b"), node("i-c")
+    assert a.join(None).is_host
+    b.join(None)
+    c.join(None)
+    a.leave()  # its life ended with the spot notice
+    members = join_together([b, c], 1)
+    assert {m.generation.number for m in members} == {2}
+    assert sorted(m.is_host for m in members) == [False, True]
+    assert members[0].generation.host_id in {"i-b", "i-c"}
+    # A replacement arriving afterwards joins the survivors' generation.
+    late = node("i-d").join(None)
+    assert not late.is_host and late.generation == members[0].generation
+
+
+def test_a_restarted_agent_does_not_rejoin_the_generation_its_dead_predecessor_hosted(
+    node: NodeFactory,
+) -> None:
+    node("i-a").join(None)
+    # systemd restarted i-a's agent: the launcher and its c10d store died with the old one, though the
+    # instance (and its heartbeat) lives on. The new agent must not host a store that is gone.
+    again = node("i-a").join(None)
+    assert again.is_host and again.generation.number == 2
+
+
+def test_a_winning_proposal_whose_answer_was_lost_still_hosts(s3: Any, node: NodeFactory) -> None:
+    class LostAnswer(SharedS3):
+        """The write lands, then a retry of it is refused 412: what a lost response looks like."""
+
+        def put_object(self, **kwargs: Any) -> Any:
+            response = super().put_object(**kwargs)
+            if kwargs["Key"].endswith(RECORD):
+                raise refused("PreconditionFailed", 412)
+            return response
+
+    membership = node("i-a", LostAnswer(s3)).join(None)
+    assert membership.is_host and membership.generation.number == 1
+
+
+def test_proposals_lost_without_end_give_up_naming_the_record(s3: Any, node: NodeFactory) -> None:
+    class Refused(SharedS3):
+        def put_object(self, **kwargs: Any) -> Any:
+            if kwargs["Key"].endswith(RECORD):
+                raise refused("ConditionalRequestConflict", 409)
+            return super().put_object(**kwargs)
+
+    with pytest.raises(RuntimeError, match=f"s3://{BUCKET}/{PREFIX}{RECORD}: 3 generation proposals lost"):
+        node("i-a", Refused(s3), attempts=3).join(None)
+
+
+@pytest.mark.parametrize("body", [b"{not json", b'{"generation": 4}', b"[1, 2]", b"\xff\xfe"])
+def test_a_malformed_record_is_replaced_above_every_live_nodes_generation(
+    s3: Any, node: NodeFactory, body: bytes
+) -> None:
+    node("i-b").heartbeat(4)  # a live node launched in generation 4 before the record was mangled
+    s3.put_object(Bucket=BUCKET, Key=PREFIX + RECORD, Body=body)
+    membership = node("i-a").join(None)
+    assert membership.is_host and membership.generation.number == 5
+    assert membership.repaired is not None and f"s3://{BUCKET}/{PREFIX}{RECORD}" in membership.repaired
+    assert record(s3)["generation"] == 5
+    assert node("i-b").join(4) == Membership(membership.generation, False)
+
+
+def test_a_malformed_node_file_counts_as_a_dead_node(s3: Any, node: NodeFactory) -> None:
+    a = node("i-a")
+    a.join(None)
+    for body in (b"garbage", json.dumps({"instance_id": "i-a", "address": ADDRESS}).encode()):
+        s3.put_object(Bucket=BUCKET, Key=a.node_key("i-a"), Body=body)
+        assert a.live_nodes() == {}
+    taken = node("i-b").join(None)
+    assert taken.is_host and taken.generation.number == 2
+
+
+def test_leave_removes_the_node_file(s3: Any, node: NodeFactory) -> None:
+    a = node("i-a")
+    a.heartbeat(None)
+    assert set(a.live_nodes()) == {"i-a"}
+    a.leave()
+    assert s3.list_objects_v2(Bucket=BUCKET, Prefix=PREFIX + "nodes/")["KeyCount"] == 0
+    a.leave()  # twice is fine: a life may end through more than one path
+
+
+def test_live_nodes_lists_only_fresh_heartbeats(node: NodeFactory, clock: Clock) -> None:
+    a, b = node("i-a"), node("i-b")
+    a.heartbeat(None)
+    clock.t += STALE / 2
+    b.heartbeat(3)
+    assert set(a.live_nodes()) == {"i-a", "i-b"}
+    clock.t += STALE / 2  # i-a's heartbeat is now exactly STALE old: stale
+    live = a.live_nodes()
+    assert set(live) == {"i-b"}
+    assert live["i-b"] == {
+        "instance_id": "i-b",
+        "address": ADDRESS,
+        "heartbeat_at": clock.t - STALE / 2,
+        "generation": 3,
+    }
