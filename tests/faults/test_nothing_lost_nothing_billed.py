@@ -25,6 +25,7 @@ import boto3
 import pytest
 from botocore.config import Config
 
+from bootstrap.aws import client as aws_client
 from bootstrap.eventlog import EventLog
 from bootstrap.imds import InstanceIdentity
 from bootstrap.ledger import JobLedger, LedgerStore
@@ -39,6 +40,18 @@ FAKE_TRAINER = [sys.executable, str(Path(__file__).parents[1] / "bootstrap" / "f
 # The agent's clients in these tests: the production bounds, shortened so a blackhole costs seconds.
 FAST = Config(retries={"mode": "standard", "max_attempts": 2}, connect_timeout=1, read_timeout=2)
 REGION = "us-east-1"
+
+
+def clients_for_a_blackholed_end() -> AwsClients:
+    """For a life that ends with every endpoint blackholed, where each hung call costs wall time:
+    S3 and the rest wait 1 s per attempt (still one retry for a slow moto before the blackhole), and the
+    log shippers (best effort, journald keeps every line) try once for 0.5 s, so closing them takes
+    about a second instead of the production 10 s bound."""
+    tight = Config(retries={"mode": "standard", "max_attempts": 2}, connect_timeout=1, read_timeout=1)
+    once = Config(retries={"mode": "standard", "max_attempts": 1}, connect_timeout=1, read_timeout=0.5)
+    clients = AwsClients.for_region(REGION, tight)
+    clients.logs = aws_client("logs", REGION, once)
+    return clients
 
 
 @pytest.fixture()
@@ -108,7 +121,9 @@ MakeLife = Callable[..., InstanceLife]
 def make_life(stack: LocalStack, imds: ImdsSimulator, tmp_path: Path) -> MakeLife:
     lives = iter(range(1, 100))
 
-    def build(fake: dict[str, Any] | None = None, **config: Any) -> InstanceLife:
+    def build(
+        fake: dict[str, Any] | None = None, clients: AwsClients | None = None, **config: Any
+    ) -> InstanceLife:
         values: dict[str, Any] = {
             "poll_seconds": 0.2,
             "scratch_dir": str(tmp_path / f"instance-{next(lives)}"),
@@ -119,7 +134,7 @@ def make_life(stack: LocalStack, imds: ImdsSimulator, tmp_path: Path) -> MakeLif
         return InstanceLife(
             stack.agent_config(**values),
             log=EventLog(io.StringIO()),
-            clients=AwsClients.for_region(REGION, FAST),
+            clients=clients or AwsClients.for_region(REGION, FAST),
             trainer_command=FAKE_TRAINER,
             identity_wait_seconds=2,
             release_wait_seconds=1,
@@ -259,7 +274,11 @@ def test_notice_to_stop_request_takes_under_two_seconds_with_s3_blackholed(
     make_life: MakeLife, stack: LocalStack, imds: ImdsSimulator, aws_via_proxy: S3FaultProxy, direct: Any
 ) -> None:
     upload_dataset(stack)
-    life = make_life(fake={"steps": 5000, "step_seconds": 0.02, "checkpoint_every": 10})
+    life = make_life(
+        fake={"steps": 5000, "step_seconds": 0.02, "checkpoint_every": 10},
+        clients=clients_for_a_blackholed_end(),
+        stop_deadline_seconds=4.0,  # the trainer is told at once, so a short deadline proves the same
+    )
     events = Recorder(life)
     running = start(life)
     wait_until(
