@@ -66,7 +66,9 @@ def make_life(stack: LocalStack, imds: ImdsSimulator, tmp_path: Path) -> Callabl
             log=EventLog(),
             trainer_command=trainer or FAKE_TRAINER,
             identity_wait_seconds=2,
-            release_wait_seconds=3,
+            # No wait for a drain hook: no test here terminates the instance, and the wait polls every 2 s
+            # (python -m demo covers the terminating path end to end).
+            release_wait_seconds=0,
             state_poll_seconds=0.5,
             tick_seconds=0.1,
         )

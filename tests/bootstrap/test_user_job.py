@@ -18,6 +18,9 @@ from demo.imds import ImdsSimulator
 from demo.stack import LocalStack
 
 JOB_DIR = Path(__file__).with_name("user_job")
+# The job's 400 steps of 20 ms, shortened: the notice comes at step 25, so 150 leave over 2 s of margin for
+# the stop to land mid-run, and the second life does not sleep through 7 s of counting.
+STEPS = 150
 
 
 def user_life(stack: LocalStack, scratch: Path, **spec_changes: Any) -> InstanceLife:
@@ -27,7 +30,9 @@ def user_life(stack: LocalStack, scratch: Path, **spec_changes: Any) -> Instance
         config,
         log=EventLog(io.StringIO()),
         identity_wait_seconds=2,
-        release_wait_seconds=1,
+        # No wait for a drain hook: no test here terminates the instance, and the wait polls every 2 s
+        # (python -m demo covers the terminating path end to end).
+        release_wait_seconds=0,
         state_poll_seconds=0.5,
         tick_seconds=0.1,
         job_root=JOB_DIR,
@@ -37,7 +42,8 @@ def user_life(stack: LocalStack, scratch: Path, **spec_changes: Any) -> Instance
 def test_a_users_job_resumes_after_a_spot_notice_with_no_step_lost_and_its_results_uploaded(
     stack: LocalStack, imds: ImdsSimulator, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    first = user_life(stack, tmp_path / "instance-1")
+    command = ["python", "count.py", str(STEPS)]
+    first = user_life(stack, tmp_path / "instance-1", command=command)
     running = ThreadPoolExecutor(max_workers=1).submit(first.run)
     progress = tmp_path / "instance-1" / "output" / "progress.json"
     deadline = time.monotonic() + 60
@@ -52,10 +58,10 @@ def test_a_users_job_resumes_after_a_spot_notice_with_no_step_lost_and_its_resul
 
     imds.clear_events()
     capsys.readouterr()
-    second = user_life(stack, tmp_path / "instance-2")
+    second = user_life(stack, tmp_path / "instance-2", command=command)
     assert second.run().outcome == "completed"
     assert json.dumps({"event": "resumed", "step": latest["step"]}) in capsys.readouterr().out
-    assert stack.read_json("results/result.json") == {"steps": 400}
+    assert stack.read_json("results/result.json") == {"steps": STEPS}
     assert stack.group()["DesiredCapacity"] == 0
 
 
