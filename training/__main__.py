@@ -4,6 +4,9 @@ Exit codes: 0 completed; 75 stopped on SIGTERM/SIGINT or the stop file, checkpoi
 every problem of the file, the data folders and the S3 URIs at once, one line each; 1 failed, including an S3
 that could not be reached at start (transient: the next start may succeed); 65 dataset error: more undecodable
 images than data.max_bad_fraction allows (permanent: do not retry).
+
+With TRAINSTACK_RDZV_ENDPOINT set (the agent's multi-node jobs), this process is one node's launcher: it joins
+the node rendezvous and runs this node's ranks of the job (training/launch.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from trainstack_job.contract import ExitCode
 
 if TYPE_CHECKING:
     from training.config import Config
+    from training.launch import NodeRendezvous
 
 # Seconds, not boto3's 60 s timeouts and retries: a start-up check must not hold a spot instance for minutes.
 _CHECK_TIMEOUTS: dict[str, Any] = {
@@ -160,6 +164,26 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
     # Overrides may come before or after --config (`python -m training k=v --config f` reads naturally too).
     args = parser.parse_intermixed_args(argv)
     _setup_logging()
+    from training.launch import NodeExit, NodeRendezvous
+
+    try:
+        # A rank (WORLD_SIZE set by the engine) inherits the agent's rendezvous variables: only the
+        # launcher joins the node rendezvous.
+        nodes = None if "WORLD_SIZE" in os.environ else NodeRendezvous.from_env()
+    except ValueError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
+    code, launched = _run(args, argv, stop, nodes)
+    if nodes is not None and nodes.exit_file is not None and not launched:
+        # Ended before the launcher ran (config, data, a stop): the agent still gets its node's record.
+        NodeExit(exit_code=int(code)).write(nodes.exit_file)
+    return code
+
+
+def _run(
+    args: argparse.Namespace, argv: list[str] | None, stop: StopRequest, nodes: NodeRendezvous | None
+) -> tuple[int, bool]:
+    """(exit code, whether the elastic launcher ran)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     from training.config import ConfigError
@@ -169,41 +193,44 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
         config = _checked_config(args.config, args.overrides)
         stop.watch(config.train.stop_file, config.train.checkpoint_request_file)
         processes = _processes(config.train.processes)
-        if processes > 1 and "WORLD_SIZE" not in os.environ:
+        # On several nodes always through the launcher, even with one process per node: it joins the
+        # node rendezvous and gives this node's ranks their global ranks.
+        if nodes is not None or (processes > 1 and "WORLD_SIZE" not in os.environ):
             if stop.signal_name:
                 # No rank has run, so the last checkpoint is still the job's state: nothing to save.
                 log.warning(
                     "%s received before training started; exit %d", stop.signal_name, ExitCode.STOPPED
                 )
-                return ExitCode.STOPPED
+                return ExitCode.STOPPED, False
             from training.launch import launch
 
-            return launch(sys.argv[1:] if argv is None else argv, processes)
+            argv = sys.argv[1:] if argv is None else argv
+            return launch(argv, processes, nodes, stopped=lambda: stop.signal_name), True
         from training.loop import Trainer  # torch import: only after the config, data and buckets are good
 
-        return Trainer(config, stop).run()
+        return Trainer(config, stop).run(), False
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)
-        return ExitCode.CONFIG_ERROR
+        return ExitCode.CONFIG_ERROR, False
     except BadDataError as exc:
         print(f"data error: {exc}", file=sys.stderr)
-        return ExitCode.DATA_ERROR
+        return ExitCode.DATA_ERROR, False
     except S3UnreachableError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return ExitCode.FAILED
+        return ExitCode.FAILED, False
     except (ClientError, BotoCoreError) as exc:
         print(
             f"error: S3 request failed: {exc}; check checkpoint.uri/output.uri and the credentials",
             file=sys.stderr,
         )
-        return ExitCode.FAILED
+        return ExitCode.FAILED, False
     except OSError as exc:
         print(
             f"error: {exc.filename or ''}: {exc.strerror or exc}; check the path and free disk space",
             file=sys.stderr,
         )
-        return ExitCode.FAILED
+        return ExitCode.FAILED, False
 
 
 if __name__ == "__main__":

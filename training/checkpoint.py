@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -66,6 +67,16 @@ class Restored:
         # weights_only: a checkpoint from S3 is data, never code.
         state: dict[str, Any] = torch.load(self.directory / STATE, map_location="cpu", weights_only=True)
         return state
+
+    def state_bytes(self) -> bytes:
+        """The state file as written, for ranks on other machines (`state_from_bytes` there)."""
+        return (self.directory / STATE).read_bytes()
+
+
+def state_from_bytes(data: bytes) -> dict[str, Any]:
+    """A state file's bytes, loaded as `Restored.load_state` loads the file: data only, tensors on the CPU."""
+    state: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return state
 
 
 class _LoggingSink:

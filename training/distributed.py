@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,11 +57,31 @@ def sum_across(world: World, values: list[float], device: torch.device) -> list[
     return [float(v) for v in tensor.tolist()]
 
 
-def broadcast_object(world: World, value: object) -> object:
+def max_across(world: World, values: list[int], device: torch.device) -> list[int]:
+    """Element-wise maximum of integers across ranks."""
+    return _reduce_ints(world, values, device, dist.ReduceOp.MAX)
+
+
+def min_across(world: World, values: list[int], device: torch.device) -> list[int]:
+    """Element-wise minimum of integers across ranks."""
+    return _reduce_ints(world, values, device, dist.ReduceOp.MIN)
+
+
+def _reduce_ints(world: World, values: list[int], device: torch.device, op: Any) -> list[int]:
+    if not world.distributed:
+        return values
+    # int64 on the collective's device (NCCL reduces only CUDA tensors): steps and ranks, exactly.
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return [int(v) for v in tensor.tolist()]
+
+
+def broadcast_object(world: World, value: object, src: int = 0) -> object:
+    """`value` of rank `src` on every rank, pickled (tensors go as torch.save bytes: Trainer._restore)."""
     if not world.distributed:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=src)
     return box[0]
 
 

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training import distributed as dist_utils
 from training.artifacts import write_artifacts
 from training.batch_size import cuda_step_probe, fits, search_micro_batch
-from training.checkpoint import CheckpointManager
+from training.checkpoint import CheckpointManager, state_from_bytes
 from training.checkpoint_policy import InterruptionRate
 from training.config import Config, ConfigError
 from training.data import (
@@ -43,6 +43,7 @@ from training.determinism import (
 )
 from training.distributed import World
 from training.faults import fault_point
+from training.launch import note_step
 from training.metrics import EpochResult, History
 from training.model import build_model
 from training.precision import PrecisionPlan, choose_precision, resolve_device
@@ -178,22 +179,65 @@ class Trainer:
         self.history = History()
         self.config_hash = config.optimisation_hash()
         self.output_dir = Path(config.output.dir)
+        self._restored_from = ""  # the checkpoint.dir restored from (maybe another machine's), for the log
 
     # -- setup ---------------------------------------------------------------------------------------
 
     def _restore(self) -> dict[str, Any] | None:
-        found = self.checkpoints.restore() if self.world.is_main else None
-        where = dist_utils.broadcast_object(self.world, str(found.directory) if found else None)
-        if where is None:
-            return None
-        if found is not None and found.manifest.get("config_hash") != self.config_hash:
-            log.warning(
-                "the config changed since checkpoint %s was written; resuming with the new one", where
+        """The newest checkpoint any rank can see, loaded once and, with several ranks, sent to the others
+        over the process group: on several machines each sees only its own checkpoint.dir (only the main
+        rank writes checkpoints, so after a run over two machines only the main rank's has the newest)."""
+        if not self.world.distributed:
+            found = self.checkpoints.restore()
+            if found is None:
+                return None
+            self._restored_from = str(self.checkpoints.root)
+            self._warn_if_config_changed(found.manifest.get("config_hash"), found.step)
+            return found.load_state()
+        # One look per machine (its ranks share its checkpoint.dir: hashing state.pt once is enough); the
+        # main rank's look also consults checkpoint.uri when the trainer persists by itself.
+        found = None
+        if self.world.is_main:
+            found = self.checkpoints.restore()
+        elif self.world.local_rank == 0:
+            found = self.checkpoints.restore_local()
+        step = found.step if found is not None else -1
+        newest = dist_utils.max_across(self.world, [step], self.device)[0]
+        if newest < 0:
+            return None  # no rank has a checkpoint: a fresh start everywhere
+        holds = found is not None and found.step == newest
+        source = dist_utils.min_across(
+            self.world, [self.world.rank if holds else self.world.size], self.device
+        )[0]
+        # The state file's bytes, not the loaded dict: every rank then loads them weights-only (a checkpoint
+        # is data, never code), and torch's object broadcast cannot unpickle tensors here anyway (its
+        # legacy-load path fails on UntypedStorage in torch 2.14).
+        payload: tuple[bytes, Any, str] | None = None
+        if found is not None and self.world.rank == source:
+            payload = (found.state_bytes(), found.manifest.get("config_hash"), str(self.checkpoints.root))
+        received = dist_utils.broadcast_object(self.world, payload, src=source)
+        assert isinstance(received, tuple)  # the source rank always sends one
+        data, config_hash, where = received
+        state = state_from_bytes(data)
+        del data, received, payload  # one copy of the state in memory, not three
+        self._restored_from = where if source == 0 else f"{where} on rank {source}'s machine"
+        if source != 0 and self.world.is_main:
+            log.info(
+                "checkpoint step %d is not in this machine's %s: rank %d sent it over the process group",
+                newest,
+                self.checkpoints.root,
+                source,
             )
-        state: dict[str, Any] = torch.load(
-            Path(str(where)) / "state.pt", map_location="cpu", weights_only=True
-        )
+        self._warn_if_config_changed(config_hash, newest)
         return state
+
+    def _warn_if_config_changed(self, config_hash: Any, step: int) -> None:
+        if self.world.is_main and config_hash != self.config_hash:
+            log.warning(
+                "the config changed since checkpoint step %d in %s was written; resuming with the new one",
+                step,
+                self._restored_from,
+            )
 
     def _load(self, saved: dict[str, Any]) -> None:
         self.raw_model.load_state_dict(saved["model"])
@@ -275,7 +319,7 @@ class Trainer:
                 "or set checkpoint.dir to a new one",
                 self.state.global_step,
                 self.state.epoch + 1,
-                self.checkpoints.root,
+                self._restored_from,
             )
         self._epoch_loss = torch.tensor(self.state.epoch_loss_sum, dtype=torch.float64, device=self.device)
         self._epoch_correct = torch.tensor(self.state.epoch_correct, dtype=torch.float64, device=self.device)
@@ -298,6 +342,7 @@ class Trainer:
             log_every=t.log_every_steps,
             device=self.device,
             num_workers=options["num_workers"],
+            world_size=self.world.size,
         )
         if self.world.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -557,6 +602,7 @@ class Trainer:
         return None
 
     def _stop(self, scheduler: torch.optim.lr_scheduler.LRScheduler, life_started: float) -> int:
+        note_step(self.state.global_step)  # the launcher reports where the ranks stopped
         self._save(scheduler, life_started)
         code = ExitCode.STOPPED
         if self.world.is_main:
@@ -592,6 +638,7 @@ class Trainer:
     def _complete(
         self, scheduler: torch.optim.lr_scheduler.LRScheduler, progress: ProgressReporter, life_started: float
     ) -> int:
+        note_step(self.state.global_step)
         self._save(scheduler, life_started)
         skipped_files = self._skipped_files_summary()
         if self.world.is_main:

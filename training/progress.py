@@ -69,12 +69,15 @@ class ProgressReporter:
         log_every: int,
         device: torch.device,
         num_workers: int,
+        world_size: int = 1,
     ) -> None:
         self.path = output_dir / PROGRESS if output_dir else None
         self.epochs = epochs
         self.total_steps = total_steps
         self.log_every = log_every
         self.num_workers = num_workers
+        # In progress.json: how many ranks trained, so the agent can show a job's world size over time.
+        self.world_size = world_size
         self.gpu = GpuMonitor(device)
         self.interval = Interval(time.perf_counter())
         self.total_wait = 0.0
@@ -118,6 +121,7 @@ class ProgressReporter:
             "samples_per_s": round(samples_per_s, 1),
             "data_wait_fraction": round(wait_fraction, 3),
             "eta_s": eta_s,
+            "world_size": self.world_size,
             "updated_at": now_iso(),
         } | {k: round(v, 2) for k, v in self.gpu.sample().items()}
         gpu = ""

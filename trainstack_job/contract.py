@@ -36,6 +36,17 @@ class JobEnv(str, Enum):
     CHECKPOINT_KEEP = "TRAINSTACK_CHECKPOINT_KEEP"
     MTBI_HOURS = "TRAINSTACK_MTBI_HOURS"
     MTBI_SOURCE = "TRAINSTACK_MTBI_SOURCE"
+    # A job spread over several instances ("nodes"): each node's trainer launcher joins one torch elastic c10d
+    # rendezvous per generation. "address:port" of the store host, the generation's run id, "1" on the node
+    # that hosts the store (else "0"), "min:max" nodes (as torchrun --nnodes), this node's private address,
+    # where the launcher writes its node's result (JSON), and the seconds to wait for the minimum of nodes.
+    RDZV_ENDPOINT = "TRAINSTACK_RDZV_ENDPOINT"
+    RDZV_ID = "TRAINSTACK_RDZV_ID"
+    RDZV_HOST = "TRAINSTACK_RDZV_HOST"
+    NNODES = "TRAINSTACK_NNODES"
+    NODE_ADDR = "TRAINSTACK_NODE_ADDR"
+    NODE_EXIT_FILE = "TRAINSTACK_NODE_EXIT_FILE"
+    RDZV_JOIN_TIMEOUT = "TRAINSTACK_RDZV_JOIN_TIMEOUT"
 
 
 # Files inside a job's checkpoint directory (trainstack_job/layout.py reads and writes them).

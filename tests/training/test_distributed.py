@@ -77,7 +77,7 @@ def test_a_rank_under_the_launcher_records_its_real_code_and_a_clean_stop_is_not
     monkeypatch.setenv(RANK_STATUS_DIR, str(tmp_path))
     monkeypatch.setenv("RANK", "1")
     assert rank_exit(EXIT_STOPPED) == 0, "the engine would kill the other ranks on a 75"
-    assert (tmp_path / "rank-1").read_text() == "75"
+    assert json.loads((tmp_path / "rank-1").read_text())["code"] == 75
     assert rank_exit(3) == 3, "a real failure still stops the group"
     monkeypatch.delenv(RANK_STATUS_DIR)
     assert rank_exit(EXIT_STOPPED) == EXIT_STOPPED, "outside the launcher nothing changes"

@@ -1,0 +1,363 @@
+"""One data-parallel job over several "nodes": launcher processes on 127.0.0.1 that join one c10d rendezvous,
+each with its own checkpoint and output folders, as on separate machines."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.training.conftest import _STARTED, REPO, Dataset, MakeRun, Run, make_run_factory
+from trainstack_job.contract import JobEnv
+
+EXIT_STOPPED = 75
+EPOCHS = 3  # 24 steps: a mid-run stop has time to land
+TOTAL = 24
+GLOBAL_BATCH = 16  # conftest FAST: batch 16, micro-batch 8
+# What a node launcher and its ranks must not inherit from the test process.
+ENGINE_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRAINSTACK_FAULT")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass(frozen=True, eq=False)  # a dict key by identity (its Run holds a list)
+class Node:
+    """One machine of the job: its own folders, the address the other nodes know it by."""
+
+    run: Run
+    addr: str
+
+    @property
+    def exit_file(self) -> Path:
+        return self.run.root / "node-exit.json"
+
+    @property
+    def log(self) -> Path:
+        return self.run.root / "launcher.log"
+
+    def start(
+        self, port: int, run_id: str, *, host: bool, nnodes: str = "2:2", join_timeout: float = 120
+    ) -> subprocess.Popen[str]:
+        env = {key: value for key, value in os.environ.items() if key not in ENGINE_VARIABLES}
+        env |= {
+            "OMP_NUM_THREADS": "1",
+            JobEnv.RDZV_ENDPOINT.value: f"127.0.0.1:{port}",
+            JobEnv.RDZV_ID.value: run_id,
+            JobEnv.RDZV_HOST.value: "1" if host else "0",
+            JobEnv.NNODES.value: nnodes,
+            JobEnv.NODE_ADDR.value: self.addr,
+            JobEnv.NODE_EXIT_FILE.value: str(self.exit_file),
+            JobEnv.RDZV_JOIN_TIMEOUT.value: f"{join_timeout:g}",
+        }
+        self.run.root.mkdir(parents=True, exist_ok=True)
+        self.exit_file.unlink(missing_ok=True)
+        with self.log.open("w") as log:  # a file, not a pipe: nobody has to drain two nodes at once
+            process = subprocess.Popen(
+                self.run.command(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True
+            )
+        _STARTED.append(process)  # conftest's reap_trainers kills it if the test ends first
+        return process
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def exit_record(self) -> dict[str, Any]:
+        record: dict[str, Any] = json.loads(self.exit_file.read_text())
+        return record
+
+
+def wait_for(processes: dict[Node, subprocess.Popen[str]], timeout: float = 240) -> dict[Node, int]:
+    """Every node's exit code; kills them all and fails (with their logs) past `timeout`."""
+    deadline = time.monotonic() + timeout
+    codes = {}
+    for node, process in processes.items():
+        try:
+            codes[node] = process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in processes.values():
+                other.kill()
+                other.wait()
+            logs = "\n".join(f"--- {n.run.root.name}\n{n.output()[-3000:]}" for n in processes)
+            pytest.fail(f"the nodes ran past {timeout}s\n{logs}")
+    return codes
+
+
+def poll(
+    process: subprocess.Popen[str], condition: Callable[[], bool], what: str, timeout: float = 180
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"exited {process.returncode} before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
+        time.sleep(0.05)
+
+
+def trained_steps(run: Run) -> int:
+    try:
+        return int(json.loads((run.output / "progress.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def latest_step(run: Run) -> int:
+    return int(json.loads((run.checkpoints / "latest.json").read_text())["step"])
+
+
+def copy_checkpoints(source: Run, target: Run) -> None:
+    """What the agent does for a node: restore the job's checkpoint into its own checkpoint.dir."""
+    shutil.copytree(source.checkpoints, target.checkpoints)
+
+
+@dataclass(frozen=True, eq=False)
+class StoppedPair:
+    a: Node  # hosts the store, global rank 0 (its address sorts first)
+    b: Node
+    codes: dict[Node, int]
+    step: int
+
+
+@pytest.fixture(scope="module")
+def stopped_pair(tmp_path_factory: pytest.TempPathFactory, image_folders: Dataset) -> StoppedPair:
+    """Two nodes, one rank each, training; the non-host node's launcher gets SIGTERM mid-run."""
+    make = make_run_factory(tmp_path_factory.mktemp("pair"), image_folders)
+    a = Node(make("train.processes=1", f"train.epochs={EPOCHS}", name="a"), "127.0.0.1")
+    b = Node(make("train.processes=1", f"train.epochs={EPOCHS}", name="b"), "127.0.0.2")
+    port, run_id = free_port(), "pair-1"
+    processes = {a: a.start(port, run_id, host=True), b: b.start(port, run_id, host=False)}
+    try:
+        poll(processes[a], lambda: trained_steps(a.run) >= 2, "two trained steps")
+        processes[b].send_signal(signal.SIGTERM)
+        codes = wait_for(processes)
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    saved = a.run.checkpoints / "latest.json"
+    return StoppedPair(a, b, codes, latest_step(a.run) if saved.exists() else -1)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_node_stops_every_rank_of_both_at_the_same_step(stopped_pair: StoppedPair) -> None:
+    a, b = stopped_pair.a, stopped_pair.b
+    logs = f"{a.output()[-3000:]}\n---\n{b.output()[-3000:]}"
+    assert stopped_pair.codes == {a: EXIT_STOPPED, b: EXIT_STOPPED}, logs
+    assert "Traceback" not in a.output() + b.output(), logs
+    on_a, on_b = a.exit_record(), b.exit_record()
+    step = stopped_pair.step
+    assert 2 <= step < TOTAL
+    assert on_a == {
+        "exit_code": EXIT_STOPPED,
+        "ranks": {"0": EXIT_STOPPED},
+        "stopped_step": step,
+        "rank0_here": True,
+        "rendezvous_failed": False,
+        "world_size": 2,
+    }
+    assert on_b == on_a | {"ranks": {"1": EXIT_STOPPED}, "rank0_here": False}
+    # Only the main rank writes checkpoints: the step is on the rank-0 machine, nowhere else.
+    manifest = json.loads((a.run.checkpoints / f"step-{step}" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    assert not list(b.run.checkpoints.glob("step-*"))
+
+
+@pytest.mark.slow
+def test_a_node_without_the_checkpoint_gets_it_over_the_process_group_and_both_complete(
+    stopped_pair: StoppedPair, make_run: MakeRun
+) -> None:
+    """Relaunched in a new generation, the node that has no checkpoint becomes global rank 0 (its address
+    sorts first now): it resumes at the other node's step, so the state came over the process group."""
+    step = stopped_pair.step
+    assert step > 0
+    holder = Node(make_run("train.processes=1", f"train.epochs={EPOCHS}", name="holder"), "127.0.0.2")
+    empty = Node(make_run("train.processes=1", f"train.epochs={EPOCHS}", name="empty"), "127.0.0.1")
+    copy_checkpoints(stopped_pair.a.run, holder.run)
+    port = free_port()
+    codes = wait_for(
+        {
+            holder: holder.start(port, "pair-2", host=True),
+            empty: empty.start(port, "pair-2", host=False),
+        }
+    )
+    logs = f"{holder.output()[-3000:]}\n---\n{empty.output()[-3000:]}"
+    assert codes == {holder: 0, empty: 0}, logs
+    main = empty.output()
+    assert f"resuming at step {step} " in main, logs
+    assert f"checkpoint step {step} is not in this machine's {empty.run.checkpoints}" in main
+    assert "rank 1 sent it over the process group" in main
+    records = {node: node.exit_record() for node in (holder, empty)}
+    assert [node for node, record in records.items() if record["rank0_here"]] == [empty]
+    assert records[empty]["ranks"] == {"0": 0} and records[holder]["ranks"] == {"1": 0}
+    for record in records.values():
+        assert record["exit_code"] == 0 and record["stopped_step"] == TOTAL and record["world_size"] == 2
+        assert record["rendezvous_failed"] is False
+    # Results and new checkpoints on the rank-0 machine only.
+    assert empty.run.model.exists() and not holder.run.output.exists()
+    metrics = json.loads((empty.run.output / "metrics.json").read_text())
+    assert metrics["steps"] == TOTAL and metrics["world_size"] == 2
+    assert json.loads((empty.run.output / "progress.json").read_text())["world_size"] == 2
+    assert latest_step(empty.run) == TOTAL and latest_step(holder.run) == step
+
+
+@pytest.mark.slow
+def test_one_node_alone_resumes_the_two_rank_checkpoint_with_the_same_global_batch(
+    stopped_pair: StoppedPair, make_run: MakeRun
+) -> None:
+    step = stopped_pair.step
+    assert step > 0
+    alone = Node(make_run("train.processes=1", f"train.epochs={EPOCHS}", name="alone"), "127.0.0.1")
+    copy_checkpoints(stopped_pair.a.run, alone.run)
+    saved = torch.load(alone.run.checkpoints / f"step-{step}" / "state.pt", weights_only=True)["batch"]
+    assert saved == {"global_batch": GLOBAL_BATCH, "micro_batch": 8, "accumulation": 1, "world_size": 2}
+    codes = wait_for({alone: alone.start(free_port(), "alone-1", host=True, nnodes="1:2")})
+    output = alone.output()
+    assert codes == {alone: 0}, output[-3000:]
+    assert f"resuming at step {step} " in output
+    # Half the ranks, twice the accumulation: the same optimisation.
+    assert f"global batch {GLOBAL_BATCH} = 1 process(es) x 2 accumulation x 8 micro-batch" in output
+    metrics = json.loads((alone.run.output / "metrics.json").read_text())
+    assert (metrics["global_batch"], metrics["accumulation"], metrics["world_size"]) == (GLOBAL_BATCH, 2, 1)
+    assert metrics["steps"] == TOTAL
+    record = alone.exit_record()
+    assert (record["world_size"], record["rank0_here"], record["ranks"]) == (1, True, {"0": 0})
+
+
+def in_rendezvous(node: Node) -> Callable[[], bool]:
+    return lambda: "joining rendezvous" in node.output()
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_for_the_other_nodes_exits_75_at_once(make_run: MakeRun) -> None:
+    """No rank has run: nothing to save, no reason to wait out the join timeout. The host waits in torch's
+    rendezvous, the other node for a store host that never comes."""
+    host = Node(make_run("train.processes=1", name="host"), "127.0.0.1")
+    guest = Node(make_run("train.processes=1", name="guest"), "127.0.0.1")
+    processes = {
+        host: host.start(free_port(), "lonely", host=True, join_timeout=300),
+        guest: guest.start(free_port(), "lonely-guest", host=False, join_timeout=300),
+    }
+    for node, process in processes.items():
+        poll(process, in_rendezvous(node), "rendezvous")
+    time.sleep(1.0)  # well inside the wait
+    signalled = time.monotonic()
+    for process in processes.values():
+        process.send_signal(signal.SIGTERM)
+    codes = wait_for(processes, timeout=60)
+    took = time.monotonic() - signalled
+    for node in processes:
+        assert codes[node] == EXIT_STOPPED, node.output()[-3000:]
+        assert "SIGTERM received while waiting for the other nodes" in node.output()
+        assert node.exit_record() == {
+            "exit_code": EXIT_STOPPED,
+            "ranks": {},
+            "stopped_step": None,
+            "rank0_here": False,
+            "rendezvous_failed": False,
+            "world_size": None,
+        }
+    assert took < 30, f"the launchers took {took:.0f}s to stop"
+
+
+@pytest.mark.slow
+def test_a_rendezvous_that_cannot_form_fails_as_a_rendezvous_failure(make_run: MakeRun) -> None:
+    """A store nobody hosts, and a host whose second node never comes: exit 1, and the node exit file tells
+    the agent to try a new generation rather than count a failure."""
+    unreachable = Node(make_run("train.processes=1", name="unreachable"), "127.0.0.1")
+    alone = Node(make_run("train.processes=1", name="alone"), "127.0.0.1")
+    processes = {
+        unreachable: unreachable.start(free_port(), "nobody", host=False, join_timeout=2),
+        alone: alone.start(free_port(), "too-few", host=True, join_timeout=2),
+    }
+    codes = wait_for(processes, timeout=120)
+    for node in processes:
+        assert codes[node] == 1, node.output()[-3000:]
+        record = node.exit_record()
+        assert record["rendezvous_failed"] is True and record["exit_code"] == 1 and record["ranks"] == {}
+        assert "the rendezvous" in node.output() and "failed" in node.output()
+    assert "did not answer within 2 s" in unreachable.output()
+    assert "RendezvousTimeoutError" in alone.output()
+
+
+# -- the pieces, without processes ------------------------------------------------------------------------
+
+
+def rendezvous_env(**overrides: str) -> dict[str, str]:
+    env = {
+        JobEnv.RDZV_ENDPOINT.value: "10.0.1.5:29400",
+        JobEnv.RDZV_ID.value: "job-gen-3",
+        JobEnv.RDZV_HOST.value: "0",
+        JobEnv.NNODES.value: "2:4",
+        JobEnv.NODE_ADDR.value: "10.0.1.7",
+        JobEnv.NODE_EXIT_FILE.value: "/tmp/node-exit.json",
+    }
+    return {key: value for key, value in (env | overrides).items() if value != "-"}
+
+
+def test_the_node_rendezvous_comes_from_the_agents_variables() -> None:
+    from training.launch import JOIN_TIMEOUT_SECONDS, NodeRendezvous
+
+    assert NodeRendezvous.from_env({}) is None
+    nodes = NodeRendezvous.from_env(rendezvous_env())
+    assert nodes is not None
+    assert (nodes.endpoint, nodes.host_port, nodes.run_id) == (
+        "10.0.1.5:29400",
+        ("10.0.1.5", 29400),
+        "job-gen-3",
+    )
+    assert (nodes.min_nodes, nodes.max_nodes, nodes.is_host, nodes.local_addr) == (2, 4, False, "10.0.1.7")
+    assert nodes.join_timeout == JOIN_TIMEOUT_SECONDS and nodes.exit_file == Path("/tmp/node-exit.json")
+    nodes = NodeRendezvous.from_env(rendezvous_env(TRAINSTACK_NNODES="3", TRAINSTACK_RDZV_HOST="1"))
+    assert nodes is not None and (nodes.min_nodes, nodes.max_nodes, nodes.is_host) == (3, 3, True)
+    nodes = NodeRendezvous.from_env(rendezvous_env(TRAINSTACK_RDZV_JOIN_TIMEOUT="2.5"))
+    assert nodes is not None and nodes.join_timeout == 2.5
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("TRAINSTACK_RDZV_ENDPOINT", "10.0.1.5"),
+        ("TRAINSTACK_RDZV_ENDPOINT", "10.0.1.5:http"),
+        ("TRAINSTACK_RDZV_ID", "-"),
+        ("TRAINSTACK_RDZV_HOST", "yes"),
+        ("TRAINSTACK_NNODES", "4:2"),
+        ("TRAINSTACK_NNODES", "0:2"),
+        ("TRAINSTACK_RDZV_JOIN_TIMEOUT", "soon"),
+        ("TRAINSTACK_RDZV_JOIN_TIMEOUT", "0"),
+    ],
+)
+def test_a_malformed_rendezvous_variable_is_one_line_naming_it(variable: str, value: str) -> None:
+    from training.launch import NodeRendezvous
+
+    with pytest.raises(ValueError, match=variable) as raised:
+        NodeRendezvous.from_env(rendezvous_env(**{variable: value}))
+    assert "\n" not in str(raised.value)
+
+
+def test_a_rank_records_its_code_and_step_and_the_launcher_reads_every_global_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from training.launch import RANK_STATUS_DIR, RankRecord, _recorded, note_step, rank_exit
+
+    monkeypatch.setenv(RANK_STATUS_DIR, str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    note_step(12)
+    for rank, code in ((5, EXIT_STOPPED), (6, 0)):
+        monkeypatch.setenv("RANK", str(rank))
+        rank_exit(code)
+    (tmp_path / "rank-7").write_text('{"code": 7')  # a rank killed mid-write: the engine's view counts
+    assert _recorded(tmp_path) == {5: RankRecord(EXIT_STOPPED, 12, 8), 6: RankRecord(0, 12, 8)}
