@@ -53,6 +53,8 @@ class AgentConfig:
     max_consecutive_failures: int = 3
     max_cost_usd: float | None = None
     instance_count: int = 1
+    # A multi-node job (instance_count > 1) trains on while at least this many nodes remain.
+    min_nodes: int = 1
     # The instance has an Elastic Fabric Adapter: the job gets bootstrap/efa.py's environment.
     efa: bool = False
     # The root EBS volume (gp3): priced into each life's storage cost.
@@ -112,6 +114,16 @@ class AgentConfig:
         _check_number(raw, "max_consecutive_failures", problems, low=1, high=100, integer=True)
         _check_number(raw, "instance_count", problems, low=1, high=1000, integer=True)
         _check_number(raw, "root_volume_gb", problems, low=1, high=65536, integer=True)
+        count = raw.get("instance_count", 1)
+        _check_number(
+            raw,
+            "min_nodes",
+            problems,
+            low=1,
+            high=count if isinstance(count, int) and count >= 1 else 1000,
+            integer=True,
+            why="a job needs at least one node and cannot wait for more than the group holds",
+        )
         if raw.get("max_cost_usd") is not None:
             _check_number(raw, "max_cost_usd", problems, low=0.01, high=1e7)
         if "gpu_required" in raw and not isinstance(raw["gpu_required"], bool):

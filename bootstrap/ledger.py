@@ -83,23 +83,41 @@ class JobLedger:
         return count, hours
 
     def previous_life(self) -> dict[str, Any] | None:
-        """The life before this one (None for the first)."""
+        """The life before this one (None for the first). In a multi-node job, lives of the same generation
+        as this one ran beside it, not before it, and are skipped: one crash seen by every node is one
+        failure, not a repeat."""
         lives = self.data["lives"]
         if self._current is None:
             return lives[-1] if lives else None
         index = next(i for i, x in enumerate(lives) if x is self._current)
-        return lives[index - 1] if index > 0 else None
+        generation = self._current.get("generation")
+        earlier = [x for x in lives[:index] if generation is None or x.get("generation") != generation]
+        return earlier[-1] if earlier else None
 
-    def begin_life(self, identity: InstanceIdentity, price: LifeQuote | float | None, now: datetime) -> str:
+    def begin_life(
+        self,
+        identity: InstanceIdentity,
+        price: LifeQuote | float | None,
+        now: datetime,
+        stale_after_seconds: float | None = None,
+    ) -> str:
         """Open this life and close the ones left `running`; returns the new life's id.
 
         A life of this same instance still marked running is one the agent died in: it counts as a failure,
         so that a systemd restart loop trips the crash-loop guard. A life of another instance still marked
         running is one whose instance died without a word (killed mid-sync, no notice): it is closed as
-        interrupted, billed up to its last heartbeat.
+        interrupted, billed up to its last heartbeat. In a multi-node job the other nodes' lives run beside
+        this one: only those whose heartbeat is older than `stale_after_seconds` are closed.
         """
         for earlier in self.data["lives"]:
             if earlier["outcome"] != LifeOutcome.RUNNING:
+                continue
+            beating = earlier.get("heartbeat_at") or earlier["started_at"]
+            if (
+                stale_after_seconds is not None
+                and earlier["instance_id"] != identity.instance_id
+                and (now - _parse(beating)).total_seconds() < stale_after_seconds
+            ):
                 continue
             if earlier["instance_id"] == identity.instance_id:
                 earlier["outcome"] = LifeOutcome.FAILED.value
@@ -207,9 +225,21 @@ class JobLedger:
         if outcome in INTERRUPTED_OUTCOMES:
             self.data["interruptions"] += 1
         if outcome in FAILED_OUTCOMES:
-            self.data["consecutive_failures"] += 1
+            # One crash of a multi-node generation fails every node's life: the job failed once.
+            generation = life.get("generation")
+            seen = generation is not None and any(
+                x is not life and x.get("generation") == generation and x["outcome"] in FAILED_OUTCOMES
+                for x in self.data["lives"]
+            )
+            if not seen:
+                self.data["consecutive_failures"] += 1
         else:
             self.data["consecutive_failures"] = 0
+
+    def set_generation(self, generation: int) -> None:
+        """The multi-node generation this life is training in (bootstrap/rendezvous.py)."""
+        if self._current is not None:
+            self._current["generation"] = generation
 
     def set_status(self, status: JobStatus) -> None:
         self.data["status"] = JobStatus(status).value
@@ -280,8 +310,14 @@ class LedgerStore:
         raise RuntimeError(f"{self.uri}: {self._attempts} concurrent writers in a row; will retry")
 
     def begin_life(
-        self, identity: InstanceIdentity, price: LifeQuote | float | None, now: datetime
+        self,
+        identity: InstanceIdentity,
+        price: LifeQuote | float | None,
+        now: datetime,
+        stale_after_seconds: float | None = None,
     ) -> JobLedger:
         self.life_id = None
-        self.life_id = self.update(lambda ledger: ledger.begin_life(identity, price, now))
+        self.life_id = self.update(
+            lambda ledger: ledger.begin_life(identity, price, now, stale_after_seconds)
+        )
         return self.last

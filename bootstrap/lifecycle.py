@@ -31,10 +31,12 @@ from bootstrap.imds import ImdsClient, ImdsUnavailableError, InstanceIdentity
 from bootstrap.job import BUNDLE_JOB_DIR, JobSpec, JobSpecError, interruption_env, prepare_python
 from bootstrap.ledger import FAILED_OUTCOMES, JobLedger, LedgerStore
 from bootstrap.logshipper import LogShipper, close_all
+from bootstrap.multinode import RENDEZVOUS_ATTEMPTS, NodeExit, NodeGroup, wait_until_confirmed
 from bootstrap.notify import Notifier, format_duration, format_metrics
 from bootstrap.persist import CheckpointPersister, PersistResult, UploadAbandonedError
 from bootstrap.preflight import GpuPreflight
 from bootstrap.pricing import CostMeter, LifeQuote, PriceLookup
+from bootstrap.rendezvous import Rendezvous
 from bootstrap.results import upload_results
 from bootstrap.scratch import prepare_scratch
 from bootstrap.statestore import StateStore
@@ -176,6 +178,11 @@ class InstanceLife:
         self._watcher: SpotWatcher | None = None
         self._progress_file: Path | None = None
         self._state_errors = 0
+        # Several instances train one job (docs/multi-node.md): the built-in trainer across nodes.
+        self.multi_node = config.instance_count > 1 and self.user_job is None
+        self._nodes: NodeGroup | None = None
+        # Set when this node's generation completed but global rank 0 (and the results) ran elsewhere.
+        self._follower = False
 
     @property
     def ledger(self) -> JobLedger:
@@ -196,11 +203,23 @@ class InstanceLife:
         try:
             result = self._run_life(self.identity)
             if result.exit_code == 0:
+                self._leave_job()
                 self._release_instance(self.identity)
         finally:
             self._stop_background()
+            self._leave_job()
             close_all(self._shippers)
         return result
+
+    def _leave_job(self) -> None:
+        """Take this node out of the multi-node rendezvous (its node file), so no one joins it as host."""
+        nodes, self._nodes = self._nodes, None
+        if nodes is None:
+            return
+        try:
+            nodes.leave()
+        except Exception as exc:  # its heartbeat goes stale instead; the others then stop counting on it
+            self.log.event("rendezvous", "could not remove this node's file", error=_one_line(exc))
 
     def give_up(self) -> LifeResult:
         """Last resort when systemd's start limit is hit: record, notify, scale to zero."""
@@ -300,6 +319,8 @@ class InstanceLife:
             try:
                 if self.state.stop_requested():
                     self._request_stop("control")
+                if self._nodes is not None:
+                    self._nodes.heartbeat()
                 total = self._heartbeat()
                 cap = self.config.max_cost_usd
                 if cap is not None and total >= cap:
@@ -365,7 +386,11 @@ class InstanceLife:
         if self._group_scaled_to_zero():
             return LifeResult("skipped")
         self._life_started = utc_now()
-        self.ledger_store.begin_life(identity, self._price(identity, announce=True), self._life_started)
+        # Other nodes' lives run beside this one in a multi-node job: only silent ones are closed.
+        stale = 3 * self._state_poll_seconds + 30 if self.multi_node else None
+        self.ledger_store.begin_life(
+            identity, self._price(identity, announce=True), self._life_started, stale_after_seconds=stale
+        )
         self._spawn("state-poller", self._poll_state)
         guard = self._guards_before_start()
         if guard is not None:
@@ -561,18 +586,25 @@ class InstanceLife:
             return Failure(LifeOutcome.FAILED, exc.problems[0], list(self.log.tail), fix=fix, permanent=True)
         self._progress_file = paths.progress_file
         metrics = GpuMetricPublisher(self.clients.cloudwatch, self.config.group_name, self.log)
+        if self.multi_node:
+            self._nodes = self._node_group(paths)
         with self._stop_lock:
             if self._stop_reason is not None:
                 return self._stopped_before_training()
             self.phase = "training"
-            self.log.event("train", "trainer starting", argv=trainer.argv, restored_step=restored)
-            trainer.start()
-            self._trainer = trainer
+            if self._nodes is None:
+                self.log.event("train", "trainer starting", argv=trainer.argv, restored_step=restored)
+                trainer.start()
+                self._trainer = trainer
         persister.start()
         if gpu_count:
             metrics.start()
         try:
-            code = self._supervise(trainer, persister)
+            code = (
+                self._train_generations(trainer, persister, restored)
+                if self._nodes is not None
+                else self._supervise(trainer, persister)
+            )
         finally:
             metrics.stop()
         self.phase = "final-upload"
@@ -584,8 +616,181 @@ class InstanceLife:
         )
         persisted = persister.finish(deadline)
         persister.close()
+        persisted = self._job_checkpoint_confirmed(persisted, persister, deadline)
         self._upload_progress_quietly()
         return self._classify_exit(code, reason, persisted, trainer)
+
+    # -- several nodes, one job (docs/multi-node.md) ------------------------------------------------
+
+    def _node_group(self, paths: TrainerPaths) -> NodeGroup:
+        assert self.identity is not None
+        try:
+            address = self.imds.get("local-ipv4") or socket.gethostbyname(socket.gethostname())
+        except ImdsUnavailableError:
+            address = socket.gethostbyname(socket.gethostname())
+        rendezvous = Rendezvous(
+            self.clients.s3,
+            self.config.bucket,
+            self.config.prefixes.state,
+            instance_id=self.identity.instance_id,
+            address=address,
+            stack=self.config.stack,
+            min_nodes=self.config.min_nodes,
+            max_nodes=self.config.instance_count,
+            stale_seconds=3 * self._state_poll_seconds + 30,
+        )
+        return NodeGroup(
+            rendezvous,
+            min_nodes=self.config.min_nodes,
+            max_nodes=self.config.instance_count,
+            exit_file=paths.scratch / "node-exit.json",
+            address=address,
+        )
+
+    def _train_generations(
+        self, trainer: TrainerProcess, persister: CheckpointPersister, restored: int | None
+    ) -> int | str:
+        """Run the trainer in one generation after another until the job completes, fails or this node
+        is stopped. A generation ends for everyone when any node stops (its notice stops all ranks at one
+        step, with one checkpoint): the others then join the next generation and go on with the nodes
+        that remain; a node that arrives while a generation trains is absorbed by torch's own restart."""
+        nodes = self._nodes
+        assert nodes is not None
+        failed_rendezvous = 0
+        while True:
+            try:
+                membership = nodes.join()
+            except Exception as exc:  # S3 unreachable for now: the stop path never waits on this
+                failed_rendezvous += 1
+                self.log.event("rendezvous", "cannot join a generation; will retry", error=_one_line(exc))
+                if failed_rendezvous >= RENDEZVOUS_ATTEMPTS:
+                    return int(ExitCode.FAILED)
+                if self._stopping.wait(min(30.0, 2.0 * failed_rendezvous)):
+                    return int(ExitCode.STOPPED)
+                continue
+            generation = membership.generation
+            self._record(_in_generation(generation.number))
+            trainer.update_env(nodes.trainer_env(membership))
+            with self._stop_lock:
+                if self._stop_reason is not None:
+                    # The last generation ended with every rank's checkpoint committed: nothing new here.
+                    return int(ExitCode.STOPPED)
+                self.log.event(
+                    "rendezvous",
+                    "hosting generation" if membership.is_host else "joining generation",
+                    generation=generation.number,
+                    endpoint=generation.endpoint,
+                    nodes=f"{nodes.min_nodes}..{nodes.max_nodes}",
+                    restored_step=restored,
+                    **({"repaired": membership.repaired} if membership.repaired else {}),
+                )
+                trainer.start()
+                self._trainer = trainer
+            code = self._supervise(trainer, persister)
+            ended = nodes.node_exit()
+            if code == ExitCode.COMPLETED:
+                # Global rank 0's node owns the results and the job's completion; the others end quietly
+                # once it has said so (a scale-in it caused may already be stopping them: still completed).
+                self._follower = ended is not None and not ended.rank0_here
+                if not self._follower or self._stop_state()[0] is not None or self._job_completed_elsewhere():
+                    return code
+                self.log.event(
+                    "rendezvous", "the node with rank 0 did not complete the job; regrouping", level="warning"
+                )
+                continue
+            if self._stop_state()[0] is not None:
+                return code
+            if ended is not None and ended.rendezvous_failed:
+                failed_rendezvous += 1
+                self.log.event(
+                    "rendezvous",
+                    "generation did not form; trying the next one",
+                    generation=generation.number,
+                    attempt=failed_rendezvous,
+                )
+                if failed_rendezvous >= RENDEZVOUS_ATTEMPTS or self._stopping.wait(2.0):
+                    return code
+                continue
+            failed_rendezvous = 0
+            if code != ExitCode.STOPPED:
+                return code
+            why = self._job_wide_stop()
+            if why is not None:
+                self._request_stop(why)
+                return code
+            self.log.event(
+                "rendezvous",
+                "another node left the job; every rank stopped at one step with its checkpoint, regrouping",
+                generation=generation.number,
+                stopped_step=ended.stopped_step if ended else None,
+                world_size=ended.world_size if ended else None,
+            )
+            restored = self._catch_up(persister, ended)
+
+    def _catch_up(self, persister: CheckpointPersister, ended: NodeExit | None) -> int | None:
+        """Before the next generation: the job's newest checkpoint on this node too. The step every rank
+        stopped at was committed by global rank 0, maybe on the node that just left: wait (up to the stop
+        deadline) for its upload, then restore it from S3, so the next generation resumes there and not
+        at an older step this node happens to hold."""
+        if ended is not None and ended.stopped_step is not None and not ended.rank0_here:
+            deadline = time.monotonic() + self.config.stop_deadline_seconds
+            seen = wait_until_confirmed(
+                persister.read_latest, ended.stopped_step, deadline, should_stop=self._stopping.is_set
+            )
+            if seen is None or seen < ended.stopped_step:
+                self.log.event(
+                    "checkpoint",
+                    "the step every rank stopped at was not confirmed in S3 in time; resuming from the "
+                    "newest one that was",
+                    level="warning",
+                    stopped_step=ended.stopped_step,
+                    confirmed_step=seen,
+                )
+        try:
+            return persister.restore(should_abort=self._stopping.is_set)
+        except Exception as exc:  # the next generation still resumes from the newest step any node holds
+            self.log.event("checkpoint", "could not restore from S3 before regrouping", error=_one_line(exc))
+            return None
+
+    def _job_wide_stop(self) -> str | None:
+        """A stop that every node must follow (`trainstack stop`, the cost cap), checked when a generation
+        stopped without this node asking: another node may have seen it first."""
+        try:
+            if self.state.stop_requested():
+                return "control"
+            cap = self.config.max_cost_usd
+            if cap is not None and self.ledger_store.load().total_cost_usd >= cap:
+                return "cost_cap"
+        except Exception as exc:  # the state poller keeps asking; regrouping is the safe default
+            self.log.event("state", "cannot read the job state; regrouping", error=_one_line(exc))
+        return None
+
+    def _job_completed_elsewhere(self, wait_seconds: float = 300.0) -> bool:
+        """Whether the node that ran global rank 0 marked the job completed (it uploads the results)."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                if self.ledger_store.load().status == JobStatus.COMPLETED:
+                    return True
+            except Exception as exc:
+                self.log.event("state", "cannot read the ledger; will retry", error=_one_line(exc))
+            if time.monotonic() >= deadline:
+                return False
+            if self._stopping.wait(min(5.0, self._state_poll_seconds)):
+                return True  # stopping (the rank-0 node's scale to zero, most likely): the job did complete
+
+    def _job_checkpoint_confirmed(
+        self, persisted: PersistResult, persister: CheckpointPersister, deadline: float
+    ) -> PersistResult:
+        """On a node whose ranks stopped without rank 0, the job's checkpoint is the rank-0 node's to
+        upload: wait (to the stop deadline) for S3 latest.json to reach the step every rank stopped at."""
+        ended = self._nodes.node_exit() if self._nodes is not None else None
+        if ended is None or ended.rank0_here or ended.stopped_step is None:
+            return persisted
+        if persisted.confirmed_step is not None and persisted.confirmed_step >= ended.stopped_step:
+            return PersistResult(ended.stopped_step, persisted.confirmed_step)
+        confirmed = wait_until_confirmed(persister.read_latest, ended.stopped_step, deadline)
+        return PersistResult(ended.stopped_step, confirmed)
 
     def _job_process(self, paths: TrainerPaths, gpu_count: int, restored: int | None) -> TrainerProcess:
         """The job to run: a user's command in its workdir (and requirements), or the built-in trainer."""
@@ -659,8 +864,9 @@ class InstanceLife:
                     return "killed"
             else:
                 progress = read_progress(trainer.paths.progress_file)
-                # A user's job that never reports progress is not watched (docs/job-contract.md).
-                watched = progress is not None or self.user_job is None
+                # A user's job that never reports progress is not watched (docs/job-contract.md), nor a
+                # node of a multi-node job without global rank 0 (the rank-0 node's agent watches the job).
+                watched = progress is not None or (self.user_job is None and self._nodes is None)
                 if watched and watchdog.observe(progress.get("step") if progress else None):
                     idle = round(watchdog.idle_seconds())
                     trainer.kill()
@@ -751,6 +957,12 @@ class InstanceLife:
         raise AssertionError(f"unknown outcome {outcome}")
 
     def _completed(self) -> LifeResult:
+        if self._follower:
+            # The node that ran global rank 0 holds the results: it uploaded them, marked the job completed,
+            # scaled the group to zero and sent the one notification.
+            self._record(lambda ledger: ledger.end_life(LifeOutcome.COMPLETED, utc_now()))
+            self.log.event("end", "completed; the node that ran rank 0 uploaded the results")
+            return LifeResult(LifeOutcome.COMPLETED)
         results = self.config.prefixes.results
         assert self._paths is not None
         output = self._paths.output_dir
@@ -824,6 +1036,8 @@ class InstanceLife:
                 ledger.end_life(failure.outcome, utc_now(), **details)
             verdict["failures"] = ledger.consecutive_failures
             if failure.permanent or verdict["repeated"] or ledger.consecutive_failures >= limit:
+                # Another node of the same job may have given up first: it notified and scaled to zero.
+                verdict["already"] = ledger.status == JobStatus.FAILED
                 ledger.set_status(JobStatus.FAILED)
 
         self._record(end)
@@ -838,6 +1052,9 @@ class InstanceLife:
                 limit=limit,
             )
             return LifeResult(failure.outcome)
+        if verdict.get("already"):
+            self.log.event("end", "the job had already been given up by another node", reason=failure.reason)
+            return LifeResult("gave_up")
         if failure.permanent:
             subject = f"training failed: {failure.reason}; group scaled to zero"
             why = f"This failure is permanent ({failure.reason}): another instance cannot fix it."
@@ -881,12 +1098,24 @@ class InstanceLife:
         )
         return LifeResult(LifeOutcome.NO_DATA)
 
-    def _stopped_by_user(self) -> LifeResult:
-        def stopped(ledger: JobLedger) -> None:
-            ledger.end_life(LifeOutcome.STOPPED, utc_now())
-            ledger.set_status(JobStatus.STOPPED)
+    def _end_job(self, outcome: LifeOutcome, status: JobStatus) -> bool:
+        """End this life and the job; True unless another node of the job had already ended it the same way
+        (then it has notified and scaled to zero: once per job, not once per node)."""
+        first = {"value": True}
 
-        self._record(stopped)
+        def end(ledger: JobLedger) -> None:
+            first["value"] = ledger.status != status
+            ledger.end_life(outcome, utc_now())
+            ledger.set_status(status)
+
+        self._record(end)
+        if not first["value"]:
+            self.log.event("end", f"{status.value}: another node of this job already said so")
+        return first["value"]
+
+    def _stopped_by_user(self) -> LifeResult:
+        if not self._end_job(LifeOutcome.STOPPED, JobStatus.STOPPED):
+            return LifeResult(LifeOutcome.STOPPED)
         self._notify_and_scale_to_zero(
             "stopped on request; group scaled to zero",
             [
@@ -898,11 +1127,8 @@ class InstanceLife:
         return LifeResult(LifeOutcome.STOPPED)
 
     def _cost_cap_reached(self) -> LifeResult:
-        def capped(ledger: JobLedger) -> None:
-            ledger.end_life(LifeOutcome.COST_CAP, utc_now())
-            ledger.set_status(JobStatus.COST_CAP)
-
-        self._record(capped)
+        if not self._end_job(LifeOutcome.COST_CAP, JobStatus.COST_CAP):
+            return LifeResult(LifeOutcome.COST_CAP)
         self._notify_and_scale_to_zero(
             "cost cap reached; group scaled to zero",
             [
@@ -982,6 +1208,13 @@ class InstanceLife:
             )
             return
         self.log.event("release", "drain hook completed; the group terminates this instance now", hook=hook)
+
+
+def _in_generation(number: int) -> Callable[[JobLedger], None]:
+    def change(ledger: JobLedger) -> None:
+        ledger.set_generation(number)
+
+    return change
 
 
 def _error_code(exc: BaseException) -> str:

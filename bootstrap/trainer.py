@@ -137,6 +137,10 @@ class TrainerProcess:
         self._process: subprocess.Popen[str] | None = None
         self._pump: threading.Thread | None = None
 
+    def update_env(self, values: dict[str, str]) -> None:
+        """Variables for the next start (a multi-node job's rendezvous changes with each generation)."""
+        self._env.update(values)
+
     @property
     def argv(self) -> list[str]:
         if self._user_job:

@@ -31,6 +31,8 @@ class SimulatedInstance:
     availability_zone: str = "us-east-1a"
     region: str = "us-east-1"
     lifecycle: str = "spot"
+    # What the other nodes of a multi-node job reach this one by.
+    local_ipv4: str = "127.0.0.1"
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -134,6 +136,7 @@ class ImdsSimulator:
             "placement/availability-zone": inst.availability_zone,
             "placement/region": inst.region,
             "instance-life-cycle": inst.lifecycle,
+            "local-ipv4": inst.local_ipv4,
             "spot/instance-action": json.dumps(spot) if spot else None,
             "events/recommendations/rebalance": json.dumps(rebalance) if rebalance else None,
             **inst.extra,

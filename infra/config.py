@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,9 +31,12 @@ DEFAULT_AMI_PARAMETER = (
 )
 
 # The one place the defaults live; Pulumi.yaml repeats them for the CLI and a test keeps the two equal.
+# Nodes one job trains on: the c10d rendezvous and one S3 ledger are sized for tens, not thousands.
+MAX_NODES = 64
 DEFAULTS: dict[str, Any] = {
     "instanceTypes": ["g6.xlarge", "g5.xlarge", "g6e.xlarge", "g4dn.xlarge"],
     "instanceCount": 1,
+    "minNodes": 1,
     "spotAllocationStrategy": "price-capacity-optimized",
     "onDemandBaseCapacity": 0,
     "onDemandPercentageAboveBase": 0,
@@ -146,6 +150,7 @@ class StackConfig:
     user_job: JobSpec | None = None
     user_job_dir: Path | None = None
     placement_strategy: str = ""
+    min_nodes: int = 1
 
     @property
     def name(self) -> str:
@@ -231,6 +236,7 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
 
     instance_types = tuple(value("instanceTypes", _string_list, '\'["g6.xlarge","g5.xlarge"]\''))
     instance_count = value("instanceCount", _integer, "1")
+    min_nodes = value("minNodes", _integer, "1")
     strategy = value("spotAllocationStrategy", _string, "price-capacity-optimized")
     on_demand_base = value("onDemandBaseCapacity", _integer, "0")
     on_demand_pct = value("onDemandPercentageAboveBase", _integer, "0")
@@ -257,14 +263,15 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
     placement_strategy = value("placementStrategy", _string, "cluster").strip()
 
     _check_instance_types(instance_types, problems)
-    if isinstance(instance_count, int) and instance_count != 1:
-        problems.add(
-            "instanceCount",
-            f"must be 1, got {instance_count}: multi-node training is not available yet, and N instances "
-            "would each train the same job and race on the same checkpoints; for more GPUs use one "
-            'instance of a multi-GPU type (e.g. instanceTypes ["g6.12xlarge"], 4 x L4)',
-            "1",
-        )
+    _check_range(
+        problems, "instanceCount", instance_count, 1, MAX_NODES, "1",
+        "instances training one job; above 1 they train it together (docs/multi-node.md)",
+    )  # fmt: skip
+    if isinstance(instance_count, int) and isinstance(min_nodes, int):
+        _check_range(
+            problems, "minNodes", min_nodes, 1, max(1, instance_count), "1",
+            "nodes the job keeps training with while the others are replaced; at most instanceCount",
+        )  # fmt: skip
     if placement_strategy not in PLACEMENT_STRATEGIES:
         problems.add(
             "placementStrategy",
@@ -334,6 +341,16 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
         )
     training_path, job = _load_training_config(training_config, problems)
     user_job, user_job_dir = _load_user_job(job_file, problems) if job_file else (None, None)
+    if user_job is not None and isinstance(instance_count, int) and instance_count > 1:
+        problems.add(
+            "instanceCount",
+            f"{instance_count} nodes with trainstack:job: a user's job runs on one instance (multi-node runs "
+            "the built-in trainer, trainstack:trainingConfig); set 1, or a multi-GPU type for more GPUs "
+            '(e.g. instanceTypes ["g6.12xlarge"], 4 x L4)',
+            "1",
+        )
+    elif isinstance(instance_count, int) and isinstance(min_nodes, int) and instance_count > 1:
+        _check_global_batch(job, min_nodes, instance_count, problems)
     max_cost: float | None = None
     if max_cost_text:
         if _PRICE.match(max_cost_text) and float(max_cost_text) > 0:
@@ -381,6 +398,7 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
         user_job=user_job,
         user_job_dir=user_job_dir,
         placement_strategy=placement_strategy,
+        min_nodes=min_nodes,
     )
 
 
@@ -436,6 +454,26 @@ def _string_list(raw: Any) -> list[str]:
     if not isinstance(raw, list) or not all(isinstance(item, str) for item in raw):
         raise ValueError(f"must be a list of strings, got {raw!r}")
     return [item.strip() for item in raw]
+
+
+def _check_global_batch(job: dict[str, Any], low: int, high: int, problems: _Problems) -> None:
+    """The global batch is kept when nodes come and go: it must split evenly over every node count the job
+    can have (one rank per node at least; the trainer checks the GPUs per node when it starts)."""
+    train = job.get("train") if isinstance(job, dict) else None
+    batch = train.get("batch_size") if isinstance(train, dict) else None
+    if not isinstance(batch, int) or isinstance(batch, bool):
+        return
+    uneven = [n for n in range(low, high + 1) if batch % n]
+    if uneven:
+        multiple = math.lcm(*range(low, high + 1))
+        problems.add(
+            "minNodes",
+            f"train.batch_size {batch} of trainstack:trainingConfig does not split over "
+            f"{', '.join(map(str, uneven))} node(s), and the job keeps its global batch whatever the "
+            f"number of nodes (minNodes..instanceCount = {low}..{high}): use a multiple of {multiple}, "
+            "or raise minNodes",
+            str(high),
+        )
 
 
 def _check_range(

@@ -266,6 +266,7 @@ def agent_config(config: StackConfig, *, bucket: str, topic_arn: str, log_group:
         max_consecutive_failures=config.max_consecutive_failures,
         max_cost_usd=config.max_cost_usd,
         instance_count=config.instance_count,
+        min_nodes=config.min_nodes,
         root_volume_gb=config.root_volume_size_gb,
         efa=config.efa,
         lifecycle_hook=LIFECYCLE_HOOK_NAME,

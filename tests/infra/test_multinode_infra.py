@@ -1,7 +1,6 @@
 """Infra for multi-node jobs: peer rules, cluster placement in one zone, EFA on the types that take one.
 
-infra/config.py still refuses instanceCount > 1 (no multi-node engine yet), so these runs swap in the
-example stack's validated config with a larger `instance_count`, the one field that refusal guards.
+The whole-program runs swap in the example stack's validated config with a larger `instance_count`.
 """
 
 from __future__ import annotations
@@ -155,9 +154,12 @@ def test_unknown_placement_strategy_is_refused_naming_the_key() -> None:
         _config(placementStrategy="spread")
 
 
-def test_instance_count_above_one_is_still_refused() -> None:
-    with pytest.raises(StackConfigError, match="multi-node training is not available yet"):
-        _config(instanceCount=2)
+def test_instance_count_above_one_is_a_multi_node_job_of_the_built_in_trainer() -> None:
+    config = _config(instanceCount=2, minNodes=2, job="", trainingConfig="training/configs/tiny.yaml")
+    assert (config.multi_node, config.min_nodes) == (True, 2)
+    assert agent_config(config, bucket="b", topic_arn="t", log_group="l").min_nodes == 2
+    with pytest.raises(StackConfigError, match="a user's job runs on one instance"):
+        _config(instanceCount=2, job="examples/charlm/job.yaml")
 
 
 def test_efa_needs_several_nodes_a_cluster_and_every_type_to_take_one() -> None:

@@ -111,15 +111,37 @@ def test_the_program_stops_at_preview_on_a_training_config_typo(tmp_path: Path) 
         run_stack(config)
 
 
-@pytest.mark.parametrize("count", ["2", "8"])
-def test_more_than_one_instance_is_refused_with_what_to_do_instead(count: str) -> None:
-    [line] = _problem_lines(instanceCount=count)
-    assert line.startswith(f"  - trainstack:instanceCount: must be 1, got {count}: multi-node training")
-    assert "race on the same checkpoints" in line
+@pytest.mark.parametrize(("count", "least"), [("2", "1"), ("8", "8")])
+def test_several_instances_train_the_built_in_trainer_together(count: str, least: str) -> None:
+    config = _parse(instanceCount=count, minNodes=least, trainingConfig="training/configs/tiny.yaml")
+    assert (config.instance_count, config.min_nodes, config.multi_node) == (int(count), int(least), True)
+
+
+def test_a_users_job_on_several_instances_is_refused_with_what_to_do_instead() -> None:
+    [line] = _problem_lines(instanceCount="2", job="examples/charlm/job.yaml")
+    assert line.startswith(
+        "  - trainstack:instanceCount: 2 nodes with trainstack:job: a user's job runs on one"
+    )
     assert "multi-GPU type" in line and "g6.12xlarge" in line
     assert line.endswith("(e.g. `pulumi config set trainstack:instanceCount 1`)")
 
 
+def test_min_nodes_above_the_instance_count_is_refused() -> None:
+    [line] = _problem_lines(instanceCount="2", minNodes="3")
+    assert line.startswith("  - trainstack:minNodes: must be between 1 and 2, got 3")
+
+
+def test_a_global_batch_that_cannot_split_over_every_node_count_is_refused_at_preview(tmp_path: Path) -> None:
+    job = _job(tmp_path, {"train": {"batch_size": 32}})
+    [line] = _problem_lines(instanceCount="3", trainingConfig=str(job))
+    assert line.startswith(
+        "  - trainstack:minNodes: train.batch_size 32 of trainstack:trainingConfig does not"
+    )
+    assert "split over 3 node(s)" in line and "use a multiple of 6, or raise minNodes" in line
+    assert line.endswith("(e.g. `pulumi config set trainstack:minNodes 3`)")
+    assert _parse(instanceCount="2", trainingConfig=str(job)).instance_count == 2
+
+
 def test_zero_instances_are_refused() -> None:
     [line] = _problem_lines(instanceCount="0")
-    assert "trainstack:instanceCount: must be 1, got 0" in line
+    assert "trainstack:instanceCount: must be between 1 and 64, got 0" in line

@@ -1,0 +1,140 @@
+"""This instance's part in a multi-node job: its generation, its trainer's rendezvous, what its node did.
+
+The agent on every node restores, syncs and supervises as for one node; what is added (docs/multi-node.md):
+- before each launch the node joins a generation through S3 (bootstrap/rendezvous.py) and hands the
+  trainer that generation's c10d endpoint, run id and node bounds (trainstack_job.contract.JobEnv);
+- training/launch.py writes what its ranks did into the node exit file: the agent reads the step they
+  stopped at (to confirm that step in S3 before an interrupted node goes), whether global rank 0 ran here
+  (that node owns the job's results and its completion) and whether the rendezvous itself failed (then
+  the next generation is tried, nothing is counted as a failure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bootstrap.rendezvous import Membership, Rendezvous
+from trainstack_job.contract import JobEnv
+
+# How long a node waits in a rendezvous for `min_nodes` (a replacement's boot, sync and restore included).
+JOIN_TIMEOUT_SECONDS = 900.0
+# Generations in a row whose rendezvous failed (a host gone, a store refused) before the life gives up.
+RENDEZVOUS_ATTEMPTS = 10
+
+
+@dataclass(frozen=True)
+class NodeExit:
+    """training/launch.py's record of this node's ranks in the generation that just ended."""
+
+    exit_code: int | None
+    stopped_step: int | None
+    rank0_here: bool
+    rendezvous_failed: bool
+    world_size: int | None
+
+    @classmethod
+    def read(cls, path: Path) -> NodeExit | None:
+        """None when the launcher left no record (it was killed, or never got that far)."""
+        try:
+            raw: Any = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(raw, dict):
+            return None
+
+        def number(key: str) -> int | None:
+            value = raw.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+        return cls(
+            exit_code=number("exit_code"),
+            stopped_step=number("stopped_step"),
+            rank0_here=raw.get("rank0_here") is True,
+            rendezvous_failed=raw.get("rendezvous_failed") is True,
+            world_size=number("world_size"),
+        )
+
+
+class NodeGroup:
+    """The generations this node takes part in, and the trainer environment for each."""
+
+    def __init__(
+        self,
+        rendezvous: Rendezvous,
+        *,
+        min_nodes: int,
+        max_nodes: int,
+        exit_file: Path,
+        address: str,
+        join_timeout_seconds: float = JOIN_TIMEOUT_SECONDS,
+    ) -> None:
+        self.rendezvous = rendezvous
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.exit_file = exit_file
+        self.address = address
+        self.join_timeout_seconds = join_timeout_seconds
+        self.last_generation: int | None = None
+        self.membership: Membership | None = None
+
+    def join(self) -> Membership:
+        """The generation to launch in next: the current one if it is newer than the last this node ran in
+        and its host is alive, else a new one this node hosts (S3 conditional writes decide races)."""
+        membership = self.rendezvous.join(self.last_generation)
+        self.membership = membership
+        self.last_generation = membership.generation.number
+        # A stale record from the generation before must not be read as this one's.
+        self.exit_file.unlink(missing_ok=True)
+        return membership
+
+    def trainer_env(self, membership: Membership) -> dict[str, str]:
+        generation = membership.generation
+        return {
+            JobEnv.RDZV_ENDPOINT.value: generation.endpoint,
+            JobEnv.RDZV_ID.value: generation.run_id,
+            JobEnv.RDZV_HOST.value: "1" if membership.is_host else "0",
+            JobEnv.NNODES.value: f"{self.min_nodes}:{self.max_nodes}",
+            JobEnv.NODE_ADDR.value: self.address,
+            JobEnv.NODE_EXIT_FILE.value: str(self.exit_file),
+            JobEnv.RDZV_JOIN_TIMEOUT.value: f"{self.join_timeout_seconds:g}",
+        }
+
+    def node_exit(self) -> NodeExit | None:
+        return NodeExit.read(self.exit_file)
+
+    def heartbeat(self) -> None:
+        self.rendezvous.heartbeat(self.last_generation)
+
+    def leave(self) -> None:
+        self.rendezvous.leave()
+
+
+def wait_until_confirmed(
+    read_latest: Callable[[float | None], tuple[int | None, str | None]],
+    step: int,
+    deadline: float,
+    should_stop: Callable[[], bool] = lambda: False,
+    poll_seconds: float = 0.5,
+) -> int | None:
+    """The step S3 `latest.json` names once it reaches `step`, or the last one seen at `deadline`.
+
+    An interrupted node whose ranks did not include global rank 0 has no new checkpoint of its own: the
+    job's coordinated checkpoint is uploaded by the node that ran rank 0. This node still owes its notice
+    the answer "was the job's state at the step we stopped at confirmed?", so it watches latest.json.
+    """
+    seen: int | None = None
+    while True:
+        # S3 unreachable now: the deadline decides, not one failed read.
+        with contextlib.suppress(Exception):
+            seen, _ = read_latest(deadline)
+        if seen is not None and seen >= step:
+            return seen
+        if time.monotonic() + poll_seconds > deadline or should_stop():
+            return seen
+        time.sleep(poll_seconds)

@@ -1,0 +1,226 @@
+"""Two nodes, one job, under the real agent and the real trainer (gloo on 127.0.0.1, a tiny model):
+uninterrupted, and with the rendezvous host interrupted. `python -m demo --nodes 2` (tests/bootstrap/
+test_demo_multinode.py) covers the other node interrupted and a replacement joining."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bootstrap.eventlog import EventLog
+from bootstrap.imds import ImdsClient
+from bootstrap.lifecycle import InstanceLife, LifeResult
+from demo.imds import ImdsSimulator, SimulatedInstance
+from demo.stack import LocalStack, create_stack
+from training.sample_data import write_dataset
+
+REPO = Path(__file__).resolve().parents[2]
+LIFE_TIMEOUT_S = 240
+# 6 epochs of 8 steps: long enough for a notice, a regroup and the rest of the job on 2 CPU cores.
+JOB_OVERRIDES = {
+    "model": {"name": "mobilenet_v3_small"},
+    "train": {"epochs": 6, "batch_size": 16, "micro_batch_size": 8, "log_every_steps": 1},
+    "checkpoint": {"every_steps": 4, "every_minutes": 10, "keep": 2},
+}
+
+
+@dataclass
+class Node:
+    name: str
+    imds: ImdsSimulator
+    life: InstanceLife
+    events: list[dict[str, Any]] = field(default_factory=list)
+    trainer_lines: list[str] = field(default_factory=list)
+    result: LifeResult | None = None
+    thread: threading.Thread | None = None
+
+    def find(self, part: str) -> dict[str, Any] | None:
+        return next((e for e in list(self.events) if part in str(e.get("message", ""))), None)
+
+    def progress(self) -> dict[str, Any] | None:
+        path = Path(self.life.config.scratch_dir or "") / "output" / "progress.json"
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None
+
+
+def _event_sink(node: Node) -> Callable[[str], None]:
+    return lambda line: node.events.append(json.loads(line))
+
+
+def _line_sink(node: Node) -> Callable[[], Callable[[str], None]]:
+    return lambda: node.trainer_lines.append
+
+
+def _job() -> dict[str, Any]:
+    job: dict[str, Any] = yaml.safe_load((REPO / "training" / "configs" / "tiny.yaml").read_text())
+    for section, values in JOB_OVERRIDES.items():
+        job.setdefault(section, {}).update(values)
+    return job
+
+
+@pytest.fixture()
+def two_node_stack(aws: Any, tmp_path: Path) -> LocalStack:
+    stack = create_stack(name="trainstack-nodes", desired=2)
+    dataset = tmp_path / "dataset"
+    write_dataset(dataset, classes=2, train_per_class=64, val_per_class=8, size=32)
+    s3 = stack.client("s3")
+    for path in sorted(p for p in dataset.rglob("*") if p.is_file()):
+        s3.upload_file(str(path), stack.bucket, "data/" + path.relative_to(dataset).as_posix())
+    return stack
+
+
+@pytest.fixture()
+def nodes(two_node_stack: LocalStack, tmp_path: Path) -> Iterator[list[Node]]:
+    stack = two_node_stack
+    made: list[Node] = []
+    for index, instance_id in enumerate(stack.instance_ids()[:2], start=1):
+        simulator = ImdsSimulator(
+            SimulatedInstance(instance_id=instance_id), lifecycle_state=stack.lifecycle_state
+        ).start()
+        config = stack.agent_config(
+            job=_job(),
+            instance_count=2,
+            min_nodes=1,
+            poll_seconds=0.2,
+            stop_deadline_seconds=60.0,
+            gpu_required=False,
+            scratch_dir=str(tmp_path / f"node-{index}"),
+        )
+        log = EventLog(io.StringIO())
+        life = InstanceLife(
+            config,
+            log=log,
+            imds=ImdsClient(simulator.endpoint),
+            identity_wait_seconds=2,
+            release_wait_seconds=0,
+            state_poll_seconds=0.5,
+            tick_seconds=0.1,
+        )
+        node = Node(f"node-{index}", simulator, life)
+        log.add_sink(_event_sink(node))
+        # The trainer's lines, per node (on an instance they go to the journal and CloudWatch).
+        life._trainer_log_sink = _line_sink(node)  # type: ignore[method-assign]
+        made.append(node)
+    yield made
+    for node in made:
+        trainer = node.life._trainer
+        if trainer is not None:
+            trainer.kill()
+        node.imds.stop()
+
+
+def _start(node: Node) -> None:
+    def run() -> None:
+        node.result = node.life.run()
+
+    node.thread = threading.Thread(target=run, name=node.name, daemon=True)
+    node.thread.start()
+
+
+def _wait(nodes: list[Node], timeout: float = LIFE_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        assert node.thread is not None
+        node.thread.join(max(0.0, deadline - time.monotonic()))
+        assert not node.thread.is_alive(), f"{node.name} still running after {timeout}s: {node.events[-5:]}"
+
+
+def _wait_for(condition: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _story(nodes: list[Node]) -> str:
+    """What each agent said, for a failing assertion's message."""
+    lines = []
+    for node in nodes:
+        for event in node.events:
+            extra = {k: v for k, v in event.items() if k not in ("time", "stage", "message", "argv")}
+            lines.append(f"{node.name} {event.get('stage')}: {event.get('message')} {extra}")
+        lines += [f"{node.name} trainer: {line}" for line in node.trainer_lines[-15:]]
+    return "\n".join(lines)
+
+
+def _completion_alerts(stack: LocalStack) -> list[dict[str, str]]:
+    return [a for a in stack.alerts() if "training completed" in a["Subject"]]
+
+
+def test_two_nodes_train_one_job_complete_once_and_scale_to_zero_once(
+    two_node_stack: LocalStack, nodes: list[Node]
+) -> None:
+    for node in nodes:
+        _start(node)
+    _wait(nodes)
+    outcomes = [n.result.outcome if n.result else None for n in nodes]
+    assert outcomes == ["completed", "completed"], _story(nodes)
+    joined = [n.find("generation") for n in nodes]
+    assert all(joined) and {e["generation"] for e in joined if e} == {1}, "one generation, both nodes in it"
+    assert sorted(str(e["message"]) for e in joined if e) == ["hosting generation", "joining generation"]
+    assert len(_completion_alerts(two_node_stack)) == 1, "one job, one notification"
+    assert two_node_stack.group()["DesiredCapacity"] == 0
+    metrics = two_node_stack.read_json("results/metrics.json")
+    assert metrics is not None
+    ledger = two_node_stack.read_json("state/ledger.json") or {}
+    assert ledger["status"] == "completed"
+    assert sorted(life["outcome"] for life in ledger["lives"]) == ["completed", "completed"]
+    assert ledger["consecutive_failures"] == 0 and ledger["interruptions"] == 0
+    sizes = {e.get("world_size") for n in nodes for e in n.events if e.get("world_size")}
+    assert sizes <= {2}
+
+
+def test_the_rendezvous_host_interrupted_mid_run_the_other_node_finishes_with_no_step_lost(
+    two_node_stack: LocalStack, nodes: list[Node]
+) -> None:
+    for node in nodes:
+        _start(node)
+    host = _wait_for(
+        lambda: next((n for n in nodes if n.find("hosting generation")), None), 120, "a generation host"
+    )
+    other = next(n for n in nodes if n is not host)
+    rank0 = _wait_for(
+        lambda: next((n for n in nodes if (n.progress() or {}).get("step", 0) >= 6), None),
+        150,
+        "training to reach step 6",
+    )
+    assert (rank0.progress() or {}).get("world_size") == 2
+    host.imds.inject_spot_notice()
+    _wait(nodes)
+
+    assert host.result is not None and host.result.outcome == "preempted"
+    stopped = host.find("trainer stopped")
+    assert stopped is not None and stopped["checkpoint_confirmed"], stopped
+    stop_step = stopped["checkpoint_step"]
+    regroup = other.find("another node left the job")
+    assert regroup is not None and regroup["stopped_step"] == stop_step
+    second = [e for e in other.events if e.get("stage") == "rendezvous" and e.get("generation") == 2]
+    assert second and second[0]["message"] == "hosting generation", "the survivor hosts generation 2"
+    assert other.result is not None and other.result.outcome == "completed"
+    # Steps lost: the next generation's trainer resumed exactly at the step every rank stopped at.
+    assert other.life._trainer is not None
+    said = [line for line in other.trainer_lines if "resuming at step" in line]
+    assert said and f"resuming at step {stop_step} " in said[-1], _story(nodes)
+    ledger = two_node_stack.read_json("state/ledger.json") or {}
+    assert ledger["status"] == "completed"
+    assert sorted(life["outcome"] for life in ledger["lives"]) == ["completed", "preempted"]
+    assert ledger["interruptions"] == 1 and ledger["consecutive_failures"] == 0
+    assert len(_completion_alerts(two_node_stack)) == 1
+    assert two_node_stack.read_json("results/metrics.json") is not None
+    trained = two_node_stack.read_json("results/metrics.json") or {}
+    assert trained, "results uploaded by the surviving node"
