@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from trainstack_job.contract import JobEnv
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,17 @@ class World:
         return self.size > 1
 
 
+def collective_timeout(env: Mapping[str, str]) -> timedelta:
+    """How long a rank waits in one collective before giving up.
+
+    On one machine: long enough for rank 0 to restore a checkpoint from S3 or upload one (run by hand
+    with checkpoint.uri) while the others wait. Across machines a peer can vanish without a word (an
+    instance killed with no notice): the survivors must fail within minutes, not bill half an hour, so the
+    agent can regroup them; there rank 0 only writes locally (the agent uploads), which takes seconds.
+    """
+    return timedelta(minutes=10 if env.get(JobEnv.RDZV_ENDPOINT.value) else 30)
+
+
 def init_world(device_type: str) -> World:
     """Join torchrun's process group when launched by it; a single process otherwise."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -35,8 +49,7 @@ def init_world(device_type: str) -> World:
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
-        # Long enough for rank 0 to restore a checkpoint from S3 or upload one while the others wait.
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+        dist.init_process_group(backend=backend, timeout=collective_timeout(os.environ))
     return World(rank=rank, local_rank=local_rank, size=size)
 
 

@@ -361,3 +361,12 @@ def test_a_rank_records_its_code_and_step_and_the_launcher_reads_every_global_ra
         rank_exit(code)
     (tmp_path / "rank-7").write_text('{"code": 7')  # a rank killed mid-write: the engine's view counts
     assert _recorded(tmp_path) == {5: RankRecord(EXIT_STOPPED, 12, 8), 6: RankRecord(0, 12, 8)}
+
+
+def test_ranks_across_machines_give_up_on_a_silent_peer_within_minutes() -> None:
+    from datetime import timedelta
+
+    from training.distributed import collective_timeout
+
+    assert collective_timeout({}) == timedelta(minutes=30), "one machine: room for an S3 restore by rank 0"
+    assert collective_timeout({JobEnv.RDZV_ENDPOINT.value: "10.0.0.1:29400"}) == timedelta(minutes=10)
