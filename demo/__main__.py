@@ -1,4 +1,7 @@
-"""`python -m demo` (make demo): the whole spot-interruption story on this machine, no AWS account needed."""
+"""`python -m demo` (make demo): the whole spot-interruption story on this machine, no AWS account needed.
+
+`python -m demo --nodes 2`: the same for one job trained on two instances at once (demo/multinode.py).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +11,17 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
 
+if TYPE_CHECKING:
+    from demo.report import Check
+
 # Only the demo's own folder is emptied: the README's trainer example keeps its files in .demo/.
 DEFAULT_WORKDIR = Path(".demo/end-to-end")
+MULTI_NODE_WORKDIR = Path(".demo/multi-node")
 # Piped or logged (CI), rich would assume 80 columns: tables get this width instead, and lines never wrap.
 PIPED_WIDTH = 160
 
@@ -31,16 +39,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workdir",
         type=Path,
-        default=DEFAULT_WORKDIR,
-        help=f"the demo's own folder, emptied at each run (default {DEFAULT_WORKDIR})",
+        help=f"the demo's own folder, emptied at each run (default {DEFAULT_WORKDIR}; "
+        f"{MULTI_NODE_WORKDIR} with --nodes 2)",
     )
     parser.add_argument(
         "--job",
         type=Path,
         help="your own job instead of the built-in trainer: its folder or job file (e.g. examples/charlm)",
     )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="instances training the job at once: 1 (default) or 2 (spot notice on one, a replacement joins)",
+    )
     args = parser.parse_args(argv)
     console = demo_console()
+    refused = _refuse_nodes(args.nodes, args.job)
+    if refused:
+        console.print(f"[bold red]error:[/] {escape(refused)}", highlight=False)
+        return 2
+    multi_node = args.nodes > 1
     job_file = args.job / "job.yaml" if args.job is not None and args.job.is_dir() else args.job
     if job_file is not None:
         from bootstrap.job import JobSpecError, load_job_spec
@@ -64,13 +83,29 @@ def main(argv: list[str] | None = None) -> int:
 
     # moto's server logs every request and each unimplemented call; the agent's lines tell the story.
     logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
-    workdir = args.workdir.resolve()
+    workdir = (args.workdir or (MULTI_NODE_WORKDIR if multi_node else DEFAULT_WORKDIR)).resolve()
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     os.environ["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"
+    if multi_node:
+        from demo.multinode import MultiNodeDemo
+        from demo.report_multinode import report
+
+        console.rule(
+            f"trainstack local multi-node demo: {args.nodes} simulated instances over gloo on 127.0.0.1, "
+            "embedded S3/KMS/SNS/Auto Scaling (moto)"
+        )
+        try:
+            multi = MultiNodeDemo(workdir, console).run()
+        except Exception as exc:
+            console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
+            return 1
+        finally:
+            server.stop()
+        return _verdict(report(multi, console), console)
     console.rule("trainstack local demo: embedded S3/KMS/SNS/Auto Scaling (moto) + simulated IMDS")
     try:
         result = Demo(workdir, console, job_file).run()
@@ -83,8 +118,23 @@ def main(argv: list[str] | None = None) -> int:
     print_timeline(result, console)
     png = plot_timeline(result, workdir / "timeline.png")
     console.print(f"timeline plot: {png}")
+    return _verdict(checks(result), console)
+
+
+def _refuse_nodes(nodes: int, job: Path | None) -> str | None:
+    """Why `--nodes` cannot run as asked (one line), or None."""
+    if nodes < 1:
+        return f"--nodes {nodes}: a demo needs at least one node"
+    if nodes > 2:
+        return f"--nodes {nodes}: the local demo runs 1 or 2 nodes (2 is the multi-node story it tests)"
+    if nodes > 1 and job is not None:
+        return "multi-node runs the built-in trainer; user jobs on several nodes are not supported yet"
+    return None
+
+
+def _verdict(results: list[Check], console: Console) -> int:
+    """Print the checks; 0 when every one passed, else 1."""
     console.rule("checks")
-    results = checks(result)
     for check in results:
         mark = "[green]PASS[/]" if check.passed else "[bold red]FAIL[/]"
         console.print(f"{mark} {escape(check.name)}: {escape(check.detail)}", highlight=False)
