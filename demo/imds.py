@@ -180,11 +180,16 @@ class ImdsSimulator:
                 with simulator._lock:
                     simulator.requests.append((method, self.path, status))
                 data = body.encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "text/plain")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    # The agent gave up on this request (its 2 s timeout, on a loaded machine) and asks again
+                    # at its next poll, as it would of the real IMDS: nothing to report.
+                    return
 
             def do_GET(self) -> None:
                 self._respond("GET")
