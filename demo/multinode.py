@@ -32,7 +32,7 @@ from demo.run import (
     _upload_tree,
     _validate_user_data,
 )
-from demo.stack import LocalStack, create_stack
+from demo.stack import LocalStack, create_stack, end_state
 from infra.bundle import build_bundle
 from training.sample_data import write_dataset
 
@@ -312,14 +312,9 @@ class MultiNodeDemo:
         result.lines.sort(key=lambda x: x.time)
         self._summarise()
 
-        result.metrics = stack.read_json("results/metrics.json") or {}
-        listing = (
-            stack.client("s3").list_objects_v2(Bucket=stack.bucket, Prefix="results/").get("Contents", [])
-        )
-        result.artifacts = [f"s3://{stack.bucket}/{obj['Key']}" for obj in listing]
-        result.desired_capacity = stack.group()["DesiredCapacity"]
-        result.alerts = stack.alerts()
-        result.ledger = stack.read_json("state/ledger.json") or {}
+        end = end_state(stack)
+        result.metrics, result.artifacts, result.ledger = end.metrics, end.artifacts, end.ledger
+        result.desired_capacity, result.alerts = end.desired_capacity, end.alerts
         return result
 
     def _boot(

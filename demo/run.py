@@ -20,7 +20,7 @@ from bootstrap.cloud_init import render_user_data
 from bootstrap.job import JobSpec, load_job_spec
 from demo.imds import ImdsSimulator, SimulatedInstance
 from demo.instance import AgentRun, agent_config_from_user_data, boot_agent, install_bundle
-from demo.stack import LocalStack, create_stack
+from demo.stack import LocalStack, create_stack, end_state
 from infra.bundle import build_bundle
 from training.sample_data import write_dataset
 
@@ -224,14 +224,9 @@ class Demo:
             result.instance2_booted_at = time.time()
             result.exit_codes.append(self._life("instance-2", stack, user_data, bundle.sha256, env, None))
 
-        result.metrics = stack.read_json("results/metrics.json") or {}
-        listing = (
-            stack.client("s3").list_objects_v2(Bucket=stack.bucket, Prefix="results/").get("Contents", [])
-        )
-        result.artifacts = [f"s3://{stack.bucket}/{obj['Key']}" for obj in listing]
-        result.desired_capacity = stack.group()["DesiredCapacity"]
-        result.alerts = stack.alerts()
-        result.ledger = stack.read_json("state/ledger.json") or {}
+        end = end_state(stack)
+        result.metrics, result.artifacts, result.ledger = end.metrics, end.artifacts, end.ledger
+        result.desired_capacity, result.alerts = end.desired_capacity, end.alerts
         return result
 
     def _life(

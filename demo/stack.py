@@ -84,6 +84,28 @@ class LocalStack:
         return value if isinstance(value, dict) else None
 
 
+@dataclass
+class EndState:
+    """What the stack holds once the story is over: the checks read these."""
+
+    metrics: dict[str, Any]
+    artifacts: list[str]
+    desired_capacity: int
+    alerts: list[dict[str, str]]
+    ledger: dict[str, Any]
+
+
+def end_state(stack: LocalStack) -> EndState:
+    listing = stack.client("s3").list_objects_v2(Bucket=stack.bucket, Prefix="results/").get("Contents", [])
+    return EndState(
+        metrics=stack.read_json("results/metrics.json") or {},
+        artifacts=[f"s3://{stack.bucket}/{obj['Key']}" for obj in listing],
+        desired_capacity=int(stack.group()["DesiredCapacity"]),
+        alerts=stack.alerts(),
+        ledger=stack.read_json("state/ledger.json") or {},
+    )
+
+
 def create_stack(name: str = "trainstack-demo", region: str = "us-east-1", desired: int = 1) -> LocalStack:
     """Bucket (SSE-KMS with the stack key, versioned, private), topic, log group, launch template, group."""
     session = boto3.session.Session(region_name=region)
