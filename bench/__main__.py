@@ -1,4 +1,5 @@
-"""`python -m bench`: the CPU benchmarks; `python -m bench cost`: the cost replay (see bench/RESULTS.md)."""
+"""`python -m bench`: the CPU benchmarks; `python -m bench cost`: the cost replay; `python -m bench scaling`:
+1 vs 2 process data-parallel scaling of the trainer on CPU (see bench/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ def main() -> None:
         from bench.cost import main as cost_main
 
         cost_main(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["scaling"]:
+        from bench.scaling import main as scaling_main
+
+        scaling_main(sys.argv[2:])
         return
     cpu_benchmarks()
 
