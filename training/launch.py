@@ -426,6 +426,18 @@ def _env(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def rank_threads(processes: int, env: Mapping[str, str], cpus: int | None) -> dict[str, str]:
+    """OMP_NUM_THREADS for the ranks: the machine's cores shared out, unless the user set it.
+
+    torch starts one intra-op thread per core in every process: two CPU ranks on two cores would each run
+    two threads and fight at every barrier (measured 6-10x slower in bench/RESULTS.md, "1 -> 2 processes").
+    torchrun sets 1 for the same reason; this engine API does not, so the launcher does. On GPUs the
+    ranks' CPU work (data loading, the optimizer's bookkeeping) gets its share too."""
+    if processes <= 1 or env.get("OMP_NUM_THREADS"):
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (cpus or 1) // processes))}
+
+
 def launch(
     argv: list[str],
     processes: int,
@@ -465,7 +477,7 @@ def launch(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signum)
 
-        env = {RANK_STATUS_DIR: status_dir}
+        env = {RANK_STATUS_DIR: status_dir, **rank_threads(processes, os.environ, os.cpu_count())}
         if nodes is not None:
             # Without the engine's shared store every round publishes its rank 0's address afresh: with it a
             # node that was rank 0 before a membership change keeps pointing its ranks at its own old store.

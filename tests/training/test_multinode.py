@@ -370,3 +370,13 @@ def test_ranks_across_machines_give_up_on_a_silent_peer_within_minutes() -> None
 
     assert collective_timeout({}) == timedelta(minutes=30), "one machine: room for an S3 restore by rank 0"
     assert collective_timeout({JobEnv.RDZV_ENDPOINT.value: "10.0.0.1:29400"}) == timedelta(minutes=10)
+
+
+def test_cpu_ranks_share_the_cores_unless_the_user_chose_the_threads() -> None:
+    from training.launch import rank_threads
+
+    assert rank_threads(2, {}, 2) == {"OMP_NUM_THREADS": "1"}, "two ranks on two cores: one thread each"
+    assert rank_threads(4, {}, 16) == {"OMP_NUM_THREADS": "4"}
+    assert rank_threads(3, {}, 2) == {"OMP_NUM_THREADS": "1"}
+    assert rank_threads(2, {"OMP_NUM_THREADS": "3"}, 2) == {}, "the user's own setting wins"
+    assert rank_threads(1, {}, 8) == {}, "one process keeps torch's default"
