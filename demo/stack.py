@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import boto3
@@ -12,6 +13,16 @@ from botocore.config import Config
 from bootstrap.agent_config import AgentConfig, Prefixes
 
 _RETRIES = Config(retries={"mode": "standard"})
+# boto3's default session parses botocore's models once for every client made from it, but it is not
+# thread-safe: clients are made under this lock (the IMDS simulator and the tests' threads ask at once).
+_client_lock = threading.RLock()
+
+
+def _client(service: str, region: str) -> Any:
+    with _client_lock:
+        return boto3.client(service, region_name=region, config=_RETRIES)  # type: ignore[call-overload]
+
+
 # moto only knows the AMIs it ships with; any of them stands in for the DLAMI.
 _STAND_IN_AMI = "ami-12c6146b"
 
@@ -28,9 +39,15 @@ class LocalStack:
     group_name: str
     log_group: str
     alerts_queue_url: str
+    # One client per service, made once: the simulated IMDS asks the group for this instance's lifecycle
+    # state at every agent poll, and building a client costs more CPU than the call it makes.
+    _clients: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def client(self, service: str) -> Any:
-        return boto3.client(service, region_name=self.region, config=_RETRIES)  # type: ignore[call-overload]
+        with _client_lock:
+            if service not in self._clients:
+                self._clients[service] = _client(service, self.region)
+            return self._clients[service]
 
     def agent_config(self, **overrides: Any) -> AgentConfig:
         values: dict[str, Any] = {
@@ -108,13 +125,8 @@ def end_state(stack: LocalStack) -> EndState:
 
 def create_stack(name: str = "trainstack-demo", region: str = "us-east-1", desired: int = 1) -> LocalStack:
     """Bucket (SSE-KMS with the stack key, versioned, private), topic, log group, launch template, group."""
-    session = boto3.session.Session(region_name=region)
-
-    def client(service: str) -> Any:
-        return session.client(service, config=_RETRIES)  # type: ignore[call-overload]
-
     kms, s3, sns, sqs, logs, ec2, autoscaling = (
-        client(s) for s in ("kms", "s3", "sns", "sqs", "logs", "ec2", "autoscaling")
+        _client(s, region) for s in ("kms", "s3", "sns", "sqs", "logs", "ec2", "autoscaling")
     )
     key_arn = kms.create_key(Description=f"{name} data key")["KeyMetadata"]["Arn"]
     kms.enable_key_rotation(KeyId=key_arn)
