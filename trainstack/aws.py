@@ -82,8 +82,11 @@ class Clients:
             return self._overrides[service]
         key = (service, region or self.region)
         if key not in self._made:
-            session = self._session or boto3.Session()
-            self._made[key] = session.client(  # type: ignore[call-overload]
+            # One session per command, made on first use (it reads AWS_PROFILE then): each new session
+            # parses botocore's endpoint and service models again, ~70 ms of CPU per client.
+            if self._session is None:
+                self._session = boto3.Session()
+            self._made[key] = self._session.client(  # type: ignore[call-overload]
                 service, region_name=key[1], config=_CLIENT_CONFIG
             )
         return self._made[key]
