@@ -6,8 +6,7 @@ import json
 import re
 from pathlib import Path
 
-import pytest
-
+from tests.job.conftest import installed
 from tests.job.runner import REPO, JobSandbox
 from trainstack_job.contract import ExitCode
 from trainstack_job.layout import committed_steps, verify_dir
@@ -16,8 +15,8 @@ CHARLM = REPO / "examples" / "charlm"
 CHARLM_SMALL = ["train.py", "--steps", "120", "--checkpoint-every", "50", "--hidden", "32", "--seq-len", "32"]
 
 
+@installed("torch")
 def test_charlm_stopped_and_resumed_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
     interrupted = JobSandbox(tmp_path / "interrupted")
     stopped = interrupted.run(CHARLM_SMALL, CHARLM, stop_at_step=20)
     assert stopped.returncode == ExitCode.STOPPED, stopped.output
@@ -44,8 +43,8 @@ LIGHTNING_DIGITS = REPO / "examples" / "lightning-mnist-like"
 DIGITS_SMALL = ["train.py", "--steps", "150", "--checkpoint-every", "50"]
 
 
+@installed("lightning")
 def test_lightning_digits_stops_with_a_committed_checkpoint_and_resumes_from_it(tmp_path: Path) -> None:
-    pytest.importorskip("lightning")
     sandbox = JobSandbox(tmp_path)
     stopped = sandbox.run(DIGITS_SMALL, LIGHTNING_DIGITS, stop_at_step=10)
     assert stopped.returncode == ExitCode.STOPPED, stopped.output

@@ -6,14 +6,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
+from tests.job.conftest import installed
 from tests.job.runner import JobSandbox
 from trainstack_job.contract import ExitCode
 from trainstack_job.layout import committed_steps, verify_dir
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # the Trainer needs it
+pytestmark = installed("transformers", "accelerate")  # the Trainer needs accelerate
 
 HERE = Path(__file__).parent
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.job.conftest import installed
 from tests.job.runner import JobSandbox
 from trainstack_job.contract import ExitCode
 from trainstack_job.layout import committed_steps, verify_dir
 
-pytest.importorskip("lightning")
+pytestmark = installed("lightning")
 
 HERE = Path(__file__).parent
 
