@@ -5,20 +5,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
+import numpy as np
 from PIL import Image
 
+# numpy, not torch: the demo and `python -m training.sample_data` need no 2 s torch import to write PNGs.
 
-def _image(label: int, num_classes: int, size: int, generator: torch.Generator) -> torch.Tensor:
+
+def _image(label: int, num_classes: int, size: int, rng: np.random.Generator) -> np.ndarray:
     """Noise with a square whose colour and position depend on the class: learnable, not trivial."""
-    image = torch.randint(0, 96, (3, size, size), generator=generator, dtype=torch.uint8)
+    image = rng.integers(0, 96, (size, size, 3), dtype=np.uint8)
     side = size // 2
-    offset = int(torch.randint(0, size - side + 1, (1,), generator=generator))
-    hue = torch.tensor(
-        [(label * 97) % 256, (label * 53 + 80) % 256, (label * 151 + 160) % 256], dtype=torch.uint8
-    )
+    offset = int(rng.integers(0, size - side + 1))
+    hue = np.array([(label * 97) % 256, (label * 53 + 80) % 256, (label * 151 + 160) % 256], dtype=np.uint8)
     top = (label * size // max(1, num_classes)) % (size - side + 1)
-    image[:, top : top + side, offset : offset + side] = hue.view(3, 1, 1)
+    image[top : top + side, offset : offset + side] = hue
     return image
 
 
@@ -32,14 +32,13 @@ def write_dataset(
     seed: int = 0,
 ) -> tuple[Path, Path]:
     """Create root/train/<class>/*.png and root/val/<class>/*.png; returns (train_dir, val_dir)."""
-    generator = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
     for split, count in (("train", train_per_class), ("val", val_per_class)):
         for label in range(classes):
             folder = root / split / f"class_{label}"
             folder.mkdir(parents=True, exist_ok=True)
             for index in range(count):
-                pixels = _image(label, classes, size, generator).permute(1, 2, 0).numpy()
-                Image.fromarray(pixels).save(folder / f"{index:05d}.png")
+                Image.fromarray(_image(label, classes, size, rng)).save(folder / f"{index:05d}.png")
     return root / "train", root / "val"
 
 
