@@ -81,7 +81,7 @@ def test_resume_after_random_sigkills_is_bitwise_exact(make_run: MakeRun, baseli
     run = make_run()
     progress = run.output / "progress.json"
     kills = 0
-    for _ in range(4):
+    for _ in range(3):
         progress.unlink(missing_ok=True)
         process = run.popen()
         wait_until(process, progress.exists)
