@@ -90,3 +90,6 @@ def test_each_example_survives_a_spot_notice_under_the_real_agent(
     for check in ("steps lost = 0", "instance 2 resumed at the checkpoint step", "results in S3"):
         assert f"PASS {check}" in output, output[-4000:]
     assert "FAIL" not in output and f"s3://trainstack-demo-data/results/{own_result}" in output
+    if example == "lightning-mnist-like":
+        # Lightning itself, not only the step count, says the second life loaded the confirmed checkpoint.
+        assert "Restored all states from the checkpoint at" in output, output[-4000:]

@@ -1,4 +1,6 @@
-"""The examples under examples/ stop on request with a committed checkpoint and resume where they stopped."""
+"""The charlm example stops on request with a committed checkpoint and resumes bit for bit. Both examples'
+stop and resume under the real agent are tests/bootstrap/test_demo.py's (Lightning's own restore line
+included); the Lightning callback alone is tests/job/test_lightning.py's."""
 
 from __future__ import annotations
 
@@ -37,23 +39,3 @@ def test_charlm_stopped_and_resumed_ends_bitwise_equal_to_an_uninterrupted_run(t
     assert (interrupted.output_dir / "sample.txt").read_text() == (
         straight.output_dir / "sample.txt"
     ).read_text()
-
-
-LIGHTNING_DIGITS = REPO / "examples" / "lightning-mnist-like"
-DIGITS_SMALL = ["train.py", "--steps", "150", "--checkpoint-every", "50"]
-
-
-@installed("lightning")
-def test_lightning_digits_stops_with_a_committed_checkpoint_and_resumes_from_it(tmp_path: Path) -> None:
-    sandbox = JobSandbox(tmp_path)
-    stopped = sandbox.run(DIGITS_SMALL, LIGHTNING_DIGITS, stop_at_step=10)
-    assert stopped.returncode == ExitCode.STOPPED, stopped.output
-    steps = committed_steps(sandbox.checkpoint_dir)
-    assert steps and 10 <= steps[0] < 150, stopped.output
-    directory = sandbox.checkpoint_dir / f"step-{steps[0]}"
-    assert verify_dir(directory)[0] is not None
-
-    resumed = sandbox.run(DIGITS_SMALL, LIGHTNING_DIGITS)
-    assert resumed.returncode == ExitCode.COMPLETED, resumed.output
-    assert f"Restored all states from the checkpoint at {directory / 'lightning.ckpt'}" in resumed.output
-    assert json.loads((sandbox.output_dir / "metrics.json").read_text())["steps"] == 150
