@@ -4,9 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 PIP    := $(BIN)/pip --disable-pip-version-check --no-input
-# make test: one pytest worker per core; the suite takes about 10 minutes on 2 cores. Serial: PYTEST_ARGS=-n0
+# make test: one pytest worker per core plus one (tests/conftest.py); about 6 minutes on 2 cores. Serial: PYTEST_ARGS=-n0
 PYTEST_ARGS ?= -n auto --dist worksteal
 # pip's progress: one line per package it fetches; errors still go to stderr, and a failed step fails make.
+# PYTHONWARNINGS=ignore: setuptools' editable-install banner is noise to a newcomer (it reaches stderr).
 SHELL       := bash
 .SHELLFLAGS := -o pipefail -c
 
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	@echo "==> $(VENV): installing trainstack, PyTorch and the dev tools (first run: about 2 minutes, 6 GB)"
 	@$(PYTHON) -m venv $(VENV)
 	@$(PIP) install --quiet --upgrade pip
-	@$(PIP) install --progress-bar off -c constraints-dev.txt -e '.[dev]' \
+	@PYTHONWARNINGS=ignore $(PIP) install --progress-bar off -c constraints-dev.txt -e '.[dev]' \
 		| awk '/^Collecting /{print "    " $$2; fflush()} /^Successfully installed/{print "==> $(VENV) ready"}'
 	@touch $(STAMP)
 
