@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from demo.report import checks, plot_timeline, print_timeline
     from demo.run import Demo
+    from demo.stack import MOTO_SETTINGS
+
+    os.environ.update(MOTO_SETTINGS)
 
     # moto's server logs every request and each unimplemented call; the agent's lines tell the story.
     logging.getLogger("werkzeug").setLevel(logging.CRITICAL)

@@ -13,8 +13,8 @@ from botocore.config import Config
 from bootstrap.agent_config import AgentConfig, Prefixes
 
 _RETRIES = Config(retries={"mode": "standard"})
-# boto3's default session parses botocore's models once for every client made from it, but it is not
-# thread-safe: clients are made under this lock (the IMDS simulator and the tests' threads ask at once).
+# boto3's default session parses botocore's models once and shares them with every client made from it,
+# but it is not thread-safe: clients are made under this lock (the IMDS simulator and tests ask at once).
 _client_lock = threading.RLock()
 
 
@@ -23,8 +23,12 @@ def _client(service: str, region: str) -> Any:
         return boto3.client(service, region_name=region, config=_RETRIES)  # type: ignore[call-overload]
 
 
-# moto only knows the AMIs it ships with; any of them stands in for the DLAMI.
-_STAND_IN_AMI = "ami-12c6146b"
+# Stands in for the DLAMI: moto does not check AMI ids (MOTO_ENABLE_AMI_VALIDATION is off by default).
+STAND_IN_AMI = "ami-12c6146b"
+# For every moto server that holds an embedded stack (the demo's, the tests'): moto otherwise builds its
+# catalogue of 1,300 public AMIs, a volume and a snapshot each, for every EC2 backend it creates (again after
+# each reset), about a second of CPU each time, and no part of the stack looks an AMI up.
+MOTO_SETTINGS = {"MOTO_EC2_LOAD_DEFAULT_AMIS": "false"}
 
 
 @dataclass(frozen=True)
@@ -175,7 +179,7 @@ def create_stack(name: str = "trainstack-demo", region: str = "us-east-1", desir
     ec2.create_launch_template(
         LaunchTemplateName=template,
         LaunchTemplateData={
-            "ImageId": _STAND_IN_AMI,
+            "ImageId": STAND_IN_AMI,
             "InstanceType": "g6.xlarge",
             "MetadataOptions": {"HttpTokens": "required", "HttpPutResponseHopLimit": 1},
         },

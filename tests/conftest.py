@@ -8,7 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
-# Set before any test imports boto3: no test may find real credentials or reach a real endpoint.
+from demo.stack import MOTO_SETTINGS
+
+# Set before any test makes a boto3 client (importing boto3 reads nothing): no test may find real
+# credentials or reach a real endpoint.
 _ISOLATED_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -19,13 +22,9 @@ _ISOLATED_ENV = {
     "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
     # No instance-metadata credential lookups unless a test points IMDS at its own simulator.
     "AWS_EC2_METADATA_DISABLED": "true",
-    # moto builds its catalogue of 1,300 public AMIs (a volume and a snapshot each) for every EC2 backend it
-    # creates, so again after every reset: about half a second of CPU per test that touches EC2. No test
-    # needs it: moto does not check AMI ids (MOTO_ENABLE_AMI_VALIDATION is off), so MOTO_IMAGE_ID will do.
-    "MOTO_EC2_LOAD_DEFAULT_AMIS": "false",
+    # No AMI catalogue in moto: tests use demo.stack.STAND_IN_AMI.
+    **MOTO_SETTINGS,
 }
-# An AMI id for launch templates and instances in moto (any well-formed id is accepted).
-MOTO_IMAGE_ID = "ami-0123456789abcdef0"
 for _key, _value in _ISOLATED_ENV.items():
     os.environ[_key] = _value
 os.environ.pop("AWS_PROFILE", None)
@@ -35,7 +34,7 @@ os.environ.pop("AWS_ENDPOINT_URL", None)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(wrapper=True, optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> Generator[None, int, int]:
     """`pytest -n auto` (make test): one worker more than xdist's count of cores. A third of a worker's time
     is spent waiting (for trainer and agent processes it started, on sockets, on timeouts under test); with

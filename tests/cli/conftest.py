@@ -12,7 +12,7 @@ from typing import Any
 import boto3
 import pytest
 
-from tests.conftest import MOTO_IMAGE_ID
+from demo.stack import STAND_IN_AMI
 from trainstack.aws import Clients
 from trainstack.cli import main
 
@@ -62,7 +62,7 @@ class Deployed:
         ec2 = self.ec2()
         subnet = ec2.describe_subnets()["Subnets"][az_index]
         market = {"InstanceMarketOptions": {"MarketType": "spot"}} if spot else {}
-        image = MOTO_IMAGE_ID
+        image = STAND_IN_AMI
         instance = ec2.run_instances(
             ImageId=image,
             MinCount=1,
@@ -106,7 +106,7 @@ def deployed(aws: Any, tmp_path: Path, cli: Callable[..., Result]) -> Deployed:
     ec2 = boto3.client("ec2", region_name=REGION)
     kms_key_arn = boto3.client("kms", region_name=REGION).create_key()["KeyMetadata"]["Arn"]
     boto3.client("s3", region_name=REGION).create_bucket(Bucket=BUCKET)
-    image = MOTO_IMAGE_ID
+    image = STAND_IN_AMI
     subnets = [s["SubnetId"] for s in ec2.describe_subnets()["Subnets"][:2]]
     ec2.create_launch_template(
         LaunchTemplateName=f"{GROUP}-lt", LaunchTemplateData={"ImageId": image, "InstanceType": "g6.xlarge"}

@@ -15,10 +15,10 @@ import pytest
 from moto.autoscaling.models import autoscaling_backends
 from moto.core import DEFAULT_ACCOUNT_ID
 
+from demo.stack import STAND_IN_AMI
 from infra.capacity import HANDLER, function_policy, group_arn_pattern
 from infra.capacity_fallback import handler
 from infra.capacity_fallback.handler import FALL_BACK, RETURN_TO_SPOT, STAY, Settings
-from tests.conftest import MOTO_IMAGE_ID
 from tests.infra.program import ACCOUNT_ID, StackRun, example_config, run_stack
 
 FUNCTION = "aws:lambda/function:Function"
@@ -195,7 +195,7 @@ class Fleet:
 def fleet(aws: Any) -> Iterator[Fleet]:
     ec2 = boto3.client("ec2", region_name=REGION)
     client = boto3.client("autoscaling", region_name=REGION)
-    image = MOTO_IMAGE_ID
+    image = STAND_IN_AMI
     subnets = ",".join(s["SubnetId"] for s in ec2.describe_subnets()["Subnets"][:2])
     for name in (GROUP, OTHER_GROUP):
         template = ec2.create_launch_template(LaunchTemplateName=name, LaunchTemplateData={"ImageId": image})
