@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 import time
@@ -16,40 +15,35 @@ from training.checkpoint import CheckpointManager
 
 
 def emergency_checkpoint_seconds() -> dict[str, float]:
-    from moto.server import ThreadedMotoServer
+    from demo.moto_server import moto_server
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per part otherwise
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
     saved_env = {
         k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
     }
-    os.environ |= {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "bench",
-        "AWS_SECRET_ACCESS_KEY": "bench",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
     try:
-        boto3.client("s3").create_bucket(Bucket="bench")
-        model = models.resnet50(num_classes=1000)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        model(torch.randn(2, 3, 64, 64)).sum().backward()
-        optimizer.step()  # allocates the momentum buffers: the ~200 MB a real checkpoint carries
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        with tempfile.TemporaryDirectory() as tmp:
-            manager = CheckpointManager(Path(tmp), "s3://bench/checkpoints", keep=2)
-            started = time.perf_counter()
-            directory = manager.save(state, step=1, epoch=0, world_size=1, config_hash="bench")
-            saved = time.perf_counter()
-            manager.wait_uploaded()
-            confirmed = time.perf_counter()
-            size = (directory / "state.pt").stat().st_size
-            manager.close()
+        with moto_server() as endpoint:
+            os.environ |= {
+                "AWS_ENDPOINT_URL": endpoint,
+                "AWS_ACCESS_KEY_ID": "bench",
+                "AWS_SECRET_ACCESS_KEY": "bench",
+                "AWS_DEFAULT_REGION": "us-east-1",
+            }
+            boto3.client("s3").create_bucket(Bucket="bench")
+            model = models.resnet50(num_classes=1000)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            model(torch.randn(2, 3, 64, 64)).sum().backward()
+            optimizer.step()  # allocates the momentum buffers: the ~200 MB a real checkpoint carries
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            with tempfile.TemporaryDirectory() as tmp:
+                manager = CheckpointManager(Path(tmp), "s3://bench/checkpoints", keep=2)
+                started = time.perf_counter()
+                directory = manager.save(state, step=1, epoch=0, world_size=1, config_hash="bench")
+                saved = time.perf_counter()
+                manager.wait_uploaded()
+                confirmed = time.perf_counter()
+                size = (directory / "state.pt").stat().st_size
+                manager.close()
     finally:
-        server.stop()
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import sys
@@ -76,23 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     # Before boto3 is used anywhere: fake credentials, no profile, nothing but 127.0.0.1.
     os.environ.update(ISOLATED_ENV)
     os.environ.pop("AWS_PROFILE", None)
-    from moto.server import ThreadedMotoServer
-
+    from demo.moto_server import moto_server
     from demo.report import checks, plot_timeline, print_timeline
     from demo.run import Demo
-    from demo.stack import MOTO_SETTINGS
 
-    os.environ.update(MOTO_SETTINGS)
-
-    # moto's server logs every request and each unimplemented call; the agent's lines tell the story.
-    logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
     workdir = (args.workdir or (MULTI_NODE_WORKDIR if multi_node else DEFAULT_WORKDIR)).resolve()
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"
     if multi_node:
         from demo.multinode import MultiNodeDemo
         from demo.report_multinode import report
@@ -102,21 +91,21 @@ def main(argv: list[str] | None = None) -> int:
             "embedded S3/KMS/SNS/Auto Scaling (moto)"
         )
         try:
-            multi = MultiNodeDemo(workdir, console).run()
+            with moto_server() as endpoint:
+                os.environ["AWS_ENDPOINT_URL"] = endpoint
+                multi = MultiNodeDemo(workdir, console).run()
         except Exception as exc:
             console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
             return 1
-        finally:
-            server.stop()
         return _verdict(report(multi, console), console)
     console.rule("trainstack local demo: embedded S3/KMS/SNS/Auto Scaling (moto) + simulated IMDS")
     try:
-        result = Demo(workdir, console, job_file).run()
+        with moto_server() as endpoint:
+            os.environ["AWS_ENDPOINT_URL"] = endpoint
+            result = Demo(workdir, console, job_file).run()
     except Exception as exc:
         console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
         return 1
-    finally:
-        server.stop()
     console.rule("timeline")
     print_timeline(result, console)
     png = plot_timeline(result, workdir / "timeline.png")

@@ -25,10 +25,6 @@ def _client(service: str, region: str) -> Any:
 
 # Stands in for the DLAMI: moto does not check AMI ids (MOTO_ENABLE_AMI_VALIDATION is off by default).
 STAND_IN_AMI = "ami-12c6146b"
-# For every moto server that holds an embedded stack (the demo's, the tests'): moto otherwise builds its
-# catalogue of 1,300 public AMIs, a volume and a snapshot each, for every EC2 backend it creates (again after
-# each reset), about a second of CPU each time, and no part of the stack looks an AMI up.
-MOTO_SETTINGS = {"MOTO_EC2_LOAD_DEFAULT_AMIS": "false"}
 
 
 @dataclass(frozen=True)

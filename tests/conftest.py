@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from demo.stack import MOTO_SETTINGS
+from demo.moto_server import MOTO_SETTINGS
+from demo.moto_server import moto_server as embedded_moto_server
 
 # Set before any test makes a boto3 client (importing boto3 reads nothing): no test may find real
 # credentials or reach a real endpoint.
@@ -57,15 +58,8 @@ class MotoServer:
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[MotoServer]:
     """One moto server per test session, started on port 0 and stopped at the end."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield MotoServer(endpoint_url=f"http://{host}:{port}")
-    finally:
-        server.stop()
+    with embedded_moto_server() as endpoint_url:
+        yield MotoServer(endpoint_url=endpoint_url)
 
 
 @pytest.fixture()
