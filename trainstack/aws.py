@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import boto3
+import botocore.loaders
+import botocore.session
 from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
@@ -58,6 +61,27 @@ _BAD_CREDENTIALS = {
 _EXPIRED = {"ExpiredToken", "ExpiredTokenException", "RequestExpired"}
 
 
+@functools.cache
+def _service_models() -> botocore.loaders.Loader:
+    """botocore's service and endpoint models, parsed once per process for every session: they are data
+    files, the same whatever the profile, region or credentials. A session of its own would parse them
+    again, ~70 ms of CPU per client; a process that runs several commands (the tests, a notebook) pays
+    that once. The loader only caches what it read; its cache tolerates concurrent first reads."""
+    return botocore.loaders.create_loader()
+
+
+def new_session() -> boto3.Session:
+    """A boto3 session as `boto3.Session()` makes it (AWS_PROFILE, region and credentials read now and on
+    first use), sharing the parsed service models."""
+    core = botocore.session.get_session()
+    models = _service_models()
+    core.register_component("data_loader", models)
+    session = boto3.Session(botocore_session=core)
+    # boto3 adds its own data folder to the loader of each session it makes: once is enough for a shared one.
+    models.search_paths[:] = list(dict.fromkeys(models.search_paths))
+    return session
+
+
 class Clients:
     """Creates each AWS client once per command; `overrides` lets tests hand in a stubbed client."""
 
@@ -82,10 +106,9 @@ class Clients:
             return self._overrides[service]
         key = (service, region or self.region)
         if key not in self._made:
-            # One session per command, made on first use (it reads AWS_PROFILE then): each new session
-            # parses botocore's endpoint and service models again, ~70 ms of CPU per client.
+            # One session per command, made on first use (it reads AWS_PROFILE then).
             if self._session is None:
-                self._session = boto3.Session()
+                self._session = new_session()
             self._made[key] = self._session.client(  # type: ignore[call-overload]
                 service, region_name=key[1], config=_CLIENT_CONFIG
             )
