@@ -25,10 +25,11 @@ from training.sample_data import write_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 LIFE_TIMEOUT_S = 240
-# 6 epochs of 8 steps: long enough for a notice, a regroup and the rest of the job on 2 CPU cores.
+# Epochs of 8 steps; 6 (the default, `epochs` below) are long enough for a notice, a regroup and the rest
+# of the job on 2 CPU cores.
 JOB_OVERRIDES = {
     "model": {"name": "mobilenet_v3_small"},
-    "train": {"epochs": 6, "batch_size": 16, "micro_batch_size": 8, "log_every_steps": 1},
+    "train": {"batch_size": 16, "micro_batch_size": 8, "log_every_steps": 1},
     "checkpoint": {"every_steps": 4, "every_minutes": 10, "keep": 2},
 }
 
@@ -63,11 +64,18 @@ def _line_sink(node: Node) -> Callable[[], Callable[[str], None]]:
     return lambda: node.trainer_lines.append
 
 
-def _job() -> dict[str, Any]:
+def _job(epochs: int) -> dict[str, Any]:
     job: dict[str, Any] = yaml.safe_load((REPO / "training" / "configs" / "tiny.yaml").read_text())
     for section, values in JOB_OVERRIDES.items():
         job.setdefault(section, {}).update(values)
+    job["train"]["epochs"] = epochs
     return job
+
+
+@pytest.fixture()
+def epochs() -> int:
+    """The job's length; a test parametrizes `epochs` to change it."""
+    return 6
 
 
 @pytest.fixture()
@@ -82,7 +90,7 @@ def two_node_stack(aws: Any, tmp_path: Path) -> LocalStack:
 
 
 @pytest.fixture()
-def nodes(two_node_stack: LocalStack, tmp_path: Path) -> Iterator[list[Node]]:
+def nodes(two_node_stack: LocalStack, tmp_path: Path, epochs: int) -> Iterator[list[Node]]:
     stack = two_node_stack
     made: list[Node] = []
     for index, instance_id in enumerate(stack.instance_ids()[:2], start=1):
@@ -90,7 +98,7 @@ def nodes(two_node_stack: LocalStack, tmp_path: Path) -> Iterator[list[Node]]:
             SimulatedInstance(instance_id=instance_id), lifecycle_state=stack.lifecycle_state
         ).start()
         config = stack.agent_config(
-            job=_job(),
+            job=_job(epochs),
             instance_count=2,
             min_nodes=1,
             poll_seconds=0.2,
@@ -162,6 +170,8 @@ def _completion_alerts(stack: LocalStack) -> list[dict[str, str]]:
     return [a for a in stack.alerts() if "training completed" in a["Subject"]]
 
 
+# Nothing to wait for here but completion: 2 epochs (16 steps, two checkpoints) are enough.
+@pytest.mark.parametrize("epochs", [2])
 def test_two_nodes_train_one_job_complete_once_and_scale_to_zero_once(
     two_node_stack: LocalStack, nodes: list[Node]
 ) -> None:

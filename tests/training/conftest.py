@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -54,11 +55,32 @@ class Dataset:
         return [f"data.train_dir={self.train_dir}", f"data.val_dir={self.val_dir}"]
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder built once per test session by whichever xdist worker asks first; the others wait for it
+    and read it. Nothing may write into it afterwards. A failed build is not marked built: the next worker
+    to ask builds it again (and fails the same way, in its own tests)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's own folder, above every worker's (pytest-xdist's documented way)
+    folder = base / name
+    with FileLock(f"{folder}.lock"):
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def image_folders(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
-    root = tmp_path_factory.mktemp("images")
-    train, val = write_dataset(root, classes=4, train_per_class=32, val_per_class=8, size=32)
-    return Dataset(train, val)
+    def build(root: Path) -> None:
+        write_dataset(root, classes=4, train_per_class=32, val_per_class=8, size=32)
+
+    root = built_once(tmp_path_factory, "images", build)
+    return Dataset(root / "train", root / "val")
 
 
 @dataclass(frozen=True)
@@ -140,8 +162,11 @@ def make_run(tmp_path: Path, image_folders: Dataset) -> MakeRun:
 
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory: pytest.TempPathFactory, image_folders: Dataset) -> Run:
-    """One uninterrupted run of the FAST job: the reference every interrupted run must match bit for bit."""
-    run = make_run_factory(tmp_path_factory.mktemp("baseline"), image_folders)(name="baseline")
-    code, output = run.life()
-    assert code == 0, output
-    return run
+    """One uninterrupted run of the FAST job: the reference every interrupted run must match bit for bit.
+    One per session, not one per xdist worker: a trainer life is ~5 s of CPU."""
+
+    def build(folder: Path) -> None:
+        code, output = make_run_factory(folder, image_folders)(name="run").life()
+        assert code == 0, output
+
+    return make_run_factory(built_once(tmp_path_factory, "baseline", build), image_folders)(name="run")

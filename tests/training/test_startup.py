@@ -38,10 +38,13 @@ def _sigterm_after(run: Run, delay: float, *, blocked: bool) -> tuple[int, str]:
     return process.returncode, output
 
 
+# Three moments: while the interpreter starts (held pending by a careful parent), during the config and the
+# first imports, during torch's import and the restore. Once `main` has installed its handler (first thing
+# it does), a blocked and a plain spawn take the same path: each later moment is tried with one of them.
 @pytest.mark.parametrize(
     ("delay", "blocked"),
-    [(0.05, True), (0.5, True), (2.0, True), (0.5, False), (2.0, False)],
-    ids=["0.05s", "0.5s", "2s", "0.5s-plain-spawn", "2s-plain-spawn"],
+    [(0.05, True), (0.5, True), (2.0, False)],
+    ids=["0.05s", "0.5s", "2s-plain-spawn"],
 )
 def test_sigterm_at_any_moment_of_start_up_exits_75_without_a_traceback(
     make_run: MakeRun, delay: float, blocked: bool
