@@ -15,7 +15,7 @@ def test_the_cached_service_list_is_the_one_moto_computes() -> None:
 
     cache_moto_service_list()
     cached = list(backends.list_of_moto_modules())
-    original = backends.list_of_moto_modules.__wrapped__  # type: ignore[attr-defined]
+    original = backends.list_of_moto_modules.__wrapped__
     computed = list(original())  # moto's own function, asked now
     assert cached == computed
     assert {"s3", "ec2", "autoscaling", "sns", "kms"} <= set(cached)
