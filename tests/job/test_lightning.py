@@ -1,12 +1,10 @@
-"""The Lightning callback: a stop request commits a Lightning checkpoint, exits 75, and the rerun resumes at
-the same global step and completes."""
+"""The Lightning callback: a stop request (stop file or SIGTERM) commits a Lightning checkpoint, exits 75, and
+the rerun resumes at the same global step and completes."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-
-import pytest
 
 from tests.job.conftest import installed
 from tests.job.runner import JobSandbox
@@ -18,21 +16,27 @@ pytestmark = installed("lightning")
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("how", ["stop_file", "sigterm"])
-def test_lightning_job_stops_with_a_committed_checkpoint_and_resumes_at_the_same_step(
-    tmp_path: Path, how: str
+def test_lightning_job_stopped_either_way_resumes_each_time_at_the_committed_step(
+    tmp_path: Path,
 ) -> None:
+    """One job, two stops: the agent's stop file, then SIGTERM. Each commits a Lightning checkpoint and exits
+    75; each next life starts at the committed step; the last one completes."""
     sandbox = JobSandbox(tmp_path)
-    stopped = sandbox.run(["lightning_job.py"], HERE, stop_at_step=30, stop_with_sigterm=how == "sigterm")
-    assert stopped.returncode == ExitCode.STOPPED, stopped.output
-    steps = committed_steps(sandbox.checkpoint_dir)
-    assert steps and 30 <= steps[0] < 80, stopped.output
-    directory = sandbox.checkpoint_dir / f"step-{steps[0]}"
-    assert verify_dir(directory)[0] is not None
-    assert (directory / "lightning.ckpt").is_file()
-    assert 25 in steps  # the every_n_steps checkpoint before the stop
+    resumed_at = 0
+    for how, at in (("stop_file", 30), ("sigterm", 55)):
+        stopped = sandbox.run(["lightning_job.py"], HERE, stop_at_step=at, stop_with_sigterm=how == "sigterm")
+        assert stopped.returncode == ExitCode.STOPPED, f"{how}: {stopped.output}"
+        assert re.search(rf"^start global_step {resumed_at}$", stopped.output, re.MULTILINE), stopped.output
+        steps = committed_steps(sandbox.checkpoint_dir)
+        assert steps and at <= steps[0] < 80, f"{how}: {stopped.output}"
+        directory = sandbox.checkpoint_dir / f"step-{steps[0]}"
+        assert verify_dir(directory)[0] is not None
+        assert (directory / "lightning.ckpt").is_file()
+        if how == "stop_file":
+            assert 25 in steps  # the every_n_steps checkpoint before the stop
+        resumed_at = steps[0]
 
     resumed = sandbox.run(["lightning_job.py"], HERE)
     assert resumed.returncode == ExitCode.COMPLETED, resumed.output
-    assert re.search(rf"^start global_step {steps[0]}$", resumed.output, re.MULTILINE), resumed.output
+    assert re.search(rf"^start global_step {resumed_at}$", resumed.output, re.MULTILINE), resumed.output
     assert re.search(r"^end global_step 80$", resumed.output, re.MULTILINE), resumed.output
