@@ -36,11 +36,16 @@ class SimulatedInstance:
     extra: dict[str, str] = field(default_factory=dict)
 
 
+# Real IMDS shows the group's decision in `autoscaling/target-lifecycle-state` within seconds, not at once;
+# asking the simulated group at every poll had moto answer five describe calls a second per agent.
+LIFECYCLE_REFRESH_S = 1.0
+
+
 class ImdsSimulator:
     """Threaded HTTP server implementing the IMDSv2 paths the agent reads.
 
     `lifecycle_state` (optional) answers `autoscaling/target-lifecycle-state`, e.g. by asking moto
-    whether the group still holds this instance.
+    whether the group still holds this instance; its answer is reused for LIFECYCLE_REFRESH_S.
     """
 
     def __init__(
@@ -50,6 +55,7 @@ class ImdsSimulator:
     ) -> None:
         self.instance = instance or SimulatedInstance()
         self._lifecycle_state = lifecycle_state
+        self._lifecycle_seen: tuple[str, float, str] | None = None  # (instance id, asked at, answer)
         self._tokens: dict[str, float] = {}
         self._spot_action: dict[str, str] | None = None
         self._rebalance: dict[str, str] | None = None
@@ -143,9 +149,21 @@ class ImdsSimulator:
         }
         if path == "autoscaling/target-lifecycle-state":
             # Asked only for this path: the callback may call the (simulated) group, which can be slow.
-            return self._lifecycle_state(inst.instance_id) if self._lifecycle_state else "InService"
+            return self._target_lifecycle_state(inst.instance_id)
         value = values.get(path)
         return None if value is None else str(value)
+
+    def _target_lifecycle_state(self, instance_id: str) -> str:
+        if self._lifecycle_state is None:
+            return "InService"
+        with self._lock:
+            seen = self._lifecycle_seen
+        if seen and seen[0] == instance_id and time.monotonic() - seen[1] < LIFECYCLE_REFRESH_S:
+            return seen[2]
+        state = self._lifecycle_state(instance_id)
+        with self._lock:
+            self._lifecycle_seen = (instance_id, time.monotonic(), state)
+        return state
 
     def _handle(self, method: str, path: str, headers: Any) -> tuple[int, str]:
         if self._failing:

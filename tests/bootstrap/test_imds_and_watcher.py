@@ -118,3 +118,25 @@ def test_watcher_treats_a_scale_in_termination_as_a_notice() -> None:
         watcher = SpotWatcher(ImdsClient(sim.endpoint), EventLog(), 0.05, notices.append, print)
         watcher.poll_once()
     assert [n.source for n in notices] == ["scale-in"]
+
+
+def test_the_simulated_lifecycle_state_asks_the_group_at_most_once_a_second_and_then_follows_it() -> None:
+    from demo.imds import LIFECYCLE_REFRESH_S
+
+    asked: list[str] = []
+    held = {"state": "InService"}
+
+    def group(instance_id: str) -> str:
+        asked.append(instance_id)
+        return held["state"]
+
+    with ImdsSimulator(SimulatedInstance(instance_id="i-1"), lifecycle_state=group) as sim:
+        client = ImdsClient(sim.endpoint)
+        assert [client.get("autoscaling/target-lifecycle-state") for _ in range(5)] == ["InService"] * 5
+        assert asked == ["i-1"]
+        held["state"] = "Terminated"
+        deadline = time.monotonic() + LIFECYCLE_REFRESH_S + 2
+        while client.get("autoscaling/target-lifecycle-state") != "Terminated":
+            assert time.monotonic() < deadline, "the group's decision never reached IMDS"
+            time.sleep(0.05)
+        assert len(asked) == 2
