@@ -215,6 +215,29 @@ def test_cost_cap_checkpoints_notifies_and_scales_to_zero(make_life: MakeLife, s
     assert "cost cap reached" in stack.alerts()[0]["Subject"]
 
 
+def test_a_cap_crossed_before_the_trainer_trains_still_stops_the_job_and_scales_to_zero(
+    make_life: MakeLife, stack: LocalStack
+) -> None:
+    """$1000/s from the first heartbeat: the cap is crossed during start-up, before the trainer can have
+    saved anything. Nothing is billed further: the job ends as cost_cap, the group goes to zero, the user is
+    told; no checkpoint is claimed that was not confirmed."""
+    life = make_life(fake={"steps": 5000, "step_seconds": 0.02, "checkpoint_every": 1000}, max_cost_usd=1.0)
+    life.cost_meter.fixed_price = lambda instance_type, az: 3.6e6
+    lines: list[str] = []
+    life.log.add_sink(lines.append)
+    assert life.run().outcome == "cost_cap"
+    assert stack.group()["DesiredCapacity"] == 0
+    ledger = stack.read_json("state/ledger.json")
+    assert ledger is not None and ledger["status"] == "cost_cap"
+    assert "cost cap reached" in stack.alerts()[0]["Subject"]
+    latest = stack.read_json("checkpoints/latest.json")
+    events = [json.loads(line) for line in lines]
+    # A trainer may or may not have started; if it did, the checkpoint the agent calls confirmed is S3's.
+    for stop in (e for e in events if e["stage"] == "stop" and "exit_code" in e):
+        confirmed = stop.get("checkpoint_step")
+        assert confirmed is None or (latest is not None and latest["step"] == confirmed), stop
+
+
 def test_stalled_training_is_restarted_once_then_fails(make_life: MakeLife, stack: LocalStack) -> None:
     life = make_life(fake={"hang_at_step": 3, "steps": 50}, stall_minutes=0.05)  # 3 s without progress
     lines: list[str] = []
