@@ -209,8 +209,16 @@ def test_the_rendezvous_host_interrupted_mid_run_the_other_node_finishes_with_no
     # Completed once: one notification, the group scaled to zero once, the results in S3.
     assert len(_completion_alerts(two_node_stack)) == 1, "one job, one notification"
     assert two_node_stack.group()["DesiredCapacity"] == 0
-    assert two_node_stack.read_json("results/metrics.json"), "results uploaded by the surviving node"
-    # World sizes: generation 1 ended with 2 ranks, the survivor finished alone (its trainer's last round).
+    trained = two_node_stack.read_json("results/metrics.json") or {}
+    assert trained, "results uploaded by the surviving node"
+    # World sizes: generation 1 ended with 2 ranks; the survivor finished alone on the two-rank checkpoint,
+    # with half the ranks and twice the accumulation: the same global batch, so the same optimisation.
     assert regroup["world_size"] == 2
     rounds = [line for line in other.trainer_lines if re.search(r" on \w+ x\d+, .*global batch", line)]
-    assert rounds and " x1, " in rounds[-1], _story(nodes)
+    assert rounds, _story(nodes)
+    assert (
+        " x1, " in rounds[-1]
+        and "global batch 16 = 1 process(es) x 2 accumulation x 8 micro-batch" in rounds[-1]
+    )
+    assert (trained["global_batch"], trained["accumulation"], trained["world_size"]) == (16, 2, 1)
+    assert trained["steps"] == EPOCHS * 8
