@@ -106,3 +106,32 @@ def test_trainer_config_too_big_for_user_data_names_the_key(tmp_path: Path) -> N
     huge.write_text(yaml.safe_dump({"output": {"dir": "/x" * 10_000}}))
     with pytest.raises(StackConfigError, match="trainstack:trainingConfig: user-data is"):
         run_stack({**example_config(), "trainstack:trainingConfig": str(huge)})
+
+
+def test_a_failed_stack_run_leaves_nothing_that_formats_a_traceback_when_it_is_freed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failed run leaves hundreds of futures whose exception nobody retrieved; asyncio reports each when the
+    garbage collector frees it, which may be later, inside another test's code, where formatting a traceback
+    can break an `ast.parse` in progress on Python 3.11 (tests/infra/program.py). They are freed in the run
+    that made them, and each report is one line with no traceback."""
+    import gc
+    import logging
+
+    from infra.config import StackConfigError
+    from tests.infra.program import example_config, run_stack
+
+    huge = tmp_path / "huge.yaml"
+    huge.write_text(yaml.safe_dump({"output": {"dir": "/x" * 10_000}}))
+    with caplog.at_level(logging.WARNING, logger="asyncio"):
+        try:
+            run_stack({**example_config(), "trainstack:trainingConfig": str(huge)})
+        except StackConfigError:
+            pass
+        else:
+            pytest.fail("the oversized user-data was accepted")
+        gc.collect()
+    reports = [r for r in caplog.records if r.name == "asyncio"]
+    assert reports, "the failed run left no unretrieved future: nothing here is tested"
+    for report in reports:
+        assert report.exc_info is None and "never retrieved" in report.getMessage(), report.getMessage()
