@@ -216,9 +216,7 @@ def test_the_rendezvous_host_interrupted_mid_run_the_other_node_finishes_with_no
     assert regroup["world_size"] == 2
     rounds = [line for line in other.trainer_lines if re.search(r" on \w+ x\d+, .*global batch", line)]
     assert rounds, _story(nodes)
-    assert (
-        " x1, " in rounds[-1]
-        and "global batch 16 = 1 process(es) x 2 accumulation x 8 micro-batch" in rounds[-1]
-    )
+    assert " x1, " in rounds[-1], rounds
+    assert "global batch 16 = 1 process(es) x 2 accumulation x 8 micro-batch" in rounds[-1], rounds
     assert (trained["global_batch"], trained["accumulation"], trained["world_size"]) == (16, 2, 1)
     assert trained["steps"] == EPOCHS * 8
