@@ -232,8 +232,9 @@ def _run(
         monitor.run.outputs = outputs
         return monitor.run
     finally:
-        # What the next run would do first (pulumi.runtime.test): a failed run's futures are freed, and
-        # reported, here, in the test that made them.
+        # What the next run would do first (pulumi.runtime.test): most of a failed run's futures are freed,
+        # and reported, here, in the test that made them; the rest go with its exception, reported in one
+        # line by the handler above wherever the collector frees them.
         pulumi.runtime.settings.SETTINGS.rpc_manager.clear()
         pulumi.runtime.settings.SETTINGS.outputs.clear()
 

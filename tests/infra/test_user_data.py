@@ -113,8 +113,8 @@ def test_a_failed_stack_run_leaves_nothing_that_formats_a_traceback_when_it_is_f
 ) -> None:
     """A failed run leaves hundreds of futures whose exception nobody retrieved; asyncio reports each when the
     garbage collector frees it, which may be later, inside another test's code, where formatting a traceback
-    can break an `ast.parse` in progress on Python 3.11 (tests/infra/program.py). They are freed in the run
-    that made them, and each report is one line with no traceback."""
+    can break an `ast.parse` in progress on Python 3.11 (tests/infra/program.py). Most are freed in the run
+    that made them, and every report is one line with no traceback."""
     import gc
     import logging
 
