@@ -95,6 +95,12 @@ class LifeOutcome(str, Enum):
     FAILED = "failed"
     STALLED = "stalled"
     NO_DATA = "no_data"
+    # One writer per job (docs/internals.md, "Jobs, the lease and the standby"): none of these lost work or
+    # counts as a failure or an interruption.
+    HANDED_OVER = "handed_over"  # stopped at a step boundary so that the warm standby continues from it
+    SUPERSEDED = "superseded"  # lost the job's lease to a newer holder: stopped writing at once
+    SURPLUS = "surplus"  # found a holder and a standby already: left without training
+    STANDBY_ENDED = "standby_ended"  # a standby whose wait ended (the job ended, its own notice) untaken
 
 
 class StackOutput(str, Enum):
