@@ -10,10 +10,12 @@ from typing import Any
 import yaml
 
 from trainstack_job.contract import BucketPrefix
+from trainstack_job.jobs import JOBS_PREFIX, LEGACY_JOB_ID, JobIdError, check_job_id
 
 DEFAULT_PATH = Path("/etc/trainstack/agent.yaml")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class AgentConfigError(ValueError):
@@ -22,13 +24,20 @@ class AgentConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Prefixes:
-    """Where each kind of object lives in the bucket (each ends with '/')."""
+    """Where each kind of object lives in the bucket (each ends with '/').
+
+    `data` and `code` are the stack's; each job lives under `jobs/<job-id>/` (trainstack_job.jobs:
+    JobPrefixes).
+    `checkpoints`, `results` and `state` are the legacy job's (a stack from before jobs), and `state` also
+    holds the stack's own `current-job.json` and `data-manifest.json`.
+    """
 
     data: str = BucketPrefix.DATA.value
     code: str = BucketPrefix.CODE.value
     checkpoints: str = BucketPrefix.CHECKPOINTS.value
     results: str = BucketPrefix.RESULTS.value
     state: str = BucketPrefix.STATE.value
+    jobs: str = JOBS_PREFIX
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,16 @@ class AgentConfig:
     job: dict[str, Any] = field(default_factory=dict)
     # A user's own job (bootstrap/job.py JobSpec.to_mapping()); null = the built-in trainer with `job`.
     user_job: dict[str, Any] | None = None
+    # The job this config defines (infra/jobdef.py): its id, fixed by `pulumi up`, and its readable name.
+    # "legacy" = a config from before jobs: the stack's top-level checkpoints/, results/, state/.
+    job_id: str = LEGACY_JOB_ID
+    job_name: str = ""
+    # A job id (or "legacy") whose newest checkpoint a new job's first life starts from (fine-tuning).
+    resume_from: str | None = None
+    # The code bundle this config was rendered with: a job keeps running it after a `pulumi up` changes the
+    # code (the object is retained in S3), so its record names it. Empty = unknown (a config built by hand).
+    bundle_key: str = ""
+    bundle_sha256: str = ""
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(asdict(self), sort_keys=False)
@@ -92,7 +111,9 @@ class AgentConfig:
         prefixes_raw = raw.get("prefixes", {})
         prefixes = Prefixes()
         if not isinstance(prefixes_raw, dict):
-            problems.append("'prefixes' must be a mapping of data/code/checkpoints/results/state to 'name/'")
+            problems.append(
+                "'prefixes' must be a mapping of data/code/checkpoints/results/state/jobs to 'name/'"
+            )
         else:
             bad = [k for k in prefixes_raw if k not in Prefixes.__dataclass_fields__]
             problems += [f"unknown key 'prefixes.{k}'" for k in bad]
@@ -139,6 +160,7 @@ class AgentConfig:
                 JobSpec.from_mapping(raw["user_job"], "'user_job'")
             except JobSpecError as exc:
                 problems += exc.problems
+        _check_job_fields(raw, problems)
         if raw.get("scratch_dir") is not None and not isinstance(raw["scratch_dir"], str):
             problems.append(
                 "'scratch_dir' must be a path or null (null = instance-store NVMe, else root volume)"
@@ -163,6 +185,31 @@ class AgentConfig:
         except yaml.YAMLError as exc:
             raise AgentConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
         return cls.from_mapping(raw, source=str(path))
+
+
+def _check_job_id(value: Any, key: str, problems: list[str]) -> None:
+    if value == LEGACY_JOB_ID:
+        return
+    try:
+        check_job_id(value, f"'{key}'")
+    except JobIdError as exc:
+        problems.append(str(exc))
+
+
+def _check_job_fields(raw: dict[str, Any], problems: list[str]) -> None:
+    """The job's identity as infra wrote it; a bad one would put the job's objects under a wrong prefix."""
+    if "job_id" in raw:
+        _check_job_id(raw["job_id"], "job_id", problems)
+    if raw.get("resume_from") is not None:
+        _check_job_id(raw["resume_from"], "resume_from", problems)
+    for key in ("job_name", "bundle_key"):
+        if key in raw and not isinstance(raw[key], str):
+            problems.append(f"'{key}' must be a string")
+    sha = raw.get("bundle_sha256", "")
+    if not isinstance(sha, str) or (sha and not _SHA256.match(sha)):
+        problems.append(
+            f"'bundle_sha256' must be the bundle's lowercase sha256 hex digest or empty, got {sha!r}"
+        )
 
 
 def _check_number(

@@ -52,6 +52,16 @@ def render_user_data(agent_config: AgentConfig, *, bundle_key: str, bundle_sha25
         )
     if not _KEY.match(bundle_key) or bundle_key.startswith("/"):
         raise UserDataError(f"bundle_key {bundle_key!r} is not a plain S3 key; use CodeBundle.key()")
+    # The agent records the config's bundle as the code its job is pinned to: it must be the one booted.
+    for name, carried, booted in (
+        ("bundle_key", agent_config.bundle_key, bundle_key),
+        ("bundle_sha256", agent_config.bundle_sha256, bundle_sha256),
+    ):
+        if carried and carried != booted:
+            raise UserDataError(
+                f"agent config {name} {carried!r} is not the bundle booted ({booted!r}); build both from "
+                "one CodeBundle"
+            )
     document: dict[str, Any] = {
         # The DLAMI is already current; a boot-time upgrade would race the driver hold below.
         "package_update": False,

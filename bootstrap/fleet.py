@@ -37,3 +37,19 @@ class Fleet:
             InstanceId=instance_id,
             LifecycleActionResult="CONTINUE",
         )
+
+    def leave(self, instance_id: str, *, instance_count: int) -> bool:
+        """Terminate this instance through its group, which stops its bill; returns whether the desired
+        capacity was lowered.
+
+        The group's count decides: above `instance_count` (a manual scale-up, a second instance for a
+        single-writer job) the capacity goes down with it; at `instance_count` it stays, because the group
+        already holds one more instance than it wants (capacity rebalancing launched the replacement before
+        terminating this one) and lowering it would take the replacement too.
+        """
+        desired = self.desired_capacity()
+        decrement = desired is not None and desired > instance_count
+        self._autoscaling.terminate_instance_in_auto_scaling_group(
+            InstanceId=instance_id, ShouldDecrementDesiredCapacity=decrement
+        )
+        return decrement

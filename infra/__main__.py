@@ -17,6 +17,7 @@ from infra.capacity import CapacityFallback, CapacityFallbackArgs  # noqa: E402
 from infra.config import load_stack_config  # noqa: E402
 from infra.fleet import Fleet, FleetArgs, resolve_image  # noqa: E402
 from infra.identity import Identity, IdentityArgs  # noqa: E402
+from infra.jobdef import define_stack_job  # noqa: E402
 from infra.network import Network, NetworkArgs  # noqa: E402
 from infra.observability import Observability, ObservabilityArgs  # noqa: E402
 from infra.placement import lookup_zones  # noqa: E402
@@ -28,6 +29,7 @@ account_id = aws.get_caller_identity().account_id
 partition = aws.get_partition().partition
 zones = lookup_zones(config.instance_types, config.region)
 image = resolve_image(config)
+job = define_stack_job(config)
 prefixes = Prefixes()
 tags = {"trainstack:project": config.project, "trainstack:stack": config.stack}
 
@@ -107,6 +109,7 @@ fleet = Fleet(
         security_group_id=network.security_group.id,
         subnet_ids=network.subnet_ids,
         tags=tags,
+        job=job,
     ),
 )
 if config.spot_fallback_minutes > 0:
@@ -136,6 +139,8 @@ pulumi.export(StackOutput.CODE_PREFIX.value, prefixes.code)
 pulumi.export(StackOutput.CHECKPOINTS_PREFIX.value, prefixes.checkpoints)
 pulumi.export(StackOutput.RESULTS_PREFIX.value, prefixes.results)
 pulumi.export(StackOutput.STATE_PREFIX.value, prefixes.state)
+pulumi.export(StackOutput.JOBS_PREFIX.value, prefixes.jobs)
+pulumi.export(StackOutput.JOB_ID.value, job.job_id)
 pulumi.export(
     StackOutput.DATA_UPLOAD_COMMAND.value,
     storage.bucket.bucket.apply(lambda bucket: f"aws s3 sync ./dataset s3://{bucket}/{prefixes.data}"),

@@ -42,13 +42,17 @@ class BundleError(ValueError):
     """The job's workdir cannot be bundled; the message names the folder and the fix."""
 
 
+def package_files(root: Path, package: str) -> list[tuple[str, Path]]:
+    """The files of one bundled package as they go into the bundle: (name in the archive, local path)."""
+    return [
+        (path.relative_to(root).as_posix(), path)
+        for path in (root / package).rglob("*")
+        if path.is_file() and path.suffix in _BUNDLED_SUFFIXES and "__pycache__" not in path.parts
+    ]
+
+
 def _bundled_files(root: Path) -> list[tuple[str, Path]]:
-    files: list[tuple[str, Path]] = []
-    for package in BUNDLED_PACKAGES:
-        for path in (root / package).rglob("*"):
-            if path.is_file() and path.suffix in _BUNDLED_SUFFIXES and "__pycache__" not in path.parts:
-                files.append((path.relative_to(root).as_posix(), path))
-    return files
+    return [entry for package in BUNDLED_PACKAGES for entry in package_files(root, package)]
 
 
 def job_files(job_dir: Path) -> list[tuple[str, Path]]:

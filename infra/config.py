@@ -19,7 +19,9 @@ from bootstrap.job import JobSpec, JobSpecError, load_job_spec
 from bootstrap.trainer import TrainerPaths
 from infra.bundle import BundleError, job_files
 from infra.efa import all_support_efa
+from infra.jobdef import define_job
 from training.config import ConfigError, apply_overrides, build_config
+from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, check_job_id
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "trainstack"
@@ -61,6 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "spotFallbackMinutes": 15,
     "expectedHours": "",
     "placementStrategy": "",
+    "resumeFrom": "",
 }
 
 # Instance families with NVIDIA GPUs that the x86_64 Deep Learning AMI boots on.
@@ -151,6 +154,8 @@ class StackConfig:
     user_job_dir: Path | None = None
     placement_strategy: str = ""
     min_nodes: int = 1
+    # A job id (or "legacy") whose newest checkpoint this stack's job starts from; "" = from scratch.
+    resume_from: str = ""
 
     @property
     def name(self) -> str:
@@ -261,6 +266,7 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
     fallback_minutes = _spot_fallback_minutes(value("spotFallbackMinutes", _integer, "15"), problems)
     expected_hours = _expected_hours(value("expectedHours", _string, "24").strip(), problems)
     placement_strategy = value("placementStrategy", _string, "cluster").strip()
+    resume_from = value("resumeFrom", _string, "default-1a2b3c4d").strip()
 
     _check_instance_types(instance_types, problems)
     _check_range(
@@ -351,6 +357,10 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
         )
     elif isinstance(instance_count, int) and isinstance(min_nodes, int) and instance_count > 1:
         _check_global_batch(job, min_nodes, instance_count, problems)
+    if resume_from and not problems.lines:
+        _check_resume_from(resume_from, training_path, job, user_job, user_job_dir, problems)
+    elif resume_from:
+        _check_job_id_format(resume_from, problems)
     max_cost: float | None = None
     if max_cost_text:
         if _PRICE.match(max_cost_text) and float(max_cost_text) > 0:
@@ -399,7 +409,51 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
         user_job_dir=user_job_dir,
         placement_strategy=placement_strategy,
         min_nodes=min_nodes,
+        resume_from=resume_from,
     )
+
+
+def _check_job_id_format(resume_from: str, problems: _Problems) -> bool:
+    if resume_from == LEGACY_JOB_ID:
+        return True
+    try:
+        check_job_id(resume_from, "resumeFrom")
+    except JobIdError:
+        problems.add(
+            "resumeFrom",
+            f"{resume_from!r} is not a job id (lowercase letters, digits and dashes, e.g. default-1a2b3c4d, "
+            "or legacy for the stack's checkpoints from before jobs); `trainstack jobs` lists them",
+            "default-1a2b3c4d",
+        )
+        return False
+    return True
+
+
+def _check_resume_from(
+    resume_from: str,
+    training_path: Path,
+    job: dict[str, Any],
+    user_job: JobSpec | None,
+    user_job_dir: Path | None,
+    problems: _Problems,
+) -> None:
+    """A job id (or legacy) other than this job's own: a job cannot start from its own checkpoints."""
+    if not _check_job_id_format(resume_from, problems):
+        return
+    own = define_job(
+        trainer_config=job,
+        training_config_path=training_path,
+        user_job=user_job,
+        user_job_dir=user_job_dir,
+        resume_from=resume_from,
+    )
+    if own.job_id == resume_from:
+        problems.add(
+            "resumeFrom",
+            f"{resume_from!r} is this stack's own job; name the earlier job to start from "
+            "(`trainstack jobs` lists them), or empty to start from scratch",
+            "''",
+        )
 
 
 def _spot_fallback_minutes(minutes: Any, problems: _Problems) -> int:

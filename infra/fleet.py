@@ -12,6 +12,7 @@ from bootstrap.agent_config import AgentConfig
 from bootstrap.cloud_init import UserDataError, render_user_data
 from infra.bundle import CodeBundle
 from infra.config import NAMESPACE, StackConfig, StackConfigError
+from infra.jobdef import JobDefinition, define_stack_job
 
 # The agent completes this hook once its last upload is confirmed, so a scale-in never cuts one short.
 LIFECYCLE_HOOK_NAME = "trainstack-drain"
@@ -70,6 +71,8 @@ class FleetArgs:
     security_group_id: pulumi.Input[str]
     subnet_ids: list[pulumi.Output[str]]
     tags: dict[str, str] = field(default_factory=dict)
+    # The stack's job (infra/jobdef.py); None = defined here from `config`.
+    job: JobDefinition | None = None
 
 
 class Fleet(pulumi.ComponentResource):
@@ -87,7 +90,10 @@ class Fleet(pulumi.ComponentResource):
         self._child = pulumi.ResourceOptions(parent=self)
         config = args.config
         bundle_key = args.bundle.key()
+        job = args.job or define_stack_job(config)
         # Content-addressed: a code change is a new key, hence new user-data and a new template version.
+        # Retained when a later `pulumi up` replaces it: a job started on this code keeps it, and a
+        # replacement instance of that job boots it again (docs/internals.md, "Binding a life to its job").
         self.bundle_object = aws.s3.BucketObjectv2(
             f"{name}-bundle",
             bucket=args.bucket_name,
@@ -98,11 +104,18 @@ class Fleet(pulumi.ComponentResource):
             kms_key_id=args.kms_key_arn,
             bucket_key_enabled=True,
             tags=args.tags,
-            opts=self._child,
+            opts=pulumi.ResourceOptions(parent=self, retain_on_delete=True),
         )
         user_data = pulumi.Output.all(args.bucket_name, args.topic_arn).apply(
             lambda values: _user_data(
-                agent_config(config, bucket=values[0], topic_arn=values[1], log_group=args.log_group_name),
+                agent_config(
+                    config,
+                    bucket=values[0],
+                    topic_arn=values[1],
+                    log_group=args.log_group_name,
+                    job=job,
+                    bundle=args.bundle,
+                ),
                 bundle_key,
                 args.bundle.sha256,
             )
@@ -115,6 +128,7 @@ class Fleet(pulumi.ComponentResource):
                 "group_name": self.group.name,
                 "launch_template_id": self.launch_template.id,
                 "bundle_key": self.bundle_object.key,
+                "job_id": job.job_id,
             }
         )
 
@@ -252,8 +266,20 @@ def _user_data(config: AgentConfig, bundle_key: str, bundle_sha256: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
-def agent_config(config: StackConfig, *, bucket: str, topic_arn: str, log_group: str) -> AgentConfig:
-    """The agent's config for this stack: the one `bootstrap/` definition, filled from the stack's."""
+def agent_config(
+    config: StackConfig,
+    *,
+    bucket: str,
+    topic_arn: str,
+    log_group: str,
+    job: JobDefinition | None = None,
+    bundle: CodeBundle | None = None,
+) -> AgentConfig:
+    """The agent's config for this stack: the one `bootstrap/` definition, filled from the stack's.
+
+    `job` defaults to the job `config` defines; without `bundle` the config names no bundle (tests, by hand).
+    """
+    job = job or define_stack_job(config)
     return AgentConfig(
         region=config.region,
         bucket=bucket,
@@ -272,4 +298,9 @@ def agent_config(config: StackConfig, *, bucket: str, topic_arn: str, log_group:
         lifecycle_hook=LIFECYCLE_HOOK_NAME,
         job=config.job,
         user_job=config.user_job.to_mapping() if config.user_job else None,
+        job_id=job.job_id,
+        job_name=job.name,
+        resume_from=job.resume_from,
+        bundle_key=bundle.key() if bundle else "",
+        bundle_sha256=bundle.sha256 if bundle else "",
     )

@@ -201,8 +201,11 @@ def instance_policy(
 ) -> Document:
     """What an instance may do: this bucket's prefixes, this key, this topic, this log group, this group."""
     prefixes = prefixes or Prefixes()
+    # code/: the bundle this config names, and a running job's pinned bundle from an earlier `pulumi up`.
     read_prefixes = [prefixes.data, prefixes.code]
-    write_prefixes = [prefixes.checkpoints, prefixes.results, prefixes.state]
+    # jobs/: every job's own objects (an instance may continue another job, or start from one's checkpoint);
+    # checkpoints/, results/, state/: the legacy job's, and state/ the stack's current-job pointer.
+    write_prefixes = [prefixes.jobs, prefixes.checkpoints, prefixes.results, prefixes.state]
     return _doc(
         {
             "Sid": "ListOwnPrefixes",
@@ -225,7 +228,7 @@ def instance_policy(
             "Resource": [f"{bucket_arn}/{p}*" for p in read_prefixes],
         },
         {
-            "Sid": "ReadWriteCheckpointsResultsState",
+            "Sid": "ReadWriteJobsAndLegacyJob",
             "Effect": "Allow",
             "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
             "Resource": [f"{bucket_arn}/{p}*" for p in write_prefixes],

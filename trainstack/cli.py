@@ -9,7 +9,7 @@ from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from trainstack import control, doctor, estimate, logs, prices, session, status, transfer
+from trainstack import control, doctor, estimate, jobs, logs, prices, session, status, transfer
 from trainstack.aws import Clients, explain
 from trainstack.errors import CliError
 from trainstack.output import print_error
@@ -35,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--region", help="AWS region (default: the stack's)")
     json_flag = argparse.ArgumentParser(add_help=False)
     json_flag.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
+    job_flag = argparse.ArgumentParser(add_help=False)
+    job_flag.add_argument(
+        "--job",
+        metavar="ID",
+        help="the job to read (default: the current one; `trainstack jobs` lists them, 'legacy' = from "
+        "before jobs)",
+    )
 
     parser = argparse.ArgumentParser(
         prog="trainstack",
@@ -51,8 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
         "spot vCPU quota per GPU family, the AZs that offer the types and the AMI. One line per check with "
         "the fix; every check runs; exit 1 if any required one fails.",
     )
-    commands.add_parser("status", parents=both, help="group, progress, latest checkpoint and cost")
-    logs_parser = commands.add_parser("logs", parents=both, help="the job's CloudWatch logs")
+    commands.add_parser(
+        "status", parents=[*both, job_flag], help="group, the job's progress, latest checkpoint and cost"
+    )
+    commands.add_parser(
+        "jobs",
+        parents=both,
+        help="every job in the stack's bucket: status, step, cost, age, which is current",
+    )
+    logs_parser = commands.add_parser("logs", parents=[*both, job_flag], help="the job's CloudWatch logs")
     logs_parser.add_argument(
         "-f", "--follow", action="store_true", help="keep printing new events until Ctrl-C"
     )
@@ -60,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--since", default="1h", help="how far back to start: 30s, 10m, 2h, 1d (default 1h)"
     )
     logs_parser.add_argument(
-        "--stream", metavar="PREFIX", help="only streams starting with PREFIX (e.g. an instance id)"
+        "--stream", metavar="PREFIX", help="only the job's streams starting with PREFIX (e.g. an instance id)"
     )
 
     data = commands.add_parser("data", help="the training dataset in the stack's bucket")
@@ -82,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     results = commands.add_parser("results", help="the trained model, metrics and plots")
     results_commands = results.add_subparsers(dest="results_command", required=True, metavar="ACTION")
     pull = results_commands.add_parser(
-        "pull", parents=both, help="download results/ (default into ./results)"
+        "pull", parents=[*both, job_flag], help="download the job's results (default into ./results)"
     )
     pull.add_argument("dir", type=Path, nargs="?", default=Path("results"), metavar="DIR")
 
@@ -127,8 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     forward.add_argument("--local-port", type=int, metavar="PORT", help="local port (default: PORT)")
     forward.add_argument("--instance", metavar="ID", help="instance id (default: the first in service)")
 
-    commands.add_parser("stop", parents=both, help="checkpoint, then scale the group to zero")
-    commands.add_parser("resume", parents=both, help="scale the group back to trainstack:instanceCount")
+    commands.add_parser("stop", parents=both, help="checkpoint the current job, then scale the group to zero")
+    commands.add_parser(
+        "resume",
+        parents=both,
+        help="withdraw the current job's stop and scale the group back to trainstack:instanceCount",
+    )
     return parser
 
 
@@ -146,17 +164,25 @@ def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
     if command == "doctor":
         return doctor.run(clients, stack, as_json=as_json)
     if command == "status":
-        return status.run(clients, stack, as_json=as_json)
+        return status.run(clients, stack, as_json=as_json, job_id=args.job)
+    if command == "jobs":
+        return jobs.run(clients, stack, as_json=as_json)
     if command == "logs":
         return logs.run(
-            clients, stack, since=args.since, stream=args.stream, follow_=args.follow, as_json=as_json
+            clients,
+            stack,
+            since=args.since,
+            stream=args.stream,
+            follow_=args.follow,
+            as_json=as_json,
+            job_id=args.job,
         )
     if command == "data":
         return transfer.run_push(
             clients, stack, args.dir, force=args.force, delete=args.delete, as_json=as_json
         )
     if command == "results":
-        return transfer.run_pull(clients, stack, args.dir, as_json=as_json)
+        return transfer.run_pull(clients, stack, args.dir, as_json=as_json, job_id=args.job)
     if command == "estimate":
         return estimate.run(clients, stack, hours=args.hours, as_json=as_json, as_markdown=args.markdown)
     if command == "prices":

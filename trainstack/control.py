@@ -9,14 +9,28 @@ from typing import Any
 from trainstack.aws import Clients
 from trainstack.output import console, print_json
 from trainstack.stack import Stack
-from trainstack.state import encryption_args, read_group, read_job
+from trainstack.state import encryption_args, read_group, read_job, resolve_job
 from trainstack_job.contract import CONTROL, JobStatus, StackOutput
+
+# Job statuses after which a new instance moves on to the stack's defined job (docs/internals.md).
+_ENDED = {
+    status.value
+    for status in (
+        JobStatus.COMPLETED,
+        JobStatus.FAILED,
+        JobStatus.STOPPED,
+        JobStatus.COST_CAP,
+        JobStatus.NO_DATA,
+    )
+}
 
 
 def stop(clients: Clients, stack: Stack) -> dict[str, Any]:
-    """Write the stop request; with nothing in service no agent would read it, so scale to zero here."""
+    """Write the current job's stop request; with nothing in service no agent would read it, so scale to
+    zero here. The current job is the one the group's instances run (state/current-job.json)."""
     outputs = stack.outputs
-    bucket, key = outputs.bucket, outputs.prefix(StackOutput.STATE_PREFIX) + CONTROL
+    job = resolve_job(clients, outputs)
+    bucket, key = outputs.bucket, job.state + CONTROL
     request = {"action": "stop", "requested_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     clients.s3().put_object(
         Bucket=bucket,
@@ -33,6 +47,7 @@ def stop(clients: Clients, stack: Stack) -> dict[str, Any]:
         )
         scaled = True
     return {
+        "job": job.job_id,
         "control": f"s3://{bucket}/{key}",
         "request": request,
         "group": group.name,
@@ -42,9 +57,10 @@ def stop(clients: Clients, stack: Stack) -> dict[str, Any]:
 
 
 def resume(clients: Clients, stack: Stack) -> dict[str, Any]:
-    """Withdraw any stop request and set the group back to the stack's instance count."""
+    """Withdraw the current job's stop request and set the group back to the stack's instance count."""
     outputs = stack.outputs
-    bucket, key = outputs.bucket, outputs.prefix(StackOutput.STATE_PREFIX) + CONTROL
+    job_prefixes = resolve_job(clients, outputs)
+    bucket, key = outputs.bucket, job_prefixes.state + CONTROL
     # Delete first: an agent booting before the delete would read the old request and stop again.
     clients.s3().delete_object(Bucket=bucket, Key=key)
     group = read_group(clients, outputs.group_name)
@@ -52,14 +68,21 @@ def resume(clients: Clients, stack: Stack) -> dict[str, Any]:
     clients.autoscaling().update_auto_scaling_group(
         AutoScalingGroupName=group.name, DesiredCapacity=count, MaxSize=max(group.max_size, count)
     )
-    job = read_job(clients, outputs)
+    job = read_job(clients, outputs, job_prefixes)
     notes = []
-    if job.status == JobStatus.COMPLETED:
+    defined = outputs.values.get(StackOutput.JOB_ID.value)
+    if defined and defined != job.job_id and job.status in _ENDED:
+        # The agent makes the stack's defined job current once the current one has ended.
+        notes.append(
+            f"job {job.job_id} has ended ({job.status}): the new instance starts the stack's job {defined}"
+        )
+    elif job.status == JobStatus.COMPLETED:
         notes.append("training already completed: the new instance restores the final checkpoint and ends")
     failures = int((job.ledger or {}).get("consecutive_failures") or 0)
     if failures:
         notes.append(f"the last {failures} lives failed: check `trainstack logs` before it burns more time")
     return {
+        "job": job.job_id,
         "group": group.name,
         "desired": count,
         "previous_desired": group.desired,
@@ -74,20 +97,24 @@ def run_stop(clients: Clients, stack: Stack, *, as_json: bool) -> int:
         print_json(result)
     elif result["scaled_to_zero_now"]:
         console().print(
-            f"no instance in service: {result['group']} scaled to zero now; stop request left in "
+            f"job {result['job']}: no instance in service: {result['group']} scaled to zero now; stop "
+            "request left in "
             f"{result['control']}",
             markup=False,
         )
     elif result["in_service"]:
         console().print(
-            f"stop requested ({result['control']}): the agent checkpoints, then scales {result['group']} "
+            f"job {result['job']}: stop requested ({result['control']}): the agent checkpoints, then scales "
+            f"{result['group']} "
             "to zero; "
             "watch it with `trainstack status`",
             markup=False,
         )
     else:
         console().print(
-            f"{result['group']} is already at zero; stop request left in {result['control']}", markup=False
+            f"job {result['job']}: {result['group']} is already at zero; stop request left in "
+            f"{result['control']}",
+            markup=False,
         )
     return 0
 
@@ -99,9 +126,9 @@ def run_resume(clients: Clients, stack: Stack, *, as_json: bool) -> int:
         return 0
     out = console()
     out.print(
-        f"{result['group']}: desired {result['previous_desired']} → {result['desired']}; "
-        "training resumes from the "
-        "latest checkpoint once an instance boots (`trainstack status`)",
+        f"job {result['job']}: {result['group']}: desired {result['previous_desired']} → "
+        f"{result['desired']}; training resumes from the latest checkpoint once an instance boots "
+        "(`trainstack status`)",
         markup=False,
     )
     for note in result["notes"]:

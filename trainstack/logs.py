@@ -17,12 +17,24 @@ from botocore.exceptions import ClientError
 from trainstack.aws import Clients, error_code
 from trainstack.errors import CliError
 from trainstack.stack import Stack
+from trainstack.state import resolve_job
 from trainstack_job.contract import StackOutput
+from trainstack_job.jobs import LEGACY_JOB_ID, JobPrefixes
 
 _SINCE = re.compile(r"^(\d+)([smhd])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 # CloudWatch Logs allows 5 FilterLogEvents calls per second per account and region: stay well below.
 POLL_SECONDS = 2.0
+# Streams from before jobs are `<instance-id>/agent|trainer`; a job's are `<job-id>/<instance-id>/…`.
+LEGACY_STREAM_PREFIX = "i-"
+
+
+def stream_prefix(job: JobPrefixes, stream: str | None) -> str:
+    """The log stream prefix of a job's streams, narrowed by `--stream` (an instance id, or more of it)."""
+    if job.job_id == LEGACY_JOB_ID:
+        return stream or LEGACY_STREAM_PREFIX
+    # JobPrefixes.log_stream names them `<job-id>/<instance-id>/<source>`.
+    return f"{job.job_id}/{stream or ''}"
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,10 @@ class LogReader:
                     event = LogEvent(
                         raw["timestamp"], raw["logStreamName"], raw["message"].rstrip("\n"), raw["eventId"]
                     )
+                    # Also filtered here: the prefix is what CloudWatch is asked for, and this keeps a
+                    # server that ignores it from mixing in another job's streams.
+                    if self.stream_prefix and not event.stream.startswith(self.stream_prefix):
+                        continue
                     if event.event_id not in self._seen_at_start:
                         events.append(event)
         except ClientError as error:
@@ -118,10 +134,20 @@ def follow(
 
 
 def run(
-    clients: Clients, stack: Stack, *, since: str, stream: str | None, follow_: bool, as_json: bool
+    clients: Clients,
+    stack: Stack,
+    *,
+    since: str,
+    stream: str | None,
+    follow_: bool,
+    as_json: bool,
+    job_id: str | None = None,
 ) -> int:
+    """Print one job's log events (default: the current job's), `--stream` naming an instance within it."""
     start = datetime.now(timezone.utc) - parse_since(since)
-    reader = LogReader(clients, stack.outputs.text(StackOutput.LOG_GROUP_NAME), start, stream)
+    outputs = stack.outputs
+    job = resolve_job(clients, outputs, job_id)
+    reader = LogReader(clients, outputs.text(StackOutput.LOG_GROUP_NAME), start, stream_prefix(job, stream))
     if not follow_:
         print_events(reader.read(), as_json=as_json)
         return 0

@@ -12,6 +12,9 @@ from trainstack.aws import Clients, is_not_found
 from trainstack.errors import CliError
 from trainstack.stack import StackOutputs
 from trainstack_job.contract import CONTROL, LATEST, LEDGER, PROGRESS, JobStatus, StackOutput
+from trainstack_job.jobs import CURRENT_JOB, JOBS_PREFIX, LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
+
+JOBS_COMMAND = "trainstack jobs"
 
 
 @dataclass(frozen=True)
@@ -115,20 +118,93 @@ class JobState:
     progress: dict[str, Any] | None
     checkpoint: dict[str, Any] | None
     control: dict[str, Any] | None
+    job_id: str = LEGACY_JOB_ID
 
     @property
     def status(self) -> str:
         return str((self.ledger or {}).get("status", "not started"))
 
 
-def read_job(clients: Clients, outputs: StackOutputs) -> JobState:
+def has_objects(clients: Clients, bucket: str, prefix: str) -> bool:
+    """Whether any key starts with `prefix` (one listing call, at most one key)."""
+    found = clients.s3().list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1)
+    return bool(found.get("KeyCount") or found.get("Contents"))
+
+
+def current_job_id(clients: Clients, outputs: StackOutputs) -> str:
+    """The job the stack runs now (docs/internals.md, "Jobs, the lease and the standby").
+
+    `state/current-job.json`'s `job_id`; without it a `state/ledger.json` means a stack from before jobs
+    (the legacy job); with neither, no instance has started one yet: the job the last `pulumi up` defined
+    (the `job_id` output; a stack deployed before jobs has none, so its job is the legacy one).
+    """
+    bucket, state = outputs.bucket, outputs.prefix(StackOutput.STATE_PREFIX)
+    pointer = read_json(clients, bucket, state + CURRENT_JOB)
+    if pointer is not None:
+        job_id: Any = pointer.get("job_id")
+        try:
+            return LEGACY_JOB_ID if job_id == LEGACY_JOB_ID else check_job_id(job_id)
+        except JobIdError:
+            raise CliError(
+                f"s3://{bucket}/{state}{CURRENT_JOB} names {job_id!r}, not a job id; pass --job ID "
+                f"(`{JOBS_COMMAND}` lists them)"
+            ) from None
+    if has_objects(clients, bucket, state + LEDGER):
+        return LEGACY_JOB_ID
+    defined = outputs.values.get(StackOutput.JOB_ID.value)
+    return str(defined) if defined else LEGACY_JOB_ID
+
+
+def job_exists(clients: Clients, outputs: StackOutputs, job: JobPrefixes) -> bool:
+    """Whether the bucket holds anything of the job (the legacy job: its ledger, checkpoints or results)."""
     bucket = outputs.bucket
-    state = outputs.prefix(StackOutput.STATE_PREFIX)
+    if job.job_id == LEGACY_JOB_ID:
+        return any(
+            has_objects(clients, bucket, p) for p in (job.state + LEDGER, job.checkpoints, job.results)
+        )
+    return has_objects(clients, bucket, job.root)
+
+
+def resolve_job(clients: Clients, outputs: StackOutputs, requested: str | None = None) -> JobPrefixes:
+    """The prefixes of the job a command acts on: `--job ID` when given, else the current job.
+
+    A requested id must name a job the bucket holds, or the stack's defined or current job (which may not
+    have written anything yet).
+    """
+    if requested is None:
+        return JobPrefixes.of(current_job_id(clients, outputs))
+    bucket = outputs.bucket
+    if requested != LEGACY_JOB_ID:
+        try:
+            check_job_id(requested, f"--job {requested}")
+        except JobIdError as error:
+            raise CliError(str(error)) from None
+    job = JobPrefixes.of(requested)
+    known = {outputs.values.get(StackOutput.JOB_ID.value)}
+    if requested in known or job_exists(clients, outputs, job):
+        return job
+    if requested == current_job_id(clients, outputs):
+        return job
+    if requested == LEGACY_JOB_ID:
+        raise CliError(
+            f"--job {LEGACY_JOB_ID}: s3://{bucket} holds no job from before jobs (no state/ledger.json, "
+            f"checkpoints/ or results/); `{JOBS_COMMAND}` lists the jobs it holds"
+        )
+    raise CliError(
+        f"--job {requested}: no such job in s3://{bucket}/{JOBS_PREFIX}; `{JOBS_COMMAND}` lists them"
+    )
+
+
+def read_job(clients: Clients, outputs: StackOutputs, job: JobPrefixes | None = None) -> JobState:
+    """What the bucket records of `job` (default: the current job)."""
+    job = job or resolve_job(clients, outputs)
+    bucket = outputs.bucket
     return JobState(
-        ledger=read_json(clients, bucket, state + LEDGER),
-        progress=read_json(clients, bucket, state + PROGRESS),
-        checkpoint=read_json(clients, bucket, outputs.prefix(StackOutput.CHECKPOINTS_PREFIX) + LATEST),
-        control=read_json(clients, bucket, state + CONTROL),
+        ledger=read_json(clients, bucket, job.state + LEDGER),
+        progress=read_json(clients, bucket, job.state + PROGRESS),
+        checkpoint=read_json(clients, bucket, job.checkpoints + LATEST),
+        control=read_json(clients, bucket, job.state + CONTROL),
+        job_id=job.job_id,
     )
 
 

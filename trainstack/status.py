@@ -6,14 +6,15 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from rich.markup import escape
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from trainstack.aws import Clients
 from trainstack.output import console, format_duration, format_usd, parse_time, print_json
 from trainstack.stack import Stack
-from trainstack.state import JobState, read_group, read_job
-from trainstack_job.contract import RESUME_COMMAND, JobStatus, LifeOutcome, StackOutput
+from trainstack.state import JobState, read_group, read_job, resolve_job
+from trainstack_job.contract import PROGRESS_UPDATED_AT, RESUME_COMMAND, JobStatus, LifeOutcome, StackOutput
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,12 @@ def _seconds_since(value: Any, now: datetime) -> float | None:
     return None if moment is None else max(0.0, (now - moment).total_seconds())
 
 
+def _progress_time(progress: dict[str, Any]) -> Any:
+    """When progress.json was written; files from trainstack_job before it wrote `updated_at` say
+    `written_at`."""
+    return progress.get(PROGRESS_UPDATED_AT) or progress.get("written_at")
+
+
 def remaining_seconds(job: JobState, now: datetime) -> float | None:
     """The trainer's ETA, less the time since it wrote it; zero once the job is over."""
     if job.status == JobStatus.COMPLETED:
@@ -52,7 +59,7 @@ def remaining_seconds(job: JobState, now: datetime) -> float | None:
     eta = progress.get("eta_s")
     if not isinstance(eta, int | float):
         return None
-    return max(0.0, float(eta) - (_seconds_since(progress.get("updated_at"), now) or 0.0))
+    return max(0.0, float(eta) - (_seconds_since(_progress_time(progress), now) or 0.0))
 
 
 def estimate_cost(job: JobState, now: datetime) -> Cost:
@@ -86,24 +93,28 @@ def estimate_cost(job: JobState, now: datetime) -> Cost:
     return Cost(so_far_usd=so_far_usd, rate_usd_per_hour=rate, remaining_s=remaining_seconds(job, now))
 
 
-def collect(clients: Clients, stack: Stack, now: datetime | None = None) -> dict[str, Any]:
-    """Everything `status` shows, as one JSON-ready document (the human view renders this)."""
+def collect(
+    clients: Clients, stack: Stack, now: datetime | None = None, *, job_id: str | None = None
+) -> dict[str, Any]:
+    """Everything `status` shows of one job (default: the current one), as one JSON-ready document (the
+    human view renders this)."""
     now = now or datetime.now(timezone.utc)
     outputs = stack.outputs
     group = read_group(clients, outputs.group_name)
-    job = read_job(clients, outputs)
+    job = read_job(clients, outputs, resolve_job(clients, outputs, job_id))
     cost = estimate_cost(job, now)
     checkpoint = dict(job.checkpoint) if job.checkpoint else None
     if checkpoint is not None:
         checkpoint["age_s"] = _seconds_since(checkpoint.get("written_at"), now)
     progress = dict(job.progress) if job.progress else None
     if progress is not None:
-        progress["age_s"] = _seconds_since(progress.get("updated_at"), now)
+        progress["age_s"] = _seconds_since(_progress_time(progress), now)
         progress["remaining_s"] = cost.remaining_s
     ledger = job.ledger or {}
     return {
         "stack": stack.name,
         "region": clients.region,
+        "job": job.job_id,
         "group": group.to_json(),
         "status": job.status,
         "next_step": NEXT_STEP.get(job.status),
@@ -152,8 +163,8 @@ NEXT_STEP: dict[str, str] = {
 }
 
 
-def run(clients: Clients, stack: Stack, *, as_json: bool) -> int:
-    report = collect(clients, stack)
+def run(clients: Clients, stack: Stack, *, as_json: bool, job_id: str | None = None) -> int:
+    report = collect(clients, stack, job_id=job_id)
     if as_json:
         print_json(report)
     else:
@@ -165,7 +176,10 @@ def render(report: dict[str, Any]) -> None:
     out = console()
     group = report["group"]
     stop = "  [yellow](stop requested)[/]" if report["stop_requested"] else ""
-    out.print(f"[bold]{report['stack']}[/] in {report['region']}: training [bold]{report['status']}[/]{stop}")
+    out.print(
+        f"[bold]{report['stack']}[/] in {report['region']}, job [bold]{escape(report['job'])}[/]: "
+        f"training [bold]{report['status']}[/]{stop}"
+    )
     if report["next_step"]:
         out.print(f"next: {report['next_step']}")
     out.print(

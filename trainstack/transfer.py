@@ -28,7 +28,7 @@ from trainstack.aws import Clients
 from trainstack.errors import CliError
 from trainstack.output import console, print_json
 from trainstack.stack import Stack
-from trainstack.state import encryption_args, read_group, read_job, read_json, training_runs
+from trainstack.state import encryption_args, read_group, read_job, read_json, resolve_job, training_runs
 from trainstack_job.contract import DATA_MANIFEST, StackOutput
 
 # torchvision.datasets.folder.IMG_EXTENSIONS: what ImageFolder will load. Copied because the CLI is
@@ -144,10 +144,12 @@ def push(
     outputs = stack.outputs
     bucket, prefix = outputs.bucket, outputs.prefix(StackOutput.DATA_PREFIX)
     group = read_group(clients, outputs.group_name)
+    # The dataset is the stack's: what matters is whether the stack's current job is training on it.
     job = read_job(clients, outputs)
     if training_runs(group, job) and not force:
         raise CliError(
-            f"training is running on {group.in_service} instance(s) of {group.name}: replacing its dataset "
+            f"training is running on {group.in_service} instance(s) of {group.name} (job {job.job_id}): "
+            "replacing its dataset "
             "mid-run would mix two datasets; run `trainstack stop` first, or pass --force"
         )
     manifest_key = outputs.prefix(StackOutput.STATE_PREFIX) + DATA_MANIFEST
@@ -223,15 +225,20 @@ def push(
     }
 
 
-def pull(clients: Clients, stack: Stack, destination: Path, *, quiet: bool) -> dict[str, Any]:
+def pull(
+    clients: Clients, stack: Stack, destination: Path, *, quiet: bool, job_id: str | None = None
+) -> dict[str, Any]:
+    """Download one job's results (default: the current job's)."""
     outputs = stack.outputs
-    bucket, prefix = outputs.bucket, outputs.prefix(StackOutput.RESULTS_PREFIX)
+    job = resolve_job(clients, outputs, job_id)
+    bucket, prefix = outputs.bucket, job.results
     objects = list_objects(clients, bucket, prefix)
     if not objects:
-        status = read_job(clients, outputs).status
+        status = read_job(clients, outputs, job).status
         raise CliError(
-            f"no results yet in s3://{bucket}/{prefix} (training is {status}): they appear when training "
-            "completes; see `trainstack status`"
+            f"no results yet in s3://{bucket}/{prefix} (job {job.job_id}: training is {status}): they "
+            f"appear when it completes; see `trainstack status --job {job.job_id}`, or `trainstack jobs` "
+            "for the other jobs"
         )
     root = destination.resolve()
     plan: list[tuple[str, Path, dict[str, Any]]] = []
@@ -268,6 +275,7 @@ def pull(clients: Clients, stack: Stack, destination: Path, *, quiet: bool) -> d
         stamp = item["LastModified"].timestamp()
         os.utime(target, (stamp, stamp))
     return {
+        "job": job.job_id,
         "source": f"s3://{bucket}/{prefix}",
         "destination": str(root),
         "files": [str(t.relative_to(root)) for _, t, _ in plan],
@@ -297,13 +305,16 @@ def run_push(clients: Clients, stack: Stack, root: Path, *, force: bool, delete:
     return 0
 
 
-def run_pull(clients: Clients, stack: Stack, destination: Path, *, as_json: bool) -> int:
-    summary = pull(clients, stack, destination, quiet=as_json)
+def run_pull(
+    clients: Clients, stack: Stack, destination: Path, *, as_json: bool, job_id: str | None = None
+) -> int:
+    summary = pull(clients, stack, destination, quiet=as_json, job_id=job_id)
     if as_json:
         print_json(summary)
     else:
         console().print(
-            f"{summary['downloaded']} file(s) downloaded ({summary['downloaded_bytes']:,} bytes), "
+            f"job {summary['job']}: {summary['downloaded']} file(s) downloaded "
+            f"({summary['downloaded_bytes']:,} bytes), "
             f"{summary['unchanged']} unchanged → {summary['destination']}",
             markup=False,
         )

@@ -3,7 +3,10 @@ committed local checkpoint → exit 75; checkpoint-request file; progress.json; 
 Checkpoints and results stay local: the agent uploads them.
 
 Behaviour is steered by the job config's `fake:` mapping: steps, step_seconds, checkpoint_every,
-crash_at_step, exit_code (of the crash), hang_at_step, ignore_stop, checkpoint_bytes, complete_on_stop.
+crash_at_step, exit_code (of the crash), hang_at_step, ignore_stop, checkpoint_bytes, complete_on_stop,
+log_steps (one `{"event": "step", "step": N, "pid": P}` line per step: what the one-writer tests read).
+A `train.start_gate_file` that exists at start holds it warm, as the built-in trainer does: no checkpoint is
+restored or written until the file is gone; a stop while held exits 75 without writing anything.
 """
 
 from __future__ import annotations
@@ -91,6 +94,19 @@ def main() -> int:
         staging.rename(root / f"step-{step}")
         print(json.dumps({"event": "checkpoint", "step": step}), flush=True)
 
+    gate = Path(overrides["train.start_gate_file"]) if overrides.get("train.start_gate_file") else None
+    if gate is not None and gate.exists():
+        print(
+            f"standby: warm (model built, first batch loaded) in 0.0s; waiting for the start gate {gate}",
+            flush=True,
+        )
+        waited = time.monotonic()
+        while gate.exists():
+            if STOP["requested"] or stop_file.exists():
+                print("standby: stopped before the start gate opened; no checkpoint written", flush=True)
+                return 75
+            time.sleep(0.02)
+        print(f"standby: start gate opened after {time.monotonic() - waited:.1f}s; restoring", flush=True)
     step = restore(root)
     if step:
         print(json.dumps({"event": "resumed", "step": step}), flush=True)
@@ -102,6 +118,8 @@ def main() -> int:
             return int(fake.get("exit_code", 1))
         time.sleep(step_seconds)
         step += 1
+        if fake.get("log_steps"):
+            print(json.dumps({"event": "step", "step": step, "pid": os.getpid()}), flush=True)
         write_json_atomically(output_dir / "progress.json", {"step": step, "total_steps": steps, "epoch": 0})
         if request_file.exists():
             save(step)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 
 from trainstack.state import JobState
 from trainstack.status import estimate_cost
+from trainstack_job import Job
+from trainstack_job.contract import JobEnv
 
 from .conftest import BUCKET, Deployed
 
@@ -156,6 +159,24 @@ def test_status_json_reports_group_instances_progress_checkpoint_and_cost(deploy
     assert report["cost"]["estimate_total_usd"] == pytest.approx(1.36 + 0.72, abs=0.01)
     assert report["cost"]["purchase_option"] == "spot"
     assert report["stop_requested"] is False
+
+
+def test_status_json_gives_the_progress_age_of_a_users_job(deployed: Deployed, tmp_path: Path):
+    # What trainstack_job writes (a user's script calling report_progress), uploaded as the agent does.
+    job = Job.from_env(environ={JobEnv.PROGRESS_FILE.value: str(tmp_path / "progress.json")})
+    job.report_progress(step=40, total_steps=100, loss=0.5)
+    progress = json.loads((tmp_path / "progress.json").read_text())
+    deployed.put_state("ledger.json", _running_job(datetime.now(timezone.utc))["ledger"])
+    deployed.put_state("progress.json", progress | {"instance_id": "i-new"})
+
+    report = deployed.run("status", "--json").json()
+
+    assert report["progress"]["step"] == 40
+    assert report["progress"]["age_s"] == pytest.approx(0, abs=30)
+    # A file from a trainstack_job that still wrote `written_at` keeps its age.
+    older = {"step": 40, "written_at": _iso(datetime.now(timezone.utc) - timedelta(minutes=2))}
+    deployed.put_state("progress.json", older)
+    assert deployed.run("status", "--json").json()["progress"]["age_s"] == pytest.approx(120, abs=30)
 
 
 def test_status_table_shows_each_instance_with_its_lifecycle_and_the_eta(deployed: Deployed):

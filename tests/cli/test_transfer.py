@@ -181,7 +181,8 @@ def test_results_pull_before_completion_says_so(deployed: Deployed, tmp_path: Pa
     deployed.put_state("ledger.json", {"status": "running", "lives": []})
     result = deployed.run("results", "pull", str(tmp_path / "out"))
     assert result.code == 1
-    assert "no results yet in s3://trainstack-test-data/results/ (training is running)" in result.err
+    expected = "no results yet in s3://trainstack-test-data/results/ (job legacy: training is running)"
+    assert expected in result.err
 
 
 def test_push_leaves_hidden_files_and_folders_out(deployed: Deployed, tmp_path: Path):

@@ -95,7 +95,8 @@ def test_instance_policy_is_scoped_to_this_stacks_resources(example_stack: Stack
     bucket = f"arn:aws:s3:::{example_stack.outputs['bucket_name']}"
     by_sid = {s["Sid"]: s for s in _statements(document)}
     assert by_sid["ReadDataAndCode"]["Resource"] == [f"{bucket}/data/*", f"{bucket}/code/*"]
-    assert by_sid["ReadWriteCheckpointsResultsState"]["Resource"] == [
+    assert by_sid["ReadWriteJobsAndLegacyJob"]["Resource"] == [
+        f"{bucket}/jobs/*",
         f"{bucket}/checkpoints/*",
         f"{bucket}/results/*",
         f"{bucket}/state/*",
@@ -109,6 +110,10 @@ def test_instance_policy_is_scoped_to_this_stacks_resources(example_stack: Stack
         "StringEquals": {"cloudwatch:namespace": "trainstack"}
     }
     assert "s3:DeleteObject" not in by_sid["ReadDataAndCode"]["Action"]
+    # Listing: the dataset, the bundles, every job's prefix and the legacy job's (checkpoints are listed).
+    assert by_sid["ListOwnPrefixes"]["Condition"]["StringLike"]["s3:prefix"] == [
+        "data/*", "code/*", "jobs/*", "checkpoints/*", "results/*", "state/*",
+    ]  # fmt: skip
 
 
 def test_trust_policies_let_exactly_one_service_assume_the_role(example_stack: StackRun) -> None:

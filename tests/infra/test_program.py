@@ -14,7 +14,8 @@ from tests.infra.program import AMI_ID, REPO_ROOT, ROOT_DEVICE, StackRun, exampl
 ASG = "aws:autoscaling/group:Group"
 INTERNALS_OUTPUTS = {
     "region", "bucket_name", "data_prefix", "code_prefix", "checkpoints_prefix", "results_prefix",
-    "state_prefix", "data_upload_command", "group_name", "instance_count", "instance_types", "log_group_name",
+    "state_prefix", "jobs_prefix", "job_id", "data_upload_command", "group_name", "instance_count",
+    "instance_types", "log_group_name",
     "topic_arn", "kms_key_arn", "dashboard_url", "ssm_session_command",
 }  # fmt: skip
 BILLING_TYPES_DELETED_ON_DESTROY = (
@@ -27,7 +28,6 @@ BILLING_TYPES_DELETED_ON_DESTROY = (
     "aws:cloudwatch/dashboard:Dashboard",
     "aws:ec2/flowLog:FlowLog",
     "aws:sns/topic:Topic",
-    "aws:s3/bucketObjectv2:BucketObjectv2",
 )
 
 
@@ -223,10 +223,13 @@ def test_alert_email_subscribes_and_receives_budget_alerts() -> None:
         assert notification["subscriberEmailAddresses"] == ["ml-team@example.com"]
 
 
-def test_destroy_keeps_only_the_bucket_and_its_key_by_default(example_stack: StackRun) -> None:
+def test_destroy_keeps_only_the_bucket_its_key_and_the_code_bundle_by_default(
+    example_stack: StackRun,
+) -> None:
     kept = {r.type for r in example_stack.resources if r.retain_on_delete}
     assert "aws:s3/bucket:Bucket" in kept
     assert "aws:kms/key:Key" in kept
+    assert "aws:s3/bucketObjectv2:BucketObjectv2" in kept
     # Kept with the bucket so a retained bucket stays private, encrypted and TLS-only.
     assert all(t.startswith(("aws:s3/bucket", "aws:kms/key:Key")) for t in kept), kept
     assert all(b.inputs["forceDestroy"] is False for b in example_stack.of_type("aws:s3/bucket:Bucket"))
@@ -236,7 +239,10 @@ def test_destroy_keeps_only_the_bucket_and_its_key_by_default(example_stack: Sta
 
 def test_destroy_removes_everything_when_data_is_not_retained() -> None:
     stack = run_stack({**example_config(), "trainstack:retainDataOnDestroy": False})
-    assert not [r.name for r in stack.resources if r.retain_on_delete]
+    # Only the code bundle keeps retain_on_delete (for replacements, below); the force-destroyed bucket
+    # takes it with every other object.
+    kept = [r for r in stack.resources if r.retain_on_delete]
+    assert [r.type for r in kept] == ["aws:s3/bucketObjectv2:BucketObjectv2"]
     assert all(b.inputs["forceDestroy"] is True for b in stack.of_type("aws:s3/bucket:Bucket"))
     assert stack.one("aws:kms/key:Key").inputs["deletionWindowInDays"] == 7
 

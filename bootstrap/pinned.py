@@ -1,0 +1,115 @@
+"""Run a job with the code it started with: fetch its bundle, check it, unpack it, re-execute the agent there.
+
+A replacement launched after a `pulumi up` that changed the job carries the new code in its user-data; the
+job that is still running must not be continued by it (docs/internals.md, "Binding a life to its job").
+The job's record names its bundle; the agent unpacks it beside its own code (as install-agent.sh does,
+`<install root>/<sha256>/`) and replaces itself with the same entry point run from there, with the job's
+fields over this instance's agent config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import sys
+import tarfile
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+
+from bootstrap.agent_config import AgentConfig
+from bootstrap.jobbinding import JOB_FIELDS
+from bootstrap.trainer import CODE_ROOT
+
+# Set for the re-executed agent: it must serve that job with its own code, never hop again.
+PINNED_ENV = "TRAINSTACK_PINNED_JOB"
+
+
+class PinnedCodeError(RuntimeError):
+    """The running job's code cannot be fetched or fails its check; the message names the object and fix."""
+
+
+def pinned_config(config: AgentConfig, record: dict[str, Any]) -> dict[str, Any]:
+    """This instance's agent config (stack, bucket, group…) with the running job's definition over it."""
+    merged = asdict(config)
+    agent = record.get("agent") or {}
+    for name in JOB_FIELDS:
+        if name in agent:
+            merged[name] = agent[name]
+    return merged
+
+
+def unpack_bundle(s3: Any, bucket: str, record: dict[str, Any], install_root: Path) -> Path:
+    """The job's bundle unpacked at `<install_root>/<sha256>` (reused when already there)."""
+    key, sha256 = str(record.get("bundle_key") or ""), str(record.get("bundle_sha256") or "")
+    job = record.get("job_id", "?")
+    if not key or not sha256:
+        raise PinnedCodeError(
+            f"job {job}: its record names no code bundle; stop it with `trainstack stop` and resume"
+        )
+    destination = install_root / sha256
+    if (destination / "bootstrap" / "agent.py").is_file():
+        return destination
+    data = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != sha256:
+        raise PinnedCodeError(
+            f"s3://{bucket}/{key}: sha256 {actual} is not job {job}'s {sha256}; the object was replaced: "
+            "stop the job with `trainstack stop`"
+        )
+    install_root.mkdir(parents=True, exist_ok=True)
+    staging = install_root / f".{sha256}.unpack-{os.getpid()}"
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+        archive.extractall(staging, filter="data")
+    staging.replace(destination)
+    return destination
+
+
+def default_install_root() -> Path:
+    """Beside this agent's own bundle when it runs from one (`/opt/trainstack/<sha256>`), else a temp dir."""
+    if re.fullmatch(r"[0-9a-f]{64}", CODE_ROOT.name):
+        return CODE_ROOT.parent
+    return Path(tempfile.gettempdir()) / "trainstack-code"
+
+
+def reexec_argv(argv: Sequence[str], config_path: Path) -> list[str]:
+    """The same entry point and flags, reading `config_path`: `-m bootstrap.agent --config FILE`."""
+    args = list(argv)
+    if "--config" in args:
+        args[args.index("--config") + 1] = str(config_path)
+    else:
+        args += ["--config", str(config_path)]
+    return [sys.executable, *args]
+
+
+def run_pinned(
+    s3: Any, config: AgentConfig, record: dict[str, Any], *, install_root: Path | None = None
+) -> NoReturn:
+    """Replace this agent with the running job's own code (never returns; raises if it cannot)."""
+    if os.environ.get(PINNED_ENV):
+        raise PinnedCodeError(
+            f"job {record.get('job_id')}: already running its pinned code, yet asked to hop again"
+        )
+    root = install_root or default_install_root()
+    code = unpack_bundle(s3, config.bucket, record, root)
+    config_path = code / f"agent-{record.get('job_id', 'job')}.yaml"
+    config_path.write_text(yaml.safe_dump(pinned_config(config, record), sort_keys=False))
+    own = str(CODE_ROOT)
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != own]
+    env = {
+        **os.environ,
+        PINNED_ENV: str(record.get("job_id")),
+        "PYTHONPATH": os.pathsep.join([str(code), *path]),
+    }
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.chdir(code)
+    # orig_argv is the interpreter's own command line: `-m bootstrap.agent` on an instance, `-m demo.agent`
+    # in the demo; both re-run from the job's code.
+    os.execve(sys.executable, reexec_argv(sys.orig_argv[1:], config_path), env)

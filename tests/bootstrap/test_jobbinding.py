@@ -1,0 +1,153 @@
+"""Which job a life serves: the stack's pointer, a second definition after the first ended, a running job
+kept on its own code, the legacy layout, and two lives racing to define the stack's job."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import sys
+import tarfile
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bootstrap.agent_config import AgentConfig
+from bootstrap.jobbinding import JobBindingError, bind_job
+from bootstrap.pinned import PinnedCodeError, pinned_config, reexec_argv, unpack_bundle
+from demo.stack import LocalStack, create_stack
+
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+
+
+@pytest.fixture()
+def stack(aws: Any) -> LocalStack:
+    return create_stack(name="trainstack-binding")
+
+
+def _config(stack: LocalStack, job_id: str, **more: Any) -> AgentConfig:
+    return stack.agent_config(
+        job_id=job_id,
+        job_name=job_id.rsplit("-", 1)[0],
+        bundle_key=f"code/{job_id}/bundle.tar.gz",
+        bundle_sha256="0" * 64,
+        job={"train": {"epochs": 1}, "model": job_id},
+        **more,
+    )
+
+
+def _put(stack: LocalStack, key: str, value: dict[str, Any]) -> None:
+    stack.client("s3").put_object(Bucket=stack.bucket, Key=key, Body=json.dumps(value).encode())
+
+
+def _get(stack: LocalStack, key: str) -> dict[str, Any]:
+    body = stack.client("s3").get_object(Bucket=stack.bucket, Key=key)["Body"].read()
+    value: dict[str, Any] = json.loads(body)
+    return value
+
+
+def test_first_job_becomes_current_and_records_its_definition(stack: LocalStack) -> None:
+    s3 = stack.client("s3")
+    binding = bind_job(s3, _config(stack, "resnet-11111111"), NOW)
+    assert (binding.job_id, binding.pinned) == ("resnet-11111111", None)
+    assert binding.prefixes.checkpoints == "jobs/resnet-11111111/checkpoints/"
+    assert _get(stack, "state/current-job.json")["job_id"] == "resnet-11111111"
+    record = _get(stack, "jobs/resnet-11111111/job.json")
+    assert record["bundle_key"] == "code/resnet-11111111/bundle.tar.gz"
+    assert record["agent"]["job"]["model"] == "resnet-11111111"
+    # The same definition again (a replacement, a resume): the same job.
+    assert bind_job(s3, _config(stack, "resnet-11111111"), NOW).job_id == "resnet-11111111"
+
+
+def test_a_new_definition_waits_for_the_running_job_and_takes_over_once_it_ended(stack: LocalStack) -> None:
+    s3 = stack.client("s3")
+    bind_job(s3, _config(stack, "resnet-11111111"), NOW)
+    _put(stack, "jobs/resnet-11111111/state/ledger.json", {"status": "running", "lives": []})
+    # A replacement launched after a `pulumi up` that defined another job: the running job goes on, with
+    # the code and definition it started with.
+    binding = bind_job(s3, _config(stack, "vit-22222222"), NOW)
+    assert binding.job_id == "resnet-11111111"
+    assert binding.pinned is not None and binding.pinned["bundle_key"] == "code/resnet-11111111/bundle.tar.gz"
+    merged = pinned_config(_config(stack, "vit-22222222"), binding.pinned)
+    assert (merged["job_id"], merged["job"]["model"]) == ("resnet-11111111", "resnet-11111111")
+    assert merged["bucket"] == stack.bucket
+    assert _get(stack, "state/current-job.json")["job_id"] == "resnet-11111111"
+    # Once it completed, the next definition is the stack's job: under its own prefix, from step 0.
+    _put(stack, "jobs/resnet-11111111/state/ledger.json", {"status": "completed", "lives": []})
+    binding = bind_job(s3, _config(stack, "vit-22222222"), NOW)
+    assert (binding.job_id, binding.pinned, binding.switched_from) == ("vit-22222222", None, "resnet-11111111")
+    assert binding.prefixes.results == "jobs/vit-22222222/results/"
+    assert _get(stack, "state/current-job.json") | {"since": None} == {
+        "job_id": "vit-22222222",
+        "since": None,
+        "previous": "resnet-11111111",
+    }
+
+
+def test_a_running_stack_from_before_jobs_keeps_its_objects_as_the_legacy_job(stack: LocalStack) -> None:
+    s3 = stack.client("s3")
+    _put(stack, "state/ledger.json", {"status": "running", "lives": []})
+    binding = bind_job(s3, _config(stack, "resnet-11111111"), NOW)
+    assert binding.job_id == "legacy"
+    assert (binding.prefixes.checkpoints, binding.prefixes.results, binding.prefixes.state) == (
+        "checkpoints/",
+        "results/",
+        "state/",
+    )
+    # Once the legacy job ended, the defined job takes the stack.
+    _put(stack, "state/ledger.json", {"status": "completed", "lives": []})
+    assert bind_job(s3, _config(stack, "resnet-11111111"), NOW).job_id == "resnet-11111111"
+
+
+def test_two_definitions_booting_at_once_agree_on_one_job(stack: LocalStack) -> None:
+    results: dict[str, str] = {}
+    barrier = threading.Barrier(2)
+
+    def boot(job_id: str) -> None:
+        s3 = stack.client("s3")
+        barrier.wait()
+        results[job_id] = bind_job(s3, _config(stack, job_id), NOW).job_id
+
+    threads = [threading.Thread(target=boot, args=(j,)) for j in ("resnet-11111111", "vit-22222222")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    winner = _get(stack, "state/current-job.json")["job_id"]
+    assert set(results.values()) == {winner}
+
+
+def test_an_unreadable_pointer_is_one_line_naming_it(stack: LocalStack) -> None:
+    stack.client("s3").put_object(Bucket=stack.bucket, Key="state/current-job.json", Body=b"[]")
+    with pytest.raises(JobBindingError, match=r"state/current-job.json is not a job pointer.*delete it"):
+        bind_job(stack.client("s3"), _config(stack, "resnet-11111111"), NOW)
+
+
+def _bundle(files: dict[str, str]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def test_pinned_code_is_checked_before_it_is_unpacked(stack: LocalStack, tmp_path: Path) -> None:
+    s3 = stack.client("s3")
+    data = _bundle({"bootstrap/agent.py": "print('old code')\n"})
+    sha = hashlib.sha256(data).hexdigest()
+    s3.put_object(Bucket=stack.bucket, Key="code/x/bundle.tar.gz", Body=data)
+    record = {"job_id": "resnet-11111111", "bundle_key": "code/x/bundle.tar.gz", "bundle_sha256": sha}
+    code = unpack_bundle(s3, stack.bucket, record, tmp_path / "code")
+    assert (code / "bootstrap" / "agent.py").read_text() == "print('old code')\n"
+    assert code == tmp_path / "code" / sha
+    # The object replaced after the job started: refused, naming the object.
+    with pytest.raises(PinnedCodeError, match=r"code/x/bundle.tar.gz: sha256 .* is not job resnet-11111111"):
+        unpack_bundle(s3, stack.bucket, record | {"bundle_sha256": "f" * 64}, tmp_path / "other")
+    argv = reexec_argv(["-m", "bootstrap.agent", "--config", "/etc/trainstack/agent.yaml"], code / "a.yaml")
+    assert argv == [sys.executable, "-m", "bootstrap.agent", "--config", str(code / "a.yaml")]
