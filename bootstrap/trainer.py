@@ -81,6 +81,12 @@ class TrainerPaths:
     def checkpoint_request_file(self) -> Path:
         return self.scratch / "CHECKPOINT"
 
+    @property
+    def start_gate_file(self) -> Path:
+        """While this exists the built-in trainer warms up and waits (a standby); removed, it restores the
+        newest checkpoint and trains. Beside checkpoints/, not in it: the agent refreshes that folder."""
+        return self.scratch / "START_GATE"
+
     def overrides(self) -> list[str]:
         """The built-in trainer's config overrides: the same places as the contract's variables."""
         return [
@@ -92,6 +98,7 @@ class TrainerPaths:
             "output.uri=",
             f"train.stop_file={self.stop_file}",
             f"train.checkpoint_request_file={self.checkpoint_request_file}",
+            f"train.start_gate_file={self.start_gate_file}",
         ]
 
     def contract_env(self, *, with_data: bool, restored_step: int | None) -> dict[str, str]:

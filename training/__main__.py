@@ -16,10 +16,12 @@ import argparse
 import logging
 import os
 import sys
+import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from training.stop import StopRequest
-from trainstack_job.contract import ExitCode
+from trainstack_job.contract import ExitCode, JobEnv
 
 if TYPE_CHECKING:
     from training.config import Config
@@ -115,6 +117,17 @@ def remote_uri_problems(config: Config, client: Any = None) -> list[str]:
     return problems
 
 
+def start_gate_problems(config: Config, env: Mapping[str, str]) -> list[str]:
+    """The start gate is a single machine's warm standby (the lease): a multi-node job's nodes are joined by
+    their rendezvous generation instead, and a gated node would hold every other node's ranks waiting."""
+    if config.train.start_gate_file and env.get(JobEnv.RDZV_ENDPOINT.value, "").strip():
+        return [
+            f"train.start_gate_file: a multi-node job ({JobEnv.RDZV_ENDPOINT.value} is set) cannot start "
+            "gated; the start gate is for one machine's standby: leave train.start_gate_file empty"
+        ]
+    return []
+
+
 def _checked_config(path: str, overrides: list[str]) -> Config:
     """The config, or one ConfigError with every problem: keys and values, data folders, S3 buckets."""
     from training.config import ConfigError, load_config
@@ -128,7 +141,7 @@ def _checked_config(path: str, overrides: list[str]) -> Config:
         problems, config = list(exc.problems), exc.config
     if config is None:
         raise ConfigError(problems)
-    later = data_dir_problems(config)
+    later = data_dir_problems(config) + start_gate_problems(config, os.environ)
     unreachable: S3UnreachableError | None = None
     # One bucket check per job, not one per rank.
     if os.environ.get("RANK", "0") == "0":
@@ -151,13 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     # slow imports, restore) ends in the Trainer's clean exit 75, never a traceback or death by signal.
     stop = StopRequest()
     stop.install()
+    started = time.monotonic()
     try:
-        return _main(argv, stop)
+        return _main(argv, stop, started)
     finally:
         stop.uninstall()
 
 
-def _main(argv: list[str] | None, stop: StopRequest) -> int:
+def _main(argv: list[str] | None, stop: StopRequest, started: float) -> int:
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
     parser.add_argument("--config", required=True, help="YAML config file (see training/configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.epochs=3")
@@ -173,7 +187,7 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
     except ValueError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
-    code, launched = _run(args, argv, stop, nodes)
+    code, launched = _run(args, argv, stop, nodes, started)
     if nodes is not None and nodes.exit_file is not None and not launched:
         # Ended before the launcher ran (config, data, a stop): the agent still gets its node's record.
         NodeExit(exit_code=int(code)).write(nodes.exit_file)
@@ -181,7 +195,11 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
 
 
 def _run(
-    args: argparse.Namespace, argv: list[str] | None, stop: StopRequest, nodes: NodeRendezvous | None
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    stop: StopRequest,
+    nodes: NodeRendezvous | None,
+    started: float,
 ) -> tuple[int, bool]:
     """(exit code, whether the elastic launcher ran)."""
     from botocore.exceptions import BotoCoreError, ClientError
@@ -208,7 +226,7 @@ def _run(
             return launch(argv, processes, nodes, stopped=lambda: stop.signal_name), True
         from training.loop import Trainer  # torch import: only after the config, data and buckets are good
 
-        return Trainer(config, stop).run(), False
+        return Trainer(config, stop, started=started).run(), False
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)

@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import os
 import re
 import types
 import typing
@@ -72,6 +73,9 @@ class TrainConfig:
     processes: int | Literal["auto"] = "auto"
     stop_file: str = ""
     checkpoint_request_file: str = ""
+    # A standby's gate: while this file exists at start, the trainer warms up (model, optimizer, loaders, one
+    # batch) and waits; once it is gone it restores the newest checkpoint and trains. Empty: no gate.
+    start_gate_file: str = ""
 
 
 @dataclass
@@ -108,7 +112,15 @@ class Config:
         relevant["train"] = {
             k: v
             for k, v in relevant["train"].items()
-            if k not in {"log_every_steps", "stop_file", "checkpoint_request_file", "device", "processes"}
+            if k
+            not in {
+                "log_every_steps",
+                "stop_file",
+                "checkpoint_request_file",
+                "start_gate_file",
+                "device",
+                "processes",
+            }
         }
         del relevant["checkpoint"], relevant["output"]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
@@ -285,6 +297,33 @@ def _check_values(c: Config) -> list[str]:
         problems.append("checkpoint.dir: must name a local directory")
     if not c.output.dir:
         problems.append("output.dir: must name a local directory")
+    problems.extend(_start_gate_problems(c))
+    return problems
+
+
+def _start_gate_problems(c: Config) -> list[str]:
+    """The gate must be a file of its own outside the folders the agent rewrites: the agent refreshes
+    checkpoint.dir and uploads output.dir while the trainer waits, and a gate that is also the stop or
+    checkpoint-request file would stop or checkpoint a standby (which must never write a step)."""
+    gate = c.train.start_gate_file
+    if not gate:
+        return []
+    problems: list[str] = []
+    path = Path(os.path.normpath(gate))
+    for key, other in (
+        ("train.stop_file", c.train.stop_file),
+        ("train.checkpoint_request_file", c.train.checkpoint_request_file),
+    ):
+        if other and Path(os.path.normpath(other)) == path:
+            problems.append(
+                f"train.start_gate_file: {gate!r} is also {key}; give the start gate a file of its own"
+            )
+    for key, folder in (("checkpoint.dir", c.checkpoint.dir), ("output.dir", c.output.dir)):
+        if folder and path.is_relative_to(os.path.normpath(folder)):
+            problems.append(
+                f"train.start_gate_file: {gate!r} is inside {key} {folder!r}, which the agent rewrites; "
+                "put the gate beside it"
+            )
     return problems
 
 

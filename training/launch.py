@@ -41,8 +41,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from trainstack_job.contract import ExitCode, JobEnv
-from trainstack_job.layout import write_atomic
+from trainstack_job.contract import ExitCode, JobEnv, NodeExit
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import (
@@ -211,31 +210,6 @@ def _node_bounds(value: str) -> tuple[int, int]:
     if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
         raise ValueError(f"{JobEnv.NNODES.value}={value!r}: expected min:max with 1 <= min <= max")
     return int(low), int(high)
-
-
-@dataclass
-class NodeExit:
-    """The node exit file (JobEnv.NODE_EXIT_FILE): what this node's ranks did in the generation."""
-
-    exit_code: int
-    ranks: dict[int, int] = field(default_factory=dict)  # global rank -> its real exit code
-    stopped_step: int | None = None
-    rank0_here: bool = False
-    rendezvous_failed: bool = False
-    world_size: int | None = None
-
-    def write(self, path: Path) -> None:
-        # Atomic: the agent may read it the moment the launcher exits, and must never see half of it.
-        path.parent.mkdir(parents=True, exist_ok=True)
-        body = {
-            "exit_code": self.exit_code,
-            "ranks": {str(rank): code for rank, code in sorted(self.ranks.items())},
-            "stopped_step": self.stopped_step,
-            "rank0_here": self.rank0_here,
-            "rendezvous_failed": self.rendezvous_failed,
-            "world_size": self.world_size,
-        }
-        write_atomic(path, json.dumps(body).encode())
 
 
 class _StopBeforeRanks(BaseException):

@@ -43,6 +43,7 @@ from training.determinism import (
 )
 from training.distributed import World
 from training.faults import fault_point
+from training.gate import wait_for_start_gate
 from training.launch import note_step
 from training.metrics import EpochResult, History
 from training.model import build_model
@@ -58,6 +59,16 @@ CPU_AUTO_MICRO_BATCH = 64
 
 # Devices with fused SGD/AdamW kernels in torch (and GradScaler support for them).
 FUSED_OPTIMIZER_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class WarmLoader:
+    """What a gated start built before the gate: the training loader of the config's batch plan, its
+    workers started and one batch read through it."""
+
+    plan: BatchPlan
+    sampler: ResumableBatchSampler
+    loader: Any
 
 
 @dataclass
@@ -145,7 +156,12 @@ def plan_batches(
 class Trainer:
     """One life of a training job: restore, train until done or asked to stop, checkpoint, report."""
 
-    def __init__(self, config: Config, stop: StopRequest | None = None) -> None:
+    def __init__(
+        self, config: Config, stop: StopRequest | None = None, *, started: float | None = None
+    ) -> None:
+        # When this process started (time.monotonic), for the standby's warm-up time; imports included
+        # when the caller measured from its own start.
+        self._started = time.monotonic() if started is None else started
         self.config = config
         t = config.train
         use_deterministic_kernels(t.deterministic)
@@ -167,9 +183,9 @@ class Trainer:
         self.raw_model = build_model(config.model.name, self.num_classes, self.device)
         self.optimizer = make_optimizer(self.raw_model, config)
         self.scaler = self.precision.grad_scaler()
-        self.checkpoints = CheckpointManager(
-            config.checkpoint.dir, config.checkpoint.uri, config.checkpoint.keep
-        )
+        # Made at restore time, not here: a gated standby must not touch checkpoint.dir (the manager creates
+        # it and clears half-written steps) while the agent may still be refreshing it.
+        self._checkpoints: CheckpointManager | None = None
         self.stop = stop or StopRequest(t.stop_file, t.checkpoint_request_file)
         self.state = TrainState()
         # The running epoch sums live on the device between checkpoints: reading them into the state's
@@ -180,6 +196,11 @@ class Trainer:
         self.config_hash = config.optimisation_hash()
         self.output_dir = Path(config.output.dir)
         self._restored_from = ""  # the checkpoint.dir restored from (maybe another machine's), for the log
+
+    @property
+    def checkpoints(self) -> CheckpointManager:
+        assert self._checkpoints is not None, "checkpoints are opened at restore time"
+        return self._checkpoints
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -231,6 +252,68 @@ class Trainer:
         self._warn_if_config_changed(config_hash, newest)
         return state
 
+    def _wait_at_start_gate(self, probe: Any) -> tuple[bool, WarmLoader | None]:
+        """A gated start: warm up, then wait until the agent removes the gate (True) or a stop comes while it
+        is still there (False: exit 75, nothing written; a standby is not the job's writer).
+
+        The wait comes after the process group's init and holds no collective open: each rank polls the file
+        on its own, so no gloo/NCCL timeout runs however long it waits (a timeout only covers an operation in
+        flight), and the elastic launcher has no deadline for running ranks (its rendezvous formed before it
+        started them). Waiting before init would be as safe, but then ranks could not agree on a stop that
+        races the gate's removal; here one collective after the wait makes them all take the same way."""
+        gate = Path(self.config.train.start_gate_file)
+        warm: WarmLoader | None = None
+        if not self.stop.stop_requested():
+            warm = self._warm_loader(probe)
+            if self.world.is_main:
+                log.info(
+                    "standby: warm (model built, %s) in %.1fs; waiting for the start gate %s",
+                    "first batch loaded"
+                    if warm is not None
+                    else "no batch loaded: the config's batch plan "
+                    "does not fit this machine, the checkpoint's decides",
+                    time.monotonic() - self._started,
+                    gate,
+                )
+        waiting = time.monotonic()
+        opened = wait_for_start_gate(gate, self.stop.stop_requested)
+        if dist_utils.any_rank(self.world, [not opened], self.device)[0]:
+            if self.world.is_main:
+                log.warning(
+                    "standby: stopped on %s while waiting for the start gate; exit %d without writing a "
+                    "checkpoint (a standby never writes the job's steps)",
+                    self.stop.reason(),
+                    ExitCode.STOPPED,
+                )
+            return False, warm
+        if self.world.is_main:
+            log.info("standby: start gate opened after %.1fs; restoring", time.monotonic() - waiting)
+        return True, warm
+
+    def _warm_loader(self, probe: Any) -> WarmLoader | None:
+        """The config's training loader with one batch read through it (workers started, files in the page
+        cache, decoders loaded), leaving every RNG as it was: the restore decides what is trained."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            try:
+                # The checkpoint's global batch may differ from the config's (it wins after the restore);
+                # the plan is only a guess here, and one that cannot be made just skips the batch.
+                plan = plan_batches(self.config, self.world, self.device, None, probe)
+            except ConfigError:
+                return None
+            sampler = ResumableBatchSampler(
+                len(self.train_set), plan, self.world.rank, self.config.train.seed
+            )
+            if sampler.steps_per_epoch == 0:
+                return None  # the restore's plan reports it
+            loader = train_loader(
+                self.train_set,
+                sampler,
+                loader_options(self.config, self.world.size, on_gpu=self.device.type == "cuda"),
+            )
+            # Read and dropped: an unreadable file in it is recorded when training reads it again.
+            next(iter(loader))
+        return WarmLoader(plan, sampler, loader)
+
     def _warn_if_config_changed(self, config_hash: Any, step: int) -> None:
         if self.world.is_main and config_hash != self.config_hash:
             log.warning(
@@ -277,13 +360,12 @@ class Trainer:
             return self._run()
         finally:
             self.stop.uninstall()
-            self.checkpoints.close()
+            if self._checkpoints is not None:
+                self._checkpoints.close()
             dist_utils.shutdown(self.world)
 
     def _run(self) -> int:
         config, t = self.config, self.config.train
-        life_started = time.monotonic()
-        saved = self._restore()
         probe = None
         if self.device.type == "cuda":
             probe = cuda_step_probe(
@@ -294,11 +376,44 @@ class Trainer:
                 self.precision.autocast,
                 self.device,
             )
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            self.plan = plan_batches(
-                config, self.world, self.device, saved["batch"] if saved else None, probe
-            )
-        sampler = ResumableBatchSampler(len(self.train_set), self.plan, self.world.rank, t.seed)
+        model: nn.Module = self.raw_model
+        if config.model.compile:
+            # Lazy (it compiles at the first forward), and the restore below loads into the same parameters:
+            # wrapped here so a gated standby is set up as for training.
+            model = torch.compile(model)  # type: ignore[assignment]
+        warm: WarmLoader | None = None
+        if (
+            t.start_gate_file
+            and dist_utils.any_rank(self.world, [Path(t.start_gate_file).exists()], self.device)[0]
+        ):
+            # Decided together: a gate removed between two ranks' looks must not leave one rank waiting in
+            # the gate's collective below while the other is already restoring.
+            opened, warm = self._wait_at_start_gate(probe)
+            if not opened:
+                return ExitCode.STOPPED
+        # Not earlier: a standby's minutes at the gate are not the job's training time.
+        life_started = time.monotonic()
+        self._checkpoints = CheckpointManager(
+            config.checkpoint.dir, config.checkpoint.uri, config.checkpoint.keep
+        )
+        saved = self._restore()
+        if warm is not None and saved is None:
+            # A fresh job: the warm-up's plan is this one (on a GPU its micro-batch search is not run twice).
+            self.plan = warm.plan
+        else:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                self.plan = plan_batches(
+                    config, self.world, self.device, saved["batch"] if saved else None, probe
+                )
+        options = loader_options(config, self.world.size, on_gpu=self.device.type == "cuda")
+        if warm is not None and warm.plan == self.plan:
+            # The warm loader's workers are kept: the epoch loop's set_position + iter() restart them at the
+            # restored position and drop what they prefetched for the warm-up.
+            sampler, loader = warm.sampler, warm.loader
+        else:
+            sampler = ResumableBatchSampler(len(self.train_set), self.plan, self.world.rank, t.seed)
+            loader = train_loader(self.train_set, sampler, options)
+        del warm
         steps_per_epoch = sampler.steps_per_epoch
         if steps_per_epoch == 0:
             raise ConfigError(
@@ -323,15 +438,10 @@ class Trainer:
             )
         self._epoch_loss = torch.tensor(self.state.epoch_loss_sum, dtype=torch.float64, device=self.device)
         self._epoch_correct = torch.tensor(self.state.epoch_correct, dtype=torch.float64, device=self.device)
-        model: nn.Module = self.raw_model
-        if config.model.compile:
-            model = torch.compile(model)  # type: ignore[assignment]
         if self.world.distributed:
             model = DistributedDataParallel(
                 model, device_ids=[self.device] if self.device.type == "cuda" else None
             )
-        options = loader_options(config, self.world.size, on_gpu=self.device.type == "cuda")
-        loader = train_loader(self.train_set, sampler, options)
         val_loader = eval_loader(
             self.val_set, self.plan.micro_batch, self.world.rank, self.world.size, options
         )

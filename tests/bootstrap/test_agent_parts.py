@@ -199,4 +199,5 @@ def test_trainer_overrides_follow_the_internals_contract() -> None:
         "output.uri=",  # the agent uploads the results
         "train.stop_file=/s/STOP",
         "train.checkpoint_request_file=/s/CHECKPOINT",
+        "train.start_gate_file=/s/START_GATE",  # a standby's trainer waits warm until the agent removes it
     ]

@@ -78,7 +78,11 @@ def test_a_new_definition_waits_for_the_running_job_and_takes_over_once_it_ended
     # Once it completed, the next definition is the stack's job: under its own prefix, from step 0.
     _put(stack, "jobs/resnet-11111111/state/ledger.json", {"status": "completed", "lives": []})
     binding = bind_job(s3, _config(stack, "vit-22222222"), NOW)
-    assert (binding.job_id, binding.pinned, binding.switched_from) == ("vit-22222222", None, "resnet-11111111")
+    assert (binding.job_id, binding.pinned, binding.switched_from) == (
+        "vit-22222222",
+        None,
+        "resnet-11111111",
+    )
     assert binding.prefixes.results == "jobs/vit-22222222/results/"
     assert _get(stack, "state/current-job.json") | {"since": None} == {
         "job_id": "vit-22222222",
