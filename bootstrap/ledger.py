@@ -29,6 +29,15 @@ TERMINAL_STATUSES = frozenset(
 FAILED_OUTCOMES = frozenset({LifeOutcome.FAILED, LifeOutcome.STALLED})
 # A life that ended because the instance went away: counted as an interruption, never as a failure.
 INTERRUPTED_OUTCOMES = frozenset({LifeOutcome.PREEMPTED, LifeOutcome.INTERRUPTED})
+# One writer per job (docs/internals.md, "Jobs, the lease and the standby"): lives that end without saying
+# anything about the job's health leave the crash counter as it is, neither a failure nor a reset. A surplus
+# life and a standby whose wait ended never trained; a superseded life trained, but its lease went to a newer
+# holder, and it is that holder's lives that tell whether the job works: resetting here would hide a crash
+# loop of the new holder behind the old one's late report. HANDED_OVER is not here: the holder trained up to
+# a confirmed checkpoint and passed it on, which is progress, and resets the counter like any good end.
+NEUTRAL_OUTCOMES = frozenset({LifeOutcome.SUPERSEDED, LifeOutcome.SURPLUS, LifeOutcome.STANDBY_ENDED})
+# Lives that never trained the job: not "the life before" when a failure is compared with the previous one.
+UNTRAINED_OUTCOMES = frozenset({LifeOutcome.SURPLUS, LifeOutcome.STANDBY_ENDED})
 _T = TypeVar("_T")
 
 
@@ -71,6 +80,16 @@ class JobLedger:
         return float(self.data["total_cost_usd"])
 
     @property
+    def standby_cost_usd(self) -> float:
+        """What the job paid for lives waiting as warm standby (0.0 for a ledger before standbys)."""
+        return float(self.data.get("standby_cost_usd") or 0.0)
+
+    @property
+    def handovers(self) -> int:
+        """Lives that ended handing the job over to a warm standby."""
+        return int(self.data.get("handovers") or 0)
+
+    @property
     def lives(self) -> list[dict[str, Any]]:
         return list(self.data["lives"])
 
@@ -91,7 +110,12 @@ class JobLedger:
             return lives[-1] if lives else None
         index = next(i for i, x in enumerate(lives) if x is self._current)
         generation = self._current.get("generation")
-        earlier = [x for x in lives[:index] if generation is None or x.get("generation") != generation]
+        earlier = [
+            x
+            for x in lives[:index]
+            if (generation is None or x.get("generation") != generation)
+            and x.get("outcome") not in UNTRAINED_OUTCOMES
+        ]
         return earlier[-1] if earlier else None
 
     def begin_life(
@@ -106,8 +130,10 @@ class JobLedger:
         A life of this same instance still marked running is one the agent died in: it counts as a failure,
         so that a systemd restart loop trips the crash-loop guard. A life of another instance still marked
         running is one whose instance died without a word (killed mid-sync, no notice): it is closed as
-        interrupted, billed up to its last heartbeat. In a multi-node job the other nodes' lives run beside
-        this one: only those whose heartbeat is older than `stale_after_seconds` are closed.
+        interrupted, billed up to its last heartbeat. With `stale_after_seconds` only those whose heartbeat
+        is older are closed: in a multi-node job the other nodes' lives run beside this one, and in a
+        single-node job the lease's holder (and a warm standby) still beat while a replacement boots.
+        Without it (None) every other instance's running life is taken for dead, as before leases.
         """
         for earlier in self.data["lives"]:
             if earlier["outcome"] != LifeOutcome.RUNNING:
@@ -129,6 +155,7 @@ class JobLedger:
                 earlier["closed_by"] = identity.instance_id
                 self.data["interruptions"] += 1
             self._price_life(earlier, earlier["ended_at"])
+            self._close_standby(earlier, earlier["ended_at"])
         if self.status in TERMINAL_STATUSES:
             # Someone scaled the group up again after the job ended: a new run with a fresh crash counter.
             if self.status == JobStatus.FAILED:
@@ -205,8 +232,61 @@ class JobLedger:
         self.data["total_cost_usd"] = round(
             sum(float(x.get("cost_usd") or 0.0) for x in self.data["lives"]), 6
         )
+        self._standby_totals()
         self.data["updated_at"] = iso(now)
         return self.total_cost_usd
+
+    # -- warm standby -------------------------------------------------------------------------------
+
+    def mark_standby(self, now: datetime) -> None:
+        """This life starts waiting as the job's warm standby (it holds no lease and does not train).
+
+        Its cost is brought up to `now` and remembered, so that what the wait cost is the life's own cost
+        accrued between here and `end_standby`, at whatever prices the heartbeats quote meanwhile.
+        """
+        life = self._current
+        if life is None:
+            raise RuntimeError("mark_standby() before begin_life()")
+        if life["outcome"] != LifeOutcome.RUNNING or "standby_since" in life:
+            return  # already waiting (or ended): the first mark counts
+        self.update_cost(now)
+        life["standby_since"] = iso(now)
+        life["standby_cost_from_usd"] = float(life.get("cost_usd") or 0.0)
+        self._standby_totals()
+
+    def end_standby(self, now: datetime) -> None:
+        """This life stops waiting (it took the lease, or leaves): its standby seconds and cost are final."""
+        life = self._current
+        if life is None:
+            raise RuntimeError("end_standby() before begin_life()")
+        if life["outcome"] == LifeOutcome.RUNNING:
+            self.update_cost(now)
+        self._close_standby(life, iso(now))
+        self._standby_totals()
+
+    @staticmethod
+    def _close_standby(life: dict[str, Any], end: str) -> None:
+        """Settle an open standby wait at `end` (the life's cost must already be brought up to `end`)."""
+        if "standby_cost_from_usd" not in life:
+            return
+        start = float(life.pop("standby_cost_from_usd"))
+        seconds = max(0.0, (_parse(end) - _parse(life["standby_since"])).total_seconds())
+        life["standby_seconds"] = round(float(life.get("standby_seconds") or 0.0) + seconds, 3)
+        cost = max(0.0, float(life.get("cost_usd") or 0.0) - start)
+        life["standby_cost_usd"] = round(float(life.get("standby_cost_usd") or 0.0) + cost, 6)
+
+    def _standby_totals(self) -> None:
+        """The ledger's sums, derived from the lives (a re-applied change never counts twice): standby cost
+        (a wait still open counts what it cost so far) and hand-overs."""
+        total = 0.0
+        for life in self.data["lives"]:
+            total += float(life.get("standby_cost_usd") or 0.0)
+            if "standby_cost_from_usd" in life:
+                total += max(0.0, float(life.get("cost_usd") or 0.0) - float(life["standby_cost_from_usd"]))
+        self.data["standby_cost_usd"] = round(total, 6)
+        self.data["handovers"] = sum(
+            1 for x in self.data["lives"] if x.get("outcome") == LifeOutcome.HANDED_OVER
+        )
 
     def end_life(self, outcome: LifeOutcome, now: datetime, **details: Any) -> None:
         """Close this life with its outcome. If a successor already closed it (this instance was thought
@@ -219,11 +299,14 @@ class JobLedger:
         life["ended_at"] = iso(now)
         life.update(details)
         self._price_life(life, life["ended_at"])
+        self._close_standby(life, life["ended_at"])
         self.update_cost(now)
         if already_closed:
             return
         if outcome in INTERRUPTED_OUTCOMES:
             self.data["interruptions"] += 1
+        if outcome in NEUTRAL_OUTCOMES:
+            return
         if outcome in FAILED_OUTCOMES:
             # One crash of a multi-node generation fails every node's life: the job failed once.
             generation = life.get("generation")

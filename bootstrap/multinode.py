@@ -3,62 +3,26 @@
 The agent on every node restores, syncs and supervises as for one node; what is added (docs/multi-node.md):
 - before each launch the node joins a generation through S3 (bootstrap/rendezvous.py) and hands the
   trainer that generation's c10d endpoint, run id and node bounds (trainstack_job.contract.JobEnv);
-- training/launch.py writes what its ranks did into the node exit file: the agent reads the step they
-  stopped at (to confirm that step in S3 before an interrupted node goes), whether global rank 0 ran here
-  (that node owns the job's results and its completion) and whether the rendezvous itself failed (then
-  the next generation is tried, nothing is counted as a failure).
+- training/launch.py writes what its ranks did into the node exit file (trainstack_job.contract.NodeExit):
+  the agent reads the step they stopped at (to confirm that step in S3 before an interrupted node goes),
+  whether global rank 0 ran here (that node owns the job's results and its completion) and whether the
+  rendezvous itself failed (then the next generation is tried, nothing is counted as a failure).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from bootstrap.rendezvous import Membership, Rendezvous
-from trainstack_job.contract import JobEnv
+from trainstack_job.contract import JobEnv, NodeExit
 
 # How long a node waits in a rendezvous for `min_nodes` (a replacement's boot, sync and restore included).
 JOIN_TIMEOUT_SECONDS = 900.0
 # Generations in a row whose rendezvous failed (a host gone, a store refused) before the life gives up.
 RENDEZVOUS_ATTEMPTS = 10
-
-
-@dataclass(frozen=True)
-class NodeExit:
-    """training/launch.py's record of this node's ranks in the generation that just ended."""
-
-    exit_code: int | None
-    stopped_step: int | None
-    rank0_here: bool
-    rendezvous_failed: bool
-    world_size: int | None
-
-    @classmethod
-    def read(cls, path: Path) -> NodeExit | None:
-        """None when the launcher left no record (it was killed, or never got that far)."""
-        try:
-            raw: Any = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(raw, dict):
-            return None
-
-        def number(key: str) -> int | None:
-            value = raw.get(key)
-            return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-        return cls(
-            exit_code=number("exit_code"),
-            stopped_step=number("stopped_step"),
-            rank0_here=raw.get("rank0_here") is True,
-            rendezvous_failed=raw.get("rendezvous_failed") is True,
-            world_size=number("world_size"),
-        )
 
 
 class NodeGroup:

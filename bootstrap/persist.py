@@ -6,7 +6,11 @@ Guarantees (docs/job-contract.md):
 - `latest.json` only ever moves forward, through S3 conditional writes (If-Match / If-None-Match), so two
   writers (an old life still draining, a new one starting) cannot move it back;
 - an upload overtaken by a newer committed step is cancelled, so at a stop the newest step goes first;
-- every network wait is bounded by the caller's deadline; what was confirmed is reported truthfully.
+- every network wait is bounded by the caller's deadline; what was confirmed is reported truthfully;
+- with a fence (the job's lease, bootstrap/lease.py) only the lease's holder writes: the lease is checked
+  before a step's first file, before its manifest and before `latest.json`, which carries the holder's token
+  and is never overwritten by a writer with a lower token. A writer that lost the lease stops writing for
+  good, says so once and reports its checkpoint as not confirmed.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 from boto3.s3.transfer import TransferConfig, create_transfer_manager
 from botocore.exceptions import ClientError
 
+from bootstrap.lease import LeaseLostError
 from trainstack_job.layout import (
     LATEST,
     MANIFEST,
@@ -45,6 +50,19 @@ class EventSink(Protocol):
     def event(self, stage: str, message: str, **fields: Any) -> None: ...
 
 
+class Fence(Protocol):
+    """Who may write the job's checkpoints: `bootstrap.lease.JobLease` once acquired.
+
+    `check()` returns when the lease still names `token` and raises `LeaseLostError` when it does not; any
+    other error (S3 unreachable) means "unknown", and the persister retries rather than write unchecked.
+    """
+
+    @property
+    def token(self) -> int: ...
+
+    def check(self) -> object: ...
+
+
 class UploadAbandonedError(Exception):
     """An upload given up on purpose: a newer step superseded it, the deadline passed, or a stop began."""
 
@@ -55,10 +73,14 @@ class PersistResult:
 
     newest_local_step: int | None
     confirmed_step: int | None
+    # This instance lost the job's lease: its checkpoints are no longer the job's, whatever it uploaded.
+    lease_lost: bool = False
 
     @property
     def confirmed(self) -> bool:
-        """True when nothing the job saved is missing from S3."""
+        """True when nothing the job saved is missing from S3 (never after the lease was lost)."""
+        if self.lease_lost:
+            return False
         if self.newest_local_step is None:
             return True
         return self.confirmed_step is not None and self.confirmed_step >= self.newest_local_step
@@ -119,6 +141,8 @@ class CheckpointPersister:
         *,
         keep: int = 3,
         poll_seconds: float = 0.5,
+        fence: Fence | None = None,
+        on_lease_lost: Callable[[LeaseLostError], None] | None = None,
     ) -> None:
         self._s3 = s3
         self.bucket = bucket
@@ -134,6 +158,9 @@ class CheckpointPersister:
         self._thread: threading.Thread | None = None
         self._failing_since: float | None = None
         self.upload_seconds: list[float] = []
+        self._fence = fence
+        self._on_lease_lost = on_lease_lost
+        self._lease_lost: LeaseLostError | None = None
 
     @property
     def uri(self) -> str:
@@ -157,6 +184,16 @@ class CheckpointPersister:
     def read_latest(self, deadline: float | None = None) -> tuple[int | None, str | None]:
         """(step, ETag) of S3 `latest.json`; (None, None) when absent; an unreadable one counts as absent
         but keeps its ETag, so the next conditional write replaces it."""
+        step, _, etag = self._read_latest(deadline)
+        return step, etag
+
+    def latest_token(self, deadline: float | None = None) -> int | None:
+        """The lease token S3 `latest.json` carries (None: absent, or written unfenced): the `floor` to pass
+        to `JobLease.try_acquire`, so a lease rebuilt by hand never hands out a token already used."""
+        return self._read_latest(deadline)[1]
+
+    def _read_latest(self, deadline: float | None) -> tuple[int | None, int | None, str | None]:
+        """(step, token, ETag) of S3 `latest.json`; the token is None when it carries none."""
         try:
             response = bounded(
                 lambda: self._s3.get_object(Bucket=self.bucket, Key=self._key(LATEST)),
@@ -165,19 +202,22 @@ class CheckpointPersister:
             )
         except ClientError as exc:
             if _is_missing(exc):
-                return None, None
+                return None, None, None
             raise
         etag = str(response["ETag"])
         try:
-            return int(json.loads(response["Body"].read())["step"]), etag
-        except (ValueError, KeyError, TypeError):
+            value = json.loads(response["Body"].read())
+            token = value.get("token")
+            valid = isinstance(token, int) and not isinstance(token, bool)
+            return int(value["step"]), (token if valid else None), etag
+        except (ValueError, KeyError, TypeError, AttributeError):
             self._log.event(
                 "checkpoint",
                 "S3 latest.json is unreadable; it will be replaced",
                 level="warning",
                 uri=self.uri,
             )
-            return None, etag
+            return None, None, etag
 
     def remote_steps(self) -> list[int]:
         """Steps with at least one object under `step-<N>/` in S3, newest first."""
@@ -309,6 +349,8 @@ class CheckpointPersister:
             try:
                 self.persist_newest(deadline=None, background=True)
                 backoff = self._poll_seconds
+            except LeaseLostError:
+                return  # another life writes the job's checkpoints now: nothing left to do here, ever
                 if self._failing_since is not None:
                     self._log.event("checkpoint", "S3 uploads work again", confirmed_step=self.confirmed_step)
                     self._failing_since = None
@@ -327,7 +369,12 @@ class CheckpointPersister:
                 backoff = min(max(backoff * 2, 1.0), 15.0)
 
     def persist_newest(self, deadline: float | None, background: bool = False) -> int | None:
-        """Upload the newest committed local step if S3 does not have it confirmed; returns that step."""
+        """Upload the newest committed local step if S3 does not have it confirmed; returns that step.
+
+        `LeaseLostError` (with a fence) once the lease is lost: from then on nothing is written.
+        """
+        if self._lease_lost is not None:
+            raise self._lease_lost
         step = self.newest_local_step()
         confirmed = self.confirmed_step
         if step is None or (confirmed is not None and step <= confirmed):
@@ -336,6 +383,53 @@ class CheckpointPersister:
         if background:
             self._prune_remote(step)
         return self.confirmed_step
+
+    # -- the fence --------------------------------------------------------------------------------------
+
+    @property
+    def lease_lost(self) -> LeaseLostError | None:
+        """Why this persister stopped writing for good (None while it may write)."""
+        with self._lock:
+            return self._lease_lost
+
+    def _lose(self, error: LeaseLostError) -> LeaseLostError:
+        """Stop writing for good; the first loss is logged once and reported to `on_lease_lost`."""
+        with self._lock:
+            first = self._lease_lost is None
+            if first:
+                self._lease_lost = error
+            error = self._lease_lost or error
+        if first:
+            # The background thread ends on the error it raised; a final flush stops at its next check.
+            self._stopping.set()
+            self._log.event(
+                "checkpoint",
+                f"lease lost to {error.holder} (token {error.token}): "
+                "this instance no longer writes the job's checkpoints",
+                level="warning",
+                uri=error.uri or self.uri,
+                token=self._fence.token if self._fence is not None else None,
+            )
+            if self._on_lease_lost is not None:
+                try:
+                    self._on_lease_lost(error)
+                except Exception as exc:  # the caller's reaction must not undo the stop of our writes
+                    self._log.event(
+                        "checkpoint", "on_lease_lost failed", level="warning", error=str(exc)[:200]
+                    )
+        return error
+
+    def _fence_check(self, deadline: float | None) -> None:
+        """Before every write of a fenced persister: the lease must still name its token."""
+        if self._fence is None:
+            return
+        if self._lease_lost is not None:
+            raise self._lease_lost
+        fence = self._fence
+        try:
+            bounded(fence.check, deadline, "check-lease")
+        except LeaseLostError as exc:
+            raise self._lose(exc) from None
 
     def _abandon_check(self, step: int, deadline: float | None, background: bool) -> None:
         if deadline is not None and time.monotonic() >= deadline:
@@ -353,9 +447,12 @@ class CheckpointPersister:
         manifest = read_manifest(directory)
         if manifest is None:
             raise UploadAbandonedError(f"step {step}: removed locally before its upload")
+        self._fence_check(deadline)
         for file_name in manifest["files"]:
             self._upload_file(directory / file_name, f"{name}/{file_name}", step, deadline, background)
         self._abandon_check(step, deadline, background)
+        # Files take a while: the lease may have moved on meanwhile, and a manifest makes a step real.
+        self._fence_check(deadline)
         body = (directory / MANIFEST).read_bytes()
         bounded(
             lambda: self._s3.put_object(
@@ -388,11 +485,25 @@ class CheckpointPersister:
         future.result()
 
     def _advance_latest(self, step: int, epoch: Any, deadline: float | None) -> None:
-        """Move S3 `latest.json` to `step` unless it already names this step or a newer one."""
+        """Move S3 `latest.json` to `step` unless it already names this step or a newer one.
+
+        Fenced, the token decides first: a higher token than ours is the lease lost (stop for good); a lower
+        one (or none) is an earlier holder's, replaced even at a higher step, because this holder resumed
+        from the checkpoint that holder handed over and its own steps are the job's from here on (a step
+        above is a superseded holder's last write, made between its last check and losing the lease).
+        """
+        token = self._fence.token if self._fence is not None else None
         for _ in range(8):
-            current, etag = self.read_latest(deadline)
-            if current is not None and current >= step:
-                # Someone (another life) already moved past this step: never move it back.
+            self._fence_check(deadline)
+            current, current_token, etag = self._read_latest(deadline)
+            if token is not None and current_token is not None and current_token > token:
+                # A newer holder moved latest.json between our check and now: the lease names it.
+                self._fence_check(deadline)
+                uri = f"{self.uri}/{LATEST}"
+                raise self._lose(LeaseLostError(f"the writer of {LATEST}", current_token, uri))
+            ours = token is None or current_token == token
+            if current is not None and current >= step and ours:
+                # Someone (an earlier upload, another life) already moved past this step: never move it back.
                 self._confirm(step)
                 return
             condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
@@ -401,7 +512,7 @@ class CheckpointPersister:
                 return self._s3.put_object(
                     Bucket=self.bucket,
                     Key=self._key(LATEST),
-                    Body=latest_json(step, epoch),
+                    Body=latest_json(step, epoch, token),
                     ContentType="application/json",
                     **condition,
                 )
@@ -413,12 +524,14 @@ class CheckpointPersister:
                     continue
                 raise
             self._confirm(step)
-            write_atomic(self.local_dir / LATEST, latest_json(step, epoch))
+            write_atomic(self.local_dir / LATEST, latest_json(step, epoch, token))
             return
         raise RuntimeError(f"{self.uri}/{LATEST}: too many concurrent writers; will retry")
 
     def _prune_remote(self, latest: int) -> None:
         """Keep the newest `keep` steps at or below latest.json; older ones (and old partial uploads) go."""
+        if self._lease_lost is not None:
+            return  # deletes are writes too: only the lease's holder prunes
         try:
             for step in [s for s in self.remote_steps() if s <= latest][self.keep :]:
                 paginator = self._s3.get_paginator("list_objects_v2")
@@ -451,18 +564,29 @@ class CheckpointPersister:
             self._thread.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
         newest = self.newest_local_step()
         error = ""
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self._lease_lost is None:
             try:
                 self.persist_newest(deadline)
                 break
+            except LeaseLostError:
+                break  # said once already, by _lose
             except UploadAbandonedError as exc:
                 error = str(exc)
                 break
             except Exception as exc:  # retry until the deadline: every second of S3 back is worth a try
                 error = str(exc).splitlines()[0][:200]
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-        result = PersistResult(newest, self.confirmed_step)
-        if result.confirmed:
+        result = PersistResult(newest, self.confirmed_step, lease_lost=self._lease_lost is not None)
+        if result.lease_lost:
+            self._log.event(
+                "checkpoint",
+                "this instance's checkpoints were not confirmed: it lost the job's lease, "
+                "and the new holder continues the job from its own",
+                level="warning",
+                newest_local_step=newest,
+                confirmed_step=result.confirmed_step,
+            )
+        elif result.confirmed:
             self._log.event("checkpoint", "newest checkpoint confirmed in S3", step=result.confirmed_step)
         else:
             self._log.event(

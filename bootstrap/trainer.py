@@ -154,7 +154,8 @@ class TrainerProcess:
             return list(self._command)
         return [*self._command, "--config", str(self.paths.config_file), *self.paths.overrides()]
 
-    def start(self) -> None:
+    def start(self, *, gated: bool = False) -> None:
+        """Start the job; `gated` (a standby, built-in trainer) holds it warm until `open_gate()`."""
         self.paths.output_dir.mkdir(parents=True, exist_ok=True)
         self.paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         if not self._user_job:
@@ -163,6 +164,11 @@ class TrainerProcess:
         self.paths.stop_file.unlink(missing_ok=True)
         self.paths.checkpoint_request_file.unlink(missing_ok=True)
         self.paths.progress_file.unlink(missing_ok=True)
+        # A gate left by an earlier standby must never hold a holder's start.
+        if gated and not self._user_job:
+            self.paths.start_gate_file.touch()
+        else:
+            self.paths.start_gate_file.unlink(missing_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
         # The bundle on the path: `import trainstack_job` works in any job without an install.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CODE_ROOT), env.get("PYTHONPATH", "")) if p)
@@ -180,6 +186,10 @@ class TrainerProcess:
             )
         self._pump = threading.Thread(target=self._pump_output, name="trainer-output", daemon=True)
         self._pump.start()
+
+    def open_gate(self) -> None:
+        """Let a gated trainer restore the (refreshed) checkpoint directory and train."""
+        self.paths.start_gate_file.unlink(missing_ok=True)
 
     def _pump_output(self) -> None:
         assert self._process is not None and self._process.stdout is not None

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from training.stop import StopRequest
@@ -119,11 +120,13 @@ def remote_uri_problems(config: Config, client: Any = None) -> list[str]:
 
 def start_gate_problems(config: Config, env: Mapping[str, str]) -> list[str]:
     """The start gate is a single machine's warm standby (the lease): a multi-node job's nodes are joined by
-    their rendezvous generation instead, and a gated node would hold every other node's ranks waiting."""
-    if config.train.start_gate_file and env.get(JobEnv.RDZV_ENDPOINT.value, "").strip():
+    their rendezvous generation instead, and a gated node would hold every other node's ranks waiting.
+    The agent names the gate on every start; only a gate that exists (the trainer would wait) is refused."""
+    gate = config.train.start_gate_file
+    if gate and Path(gate).exists() and env.get(JobEnv.RDZV_ENDPOINT.value, "").strip():
         return [
             f"train.start_gate_file: a multi-node job ({JobEnv.RDZV_ENDPOINT.value} is set) cannot start "
-            "gated; the start gate is for one machine's standby: leave train.start_gate_file empty"
+            f"gated; the start gate is for one machine's standby: remove {gate} or leave the key empty"
         ]
     return []
 

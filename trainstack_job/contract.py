@@ -5,7 +5,11 @@ CLI and users' jobs all import it. docs/job-contract.md and docs/internals.md de
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from enum import Enum, IntEnum
+from pathlib import Path
+from typing import Any
 
 
 class ExitCode(IntEnum):
@@ -57,6 +61,9 @@ STEP_DIR_PREFIX = "step-"
 # Objects under the stack bucket's state/ prefix.
 LEDGER = "ledger.json"
 PROGRESS = "progress.json"
+# progress.json's time field (ISO 8601 UTC): written by the built-in trainer and trainstack_job, read by
+# `trainstack status` for the progress age. Files from older trainstack_job versions say "written_at".
+PROGRESS_UPDATED_AT = "updated_at"
 CONTROL = "control.json"
 DATA_MANIFEST = "data-manifest.json"
 
@@ -113,6 +120,9 @@ class StackOutput(str, Enum):
     CHECKPOINTS_PREFIX = "checkpoints_prefix"
     RESULTS_PREFIX = "results_prefix"
     STATE_PREFIX = "state_prefix"
+    # Every job lives under jobs/<job-id>/; job_id is the job the stack's last `pulumi up` defined.
+    JOBS_PREFIX = "jobs_prefix"
+    JOB_ID = "job_id"
     DATA_UPLOAD_COMMAND = "data_upload_command"
     GROUP_NAME = "group_name"
     INSTANCE_COUNT = "instance_count"
@@ -126,3 +136,56 @@ class StackOutput(str, Enum):
 
 # What resumes a job the agent scaled to zero (stopped, cost cap, failed, no data): never `pulumi up` alone.
 RESUME_COMMAND = "trainstack resume"
+
+
+@dataclass(frozen=True)
+class NodeExit:
+    """The node exit file (JobEnv.NODE_EXIT_FILE): what one node's ranks did in the generation that just
+    ended. training/launch.py writes it when its ranks exit; the agent (bootstrap/multinode.py) reads it."""
+
+    exit_code: int | None
+    stopped_step: int | None = None  # the step every rank stopped at, with its checkpoint
+    rank0_here: bool = False  # global rank 0 ran on this node: it owns the job's results and completion
+    rendezvous_failed: bool = False  # the generation never formed: not a failure of the job
+    world_size: int | None = None
+    # Global rank -> its real exit code: written for people reading the file; the agent acts on the
+    # node's summary above, so `read` leaves it out.
+    ranks: dict[int, int] = field(default_factory=dict)
+
+    def write(self, path: Path) -> None:
+        # Imported here: trainstack_job.layout imports this module.
+        from trainstack_job.layout import write_atomic
+
+        # Atomic: the agent may read it the moment the launcher exits, and must never see half of it.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = {
+            "exit_code": self.exit_code,
+            "ranks": {str(rank): code for rank, code in sorted(self.ranks.items())},
+            "stopped_step": self.stopped_step,
+            "rank0_here": self.rank0_here,
+            "rendezvous_failed": self.rendezvous_failed,
+            "world_size": self.world_size,
+        }
+        write_atomic(path, json.dumps(body).encode())
+
+    @classmethod
+    def read(cls, path: Path) -> NodeExit | None:
+        """None when the launcher left no record (it was killed, or never got that far)."""
+        try:
+            raw: Any = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(raw, dict):
+            return None
+
+        def number(key: str) -> int | None:
+            value = raw.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+        return cls(
+            exit_code=number("exit_code"),
+            stopped_step=number("stopped_step"),
+            rank0_here=raw.get("rank0_here") is True,
+            rendezvous_failed=raw.get("rendezvous_failed") is True,
+            world_size=number("world_size"),
+        )

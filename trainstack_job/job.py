@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from trainstack_job.contract import ExitCode, JobEnv
+from trainstack_job.contract import PROGRESS_UPDATED_AT, ExitCode, JobEnv
 from trainstack_job.layout import (
     LATEST,
     MANIFEST,
@@ -233,7 +233,7 @@ class Job:
         Cheap enough to call every step: no fsync, a reader sees the old file or the new one."""
         if self.progress_file is None:
             return
-        value = {"step": step, "total_steps": total_steps, **metrics, "written_at": now_iso()}
+        value = {"step": step, "total_steps": total_steps, **metrics, PROGRESS_UPDATED_AT: now_iso()}
         tmp = self.progress_file.with_name(f".{self.progress_file.name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(value, default=_plain))
         tmp.replace(self.progress_file)

@@ -61,10 +61,18 @@ def write_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def latest_json(step: int, epoch: int | None) -> bytes:
-    return json.dumps(
-        {"step": step, "epoch": epoch, "dir": step_dir_name(step), "written_at": now_iso()}
-    ).encode()
+def latest_json(step: int, epoch: int | None, token: int | None = None) -> bytes:
+    """`latest.json`'s body. `token` is the job lease's fencing token of the writer (the agent's persister
+    when the job has a lease); it is left out otherwise, so unfenced writers write what they always did."""
+    value: dict[str, Any] = {
+        "step": step,
+        "epoch": epoch,
+        "dir": step_dir_name(step),
+        "written_at": now_iso(),
+    }
+    if token is not None:
+        value["token"] = token
+    return json.dumps(value).encode()
 
 
 def build_manifest(directory: Path, *, step: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -228,11 +228,13 @@ def test_a_multi_node_job_refuses_the_gate_with_a_config_error(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Exit 2 before torch or the launcher: the node rendezvous would hold the other nodes' ranks."""
-    config = build_config({"train": {"start_gate_file": "/s/GATE"}})
+    gate = tmp_path / "START_GATE"
+    config = build_config({"train": {"start_gate_file": str(gate)}})
     assert start_gate_problems(config, {}) == []
+    # The agent names the gate on every start: only one that exists (the trainer would wait) is refused.
+    assert start_gate_problems(config, {JobEnv.RDZV_ENDPOINT.value: "10.0.0.1:29400"}) == []
     monkeypatch.setenv(JobEnv.RDZV_ENDPOINT.value, "10.0.0.1:29400")
     monkeypatch.setenv(JobEnv.RDZV_ID.value, "job-1")
-    gate = tmp_path / "START_GATE"
     gate.touch()
     argv = ["--config", str(TINY), *image_folders.overrides(), f"train.start_gate_file={gate}"]
     assert trainer_main(argv) == 2

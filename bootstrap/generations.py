@@ -1,0 +1,273 @@
+"""Several nodes, one job (docs/multi-node.md): this node's generations, from joining one to the last.
+
+A generation ends for everyone when any node stops (its notice stops all ranks at one step, with one
+checkpoint): the others then join the next generation and go on with the nodes that remain; a node that
+arrives while a generation trains is absorbed by torch's own restart. Global rank 0's node owns the job's
+results and its completion.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bootstrap.agent_config import AgentConfig
+from bootstrap.errors import one_line
+from bootstrap.eventlog import EventLog
+from bootstrap.imds import ImdsClient, ImdsUnavailableError, InstanceIdentity
+from bootstrap.jobstate import JobState
+from bootstrap.ledger import JobLedger
+from bootstrap.multinode import RENDEZVOUS_ATTEMPTS, NodeGroup, wait_until_confirmed
+from bootstrap.persist import CheckpointPersister, PersistResult
+from bootstrap.rendezvous import Membership, Rendezvous
+from bootstrap.stops import StopRequests
+from bootstrap.supervisor import Supervisor, TrainerExit
+from bootstrap.trainer import TrainerPaths, TrainerProcess
+from trainstack_job.contract import ExitCode, JobStatus, NodeExit
+
+
+def node_group(
+    config: AgentConfig,
+    s3: Any,
+    imds: ImdsClient,
+    identity: InstanceIdentity,
+    paths: TrainerPaths,
+    stale_seconds: float,
+) -> NodeGroup:
+    """This node's membership in the job's rendezvous (S3), reachable at its private address."""
+    try:
+        address = imds.get("local-ipv4") or socket.gethostbyname(socket.gethostname())
+    except ImdsUnavailableError:
+        address = socket.gethostbyname(socket.gethostname())
+    rendezvous = Rendezvous(
+        s3,
+        config.bucket,
+        config.prefixes.state,
+        instance_id=identity.instance_id,
+        address=address,
+        stack=config.stack,
+        min_nodes=config.min_nodes,
+        max_nodes=config.instance_count,
+        stale_seconds=stale_seconds,
+    )
+    return NodeGroup(
+        rendezvous,
+        min_nodes=config.min_nodes,
+        max_nodes=config.instance_count,
+        exit_file=paths.scratch / "node-exit.json",
+        address=address,
+    )
+
+
+class Generations:
+    """Runs the trainer in one generation after another until the job completes, fails or this node stops."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        log: EventLog,
+        stops: StopRequests,
+        job: JobState,
+        supervisor: Supervisor,
+        nodes: NodeGroup,
+        *,
+        poll_seconds: float,
+    ) -> None:
+        self.config = config
+        self.log = log
+        self.stops = stops
+        self.job = job
+        self.supervisor = supervisor
+        self.nodes = nodes
+        self._poll_seconds = poll_seconds
+        # Set when this node's generation completed but global rank 0 (and the results) ran elsewhere.
+        self.follower = False
+        self._left = False
+
+    @classmethod
+    def for_node(
+        cls,
+        config: AgentConfig,
+        log: EventLog,
+        stops: StopRequests,
+        job: JobState,
+        supervisor: Supervisor,
+        s3: Any,
+        imds: ImdsClient,
+        identity: InstanceIdentity,
+        paths: TrainerPaths,
+        *,
+        poll_seconds: float,
+    ) -> Generations:
+        """This node's generations; a node is given up on once silent for three polls and 30 s."""
+        nodes = node_group(config, s3, imds, identity, paths, stale_seconds=3 * poll_seconds + 30)
+        return cls(config, log, stops, job, supervisor, nodes, poll_seconds=poll_seconds)
+
+    def heartbeat(self) -> None:
+        """This node's heartbeat in the rendezvous (the state poller's), until it left."""
+        if not self._left:
+            self.nodes.heartbeat()
+
+    def leave(self) -> None:
+        """Take this node out of the rendezvous (its node file), so no one joins it as host; once."""
+        if self._left:
+            return
+        self._left = True
+        try:
+            self.nodes.leave()
+        except Exception as exc:  # its heartbeat goes stale instead; the others then stop counting on it
+            self.log.event("rendezvous", "could not remove this node's file", error=one_line(exc))
+
+    def train(
+        self, trainer: TrainerProcess, persister: CheckpointPersister, restored: int | None
+    ) -> TrainerExit:
+        """Run the trainer in one generation after another until the job completes, fails or this node
+        is stopped. A generation ends for everyone when any node stops (its notice stops all ranks at one
+        step, with one checkpoint): the others then join the next generation and go on with the nodes
+        that remain; a node that arrives while a generation trains is absorbed by torch's own restart."""
+        nodes = self.nodes
+        failed_rendezvous = 0
+        while True:
+            try:
+                membership = nodes.join()
+            except Exception as exc:  # S3 unreachable for now: the stop path never waits on this
+                failed_rendezvous += 1
+                self.log.event("rendezvous", "cannot join a generation; will retry", error=one_line(exc))
+                if failed_rendezvous >= RENDEZVOUS_ATTEMPTS:
+                    return int(ExitCode.FAILED)
+                if self.stops.wait(min(30.0, 2.0 * failed_rendezvous)):
+                    return int(ExitCode.STOPPED)
+                continue
+            generation = membership.generation
+            self.job.record(_in_generation(generation.number))
+            trainer.update_env(nodes.trainer_env(membership))
+
+            if not self.stops.launch(functools.partial(self._start, trainer, membership, restored)):
+                # The last generation ended with every rank's checkpoint committed: nothing new here.
+                return int(ExitCode.STOPPED)
+            code = self.supervisor.supervise(trainer, persister, watch_silent=False)
+            ended = nodes.node_exit()
+            if code == ExitCode.COMPLETED:
+                # Global rank 0's node owns the results and the job's completion; the others end quietly
+                # once it has said so (a scale-in it caused may already be stopping them: still completed).
+                self.follower = ended is not None and not ended.rank0_here
+                if not self.follower or self.stops.reason is not None or self._job_completed_elsewhere():
+                    return code
+                self.log.event(
+                    "rendezvous", "the node with rank 0 did not complete the job; regrouping", level="warning"
+                )
+                continue
+            if self.stops.reason is not None:
+                return code
+            if ended is not None and ended.rendezvous_failed:
+                failed_rendezvous += 1
+                self.log.event(
+                    "rendezvous",
+                    "generation did not form; trying the next one",
+                    generation=generation.number,
+                    attempt=failed_rendezvous,
+                )
+                if failed_rendezvous >= RENDEZVOUS_ATTEMPTS or self.stops.wait(2.0):
+                    return code
+                continue
+            failed_rendezvous = 0
+            if code != ExitCode.STOPPED:
+                return code
+            why = self._job_wide_stop()
+            if why is not None:
+                self.stops.request(why)
+                return code
+            self.log.event(
+                "rendezvous",
+                "another node left the job; every rank stopped at one step with its checkpoint, regrouping",
+                generation=generation.number,
+                stopped_step=ended.stopped_step if ended else None,
+                world_size=ended.world_size if ended else None,
+            )
+            restored = self._catch_up(persister, ended)
+
+    def _start(self, trainer: TrainerProcess, membership: Membership, restored: int | None) -> TrainerProcess:
+        generation = membership.generation
+        self.log.event(
+            "rendezvous",
+            "hosting generation" if membership.is_host else "joining generation",
+            generation=generation.number,
+            endpoint=generation.endpoint,
+            nodes=f"{self.nodes.min_nodes}..{self.nodes.max_nodes}",
+            restored_step=restored,
+            **({"repaired": membership.repaired} if membership.repaired else {}),
+        )
+        trainer.start()
+        return trainer
+
+    def _catch_up(self, persister: CheckpointPersister, ended: NodeExit | None) -> int | None:
+        """Before the next generation: the job's newest checkpoint on this node too. The step every rank
+        stopped at was committed by global rank 0, maybe on the node that just left: wait (up to the stop
+        deadline) for its upload, then restore it from S3, so the next generation resumes there and not
+        at an older step this node happens to hold."""
+        if ended is not None and ended.stopped_step is not None and not ended.rank0_here:
+            deadline = time.monotonic() + self.config.stop_deadline_seconds
+            seen = wait_until_confirmed(
+                persister.read_latest, ended.stopped_step, deadline, should_stop=self.stops.is_set
+            )
+            if seen is None or seen < ended.stopped_step:
+                self.log.event(
+                    "checkpoint",
+                    "the step every rank stopped at was not confirmed in S3 in time; resuming from the "
+                    "newest one that was",
+                    level="warning",
+                    stopped_step=ended.stopped_step,
+                    confirmed_step=seen,
+                )
+        try:
+            return persister.restore(should_abort=self.stops.is_set)
+        except Exception as exc:  # the next generation still resumes from the newest step any node holds
+            self.log.event("checkpoint", "could not restore from S3 before regrouping", error=one_line(exc))
+            return None
+
+    def _job_wide_stop(self) -> str | None:
+        """A stop that every node must follow (`trainstack stop`, the cost cap), checked when a generation
+        stopped without this node asking: another node may have seen it first."""
+        try:
+            wide = self.job.job_wide_stop(cost_usd=lambda: self.job.ledger_store.load().total_cost_usd)
+        except Exception as exc:  # the state poller keeps asking; regrouping is the safe default
+            self.log.event("state", "cannot read the job state; regrouping", error=one_line(exc))
+            return None
+        return wide.reason if wide is not None else None
+
+    def _job_completed_elsewhere(self, wait_seconds: float = 300.0) -> bool:
+        """Whether the node that ran global rank 0 marked the job completed (it uploads the results)."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                if self.job.ledger_store.load().status == JobStatus.COMPLETED:
+                    return True
+            except Exception as exc:
+                self.log.event("state", "cannot read the ledger; will retry", error=one_line(exc))
+            if time.monotonic() >= deadline:
+                return False
+            if self.stops.wait(min(5.0, self._poll_seconds)):
+                return True  # stopping (the rank-0 node's scale to zero, most likely): the job did complete
+
+    def job_checkpoint_confirmed(
+        self, persisted: PersistResult, persister: CheckpointPersister, deadline: float
+    ) -> PersistResult:
+        """On a node whose ranks stopped without rank 0, the job's checkpoint is the rank-0 node's to
+        upload: wait (to the stop deadline) for S3 latest.json to reach the step every rank stopped at."""
+        ended = self.nodes.node_exit()
+        if ended is None or ended.rank0_here or ended.stopped_step is None:
+            return persisted
+        if persisted.confirmed_step is not None and persisted.confirmed_step >= ended.stopped_step:
+            return PersistResult(ended.stopped_step, persisted.confirmed_step)
+        confirmed = wait_until_confirmed(persister.read_latest, ended.stopped_step, deadline)
+        return PersistResult(ended.stopped_step, confirmed)
+
+
+def _in_generation(number: int) -> Callable[[JobLedger], None]:
+    def change(ledger: JobLedger) -> None:
+        ledger.set_generation(number)
+
+    return change

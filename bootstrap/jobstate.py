@@ -1,0 +1,142 @@
+"""The job's state in S3 as one life reads and writes it: the ledger (this life's record, its heartbeat and
+cost), progress.json, control.json, and the stop every node of the job follows (`trainstack stop`, the cost
+cap).
+
+All of it runs off the stop path: on the state poller's thread with bounded AWS calls, before training or
+after the checkpoint is persisted. An S3 outage delays these, never a spot stop.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bootstrap.agent_config import AgentConfig
+from bootstrap.errors import one_line
+from bootstrap.eventlog import EventLog, utc_now
+from bootstrap.imds import InstanceIdentity
+from bootstrap.ledger import JobLedger, LedgerStore
+from bootstrap.pricing import LifeQuote
+from bootstrap.statestore import StateStore
+from bootstrap.watchdog import read_progress
+from trainstack_job.contract import LEDGER, PROGRESS
+
+PROGRESS_UPLOAD_SECONDS = 15.0
+
+
+@dataclass(frozen=True)
+class JobWideStop:
+    """A stop every node of the job follows: `control` (`trainstack stop`) or `cost_cap`."""
+
+    reason: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+class JobState:
+    """The ledger store and the state store of one life, and what it writes and reads there."""
+
+    def __init__(self, s3: Any, config: AgentConfig, log: EventLog) -> None:
+        prefixes = config.prefixes
+        self.log = log
+        self.state = StateStore(s3, config.bucket, prefixes.state)
+        self.ledger_store = LedgerStore(s3, config.bucket, prefixes.state + LEDGER)
+        self._max_cost_usd = config.max_cost_usd
+        # Where the trainer writes progress.json and who this instance is, once training starts.
+        self.progress_file: Path | None = None
+        self.identity: InstanceIdentity | None = None
+        self._state_errors = 0
+
+    @property
+    def ledger(self) -> JobLedger:
+        """The newest copy of the ledger this life has read or written."""
+        return self.ledger_store.last
+
+    def record(self, change: Callable[[JobLedger], Any]) -> bool:
+        """Apply a change to the ledger; False (logged) when S3 cannot take it now."""
+        try:
+            self.ledger_store.update(change)
+        except Exception as exc:
+            self.log.event(
+                "state",
+                "ledger not updated; the next life closes this one from its heartbeat",
+                ledger=self.ledger_store.uri,
+                error=one_line(exc),
+            )
+            return False
+        return True
+
+    def heartbeat(self, quote: LifeQuote | None) -> float:
+        """This life's heartbeat and cost in the ledger; returns the job's total (what the cost cap reads)."""
+        return self.ledger_store.update(lambda ledger: ledger.update_cost(utc_now(), quote))
+
+    def job_wide_stop(self, cost_usd: Callable[[], float]) -> JobWideStop | None:
+        """The stop every node of the job follows, or None: `trainstack stop` (control.json), else the cost
+        cap reached by the job's total, which `cost_usd` gives (asked only when there is a cap and no
+        control stop). Raises what S3 raises: each caller knows what a failed read means for it."""
+        if self.state.stop_requested():
+            return JobWideStop("control")
+        cap = self._max_cost_usd
+        if cap is not None:
+            total = cost_usd()
+            if total >= cap:
+                return JobWideStop("cost_cap", {"cost_usd": total, "cap_usd": cap})
+        return None
+
+    def upload_progress(self) -> None:
+        if self.progress_file is None or self.identity is None:
+            return
+        progress = read_progress(self.progress_file)
+        if progress is None:
+            return
+        progress |= {
+            "instance_id": self.identity.instance_id,
+            "instance_type": self.identity.instance_type,
+            "az": self.identity.az,
+        }
+        self.state.write(PROGRESS, progress)
+
+    def upload_progress_quietly(self) -> None:
+        try:
+            self.upload_progress()
+        except Exception as exc:
+            self.log.event("state", "progress upload failed", error=one_line(exc))
+
+    def poll(
+        self,
+        done: threading.Event,
+        every_seconds: float,
+        beat: Callable[[], float],
+        stop: Callable[..., None],
+    ) -> None:
+        """`trainstack stop`, the cost cap, the heartbeats (`beat`: returns the job's total cost) and the
+        progress, every `every_seconds` until `done`. A job-wide stop goes to `stop(reason, **fields)`.
+
+        Runs on its own thread with bounded AWS calls: an S3 outage delays these, never a spot stop.
+        """
+        next_progress = 0.0
+        while not done.wait(every_seconds):
+            try:
+                # The heartbeats run once per poll: within the check when it needs the job's total, after
+                # it otherwise. control.json is read first: a `trainstack stop` waits on no write.
+                beat_once = functools.cache(beat)
+                wide = self.job_wide_stop(cost_usd=beat_once)
+                if wide is not None:
+                    stop(wide.reason, **wide.fields)
+                beat_once()
+                if time.monotonic() >= next_progress:
+                    self.upload_progress()
+                    next_progress = time.monotonic() + PROGRESS_UPLOAD_SECONDS
+                if self._state_errors:
+                    self.log.event(
+                        "state", "job state in S3 reachable again", failed_polls=self._state_errors
+                    )
+                self._state_errors = 0
+            except Exception as exc:  # S3 hiccups must not stop training; the next poll tries again
+                self._state_errors += 1
+                if self._state_errors == 1:
+                    self.log.event("state", "cannot read or write job state; will retry", error=one_line(exc))

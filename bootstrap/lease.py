@@ -1,0 +1,447 @@
+"""One writer per job: the lease (`jobs/<id>/state/lease.json`) and the warm standby (`standby.json`).
+
+Why (docs/internals.md, "Jobs, the lease and the standby"): with capacity rebalancing a replacement instance
+boots while the old one still trains, and both would write the job's checkpoints. The lease names the one
+life that may write them, with a fencing token that grows by one with every acquisition; the persister
+checks it before each write and `latest.json` carries it, so a holder that lost the lease (it stalled past
+the stale limit and a standby took over) can no longer move the job's checkpoint.
+
+Both records are only ever written conditionally (If-None-Match: * for the first write, If-Match: <the ETag
+read> for every later one, If-Match on the one delete): S3 lets exactly one of two racing writers in, the
+other gets 412 (or 409 for a concurrent conditional write) and decides again from a fresh read. Times are
+epoch seconds (`time.time()`), injected by the caller; EC2 clocks are NTP-synced (Amazon Time Sync), and
+the stale limit is tens of seconds, so skew only shifts ages a little.
+
+Errors: S3 unreachable raises botocore's errors to the caller (the state poller retries on its next poll;
+a fence check that cannot read makes the persister retry the upload later, never write unchecked). A record
+that is not a record (hand-edited, truncated) counts as absent and is replaced by the next conditional write
+against its ETag.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from botocore.exceptions import ClientError
+
+from bootstrap.ledger import _is_conflict
+
+# Conflicts in a row before a write gives up for now: each one means another writer got in, which the
+# next read sees, so more than a few in a row means something keeps rewriting the record.
+ATTEMPTS = 8
+# docs/internals.md: 3 × state_poll_seconds (10 s) + 30 s; a holder that has not renewed for this long died.
+STALE_SECONDS = 60.0
+
+
+def _number(value: Any) -> bool:
+    # JSON has one number type; bool is an int in Python but never a valid time or token.
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class LeaseLostError(Exception):
+    """The lease no longer names this life's token: another life writes the job's checkpoints now."""
+
+    def __init__(self, holder: str, token: int, uri: str = "") -> None:
+        self.holder = holder
+        self.token = token
+        self.uri = uri
+        where = f"{uri}: " if uri else ""
+        super().__init__(
+            f"{where}lease lost to {holder} (token {token}): "
+            "this instance no longer writes the job's checkpoints"
+        )
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """The lease as stored: who holds it, with which token, since when, and whether it was let go."""
+
+    holder: str
+    life_id: str
+    token: int
+    acquired_at: float
+    heartbeat_at: float
+    released_at: float | None = None
+    stop_step: int | None = None
+    job_id: str | None = None
+
+    def live(self, now: float, stale_seconds: float) -> bool:
+        """Held by a holder that still renews: not released and renewed less than `stale_seconds` ago."""
+        return self.released_at is None and now - self.heartbeat_at < stale_seconds
+
+    def to_record(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, raw: Any) -> LeaseState | None:
+        """None for anything that is not a complete lease record."""
+        if not isinstance(raw, dict):
+            return None
+        if not (
+            isinstance(raw.get("holder"), str)
+            and isinstance(raw.get("life_id"), str)
+            and _count(raw.get("token"))
+            and _number(raw.get("acquired_at"))
+            and _number(raw.get("heartbeat_at"))
+            and (raw.get("released_at") is None or _number(raw["released_at"]))
+            and (raw.get("stop_step") is None or _count(raw["stop_step"]))
+            and (raw.get("job_id") is None or isinstance(raw["job_id"], str))
+        ):
+            return None
+        return cls(
+            holder=raw["holder"],
+            life_id=raw["life_id"],
+            token=raw["token"],
+            acquired_at=float(raw["acquired_at"]),
+            heartbeat_at=float(raw["heartbeat_at"]),
+            released_at=None if raw.get("released_at") is None else float(raw["released_at"]),
+            stop_step=raw.get("stop_step"),
+            job_id=raw.get("job_id"),
+        )
+
+
+class _Record:
+    """One small JSON object in S3, read with its ETag and written only conditionally."""
+
+    def __init__(self, s3: Any, bucket: str, key: str) -> None:
+        self._s3 = s3
+        self.bucket = bucket
+        self.key = key
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+    def _get(self) -> tuple[Any, str | None]:
+        """The parsed JSON (None if absent or not JSON) and the ETag (None if absent)."""
+        try:
+            response = self._s3.get_object(Bucket=self.bucket, Key=self.key)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
+                return None, None
+            raise
+        etag = str(response["ETag"])
+        try:
+            return json.loads(response["Body"].read()), etag
+        except ValueError:  # not JSON (or not UTF-8): counts as absent, replaced against its ETag
+            return None, etag
+
+    def _put(self, body: dict[str, Any], etag: str | None) -> bool:
+        """Write unless the object changed since `etag` was read (None: unless it exists); False on a
+        lost race (412/409), for the caller to read again."""
+        condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+        try:
+            self._s3.put_object(
+                Bucket=self.bucket,
+                Key=self.key,
+                Body=json.dumps(body, indent=2).encode(),
+                ContentType="application/json",
+                **condition,
+            )
+        except ClientError as exc:
+            if _is_conflict(exc):
+                return False
+            raise
+        return True
+
+    def _delete(self, etag: str) -> bool:
+        """Delete unless the object changed since `etag` was read; False on a lost race. Already gone
+        counts as deleted."""
+        try:
+            self._s3.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=etag)
+        except ClientError as exc:
+            if _is_conflict(exc):
+                return False
+            if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
+                return True
+            raise
+        return True
+
+    def _contended(self) -> RuntimeError:
+        return RuntimeError(f"{self.uri}: {ATTEMPTS} conditional writes lost in a row; will retry")
+
+
+class JobLease(_Record):
+    """This life's view of the job's lease (`jobs/<id>/state/lease.json`).
+
+    `holder` is the instance id, `life_id` the ledger's id of this life. A lease naming this instance under
+    another life id is an earlier agent on this instance, which died (systemd runs one agent per instance and
+    stops its trainer with it): it may be taken at once instead of after the stale limit.
+    """
+
+    def __init__(
+        self,
+        s3: Any,
+        bucket: str,
+        key: str,
+        *,
+        holder: str,
+        life_id: str,
+        stale_seconds: float = STALE_SECONDS,
+        job_id: str | None = None,
+    ) -> None:
+        super().__init__(s3, bucket, key)
+        self.holder = holder
+        self.life_id = life_id
+        self.stale_seconds = stale_seconds
+        self.job_id = job_id
+        self.held_token: int | None = None
+        # The lease this life replaced when it acquired (None: there was none): its `stop_step` is where the
+        # previous holder stopped, the checkpoint a standby resumes from.
+        self.replaced: LeaseState | None = None
+
+    @property
+    def token(self) -> int:
+        """The fencing token this life acquired (the persister's `Fence.token`)."""
+        if self.held_token is None:
+            raise RuntimeError(f"{self.uri}: the lease was never acquired by {self.life_id}")
+        return self.held_token
+
+    def read(self) -> LeaseState | None:
+        """The lease as stored now (None when absent or not a lease record)."""
+        raw, _ = self._get()
+        return LeaseState.from_record(raw)
+
+    def _ours(self, state: LeaseState | None) -> bool:
+        return (
+            state is not None
+            and self.held_token is not None
+            and state.token == self.held_token
+            and state.life_id == self.life_id
+            and state.holder == self.holder
+        )
+
+    def _lost(self, state: LeaseState | None) -> LeaseLostError:
+        if state is None:
+            return LeaseLostError("nobody (the lease is gone)", 0, self.uri)
+        holder = state.holder if state.released_at is None else f"{state.holder} (released)"
+        return LeaseLostError(holder, state.token, self.uri)
+
+    def _free(self, state: LeaseState | None, now: float) -> bool:
+        """May this life take the lease as it is now?"""
+        if state is None or not state.live(now, self.stale_seconds):
+            return True
+        # An earlier agent on this instance holds it: that agent died (one agent per instance).
+        return state.holder == self.holder and state.life_id != self.life_id
+
+    def try_acquire(self, now: float, *, floor: int = 0) -> int | None:
+        """The token this life now holds, or None while a live holder has the lease.
+
+        Acquiring writes the previous token + 1 (at least `floor` + 1: pass the token `latest.json` carries,
+        so a lease that was deleted or damaged by hand never hands out a token below one already used).
+        Called again while this life holds the lease, it returns the same token.
+        """
+        for _ in range(ATTEMPTS):
+            raw, etag = self._get()
+            state = LeaseState.from_record(raw)
+            if (
+                state is not None
+                and state.holder == self.holder
+                and state.life_id == self.life_id
+                and state.released_at is None
+            ):
+                # Already this life's: a repeated call, or a put that got in although its answer was lost.
+                self.held_token = state.token
+                return state.token
+            if not self._free(state, now):
+                return None
+            token = max(state.token if state is not None else 0, floor) + 1
+            acquired = LeaseState(
+                holder=self.holder,
+                life_id=self.life_id,
+                token=token,
+                acquired_at=now,
+                heartbeat_at=now,
+                job_id=self.job_id,
+            )
+            if self._put(acquired.to_record(), etag):
+                self.held_token = token
+                self.replaced = state
+                return token
+        raise self._contended()
+
+    def renew(self, now: float) -> LeaseState:
+        """Move the heartbeat forward; `LeaseLostError` when the lease no longer names this life's token."""
+        for _ in range(ATTEMPTS):
+            raw, etag = self._get()
+            state = LeaseState.from_record(raw)
+            if state is None or not self._ours(state) or state.released_at is not None:
+                raise self._lost(state)
+            renewed = LeaseState(**{**state.to_record(), "heartbeat_at": max(now, state.heartbeat_at)})
+            if self._put(renewed.to_record(), etag):
+                return renewed
+        raise self._contended()
+
+    def release(self, now: float, stop_step: int | None) -> bool:
+        """Let the lease go, saying at which step this life stopped, so a standby takes over at once.
+
+        True when released (now or before); False when the lease is not this life's any more (nothing is
+        written then). Never raises on a lost lease; an unreachable S3 still raises.
+        """
+        for _ in range(ATTEMPTS):
+            raw, etag = self._get()
+            state = LeaseState.from_record(raw)
+            if state is None or not self._ours(state):
+                return False
+            if state.released_at is not None:
+                return True
+            released = LeaseState(
+                **{**state.to_record(), "heartbeat_at": now, "released_at": now, "stop_step": stop_step}
+            )
+            if self._put(released.to_record(), etag):
+                return True
+        raise self._contended()
+
+    def check(self) -> LeaseState:
+        """The fence: one GET; `LeaseLostError` unless the lease still names this life's token and is not
+        released. A read error propagates: the caller must not write unchecked."""
+        state = self.read()
+        if state is None or not self._ours(state) or state.released_at is not None:
+            raise self._lost(state)
+        return state
+
+
+@dataclass(frozen=True)
+class StandbyState:
+    """The job's warm standby as stored: which life waits, since when, and whether it is ready to train."""
+
+    instance_id: str
+    life_id: str
+    since: float
+    ready_at: float | None
+    heartbeat_at: float
+
+    def live(self, now: float, stale_seconds: float) -> bool:
+        return now - self.heartbeat_at < stale_seconds
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready_at is not None
+
+    def to_record(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, raw: Any) -> StandbyState | None:
+        if not isinstance(raw, dict):
+            return None
+        if not (
+            isinstance(raw.get("instance_id"), str)
+            and isinstance(raw.get("life_id"), str)
+            and _number(raw.get("since"))
+            and _number(raw.get("heartbeat_at"))
+            and (raw.get("ready_at") is None or _number(raw["ready_at"]))
+        ):
+            return None
+        return cls(
+            instance_id=raw["instance_id"],
+            life_id=raw["life_id"],
+            since=float(raw["since"]),
+            ready_at=None if raw.get("ready_at") is None else float(raw["ready_at"]),
+            heartbeat_at=float(raw["heartbeat_at"]),
+        )
+
+
+class StandbyRecord(_Record):
+    """The job's one warm standby (`jobs/<id>/state/standby.json`), from one life's point of view.
+
+    A life claims the record when it is absent, names this instance (an earlier agent here died, or this
+    life claims again), or its standby stopped beating; a second live standby would only cost money, so
+    whoever finds another live one leaves (`live_other`). `mark_ready`, `heartbeat` and `clear` write only
+    while the record names this life, and return False once it does not.
+    """
+
+    def __init__(
+        self,
+        s3: Any,
+        bucket: str,
+        key: str,
+        *,
+        instance_id: str,
+        life_id: str,
+        stale_seconds: float = STALE_SECONDS,
+    ) -> None:
+        super().__init__(s3, bucket, key)
+        self.instance_id = instance_id
+        self.life_id = life_id
+        self.stale_seconds = stale_seconds
+
+    def read(self) -> StandbyState | None:
+        raw, _ = self._get()
+        return StandbyState.from_record(raw)
+
+    def _ours(self, state: StandbyState | None) -> bool:
+        return state is not None and state.instance_id == self.instance_id and state.life_id == self.life_id
+
+    def claim(self, now: float) -> bool:
+        """Become the job's standby; False when another instance's standby is live."""
+        for _ in range(ATTEMPTS):
+            raw, etag = self._get()
+            state = StandbyState.from_record(raw)
+            if (
+                state is not None
+                and state.instance_id != self.instance_id
+                and state.live(now, self.stale_seconds)
+            ):
+                return False
+            if self._ours(state) and state is not None:
+                # Claimed again by this life: keep when it started waiting and whether it is ready.
+                claimed = StandbyState(**{**state.to_record(), "heartbeat_at": now})
+            else:
+                claimed = StandbyState(
+                    self.instance_id, self.life_id, since=now, ready_at=None, heartbeat_at=now
+                )
+            if self._put(claimed.to_record(), etag):
+                return True
+        raise self._contended()
+
+    def _update(self, now: float, **changes: Any) -> bool:
+        for _ in range(ATTEMPTS):
+            raw, etag = self._get()
+            state = StandbyState.from_record(raw)
+            if state is None or not self._ours(state):
+                return False
+            updated = StandbyState(**{**state.to_record(), "heartbeat_at": now, **changes})
+            if self._put(updated.to_record(), etag):
+                return True
+        raise self._contended()
+
+    def mark_ready(self, now: float) -> bool:
+        """Say the standby is prepared (data, checkpoint, job set up): the holder may hand over to it."""
+        return self._update(now, ready_at=now)
+
+    def heartbeat(self, now: float) -> bool:
+        """Still waiting; False when the record names another life (this one went stale and was replaced)."""
+        return self._update(now)
+
+    def clear(self) -> bool:
+        """Remove the record if it is this life's (it took the lease, or stopped waiting); False otherwise."""
+        for _ in range(ATTEMPTS):
+            raw, etag = self._get()
+            state = StandbyState.from_record(raw)
+            if etag is None or state is None or not self._ours(state):
+                return False
+            if self._delete(etag):
+                return True
+        raise self._contended()
+
+    def live_other(self, now: float, me: str | None = None) -> StandbyState | None:
+        """A live standby of another instance than `me` (default: this one), or None."""
+        state = self.read()
+        me = self.instance_id if me is None else me
+        if state is not None and state.instance_id != me and state.live(now, self.stale_seconds):
+            return state
+        return None
+
+    def ready(self, now: float) -> StandbyState | None:
+        """A live standby that is ready to take over (what the holder asks before handing over)."""
+        state = self.read()
+        if state is not None and state.is_ready and state.live(now, self.stale_seconds):
+            return state
+        return None

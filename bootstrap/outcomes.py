@@ -1,0 +1,458 @@
+"""How a life ends (`LifeEnd`) and what the agent does about each end: the ledger's last word on the life,
+the job's status, the one notification and the scale to zero, the results upload, the instance's release.
+
+Every life ends with an outcome that says what happened (completed, preempted, stopped, cost_cap, failed,
+stalled, no_data…), written to the ledger with conditional writes so no update is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from bootstrap.agent_config import AgentConfig
+from bootstrap.errors import error_code, one_line
+from bootstrap.eventlog import EventLog, iso, utc_now
+from bootstrap.fleet import Fleet
+from bootstrap.imds import ImdsClient, ImdsUnavailableError, InstanceIdentity
+from bootstrap.jobstate import JobState
+from bootstrap.ledger import FAILED_OUTCOMES, JobLedger
+from bootstrap.notify import Notifier, format_duration, format_metrics
+from bootstrap.results import upload_results
+from trainstack_job.contract import RESUME_COMMAND, JobStatus, LifeOutcome
+
+
+class LifeEnd(str, Enum):
+    """How one instance life ends, from the trainer's exit to the agent's own exit status.
+
+    The ledger's life outcomes (trainstack_job.contract.LifeOutcome) with the same values, which the ledger
+    stores, and the ends no ledger life records."""
+
+    RUNNING = LifeOutcome.RUNNING.value
+    COMPLETED = LifeOutcome.COMPLETED.value
+    PREEMPTED = LifeOutcome.PREEMPTED.value
+    INTERRUPTED = LifeOutcome.INTERRUPTED.value
+    STOPPED = LifeOutcome.STOPPED.value
+    COST_CAP = LifeOutcome.COST_CAP.value
+    FAILED = LifeOutcome.FAILED.value
+    STALLED = LifeOutcome.STALLED.value  # also what supervising a trainer that stalled twice returns
+    NO_DATA = LifeOutcome.NO_DATA.value
+    HANDED_OVER = LifeOutcome.HANDED_OVER.value
+    SUPERSEDED = LifeOutcome.SUPERSEDED.value
+    SURPLUS = LifeOutcome.SURPLUS.value
+    STANDBY_ENDED = LifeOutcome.STANDBY_ENDED.value
+    # Not in the ledger's words:
+    KILLED = "killed"  # the trainer missed the stop deadline and was killed; classified as a failure
+    REPLACE = "replace"  # the GPU is broken beyond the one repair: the instance is to be replaced
+    REPLACED = "replaced"  # …and was: marked unhealthy, the group launches another
+    SKIPPED = "skipped"  # the group was already at zero: the job is over, nothing to do
+    GAVE_UP = "gave_up"  # the job was given up (failed for good): notified and scaled to zero
+
+    def ledger_outcome(self) -> LifeOutcome:
+        """The ledger's outcome for this end (ValueError for the ends the ledger does not record)."""
+        return LifeOutcome(self.value)
+
+
+# Ends after which this instance has nothing left to do; any other ends the life with exit 1 so that
+# systemd starts the next life on this instance (and the crash counter decides when to give up). Besides the
+# ledger's outcomes, a life can end having replaced its broken instance, skipped (the group was already at
+# zero) or given up on the job. One writer per job: handing over, losing the lease, a surplus instance and
+# a standby's end are no failure either.
+FINAL_ENDS = frozenset(
+    {
+        LifeEnd.COMPLETED,
+        LifeEnd.PREEMPTED,
+        LifeEnd.STOPPED,
+        LifeEnd.COST_CAP,
+        LifeEnd.NO_DATA,
+        LifeEnd.HANDED_OVER,
+        LifeEnd.SUPERSEDED,
+        LifeEnd.SURPLUS,
+        LifeEnd.STANDBY_ENDED,
+        LifeEnd.REPLACED,
+        LifeEnd.SKIPPED,
+        LifeEnd.GAVE_UP,
+    }
+)
+
+
+@dataclass(frozen=True)
+class LifeResult:
+    outcome: LifeEnd
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.outcome in FINAL_ENDS else 1
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a life failed; `permanent` failures stop the job at once instead of costing more lives."""
+
+    outcome: LifeEnd  # FAILED or STALLED
+    reason: str
+    lines: list[str]
+    fix: str = ""
+    permanent: bool = False
+    signature: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class LifeFacts:
+    """What the outcome handlers need to know about the life that ends."""
+
+    identity: InstanceIdentity | None
+    phase: str
+    output_dir: Path | None  # where the trainer wrote its results; None before training
+    # This node's generation completed but global rank 0 (and the results) ran on another node.
+    follower: bool = False
+
+
+class Outcomes:
+    """The outcome handlers: each ends the life in the ledger and, where the job ends, notifies once and
+    scales the group to zero."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        log: EventLog,
+        job: JobState,
+        s3: Any,
+        fleet: Fleet,
+        notifier: Notifier,
+        imds: ImdsClient,
+        *,
+        builtin_trainer: bool,
+        release_wait_seconds: float,
+    ) -> None:
+        self.config = config
+        self.log = log
+        self.job = job
+        self.s3 = s3
+        self.fleet = fleet
+        self.notifier = notifier
+        self.imds = imds
+        # The built-in trainer always writes model.pt and metrics.json; a user's job writes what it writes.
+        self._builtin_trainer = builtin_trainer
+        self._release_wait_seconds = release_wait_seconds
+
+    def finish(self, outcome: LifeEnd | Failure, life: LifeFacts) -> LifeResult:
+        if isinstance(outcome, Failure):
+            return self.failed(outcome, life)
+        if outcome == LifeEnd.COMPLETED:
+            return self.completed(life)
+        if outcome == LifeEnd.PREEMPTED:
+            self.job.record(
+                lambda ledger: ledger.end_life(LifeOutcome.PREEMPTED, utc_now(), phase=life.phase)
+            )
+            self.log.event(
+                "end",
+                "preempted: the group's replacement resumes from the confirmed checkpoint",
+                interruptions=self.job.ledger.interruptions,
+            )
+            return LifeResult(LifeEnd.PREEMPTED)
+        if outcome == LifeEnd.STOPPED:
+            return self.stopped_by_user()
+        if outcome == LifeEnd.COST_CAP:
+            return self.cost_cap_reached()
+        if outcome == LifeEnd.NO_DATA:
+            return self.no_dataset()
+        if outcome == LifeEnd.REPLACE:
+            return self.replace_unhealthy_instance(life)
+        if outcome in (LifeEnd.HANDED_OVER, LifeEnd.SUPERSEDED, LifeEnd.SURPLUS, LifeEnd.STANDBY_ENDED):
+            return self.one_writer_end(outcome, life)
+        raise AssertionError(f"unknown outcome {outcome}")
+
+    def completed(self, life: LifeFacts) -> LifeResult:
+        if life.follower:
+            # The node that ran global rank 0 holds the results: it uploaded them, marked the job completed,
+            # scaled the group to zero and sent the one notification.
+            self.job.record(lambda ledger: ledger.end_life(LifeOutcome.COMPLETED, utc_now()))
+            self.log.event("end", "completed; the node that ran rank 0 uploaded the results")
+            return LifeResult(LifeEnd.COMPLETED)
+        results = self.config.prefixes.results
+        output = life.output_dir
+        assert output is not None
+        if self._builtin_trainer:
+            expected = [output / name for name in ("model.pt", "metrics.json")]
+            missing = ", ".join(str(path) for path in expected if not path.is_file())
+            if missing:
+                reason = f"trainer exited 0 but {missing} is missing"
+                return self.failed(Failure(LifeEnd.FAILED, reason, list(self.log.tail)), life)
+        try:
+            keys = upload_results(self.s3, self.config.bucket, results, output)
+        except Exception as exc:
+            # The next life restores the final checkpoint, finishes at once and uploads again.
+            reason = f"results upload failed: {one_line(exc)}"
+            return self.failed(Failure(LifeEnd.FAILED, reason, list(self.log.tail)), life)
+        self.log.event(
+            "results", "results uploaded", uri=f"s3://{self.config.bucket}/{results}", files=len(keys)
+        )
+        metrics = _metrics(output)
+
+        def complete(ledger: JobLedger) -> None:
+            ledger.end_life(LifeOutcome.COMPLETED, utc_now())
+            ledger.set_status(JobStatus.COMPLETED)
+
+        self.job.record(complete)
+        ledger = self.job.ledger
+        started = ledger.lives[0]["started_at"] if ledger.lives else iso(utc_now())
+        duration = (utc_now() - datetime.fromisoformat(started.replace("Z", "+00:00"))).total_seconds()
+        lines = [
+            "Training completed.",
+            f"  duration: {format_duration(duration)} over {len(ledger.lives)} instance life/lives",
+            f"  spot interruptions survived: {ledger.interruptions}",
+            f"  estimated cost: ${ledger.total_cost_usd:.4f}",
+            "Final metrics:",
+            *format_metrics(metrics),
+            f"Artifacts: s3://{self.config.bucket}/{results}",
+            "Fetch them with: trainstack results pull",
+            f"The group {self.config.group_name} has been scaled to zero; nothing bills any more.",
+        ]
+        self.notify_and_scale_to_zero("training completed", lines)
+        self.log.event("end", "completed; scaled to zero", cost_usd=ledger.total_cost_usd, metrics=metrics)
+        return LifeResult(LifeEnd.COMPLETED)
+
+    def failed(self, failure: Failure, life: LifeFacts) -> LifeResult:
+        limit = self.config.max_consecutive_failures
+        verdict: dict[str, Any] = {}
+
+        def end(ledger: JobLedger) -> None:
+            # The same failure at the same step as the life before: a third life would fail there too.
+            previous = ledger.previous_life()
+            verdict["repeated"] = (
+                failure.signature is not None
+                and previous is not None
+                and previous.get("outcome") in FAILED_OUTCOMES
+                and previous.get("failure") == failure.signature
+            )
+            current = ledger.current_life()
+            if current is not None and current["outcome"] == LifeOutcome.RUNNING:
+                details = {"failure": failure.signature} if failure.signature else {}
+                ledger.end_life(failure.outcome.ledger_outcome(), utc_now(), **details)
+            verdict["failures"] = ledger.consecutive_failures
+            if failure.permanent or verdict["repeated"] or ledger.consecutive_failures >= limit:
+                # Another node of the same job may have given up first: it notified and scaled to zero.
+                verdict["already"] = ledger.status == JobStatus.FAILED
+                ledger.set_status(JobStatus.FAILED)
+
+        self.job.record(end)
+        repeated = bool(verdict.get("repeated"))
+        failures = int(verdict.get("failures", self.job.ledger.consecutive_failures))
+        if not (failure.permanent or repeated or failures >= limit):
+            self.log.event(
+                "end",
+                "life failed; systemd starts the next life",
+                reason=failure.reason,
+                consecutive_failures=failures,
+                limit=limit,
+            )
+            return LifeResult(failure.outcome)
+        if verdict.get("already"):
+            self.log.event("end", "the job had already been given up by another node", reason=failure.reason)
+            return LifeResult(LifeEnd.GAVE_UP)
+        if failure.permanent:
+            subject = f"training failed: {failure.reason}; group scaled to zero"
+            why = f"This failure is permanent ({failure.reason}): another instance cannot fix it."
+        elif repeated:
+            subject = "training failed twice at the same step; group scaled to zero"
+            why = f"The job failed the same way twice in a row ({failure.reason} at the same step)."
+        else:
+            subject = f"training failed {failures} times in a row; group scaled to zero"
+            why = f"The job failed {failures} times in a row (trainstack:maxConsecutiveFailures = {limit})."
+        self.notify_and_scale_to_zero(
+            subject,
+            [
+                why,
+                f"Last failure on {life.identity.instance_id if life.identity else '?'}: {failure.reason}",
+                "The group has been scaled to zero so that nothing bills. Last log lines:",
+                *[f"  {line}" for line in failure.lines[-25:]],
+                f"Fix: {failure.fix}"
+                if failure.fix
+                else f"Fix the cause, then start again: {RESUME_COMMAND}",
+            ],
+        )
+        self.log.event("end", subject, reason=failure.reason, consecutive_failures=failures)
+        return LifeResult(LifeEnd.GAVE_UP)
+
+    def gave_up_on_starting(self, identity: InstanceIdentity) -> LifeResult:
+        """systemd's start limit was hit (`--give-up`): the job failed; notify and scale to zero."""
+        try:
+            self.job.record(lambda ledger: ledger.set_status(JobStatus.FAILED))
+        finally:
+            self.notify_and_scale_to_zero(
+                "the agent keeps failing; group scaled to zero",
+                [
+                    f"The trainstack agent on {identity.instance_id} failed to start repeatedly.",
+                    "Read why with: trainstack logs  (or journalctl -u trainstack-agent on the instance).",
+                ],
+            )
+        return LifeResult(LifeEnd.GAVE_UP)
+
+    def no_dataset(self) -> LifeResult:
+        source = f"s3://{self.config.bucket}/{self.config.prefixes.data}"
+
+        def no_data(ledger: JobLedger) -> None:
+            ledger.end_life(LifeOutcome.NO_DATA, utc_now())
+            ledger.set_status(JobStatus.NO_DATA)
+
+        self.job.record(no_data)
+        self.notify_and_scale_to_zero(
+            "no dataset; group scaled to zero",
+            [
+                f"{source} stayed empty for {self.config.data_wait_minutes:g} minutes, so this instance "
+                "stopped billing.",
+                "Upload the dataset: trainstack data push ./dataset   (train/<class>/…, val/<class>/…)",
+                f"Then start training: {RESUME_COMMAND}",
+            ],
+        )
+        return LifeResult(LifeEnd.NO_DATA)
+
+    def end_job(self, outcome: LifeOutcome, status: JobStatus) -> bool:
+        """End this life and the job; True unless another node of the job had already ended it the same way
+        (then it has notified and scaled to zero: once per job, not once per node)."""
+        first = {"value": True}
+
+        def end(ledger: JobLedger) -> None:
+            first["value"] = ledger.status != status
+            ledger.end_life(outcome, utc_now())
+            ledger.set_status(status)
+
+        self.job.record(end)
+        if not first["value"]:
+            self.log.event("end", f"{status.value}: another node of this job already said so")
+        return first["value"]
+
+    def stopped_by_user(self) -> LifeResult:
+        if not self.end_job(LifeOutcome.STOPPED, JobStatus.STOPPED):
+            return LifeResult(LifeEnd.STOPPED)
+        self.notify_and_scale_to_zero(
+            "stopped on request; group scaled to zero",
+            [
+                "Training stopped on `trainstack stop`; the newest confirmed checkpoint is kept.",
+                f"Checkpoints: s3://{self.config.bucket}/{self.config.prefixes.checkpoints}",
+                f"Resume with: {RESUME_COMMAND}",
+            ],
+        )
+        return LifeResult(LifeEnd.STOPPED)
+
+    def cost_cap_reached(self) -> LifeResult:
+        if not self.end_job(LifeOutcome.COST_CAP, JobStatus.COST_CAP):
+            return LifeResult(LifeEnd.COST_CAP)
+        total = self.job.ledger.total_cost_usd
+        self.notify_and_scale_to_zero(
+            "cost cap reached; group scaled to zero",
+            [
+                f"The job's estimated cost ${total:.4f} reached the cap "
+                f"trainstack:maxCostUsd = ${self.config.max_cost_usd}.",
+                f"The latest checkpoint is kept in s3://{self.config.bucket}/{self.config.prefixes.checkpoints}.",
+                f"Raise trainstack:maxCostUsd, run pulumi up, then continue from it with: {RESUME_COMMAND}",
+            ],
+        )
+        self.log.event("end", "cost cap reached; scaled to zero", cost_usd=self.job.ledger.total_cost_usd)
+        return LifeResult(LifeEnd.COST_CAP)
+
+    def replace_unhealthy_instance(self, life: LifeFacts) -> LifeResult:
+        identity = life.identity
+        assert identity is not None
+        result = self.failed(
+            Failure(LifeEnd.FAILED, "GPU preflight failed after the driver repair", list(self.log.tail)), life
+        )
+        if result.outcome == LifeEnd.GAVE_UP:
+            return result
+        self.notifier.publish(
+            f"GPU broken on {identity.instance_id}; replacing it",
+            [
+                f"nvidia-smi / torch CUDA failed on {identity.instance_id} "
+                f"({identity.instance_type}, "
+                f"{identity.az}) even after reinstalling the driver.",
+                "The instance is marked unhealthy; the group launches a replacement.",
+                *[f"  {line}" for line in list(self.log.tail)[-10:]],
+            ],
+        )
+        self.fleet.replace_instance(identity.instance_id)
+        self.log.event("end", "instance marked unhealthy; the group replaces it")
+        return LifeResult(LifeEnd.REPLACED)
+
+    def one_writer_end(self, outcome: LifeEnd, life: LifeFacts) -> LifeResult:
+        """A life that stops writing (or never wrote) so that the job keeps one writer: no failure, no
+        interruption. One that handed over, lost the lease or found the job staffed leaves the group, which
+        stops its bill; a standby whose wait ended is going away already (its notice, the job's end)."""
+        self.job.record(lambda ledger: ledger.end_life(outcome.ledger_outcome(), utc_now(), phase=life.phase))
+        messages = {
+            LifeEnd.HANDED_OVER: "handed over: the standby continues from the confirmed step",
+            LifeEnd.SUPERSEDED: "superseded: another instance holds the lease; this one stopped writing",
+            LifeEnd.SURPLUS: "surplus: the job has its writer and its standby",
+            LifeEnd.STANDBY_ENDED: "standby ended without taking the job over",
+        }
+        self.log.event("end", messages[outcome])
+        if outcome is not LifeEnd.STANDBY_ENDED and life.identity is not None:
+            try:
+                decrement = self.fleet.leave(
+                    life.identity.instance_id, instance_count=self.config.instance_count
+                )
+            except Exception as exc:  # the group's own scale-in or the spot notice still ends it
+                self.log.event("fleet", "could not leave the group", error=one_line(exc), level="warning")
+            else:
+                self.log.event("fleet", "left the group", decrement=decrement, group=self.config.group_name)
+        return LifeResult(outcome)
+
+    def notify_and_scale_to_zero(self, subject: str, lines: list[str]) -> None:
+        # Scale to zero first: a notification that cannot be sent must never keep the group billing.
+        try:
+            self.fleet.scale_to_zero()
+        except Exception as exc:
+            self.log.event(
+                "fleet",
+                "scale to zero FAILED: set the group's desired capacity to 0 by hand",
+                group=self.config.group_name,
+                error=one_line(exc),
+            )
+            self.notifier.publish(subject + " (scale to zero FAILED)", lines)
+            raise
+        self.log.event("fleet", "group desired capacity set to 0", group=self.config.group_name)
+        self.notifier.publish(subject, lines)
+
+    def release_instance(self, identity: InstanceIdentity) -> None:
+        """Complete the group's drain hook once the instance is terminating, so it stops billing at once
+        instead of after the hook's heartbeat timeout."""
+        hook = self.config.lifecycle_hook
+        if not hook:
+            return
+        deadline = time.monotonic() + self._release_wait_seconds
+        while time.monotonic() < deadline:
+            try:
+                if self.imds.get("autoscaling/target-lifecycle-state") == "Terminated":
+                    break
+            except ImdsUnavailableError:
+                pass
+            time.sleep(2)
+        else:
+            self.log.event("release", "instance not terminating; drain hook left alone", hook=hook)
+            return
+        try:
+            self.fleet.complete_lifecycle_action(hook, identity.instance_id)
+        except Exception as exc:
+            # Not an error: the hook's timeout releases the instance anyway, a few minutes later.
+            self.log.event(
+                "release",
+                "drain hook not completed (moto lacks CompleteLifecycleAction; on AWS this is a permission "
+                "or API problem); the group releases the instance at the hook's timeout",
+                hook=hook,
+                reason=error_code(exc),
+            )
+            return
+        self.log.event("release", "drain hook completed; the group terminates this instance now", hook=hook)
+
+
+def _metrics(output: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads((output / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -1,0 +1,199 @@
+"""One writer per single-node job, as one life lives it: hold the lease, wait warm as the standby, or leave.
+
+docs/internals.md, "Jobs, the lease and the standby". With capacity rebalancing AWS launches the replacement
+before it terminates the at-risk instance, and a manual scale-up or a replacement launched while the old
+instance drains does the same: a second instance must never train the job beside the first. The first life
+to take the lease trains; the next waits warm (data, checkpoint, trainer built) and takes over the moment
+the holder lets go, at exactly the holder's stop step; any further instance leaves the group.
+
+The holder's side runs on the state poller (renew, hand-over decision) and after the final upload (release);
+nothing here is on the stop path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from enum import Enum
+
+from bootstrap.agent_config import AgentConfig
+from bootstrap.errors import one_line
+from bootstrap.eventlog import EventLog
+from bootstrap.lease import JobLease, LeaseLostError, StandbyRecord
+from trainstack_job.jobs import LEASE, STANDBY
+
+# A standby polls the lease this often: a released lease is taken within about a second.
+STANDBY_POLL_SECONDS = 1.0
+# …and beats its own record (and asks whether the job ended) this often.
+STANDBY_BEAT_SECONDS = 5.0
+
+
+class Role(str, Enum):
+    """What a life does for its job."""
+
+    HOLDER = "holder"  # holds the lease: trains and writes the checkpoints
+    STANDBY = "standby"  # waits warm for the lease
+    SURPLUS = "surplus"  # a holder and a standby exist already: leaves
+
+
+class OneWriter:
+    """This life's lease and standby record, and the decisions made from them."""
+
+    def __init__(
+        self,
+        s3: object,
+        config: AgentConfig,
+        log: EventLog,
+        *,
+        instance_id: str,
+        life_id: str,
+        stale_seconds: float,
+    ) -> None:
+        state = config.prefixes.state
+        self.log = log
+        self.instance_id = instance_id
+        self.lease = JobLease(
+            s3,
+            config.bucket,
+            state + LEASE,
+            holder=instance_id,
+            life_id=life_id,
+            stale_seconds=stale_seconds,
+            job_id=config.job_id,
+        )
+        self.standby = StandbyRecord(
+            s3,
+            config.bucket,
+            state + STANDBY,
+            instance_id=instance_id,
+            life_id=life_id,
+            stale_seconds=stale_seconds,
+        )
+        self.role: Role | None = None
+        # A rebalance recommendation was seen: hand over as soon as a standby is ready.
+        self.at_risk = False
+        self._wait_errors = 0
+
+    @property
+    def holding(self) -> bool:
+        return self.role is Role.HOLDER
+
+    def take(self, floor: int) -> Role:
+        """Holder if the lease is free (`floor`: the token latest.json carries), else standby or surplus."""
+        now = time.time()
+        token = self.lease.try_acquire(now, floor=floor)
+        if token is not None:
+            self.role = Role.HOLDER
+            replaced = self.lease.replaced
+            self.log.event(
+                "lease",
+                "lease acquired",
+                token=token,
+                uri=self.lease.uri,
+                **({"from": replaced.holder, "stop_step": replaced.stop_step} if replaced else {}),
+            )
+            return self.role
+        holder = self.lease.read()
+        if self.standby.claim(now):
+            self.role = Role.STANDBY
+            self.log.event(
+                "standby",
+                "the job's lease is held; waiting warm as its standby",
+                holder=holder.holder if holder else None,
+            )
+        else:
+            self.role = Role.SURPLUS
+            other = self.standby.read()
+            self.log.event(
+                "standby",
+                "the job has a holder and a standby already: this instance leaves",
+                holder=holder.holder if holder else None,
+                standby=other.instance_id if other else None,
+            )
+        return self.role
+
+    def ready(self) -> None:
+        self.standby.mark_ready(time.time())
+
+    def wait_for_lease(
+        self, *, stopping: Callable[[float], bool], job_ended: Callable[[], bool], floor: int
+    ) -> int | None:
+        """As the standby: the token once the lease is free; None when a stop (`stopping(timeout)` waits
+        and says whether one came), the job's end or another standby's claim ended the wait."""
+        next_beat = time.monotonic() + STANDBY_BEAT_SECONDS
+        while not stopping(STANDBY_POLL_SECONDS):
+            try:
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + STANDBY_BEAT_SECONDS
+                    if job_ended():
+                        self.log.event("standby", "the job ended while this standby waited")
+                        return None
+                    if not self.standby.heartbeat(time.time()):
+                        self.log.event("standby", "another instance took over as standby; leaving")
+                        return None
+                token = self.lease.try_acquire(time.time(), floor=floor)
+            except Exception as exc:  # S3 hiccup: keep waiting; the holder's lease cannot expire unseen
+                self._wait_errors += 1
+                if self._wait_errors == 1:
+                    self.log.event("standby", "cannot read the lease; will retry", error=one_line(exc))
+                continue
+            if token is None:
+                continue
+            self.role = Role.HOLDER
+            replaced = self.lease.replaced
+            self.log.event(
+                "lease",
+                "lease taken over",
+                token=token,
+                stop_step=replaced.stop_step if replaced else None,
+                **{"from": replaced.holder if replaced else None},
+                expired=replaced is not None and replaced.released_at is None,
+            )
+            self._clear_standby()
+            return token
+        return None
+
+    def _clear_standby(self) -> None:
+        try:
+            self.standby.clear()
+        except Exception as exc:  # it goes stale on its own; the next claim replaces it
+            self.log.event("standby", "could not clear the standby record", error=one_line(exc))
+
+    def end_standby(self) -> None:
+        """A standby that stops waiting without the lease takes its record with it."""
+        if self.role is Role.STANDBY:
+            self._clear_standby()
+
+    def poll(self) -> str | None:
+        """As the holder, once per state poll: renew the lease; the stop reason this life must follow now
+        (`lease_lost`, `handover`), or None. Raises what S3 raises (the poller retries next time)."""
+        if not self.holding:
+            return None
+        now = time.time()
+        try:
+            self.lease.renew(now)
+        except LeaseLostError as exc:
+            self.log.event("lease", "lease lost: this instance stops writing the job", error=str(exc))
+            return "lease_lost"
+        if self.at_risk:
+            standby = self.standby.ready(now)
+            if standby is not None and standby.instance_id != self.instance_id:
+                self.log.event(
+                    "handover",
+                    "a standby is ready: handing over at the next step boundary",
+                    standby=standby.instance_id,
+                )
+                return "handover"
+        return None
+
+    def release(self, stop_step: int | None) -> None:
+        """As the holder, at the end of the life: let the lease go with the confirmed step."""
+        if not self.holding:
+            return
+        try:
+            released = self.lease.release(time.time(), stop_step)
+        except Exception as exc:  # the lease then expires after the stale limit: a slower hand-over
+            self.log.event("lease", "could not release the lease; it expires on its own", error=one_line(exc))
+            return
+        if released:
+            self.log.event("lease", "lease released", stop_step=stop_step)

@@ -1,0 +1,198 @@
+"""The job's process on this instance: building it (a user's command or the built-in trainer), supervising
+it to its exit (stall watchdog, the kill deadline of a stop) and saying what its exit means for the life.
+
+Supervising is local only: no network call here, so a stop is never held up by S3 or CloudWatch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bootstrap.agent_config import AgentConfig
+from bootstrap.efa import efa_environment, supports_device_rdma
+from bootstrap.eventlog import EventLog
+from bootstrap.imds import InstanceIdentity
+from bootstrap.job import JobSpec, interruption_env, prepare_python
+from bootstrap.outcomes import Failure, LifeEnd
+from bootstrap.persist import CheckpointPersister, PersistResult
+from bootstrap.stops import STOP_OUTCOMES, StopRequests
+from bootstrap.trainer import (
+    PERMANENT_FAILURES,
+    TrainerPaths,
+    TrainerProcess,
+    default_trainer_command,
+    trainer_python,
+)
+from bootstrap.watchdog import StallWatchdog, read_progress
+from trainstack_job.contract import ExitCode, JobEnv
+
+# What supervising a trainer ends with: its exit code, or LifeEnd.STALLED / LifeEnd.KILLED.
+TrainerExit = int | LifeEnd
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: AgentConfig,
+        log: EventLog,
+        stops: StopRequests,
+        *,
+        user_job: JobSpec | None,
+        job_root: Path,
+        trainer_command: Sequence[str] | None,
+        tick_seconds: float,
+    ) -> None:
+        self.config = config
+        self.log = log
+        self.stops = stops
+        self.user_job = user_job
+        # Where a user's job workdir is: inside the unpacked bundle on an instance, anywhere in the demo.
+        self._job_root = job_root
+        self._trainer_command = list(trainer_command) if trainer_command else None
+        self._tick_seconds = tick_seconds
+
+    def job_process(
+        self,
+        paths: TrainerPaths,
+        gpu_count: int,
+        restored: int | None,
+        *,
+        identity: InstanceIdentity | None,
+        spot_interruptions: tuple[int, float],
+        log_sink: Callable[[], Callable[[str], None]],
+    ) -> TrainerProcess:
+        """The job to run: a user's command in its workdir (and requirements), or the built-in trainer."""
+        spec = self.user_job
+        env = paths.contract_env(with_data=spec is None or spec.data_sync, restored_step=restored)
+        env |= interruption_env(*spot_interruptions)
+        env[JobEnv.CHECKPOINT_KEEP.value] = str(spec.checkpoint_keep if spec else 3)
+        if self.config.efa and identity is not None:
+            # NCCL over EFA between the nodes (infra/efa.py chose an EFA type and a cluster placement group).
+            env |= efa_environment(device_rdma=supports_device_rdma(identity.instance_type))
+        if spec is None:
+            command = self._trainer_command or default_trainer_command(gpu_count)
+            return TrainerProcess(
+                command,
+                paths,
+                dict(self.config.job),
+                log_sink(),
+                defer_early_signals=self._trainer_command is None,
+                env=env,
+            )
+        workdir = self._job_root / spec.workdir
+        self.stops.phase = "job-setup"
+        python = prepare_python(
+            trainer_python(),
+            workdir / spec.requirements if spec.requirements else None,
+            paths.scratch / "python",
+            self.log.event,
+            should_abort=self.stops.is_set,
+        )
+        # `python` in the job's command means the job's interpreter: the AMI's PyTorch env or its venv.
+        command = [python if arg in ("python", "python3") else arg for arg in spec.command]
+        self.log.event("job", "user job", name=spec.name, workdir=str(workdir), restored_step=restored)
+        return TrainerProcess(
+            command, paths, {}, log_sink(), user_job=True, cwd=workdir, env={**env, **spec.env}
+        )
+
+    def trainer_deadline(self, seen_at: float, persister: CheckpointPersister) -> float:
+        """When a stopping trainer is killed: early enough to leave the final upload its measured time."""
+        budget = self.config.stop_deadline_seconds
+        upload = max(persister.upload_seconds, default=5.0)
+        return seen_at + budget - min(budget / 2, 2 * upload + 2)
+
+    def supervise(
+        self, trainer: TrainerProcess, persister: CheckpointPersister, *, watch_silent: bool
+    ) -> TrainerExit:
+        """Run the trainer to its exit code, or STALLED / KILLED. Only local checks: no network here.
+
+        `watch_silent`: whether a job that never reports progress is watched for stalls too."""
+        watchdog = StallWatchdog(self.config.stall_minutes * 60)
+        restarted = False
+        while True:
+            code = trainer.poll()
+            if code is not None:
+                return code
+            reason, seen_at = self.stops.state()
+            if seen_at is not None:
+                if time.monotonic() > self.trainer_deadline(seen_at, persister):
+                    self.log.event(
+                        "stop",
+                        "trainer missed the stop deadline; killing it (its newest checkpoint may be lost)",
+                        reason=reason,
+                    )
+                    trainer.kill()
+                    return LifeEnd.KILLED
+            else:
+                progress = read_progress(trainer.paths.progress_file)
+                # A user's job that never reports progress is not watched (docs/job-contract.md), nor a
+                # node of a multi-node job without global rank 0 (the rank-0 node's agent watches the job).
+                watched = progress is not None or watch_silent
+                if watched and watchdog.observe(progress.get("step") if progress else None):
+                    idle = round(watchdog.idle_seconds())
+                    trainer.kill()
+                    if restarted:
+                        self.log.event(
+                            "stall", "training stalled again after a restart; giving up", idle_s=idle
+                        )
+                        return LifeEnd.STALLED
+                    self.log.event("stall", "no training progress; restarting the trainer once", idle_s=idle)
+                    restarted = True
+                    watchdog.reset()
+                    trainer.start()
+            time.sleep(self._tick_seconds)
+
+    def classify_exit(
+        self, code: TrainerExit, reason: str | None, persisted: PersistResult, trainer: TrainerProcess
+    ) -> LifeEnd | Failure:
+        progress = read_progress(trainer.paths.progress_file) or {}
+        if code == ExitCode.COMPLETED:
+            # A job that completed wins over a stop request that arrived meanwhile.
+            return LifeEnd.COMPLETED
+        if reason is not None:
+            fields: dict[str, Any] = {
+                "exit_code": _plain(code),
+                "checkpoint_confirmed": persisted.confirmed,
+                "checkpoint_step": persisted.confirmed_step,
+                "newest_local_step": persisted.newest_local_step,
+                "reached_step": progress.get("step"),
+            }
+            _, seen_at = self.stops.state()
+            if seen_at is not None:
+                fields["notice_to_exit_s"] = round(time.monotonic() - seen_at, 2)
+            confirmed = persisted.confirmed and code == ExitCode.STOPPED
+            self.log.event(
+                "stop",
+                "trainer stopped; checkpoint confirmed in S3"
+                if confirmed
+                else "trainer stopped WITHOUT its newest checkpoint in S3; the confirmed one is kept",
+                reason=reason,
+                **fields,
+            )
+            return STOP_OUTCOMES[reason]
+        if code == ExitCode.STOPPED:
+            # Nobody here asked: the OS sent the stop (shutdown), so this instance is going away.
+            self.log.event("stop", "trainer stopped by the system", exit_code=code)
+            return LifeEnd.PREEMPTED
+        if code == LifeEnd.STALLED:
+            return Failure(
+                LifeEnd.STALLED, "trainer stalled", list(trainer.tail)[-25:] or list(self.log.tail)
+            )
+        self.log.event(
+            "failed", "trainer exited with a failure", exit_code=_plain(code), step=progress.get("step")
+        )
+        lines = list(trainer.tail)[-25:] or list(self.log.tail)
+        if isinstance(code, int) and code in PERMANENT_FAILURES:
+            why, fix = PERMANENT_FAILURES[code]
+            return Failure(LifeEnd.FAILED, f"{why} (trainer exit {code})", lines, fix=fix, permanent=True)
+        # The ledger compares it with the life before's (read back from JSON): plain values only.
+        signature = {"exit_code": _plain(code), "step": progress.get("step")}
+        return Failure(LifeEnd.FAILED, f"trainer exited {_plain(code)}", lines, signature=signature)
+
+
+def _plain(code: TrainerExit) -> int | str:
+    """The exit as the ledger and the events have always said it: the number, or "stalled" / "killed"."""
+    return code.value if isinstance(code, LifeEnd) else code

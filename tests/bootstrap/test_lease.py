@@ -1,0 +1,344 @@
+"""The job's lease and warm-standby record (bootstrap/lease.py) against the moto server: who may write the
+job's checkpoints, when a lease may be taken, that of several lives racing exactly one wins, and that a
+holder that lost its lease finds out. Times are injected (epoch seconds): no test sleeps."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+
+from bootstrap.lease import JobLease, LeaseLostError, LeaseState, StandbyRecord
+from bootstrap.ledger import _is_conflict
+from tests.conftest import MotoServer
+
+BUCKET = "trainstack-lease"
+LEASE_KEY = "jobs/demo-1a2b3c4d/state/lease.json"
+STANDBY_KEY = "jobs/demo-1a2b3c4d/state/standby.json"
+URI = f"s3://{BUCKET}/{LEASE_KEY}"
+STALE = 60.0
+T0 = 1_800_000_000.0
+
+
+class RacingS3:
+    """The S3 client that racing lives share, with two test hooks on one key.
+
+    moto checks If-Match / If-None-Match and then stores the object in two steps, without a lock, on one of
+    its request threads; S3 does both atomically. The lock around writes of the key gives moto S3's
+    atomicity: which write gets in, and the 412 the others get, are still moto's conditional-write answers.
+    `race` makes each of that many threads read the key once before any of them writes it.
+    """
+
+    def __init__(self, client: Any, key: str, race: int = 0) -> None:
+        self._client = client
+        self._key = key
+        self._lock = threading.Lock()
+        self._race = threading.Barrier(race) if race else None
+        self._raced = threading.local()
+        self.conflicts = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def race_done(self) -> None:
+        """Reads after the race (the test's own checks) wait for nobody."""
+        self._race = None
+
+    def get_object(self, **kwargs: Any) -> Any:
+        try:
+            return self._client.get_object(**kwargs)
+        finally:
+            if self._race is not None and kwargs["Key"] == self._key and not getattr(self._raced, "v", 0):
+                self._raced.v = 1
+                self._race.wait(timeout=10)
+
+    def _locked(self, call: Any, **kwargs: Any) -> Any:
+        if kwargs["Key"] != self._key:
+            return call(**kwargs)
+        with self._lock:
+            try:
+                return call(**kwargs)
+            except ClientError as exc:
+                if _is_conflict(exc):
+                    self.conflicts += 1
+                raise
+
+    def put_object(self, **kwargs: Any) -> Any:
+        return self._locked(self._client.put_object, **kwargs)
+
+    def delete_object(self, **kwargs: Any) -> Any:
+        return self._locked(self._client.delete_object, **kwargs)
+
+
+@pytest.fixture()
+def s3(aws: MotoServer) -> Any:
+    client = boto3.client("s3", region_name="us-east-1")
+    client.create_bucket(Bucket=BUCKET)
+    return client
+
+
+def lease(s3: Any, holder: str, life: str = "", **kwargs: Any) -> JobLease:
+    return JobLease(
+        s3, BUCKET, LEASE_KEY, holder=holder, life_id=life or f"{holder}@life", stale_seconds=STALE, **kwargs
+    )
+
+
+def standby(s3: Any, instance_id: str, life: str = "") -> StandbyRecord:
+    return StandbyRecord(
+        s3,
+        BUCKET,
+        STANDBY_KEY,
+        instance_id=instance_id,
+        life_id=life or f"{instance_id}@life",
+        stale_seconds=STALE,
+    )
+
+
+def stored(s3: Any, key: str = LEASE_KEY) -> dict[str, Any]:
+    return dict(json.loads(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()))
+
+
+def etag(s3: Any, key: str = LEASE_KEY) -> str:
+    return str(s3.head_object(Bucket=BUCKET, Key=key)["ETag"])
+
+
+def absent(s3: Any, key: str) -> bool:
+    try:
+        s3.head_object(Bucket=BUCKET, Key=key)
+    except ClientError:
+        return True
+    return False
+
+
+# -- the lease ---------------------------------------------------------------------------------------
+
+
+def test_the_first_life_acquires_token_1_and_a_second_waits_while_the_holder_beats(s3: Any) -> None:
+    a, b = lease(s3, "i-a", job_id="demo-1a2b3c4d"), lease(s3, "i-b")
+    assert a.try_acquire(T0) == 1 and a.token == 1 and a.replaced is None
+    assert stored(s3) == {
+        "holder": "i-a",
+        "life_id": "i-a@life",
+        "token": 1,
+        "acquired_at": T0,
+        "heartbeat_at": T0,
+        "released_at": None,
+        "stop_step": None,
+        "job_id": "demo-1a2b3c4d",
+    }
+    assert b.try_acquire(T0 + 1) is None
+    a.renew(T0 + 50)
+    # 59 s after the last renewal the holder is still alive, though 109 s after it acquired.
+    assert b.try_acquire(T0 + 109) is None
+    assert stored(s3)["token"] == 1 and stored(s3)["heartbeat_at"] == T0 + 50
+    state = b.read()
+    assert state is not None and state.live(T0 + 109, STALE) and not state.live(T0 + 110, STALE)
+
+
+def test_an_expired_lease_is_taken_with_the_next_token_and_the_old_holder_learns_it_lost(s3: Any) -> None:
+    a, b = lease(s3, "i-a"), lease(s3, "i-b")
+    assert a.try_acquire(T0) == 1
+    assert b.try_acquire(T0 + STALE) == 2, "a holder silent for the stale limit is dead"
+    assert b.replaced is not None and b.replaced.holder == "i-a"
+    with pytest.raises(LeaseLostError) as lost:
+        a.renew(T0 + STALE + 1)
+    assert (lost.value.holder, lost.value.token) == ("i-b", 2)
+    assert str(lost.value) == (
+        f"{URI}: lease lost to i-b (token 2): this instance no longer writes the job's checkpoints"
+    )
+    with pytest.raises(LeaseLostError):
+        a.check()
+    assert b.check().token == 2
+    assert stored(s3)["holder"] == "i-b", "the failed renewal wrote nothing"
+
+
+def test_renew_keeps_the_token_and_only_moves_the_heartbeat(s3: Any) -> None:
+    a = lease(s3, "i-a")
+    a.try_acquire(T0)
+    renewed = a.renew(T0 + 10)
+    assert (renewed.token, renewed.acquired_at, renewed.heartbeat_at) == (1, T0, T0 + 10)
+    assert stored(s3)["heartbeat_at"] == T0 + 10
+    assert a.try_acquire(T0 + 11) == 1, "asking again while holding is the same token, nothing written"
+    assert stored(s3)["heartbeat_at"] == T0 + 10
+
+
+def test_release_hands_over_at_once_with_the_stop_step_and_is_idempotent(s3: Any) -> None:
+    a, b = lease(s3, "i-a"), lease(s3, "i-b")
+    a.try_acquire(T0)
+    assert a.release(T0 + 5, stop_step=120) is True
+    after = etag(s3)
+    assert stored(s3)["released_at"] == T0 + 5 and stored(s3)["stop_step"] == 120
+    assert a.release(T0 + 6, stop_step=121) is True and etag(s3) == after, "a second release writes nothing"
+    with pytest.raises(LeaseLostError, match=r"lease lost to i-a \(released\) \(token 1\)"):
+        a.check()  # released: the persister may not write any more
+    assert b.try_acquire(T0 + 6) == 2, "a released lease is taken at once, no expiry to wait for"
+    assert b.replaced is not None and b.replaced.stop_step == 120
+    taken = etag(s3)
+    assert a.release(T0 + 7, stop_step=122) is False and etag(s3) == taken, "not ours: nothing written"
+    with pytest.raises(LeaseLostError):
+        a.renew(T0 + 7)
+
+
+def test_release_after_losing_the_lease_returns_false_without_raising(s3: Any) -> None:
+    a, b = lease(s3, "i-a"), lease(s3, "i-b")
+    a.try_acquire(T0)
+    b.try_acquire(T0 + STALE)
+    assert a.release(T0 + STALE + 1, stop_step=5) is False
+    assert stored(s3)["released_at"] is None and stored(s3)["holder"] == "i-b"
+
+
+def test_an_earlier_agent_on_the_same_instance_is_dead_and_its_lease_is_taken_at_once(s3: Any) -> None:
+    lease(s3, "i-a", "i-a@first").try_acquire(T0)
+    restarted = lease(s3, "i-a", "i-a@second")  # systemd restarted the agent: one agent per instance
+    assert restarted.try_acquire(T0 + 1) == 2
+
+
+def test_a_lease_deleted_or_damaged_by_hand_never_hands_out_a_used_token(s3: Any) -> None:
+    s3.put_object(Bucket=BUCKET, Key=LEASE_KEY, Body=b"{not json")
+    a = lease(s3, "i-a")
+    assert a.read() is None
+    assert a.try_acquire(T0, floor=7) == 8, "latest.json carried token 7: the next token is above it"
+    assert stored(s3)["token"] == 8
+
+
+def test_check_propagates_a_read_error_instead_of_calling_the_lease_lost(s3: Any) -> None:
+    a = JobLease(s3, "no-such-bucket", LEASE_KEY, holder="i-a", life_id="i-a@life")
+    with pytest.raises(ClientError) as error:
+        a.check()
+    assert not isinstance(error.value, LeaseLostError)
+    assert error.value.response["Error"]["Code"] == "NoSuchBucket"
+
+
+def test_lease_state_refuses_what_is_not_a_lease() -> None:
+    good = {"holder": "i-a", "life_id": "x", "token": 1, "acquired_at": T0, "heartbeat_at": T0}
+    assert LeaseState.from_record(good) == LeaseState("i-a", "x", 1, T0, T0)
+    for broken in ({**good, "token": True}, {**good, "token": "1"}, {**good, "holder": None}, [good], None):
+        assert LeaseState.from_record(broken) is None
+
+
+@pytest.mark.parametrize("stale_holder", [False, True], ids=["absent", "expired"])
+def test_of_four_lives_acquiring_at_once_exactly_one_wins(s3: Any, stale_holder: bool) -> None:
+    now = T0
+    if stale_holder:
+        lease(s3, "i-old").try_acquire(T0 - 10 * STALE)
+        s3.put_object(  # an expired lease with an old token: the winner writes the one after it
+            Bucket=BUCKET, Key=LEASE_KEY, Body=json.dumps({**stored(s3), "token": 5}).encode()
+        )
+    racing = RacingS3(s3, LEASE_KEY, race=4)
+    lives = [lease(racing, f"i-{n}") for n in range(4)]
+    start = threading.Barrier(4)
+
+    def acquire(life: JobLease) -> int | None:
+        start.wait(timeout=10)
+        return life.try_acquire(now)
+
+    with ThreadPoolExecutor(4) as pool:
+        tokens = list(pool.map(acquire, lives))
+    racing.race_done()
+    expected = 6 if stale_holder else 1
+    winners = [n for n, token in enumerate(tokens) if token is not None]
+    assert len(winners) == 1 and tokens[winners[0]] == expected, tokens
+    assert racing.conflicts == 3, "every loser's write was refused by S3, not skipped by a stale read"
+    assert stored(s3)["holder"] == f"i-{winners[0]}" and stored(s3)["token"] == expected
+    assert lives[winners[0]].check().token == expected
+    for n, life in enumerate(lives):
+        if n != winners[0]:
+            assert life.held_token is None
+            with pytest.raises(LeaseLostError):
+                life.check()
+
+
+# -- the standby record ------------------------------------------------------------------------------
+
+
+def test_one_standby_at_a_time_and_a_stale_one_is_replaced(s3: Any) -> None:
+    b, c = standby(s3, "i-b"), standby(s3, "i-c")
+    assert b.read() is None and b.ready(T0) is None
+    assert b.claim(T0) is True
+    assert stored(s3, STANDBY_KEY) == {
+        "instance_id": "i-b",
+        "life_id": "i-b@life",
+        "since": T0,
+        "ready_at": None,
+        "heartbeat_at": T0,
+    }
+    assert c.claim(T0 + 1) is False, "a live standby is already waiting: the third instance is surplus"
+    other = c.live_other(T0 + 1, "i-c")
+    assert other is not None and other.instance_id == "i-b"
+    assert b.live_other(T0 + 1) is None, "its own record is not another standby"
+    assert b.ready(T0 + 1) is None, "claimed but not prepared yet"
+    assert b.heartbeat(T0 + 30) is True
+    assert c.claim(T0 + 30 + STALE - 1) is False
+    assert c.claim(T0 + 30 + STALE) is True, "silent for the stale limit: replaced"
+    assert c.live_other(T0 + 30 + STALE) is None
+    assert b.heartbeat(T0 + 100) is False and b.mark_ready(T0 + 100) is False, "b was replaced"
+    assert b.clear() is False and stored(s3, STANDBY_KEY)["instance_id"] == "i-c"
+
+
+def test_a_ready_standby_is_what_the_holder_hands_over_to_and_clear_removes_only_ones_own(s3: Any) -> None:
+    b = standby(s3, "i-b")
+    holder_view = standby(s3, "i-a")
+    b.claim(T0)
+    assert b.mark_ready(T0 + 20) is True
+    ready = holder_view.ready(T0 + 25)
+    assert ready is not None and (ready.instance_id, ready.since, ready.ready_at) == ("i-b", T0, T0 + 20)
+    assert holder_view.ready(T0 + 20 + STALE) is None, "a ready standby that stopped beating is not ready"
+    assert b.claim(T0 + 30) is True, "claiming again keeps since and ready_at"
+    assert stored(s3, STANDBY_KEY)["since"] == T0 and stored(s3, STANDBY_KEY)["ready_at"] == T0 + 20
+    assert holder_view.clear() is False and not absent(s3, STANDBY_KEY)
+    assert b.clear() is True and absent(s3, STANDBY_KEY)
+    assert b.clear() is False
+
+
+def test_a_restarted_agent_on_the_same_instance_reclaims_its_standby_record(s3: Any) -> None:
+    standby(s3, "i-b", "i-b@first").claim(T0)
+    standby(s3, "i-b", "i-b@first").mark_ready(T0 + 1)
+    again = standby(s3, "i-b", "i-b@second")
+    assert again.claim(T0 + 2) is True
+    assert stored(s3, STANDBY_KEY) == {
+        "instance_id": "i-b",
+        "life_id": "i-b@second",
+        "since": T0 + 2,
+        "ready_at": None,
+        "heartbeat_at": T0 + 2,
+    }, "a new life starts its wait afresh: not ready until it prepared the job again"
+
+
+def test_clear_does_not_delete_a_record_rewritten_after_it_was_read(s3: Any) -> None:
+    b = standby(s3, "i-b")
+    b.claim(T0)
+
+    class Interleaved(RacingS3):
+        """Another instance's claim lands between b's read and b's delete."""
+
+        def delete_object(self, **kwargs: Any) -> Any:
+            body = {**stored(s3, STANDBY_KEY), "instance_id": "i-c", "life_id": "i-c@life"}
+            s3.put_object(Bucket=BUCKET, Key=STANDBY_KEY, Body=json.dumps(body).encode())
+            return super().delete_object(**kwargs)
+
+    interleaved = Interleaved(s3, STANDBY_KEY)
+    late = StandbyRecord(interleaved, BUCKET, STANDBY_KEY, instance_id="i-b", life_id="i-b@life")
+    assert late.clear() is False
+    assert interleaved.conflicts == 1, "the delete was conditional on the ETag read"
+    assert stored(s3, STANDBY_KEY)["instance_id"] == "i-c"
+
+
+def test_of_three_standbys_claiming_at_once_exactly_one_waits(s3: Any) -> None:
+    racing = RacingS3(s3, STANDBY_KEY, race=3)
+    records = [standby(racing, f"i-{n}") for n in range(3)]
+    start = threading.Barrier(3)
+
+    def claim(record: StandbyRecord) -> bool:
+        start.wait(timeout=10)
+        return record.claim(T0)
+
+    with ThreadPoolExecutor(3) as pool:
+        claimed = list(pool.map(claim, records))
+    assert claimed.count(True) == 1, claimed
+    assert racing.conflicts == 2
+    assert stored(s3, STANDBY_KEY)["instance_id"] == f"i-{claimed.index(True)}"
