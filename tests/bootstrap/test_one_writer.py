@@ -1,0 +1,361 @@
+"""One job, one writer: two agents on one single-node job, as AWS really runs them.
+
+AWS launches a second instance for a running single-node job in three ordinary ways: capacity rebalancing
+(the replacement boots BEFORE the at-risk instance is terminated), a manual scale-up, and a replacement
+launched while the old instance still drains its spot notice. In every case the promise is the same and is
+checked from what both trainers printed, what S3 holds and what the ledger says: never two trainers at once,
+one linear history (the standby's first step is the holder's confirmed stop step + 1; no step trained or
+written twice; latest.json never moves back), one completion, a truthful ledger. A writer whose token was
+superseded is refused and stops; a second job starts at step 0 and leaves the first one's results alone;
+a replacement after a mid-job `pulumi up` runs the running job's own code.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bootstrap.eventlog import EventLog
+from bootstrap.imds import ImdsClient
+from bootstrap.lifecycle import InstanceLife, LifeResult
+from demo.imds import ImdsSimulator, SimulatedInstance
+from demo.stack import LocalStack
+from tests.bootstrap.conftest import FAKE_TRAINER, upload_dataset
+
+# Slow enough steps that the second agent boots, syncs and warms while the first one trains.
+STEPS = {"steps": 60, "step_seconds": 0.08, "checkpoint_every": 10, "log_steps": True}
+JOB = "resnet-11111111"
+
+
+@dataclass
+class Agent:
+    """One simulated instance: its IMDS, its in-process agent, what it and its trainer said, its result."""
+
+    name: str
+    instance_id: str
+    imds: ImdsSimulator
+    life: InstanceLife
+    events: io.StringIO
+    steps: list[tuple[float, int]] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    result: LifeResult | None = None
+    thread: threading.Thread | None = None
+
+    def start(self) -> Agent:
+        def run() -> None:
+            self.result = self.life.run()
+
+        self.thread = threading.Thread(target=run, name=self.name, daemon=True)
+        self.thread.start()
+        return self
+
+    def join(self, timeout: float = 90) -> LifeResult:
+        assert self.thread is not None
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"{self.name} did not end within {timeout} s"
+        assert self.result is not None
+        return self.result
+
+    def said(self, part: str) -> list[dict[str, Any]]:
+        found = []
+        for line in self.events.getvalue().splitlines():
+            event = json.loads(line)
+            if part in event["message"]:
+                found.append(event)
+        return found
+
+    def wait_for(self, part: str, timeout: float = 60) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.said(part)
+            if found:
+                return found[0]
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name} never said {part!r}; it said: {self.events.getvalue()[-3000:]}")
+
+
+@pytest.fixture()
+def agents(stack: LocalStack, tmp_path: Path) -> Iterator[Callable[..., Agent]]:
+    upload_dataset(stack)
+    simulators: list[ImdsSimulator] = []
+
+    def build(
+        name: str,
+        instance_id: str,
+        *,
+        fake: dict[str, Any] | None = None,
+        in_group: bool = True,
+        **config: Any,
+    ) -> Agent:
+        # A replacement launched by capacity rebalancing is InService beside the instance it replaces.
+        state = stack.lifecycle_state if in_group else (lambda _: "InService")
+        simulator = ImdsSimulator(SimulatedInstance(instance_id=instance_id), lifecycle_state=state).start()
+        simulators.append(simulator)
+        events = io.StringIO()
+        values: dict[str, Any] = {
+            "poll_seconds": 0.2,
+            "scratch_dir": str(tmp_path / name),
+            "job": {"fake": {**STEPS, **(fake or {})}},
+            "job_id": JOB,
+            "job_name": "resnet",
+        }
+        values.update(config)
+        life = InstanceLife(
+            stack.agent_config(**values),
+            log=EventLog(stream=events),
+            imds=ImdsClient(simulator.endpoint),
+            trainer_command=FAKE_TRAINER,
+            identity_wait_seconds=2,
+            release_wait_seconds=0,
+            state_poll_seconds=0.5,
+            tick_seconds=0.1,
+        )
+        agent = Agent(name, instance_id, simulator, life, events)
+
+        def sink(line: str) -> None:
+            agent.lines.append(line)
+            try:
+                value = json.loads(line)
+            except ValueError:
+                return
+            if isinstance(value, dict) and value.get("event") == "step":
+                agent.steps.append((time.monotonic(), int(value["step"])))
+
+        life._trainer_log_sink = lambda: sink  # type: ignore[method-assign]
+        return agent
+
+    yield build
+    for simulator in simulators:
+        simulator.stop()
+
+
+def _ledger(stack: LocalStack, job: str = JOB) -> dict[str, Any]:
+    body = stack.client("s3").get_object(Bucket=stack.bucket, Key=f"jobs/{job}/state/ledger.json")["Body"]
+    value: dict[str, Any] = json.loads(body.read())
+    return value
+
+
+def _versions(stack: LocalStack, prefix: str) -> dict[str, list[dict[str, Any]]]:
+    """Every version of every object under `prefix`, oldest first: what was written, and how often."""
+    s3 = stack.client("s3")
+    found: dict[str, list[dict[str, Any]]] = {}
+    for page in s3.get_paginator("list_object_versions").paginate(Bucket=stack.bucket, Prefix=prefix):
+        for version in page.get("Versions", []):
+            found.setdefault(version["Key"], []).append(version)
+    # S3 lists a key's versions newest first (LastModified has one-second resolution: no tie-breaker).
+    for versions in found.values():
+        versions.reverse()
+    return found
+
+
+def _assert_one_linear_history(stack: LocalStack, first: Agent, second: Agent) -> int:
+    """Never two trainers at once, no step trained twice, the second resumes right after the first's
+    confirmed stop step, and S3 holds each step once with latest.json only moving forward."""
+    assert first.steps and second.steps, "both instances trained"
+    assert first.steps[-1][0] < second.steps[0][0], "the second trainer trained while the first still did"
+    trained_first = [step for _, step in first.steps]
+    trained_second = [step for _, step in second.steps]
+    assert not set(trained_first) & set(trained_second), "a step was trained twice"
+    handed = second.said("lease taken over")[0]["stop_step"]
+    assert handed is not None and trained_second[0] == handed + 1
+    assert max(trained_first) == handed, "the holder's stop step was confirmed before it let go"
+    versions = _versions(stack, f"jobs/{JOB}/checkpoints/")
+    manifests = {key: v for key, v in versions.items() if key.endswith("/manifest.json")}
+    assert manifests and all(len(v) == 1 for v in manifests.values()), "a step folder was written twice"
+    latest = [
+        json.loads(
+            stack.client("s3")
+            .get_object(Bucket=stack.bucket, Key=v["Key"], VersionId=v["VersionId"])["Body"]
+            .read()
+        )
+        for v in versions[f"jobs/{JOB}/checkpoints/latest.json"]
+    ]
+    steps = [x["step"] for x in latest]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps), f"latest.json moved back: {steps}"
+    assert all("token" in x for x in latest) and [x["token"] for x in latest] == sorted(
+        x["token"] for x in latest
+    )
+    return int(handed)
+
+
+def test_capacity_rebalancing_hands_over_to_the_warm_standby_with_no_step_lost_or_trained_twice(
+    stack: LocalStack, agents: Callable[..., Agent]
+) -> None:
+    """AWS's capacity rebalancing: the replacement boots while the at-risk instance trains. It waits warm;
+    the rebalance recommendation becomes a hand-over at a step boundary; the replacement continues."""
+    holder_id = stack.instance_ids()[0]
+    first = agents("first", holder_id).start()
+    first.wait_for("trainer starting")
+    # The group's replacement is launched before the at-risk instance goes (desired capacity stays 1).
+    second = agents("second", "i-0replacement0000", in_group=False).start()
+    second.wait_for("standby ready")
+    assert second.said("the job's lease is held")[0]["holder"] == holder_id
+    assert not second.steps, "a standby never trains"
+    first.imds.inject_rebalance()
+    assert first.join().outcome == "handed_over"
+    assert second.join().outcome == "completed"
+
+    handed = _assert_one_linear_history(stack, first, second)
+    assert 0 < handed < STEPS["steps"]
+    assert first.said("a standby is ready: handing over")[0]["standby"] == "i-0replacement0000"
+    left = first.said("left the group")[0]
+    assert left["decrement"] is False, "the group already holds the replacement: its count stays"
+    assert any("start gate opened" in line for line in second.lines)
+    ledger = _ledger(stack)
+    outcomes = {life["instance_id"]: life for life in ledger["lives"]}
+    assert outcomes[holder_id]["outcome"] == "handed_over"
+    assert outcomes["i-0replacement0000"]["outcome"] == "completed"
+    assert outcomes["i-0replacement0000"]["standby_seconds"] > 0
+    assert ledger["handovers"] == 1 and ledger["interruptions"] == 0 and ledger["consecutive_failures"] == 0
+    assert ledger["status"] == "completed"
+    assert ledger["total_cost_usd"] == pytest.approx(sum(x["cost_usd"] for x in ledger["lives"]), abs=1e-6)
+    completions = [a for a in stack.alerts() if "completed" in a["Subject"]]
+    assert len(completions) == 1
+    assert stack.group()["DesiredCapacity"] == 0
+
+
+def test_a_manual_scale_up_gives_one_standby_and_surplus_instances_leave(
+    stack: LocalStack, agents: Callable[..., Agent]
+) -> None:
+    """Desired capacity raised by hand on a single-node job: the second instance waits as the standby, a
+    third leaves (lowering the capacity it was launched for), and the job completes once, on the holder."""
+    autoscaling = stack.client("autoscaling")
+    autoscaling.set_desired_capacity(AutoScalingGroupName=stack.group_name, DesiredCapacity=3)
+    ids = stack.instance_ids()
+    assert len(ids) == 3
+    first = agents("first", ids[0], fake={"steps": 45}).start()
+    first.wait_for("trainer starting")
+    second = agents("second", ids[1]).start()
+    second.wait_for("standby ready")
+    third = agents("third", ids[2]).start()
+    assert third.join().outcome == "surplus"
+    assert third.said("left the group")[0]["decrement"] is True
+    assert stack.group()["DesiredCapacity"] == 2
+    assert first.join().outcome == "completed"
+    assert second.join().outcome == "standby_ended"
+    assert not second.steps and not third.steps
+    ledger = _ledger(stack)
+    outcomes = sorted(life["outcome"] for life in ledger["lives"])
+    assert outcomes == ["completed", "standby_ended", "surplus"]
+    assert ledger["consecutive_failures"] == 0 and ledger["interruptions"] == 0
+    assert ledger["standby_cost_usd"] > 0
+
+
+def test_a_replacement_launched_while_the_old_instance_drains_waits_and_resumes_at_its_stop_step(
+    stack: LocalStack, agents: Callable[..., Agent]
+) -> None:
+    """A spot notice: the old instance stops and uploads (slowly: big checkpoints) while the replacement
+    already boots. The replacement must not train beside it, nor close its life as interrupted; it takes
+    the lease when the old one lets go and resumes at exactly its stop step."""
+    holder_id = stack.instance_ids()[0]
+    first = agents("first", holder_id, fake={"checkpoint_bytes": 2_000_000}).start()
+    first.wait_for("trainer starting")
+    time.sleep(1.0)
+    first.imds.inject_spot_notice()
+    second = agents("second", "i-0replacement0000", in_group=False).start()
+    assert first.join().outcome == "preempted"
+    assert second.join().outcome == "completed"
+    _assert_one_linear_history(stack, first, second)
+    ledger = _ledger(stack)
+    outcomes = {life["instance_id"]: life["outcome"] for life in ledger["lives"]}
+    assert outcomes == {holder_id: "preempted", "i-0replacement0000": "completed"}
+    old = next(life for life in ledger["lives"] if life["instance_id"] == holder_id)
+    assert "closed_by" not in old, "the replacement closed a holder that was still beating"
+    assert ledger["interruptions"] == 1, "the old life counted once, by itself, not closed by its successor"
+
+
+def test_a_writer_whose_lease_was_taken_is_refused_and_stops(
+    stack: LocalStack, agents: Callable[..., Agent]
+) -> None:
+    """A holder that was cut off past the stale limit finds a newer token in the lease: it stops writing
+    at once (no step folder of its own after that), says so, and its life ends `superseded`."""
+    holder_id = stack.instance_ids()[0]
+    first = agents("first", holder_id, fake={"steps": 400}).start()
+    first.wait_for("trainer starting")
+    time.sleep(1.0)
+    s3 = stack.client("s3")
+    key = f"jobs/{JOB}/state/lease.json"
+    lease = json.loads(s3.get_object(Bucket=stack.bucket, Key=key)["Body"].read())
+    before = {v["VersionId"] for versions in _versions(stack, f"jobs/{JOB}/").values() for v in versions}
+    taken = {
+        **lease,
+        "holder": "i-0newholder00000",
+        "life_id": "i-0newholder00000@x",
+        "token": lease["token"] + 1,
+    }
+    s3.put_object(Bucket=stack.bucket, Key=key, Body=json.dumps(taken).encode())
+    assert first.join().outcome == "superseded"
+    stop = first.said("stop requested")[0]
+    assert stop["reason"] == "lease_lost"
+    assert first.said("lease lost")
+    after = [
+        k
+        for k, versions in _versions(stack, f"jobs/{JOB}/checkpoints/").items()
+        for v in versions
+        if v["VersionId"] not in before and k.endswith(("manifest.json", "latest.json"))
+    ]
+    # At most the one commit whose fence check ran just before the lease moved; never a latest.json move.
+    assert len(after) <= 1 and not any(k.endswith("latest.json") for k in after), after
+    assert (
+        json.loads(s3.get_object(Bucket=stack.bucket, Key=key)["Body"].read())["holder"]
+        == "i-0newholder00000"
+    )
+    assert max(step for _, step in first.steps) < 400
+
+
+def test_a_second_job_starts_at_step_zero_and_leaves_the_first_ones_results_intact(
+    stack: LocalStack, agents: Callable[..., Agent]
+) -> None:
+    first = agents("first", stack.instance_ids()[0], fake={"steps": 12, "log_steps": True}).start()
+    assert first.join().outcome == "completed"
+    s3 = stack.client("s3")
+    first_results = s3.get_object(Bucket=stack.bucket, Key=f"jobs/{JOB}/results/metrics.json")["Body"].read()
+    autoscaling = stack.client("autoscaling")
+    autoscaling.set_desired_capacity(AutoScalingGroupName=stack.group_name, DesiredCapacity=1)
+    second = agents(
+        "second", stack.instance_ids()[0], fake={"steps": 8}, job_id="vit-22222222", job_name="vit"
+    ).start()
+    assert second.join().outcome == "completed"
+    assert second.steps[0][1] == 1, "a new job starts at step 0"
+    assert second.said("job bound")[0]["previous_job"] == JOB
+    again = s3.get_object(Bucket=stack.bucket, Key=f"jobs/{JOB}/results/metrics.json")["Body"].read()
+    assert again == first_results
+    assert (
+        json.loads(
+            s3.get_object(Bucket=stack.bucket, Key="jobs/vit-22222222/results/metrics.json")["Body"].read()
+        )["steps"]
+        == 8
+    )
+    assert _ledger(stack)["status"] == "completed"
+    assert _ledger(stack, "vit-22222222")["status"] == "completed"
+
+
+def test_a_replacement_after_a_mid_job_pulumi_up_runs_the_jobs_own_code(
+    stack: LocalStack, agents: Callable[..., Agent]
+) -> None:
+    """The running job's record pins its bundle; a replacement whose user-data carries a newer definition
+    hands itself over to that code (here recorded instead of exec'd: the test runs in-process)."""
+    first = agents("first", stack.instance_ids()[0], bundle_key="code/aaa/bundle.tar.gz").start()
+    first.wait_for("trainer starting")
+    second = agents("second", "i-0replacement0000", in_group=False, job_id="vit-22222222", job_name="vit")
+    pinned: list[dict[str, Any]] = []
+
+    def record(s3: Any, config: Any, job: dict[str, Any]) -> None:
+        pinned.append(job)
+        raise SystemExit(0)
+
+    second.life.run_pinned = record
+    with pytest.raises(SystemExit):
+        second.life.run()
+    assert pinned and pinned[0]["job_id"] == JOB and pinned[0]["bundle_key"] == "code/aaa/bundle.tar.gz"
+    assert second.said("continuing it with the code it started with")[0]["defined_job"] == "vit-22222222"
+    first.life.request_shutdown()
+    first.join()
