@@ -24,6 +24,7 @@ from bootstrap.pricing import CostMeter, LifeQuote, PriceLookup
 from bootstrap.stops import StopRequests
 from bootstrap.trainer import trainer_python
 from trainstack_job.contract import JobStatus
+from trainstack_job.jobs import JobPrefixes
 
 
 @dataclass
@@ -89,14 +90,18 @@ class Boot:
 
     # -- logs ---------------------------------------------------------------------------------------
 
+    def _stream(self, identity: InstanceIdentity, source: str) -> str:
+        """`<job-id>/<instance-id>/agent|trainer`: `trainstack logs --job` finds a job's lines by prefix."""
+        return JobPrefixes.of(self.config.job_id).log_stream(identity.instance_id, source)
+
     def ship_logs(self, identity: InstanceIdentity) -> None:
-        shipper = LogShipper(self._logs, self.config.log_group, f"{identity.instance_id}/agent")
+        shipper = LogShipper(self._logs, self.config.log_group, self._stream(identity, "agent"))
         self._shippers.append(shipper)
         self.log.add_sink(shipper)
 
     def trainer_log_sink(self, identity: InstanceIdentity) -> Callable[[str], None]:
         """The trainer's lines: to the journal (stdout) and to CloudWatch."""
-        shipper = LogShipper(self._logs, self.config.log_group, f"{identity.instance_id}/trainer")
+        shipper = LogShipper(self._logs, self.config.log_group, self._stream(identity, "trainer"))
         self._shippers.append(shipper)
 
         def sink(line: str) -> None:

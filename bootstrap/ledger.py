@@ -149,13 +149,10 @@ class JobLedger:
                 earlier["outcome"] = LifeOutcome.FAILED.value
                 earlier["ended_at"] = earlier.get("heartbeat_at") or iso(now)
                 self.data["consecutive_failures"] += 1
+                self._price_life(earlier, earlier["ended_at"])
+                self._close_standby(earlier, earlier["ended_at"])
             else:
-                earlier["outcome"] = LifeOutcome.INTERRUPTED.value
-                earlier["ended_at"] = earlier.get("heartbeat_at") or earlier["started_at"]
-                earlier["closed_by"] = identity.instance_id
-                self.data["interruptions"] += 1
-            self._price_life(earlier, earlier["ended_at"])
-            self._close_standby(earlier, earlier["ended_at"])
+                self._close_vanished(earlier, identity.instance_id)
         if self.status in TERMINAL_STATUSES:
             # Someone scaled the group up again after the job ended: a new run with a fresh crash counter.
             if self.status == JobStatus.FAILED:
@@ -185,6 +182,24 @@ class JobLedger:
         self._current = life
         self.update_cost(now, price if isinstance(price, LifeQuote) else None)
         return str(life["life_id"])
+
+    def _close_vanished(self, life: dict[str, Any], closed_by: str) -> None:
+        """Another instance's life whose instance died without a word: interrupted at its last heartbeat."""
+        life["outcome"] = LifeOutcome.INTERRUPTED.value
+        life["ended_at"] = life.get("heartbeat_at") or life["started_at"]
+        life["closed_by"] = closed_by
+        self.data["interruptions"] += 1
+        self._price_life(life, life["ended_at"])
+        self._close_standby(life, life["ended_at"])
+
+    def close_dead_holder(self, life_id: str, closed_by: str) -> bool:
+        """The lease's holder whose lease expired (it never released it): its instance is gone. Its life,
+        if still running, is closed as interrupted at its last heartbeat; True when it was."""
+        for life in self.data["lives"]:
+            if life.get("life_id") == life_id and life["outcome"] == LifeOutcome.RUNNING:
+                self._close_vanished(life, closed_by)
+                return True
+        return False
 
     @staticmethod
     def _price_life(life: dict[str, Any], end: str, quote: LifeQuote | None = None) -> None:

@@ -399,7 +399,16 @@ class InstanceLife:
         role = self._writer.take(floor=self._persister_for(paths).latest_token() or 0)
         if role is Role.STANDBY:
             self.job.record(lambda ledger: ledger.mark_standby(utc_now()))
+        self._close_dead_holder()
         return role
+
+    def _close_dead_holder(self) -> None:
+        """A lease taken because it expired names a life whose instance vanished: close it truthfully."""
+        dead = self._writer.dead_holder() if self._writer is not None else None
+        if dead is None or self.identity is None:
+            return
+        me = self.identity.instance_id
+        self.job.record(lambda ledger: ledger.close_dead_holder(dead, me))
 
     def _persister_for(self, paths: TrainerPaths, *, fenced: bool = False) -> CheckpointPersister:
         """The job's checkpoints in S3 ↔ this instance's checkpoint folder; `fenced`: as the lease's holder,
@@ -493,6 +502,7 @@ class InstanceLife:
                 return Failure(LifeEnd.FAILED, f"trainer exited {code} while waiting as the standby", lines)
             return LifeEnd.STANDBY_ENDED
         self.job.record(lambda ledger: ledger.end_standby(utc_now()))
+        self._close_dead_holder()
         if self._job_ended():
             # The holder completed (or the job was given up) just before it let go: nothing to continue.
             self.log.event("standby", "took the lease of a job that has ended; letting it go")

@@ -204,14 +204,14 @@ class Outcomes:
         started = ledger.lives[0]["started_at"] if ledger.lives else iso(utc_now())
         duration = (utc_now() - datetime.fromisoformat(started.replace("Z", "+00:00"))).total_seconds()
         lines = [
-            "Training completed.",
+            f"Training completed: job {self.config.job_id}.",
             f"  duration: {format_duration(duration)} over {len(ledger.lives)} instance life/lives",
             f"  spot interruptions survived: {ledger.interruptions}",
             f"  estimated cost: ${ledger.total_cost_usd:.4f}",
             "Final metrics:",
             *format_metrics(metrics),
             f"Artifacts: s3://{self.config.bucket}/{results}",
-            "Fetch them with: trainstack results pull",
+            f"Fetch them with: trainstack results pull --job {self.config.job_id}",
             f"The group {self.config.group_name} has been scaled to zero; nothing bills any more.",
         ]
         self.notify_and_scale_to_zero("training completed", lines)

@@ -112,6 +112,14 @@ class OneWriter:
             )
         return self.role
 
+    def dead_holder(self) -> str | None:
+        """The life id of the holder whose lease this life took because it expired (it never let go: its
+        instance died without a word), or None."""
+        replaced = self.lease.replaced
+        if replaced is None or replaced.released_at is not None or replaced.life_id == self.lease.life_id:
+            return None
+        return replaced.life_id
+
     def ready(self) -> None:
         self.standby.mark_ready(time.time())
 

@@ -83,5 +83,8 @@ class JobPrefixes:
         return f"{self.root}{JOB_RECORD}" if self.root else ""
 
     def log_stream(self, instance_id: str, source: str) -> str:
-        """CloudWatch log stream of one instance life's `agent` or `trainer` output, named by the job."""
+        """CloudWatch log stream of one instance life's `agent` or `trainer` output, named by the job (the
+        legacy job's streams keep their old names, `<instance-id>/<source>`)."""
+        if self.job_id == LEGACY_JOB_ID:
+            return f"{instance_id}/{source}"
         return f"{self.job_id}/{instance_id}/{source}"
