@@ -40,7 +40,7 @@ from bootstrap.persist import CheckpointPersister, UploadAbandonedError
 from bootstrap.pinned import run_pinned
 from bootstrap.pricing import PriceLookup
 from bootstrap.scratch import prepare_scratch
-from bootstrap.standby import OneWriter, Role
+from bootstrap.standby import OneWriter, Role, wait_warm
 from bootstrap.stops import STOP_OUTCOMES, StopRequests
 from bootstrap.supervisor import Supervisor
 from bootstrap.trainer import CODE_ROOT, TrainerPaths, TrainerProcess
@@ -52,9 +52,6 @@ __all__ = ["AwsClients", "InstanceLife", "LifeResult"]
 
 # After a completion or failure nothing hurries the last upload but the bill.
 FINAL_UPLOAD_SECONDS = 300.0
-# How long a standby's gated trainer may take to warm up (imports, model, first batch) before the standby
-# says it is ready anyway: a holder's hand-over then waits on the restore, not on a warm-up that hangs.
-WARM_UP_SECONDS = 600.0
 # Ends after which the lease goes at once (before the ledger's last word): the standby continues from the
 # confirmed step while this life is still closing. After any other end the job's status is written first,
 # so a standby never takes over a job that just completed or was given up.
@@ -460,54 +457,26 @@ class InstanceLife:
         return self.job.ledger_store.load().status in TERMINAL_STATUSES
 
     def _wait_as_standby(self, trainer: TrainerProcess, floor: int) -> LifeEnd | Failure | None:
-        """Wait warm for the lease; None once this life holds it, else how the life ends."""
+        """Wait warm for the lease (bootstrap/standby.py); None once this life holds it."""
         assert self._writer is not None
         self.phase = "standby"
-        gated = self.user_job is None
-        waited = time.monotonic()
-        if gated:
-
-            def start_gated() -> TrainerProcess:
-                self.log.event("train", "trainer starting gated (standby)", argv=trainer.argv)
-                trainer.start(gated=True)
-                return trainer
-
-            if not self.stops.launch(start_gated):
-                self._writer.end_standby()
-                return LifeEnd.STANDBY_ENDED
-            # Ready once warm: the trainer says so on one line (the built-in trainer's start gate).
-            while not any(line.startswith("standby: warm") for line in list(trainer.tail)):
-                if trainer.poll() is not None or self.stops.is_set():
-                    break
-                if time.monotonic() - waited > WARM_UP_SECONDS:
-                    break
-                time.sleep(0.1)
-        self._writer.ready()
-        self.log.event("standby", "standby ready", warm_s=round(time.monotonic() - waited, 2))
-
-        def stopping(timeout: float) -> bool:
-            return self.stops.wait(timeout) or (gated and trainer.poll() is not None)
-
-        token = self._writer.wait_for_lease(stopping=stopping, job_ended=self._job_ended, floor=floor)
-        if token is None:
-            code = trainer.poll() if gated else None
-            if gated and code is None:
-                # A gated trainer exits 75 at once, writing nothing (it never held the lease).
-                trainer.request_stop()
-                if trainer.wait(timeout=30) is None:
-                    trainer.kill()
-            self._writer.end_standby()
-            if gated and code is not None and not self.stops.is_set():
-                lines = list(trainer.tail)[-25:]
-                return Failure(LifeEnd.FAILED, f"trainer exited {code} while waiting as the standby", lines)
-            return LifeEnd.STANDBY_ENDED
+        ended = wait_warm(
+            self._writer,
+            trainer,
+            self.stops,
+            self.log,
+            gated=self.user_job is None,
+            job_ended=self._job_ended,
+            floor=floor,
+        )
+        if ended is not None:
+            return ended
         self.job.record(lambda ledger: ledger.end_standby(utc_now()))
         self._close_dead_holder()
         if self._job_ended():
             # The holder completed (or the job was given up) just before it let go: nothing to continue.
             self.log.event("standby", "took the lease of a job that has ended; letting it go")
-            if gated:
-                trainer.request_stop()
+            trainer.request_stop()
             return LifeEnd.STANDBY_ENDED
         return None
 

@@ -20,8 +20,14 @@ from bootstrap.agent_config import AgentConfig
 from bootstrap.errors import one_line
 from bootstrap.eventlog import EventLog
 from bootstrap.lease import JobLease, LeaseLostError, StandbyRecord
+from bootstrap.outcomes import Failure, LifeEnd
+from bootstrap.stops import StopRequests
+from bootstrap.trainer import TrainerProcess
 from trainstack_job.jobs import LEASE, STANDBY
 
+# How long a standby's gated trainer may take to warm up (imports, model, first batch) before the standby
+# says it is ready anyway: a holder's hand-over then waits on the restore, not on a warm-up that hangs.
+WARM_UP_SECONDS = 600.0
 # A standby polls the lease this often: a released lease is taken within about a second.
 STANDBY_POLL_SECONDS = 1.0
 # …and beats its own record (and asks whether the job ended) this often.
@@ -205,3 +211,53 @@ class OneWriter:
             return
         if released:
             self.log.event("lease", "lease released", stop_step=stop_step)
+
+
+def wait_warm(
+    writer: OneWriter,
+    trainer: TrainerProcess,
+    stops: StopRequests,
+    log: EventLog,
+    *,
+    gated: bool,
+    job_ended: Callable[[], bool],
+    floor: int,
+) -> LifeEnd | Failure | None:
+    """The standby's wait: the built-in trainer started gated (it warms up, then waits at its start gate;
+    a user's job is simply started once the lease is taken), the standby marked ready, then the lease
+    polled until it is free. None once this life holds the lease; else how the life ends."""
+    waited = time.monotonic()
+    if gated:
+
+        def start_gated() -> TrainerProcess:
+            log.event("train", "trainer starting gated (standby)", argv=trainer.argv)
+            trainer.start(gated=True)
+            return trainer
+
+        if not stops.launch(start_gated):
+            writer.end_standby()
+            return LifeEnd.STANDBY_ENDED
+        # Ready once warm: the trainer says so on one line (the built-in trainer's start gate).
+        while not any("standby: warm" in line for line in list(trainer.tail)):
+            if trainer.poll() is not None or stops.is_set() or time.monotonic() - waited > WARM_UP_SECONDS:
+                break
+            time.sleep(0.1)
+    writer.ready()
+    log.event("standby", "standby ready", warm_s=round(time.monotonic() - waited, 2))
+
+    def stopping(timeout: float) -> bool:
+        return stops.wait(timeout) or (gated and trainer.poll() is not None)
+
+    if writer.wait_for_lease(stopping=stopping, job_ended=job_ended, floor=floor) is not None:
+        return None
+    code = trainer.poll() if gated else None
+    if gated and code is None:
+        # A gated trainer exits 75 at once, writing nothing (it never held the lease).
+        trainer.request_stop()
+        if trainer.wait(timeout=30) is None:
+            trainer.kill()
+    writer.end_standby()
+    if gated and code is not None and not stops.is_set():
+        lines = list(trainer.tail)[-25:]
+        return Failure(LifeEnd.FAILED, f"trainer exited {code} while waiting as the standby", lines)
+    return LifeEnd.STANDBY_ENDED
