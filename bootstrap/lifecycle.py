@@ -40,7 +40,7 @@ from bootstrap.persist import CheckpointPersister, UploadAbandonedError
 from bootstrap.pinned import run_pinned
 from bootstrap.pricing import PriceLookup
 from bootstrap.scratch import prepare_scratch
-from bootstrap.standby import OneWriter, Role, wait_warm
+from bootstrap.standby import HANDOVER_POLL_SECONDS, OneWriter, Role, wait_warm
 from bootstrap.stops import STOP_OUTCOMES, StopRequests
 from bootstrap.supervisor import Supervisor
 from bootstrap.trainer import CODE_ROOT, TrainerPaths, TrainerProcess
@@ -215,8 +215,22 @@ class InstanceLife:
     def _on_rebalance(self, recommendation: RebalanceRecommendation) -> None:
         """An early checkpoint at once; with a ready standby, a hand-over (decided by the state poller)."""
         self.stops.on_rebalance(recommendation)
-        if self._writer is not None:
-            self._writer.at_risk = True
+        writer = self._writer
+        if writer is not None and writer.holding and not writer.at_risk:
+            writer.at_risk = True
+            self._spawn("handover-watch", self._watch_for_handover)
+
+    def _watch_for_handover(self) -> None:
+        """At risk: hand over the moment a standby is ready (seconds count: the notice may follow soon)."""
+        assert self._writer is not None
+        while not self._background_stop.wait(HANDOVER_POLL_SECONDS) and not self.stops.is_set():
+            try:
+                why = self._writer.handover_due()
+            except Exception:  # S3 hiccup: ask again next second; the state poller asks too
+                continue
+            if why is not None:
+                self.stops.request(why)
+                return
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)

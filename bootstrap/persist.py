@@ -158,6 +158,8 @@ class CheckpointPersister:
         self._thread: threading.Thread | None = None
         self._failing_since: float | None = None
         self.upload_seconds: list[float] = []
+        # Files of a step already in S3 (relative key → sha256), uploaded by this persister.
+        self._uploaded: dict[str, Any] = {}
         self._fence = fence
         self._on_lease_lost = on_lease_lost
         self._lease_lost: LeaseLostError | None = None
@@ -448,8 +450,14 @@ class CheckpointPersister:
         if manifest is None:
             raise UploadAbandonedError(f"step {step}: removed locally before its upload")
         self._fence_check(deadline)
-        for file_name in manifest["files"]:
-            self._upload_file(directory / file_name, f"{name}/{file_name}", step, deadline, background)
+        for file_name, entry in manifest["files"].items():
+            relative = f"{name}/{file_name}"
+            # A stop interrupts the background upload between files: the final flush then uploads only
+            # what is missing, not a multi-GB file already in S3 (it would eat the two-minute notice).
+            if self._uploaded.get(relative) == entry.get("sha256"):
+                continue
+            self._upload_file(directory / file_name, relative, step, deadline, background)
+            self._uploaded[relative] = entry.get("sha256")
         self._abandon_check(step, deadline, background)
         # Files take a while: the lease may have moved on meanwhile, and a manifest makes a step real.
         self._fence_check(deadline)

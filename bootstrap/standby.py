@@ -30,6 +30,8 @@ from trainstack_job.jobs import LEASE, STANDBY
 WARM_UP_SECONDS = 600.0
 # A standby polls the lease this often: a released lease is taken within about a second.
 STANDBY_POLL_SECONDS = 1.0
+# An at-risk holder asks whether the standby is ready this often (the state poll is 10 s: too slow here).
+HANDOVER_POLL_SECONDS = 1.0
 # …and beats its own record (and asks whether the job ended) this often.
 STANDBY_BEAT_SECONDS = 5.0
 
@@ -78,6 +80,7 @@ class OneWriter:
         self.role: Role | None = None
         # A rebalance recommendation was seen: hand over as soon as a standby is ready.
         self.at_risk = False
+        self._handing_over = False
         self._wait_errors = 0
 
     @property
@@ -189,16 +192,21 @@ class OneWriter:
         except LeaseLostError as exc:
             self.log.event("lease", "lease lost: this instance stops writing the job", error=str(exc))
             return "lease_lost"
-        if self.at_risk:
-            standby = self.standby.ready(now)
-            if standby is not None and standby.instance_id != self.instance_id:
-                self.log.event(
-                    "handover",
-                    "a standby is ready: handing over at the next step boundary",
-                    standby=standby.instance_id,
-                )
-                return "handover"
-        return None
+        return self.handover_due(now)
+
+    def handover_due(self, now: float | None = None) -> str | None:
+        """`handover` once this holder is at risk (a rebalance recommendation) and a standby is ready."""
+        if not (self.holding and self.at_risk) or self._handing_over:
+            return None
+        standby = self.standby.ready(time.time() if now is None else now)
+        if standby is None or standby.instance_id == self.instance_id:
+            return None
+        self.log.event(
+            "handover",
+            "a standby is ready: handing over at the next step boundary",
+            standby=standby.instance_id,
+        )
+        return "handover"
 
     def release(self, stop_step: int | None) -> None:
         """As the holder, at the end of the life: let the lease go with the confirmed step."""

@@ -1,6 +1,9 @@
 """`python -m demo` (make demo): the whole spot-interruption story on this machine, no AWS account needed.
 
 `python -m demo --nodes 2`: the same for one job trained on two instances at once (demo/multinode.py).
+
+`python -m demo --rebalance`: a rebalance recommendation, the group's replacement waits as the job's warm
+standby and takes over at a step boundary, one writer at a time (demo/rebalance.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ if TYPE_CHECKING:
 # Only the demo's own folder is emptied: the README's trainer example keeps its files in .demo/.
 DEFAULT_WORKDIR = Path(".demo/end-to-end")
 MULTI_NODE_WORKDIR = Path(".demo/multi-node")
+REBALANCE_WORKDIR = Path(".demo/rebalance")
 # Piped or logged (CI), rich would assume 80 columns: tables get this width instead, and lines never wrap.
 PIPED_WIDTH = 160
 
@@ -39,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workdir",
         type=Path,
         help=f"the demo's own folder, emptied at each run (default {DEFAULT_WORKDIR}; "
-        f"{MULTI_NODE_WORKDIR} with --nodes 2)",
+        f"{MULTI_NODE_WORKDIR} with --nodes 2, {REBALANCE_WORKDIR} with --rebalance)",
     )
     parser.add_argument(
         "--job",
@@ -52,9 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="instances training the job at once: 1 (default) or 2 (spot notice on one, a replacement joins)",
     )
+    parser.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="a rebalance recommendation instead of a spot notice: the group's replacement waits as the "
+        "job's warm standby and takes over at a step boundary (built-in trainer, one node)",
+    )
     args = parser.parse_args(argv)
     console = demo_console()
-    refused = _refuse_nodes(args.nodes, args.job)
+    refused = _refuse_nodes(args.nodes, args.job) or _refuse_rebalance(args.rebalance, args.nodes, args.job)
     if refused:
         console.print(f"[bold red]error:[/] {escape(refused)}", highlight=False)
         return 2
@@ -79,9 +89,28 @@ def main(argv: list[str] | None = None) -> int:
     from demo.report import checks, plot_timeline, print_timeline
     from demo.run import Demo
 
-    workdir = (args.workdir or (MULTI_NODE_WORKDIR if multi_node else DEFAULT_WORKDIR)).resolve()
+    default_workdir = (
+        REBALANCE_WORKDIR if args.rebalance else MULTI_NODE_WORKDIR if multi_node else DEFAULT_WORKDIR
+    )
+    workdir = (args.workdir or default_workdir).resolve()
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
+    if args.rebalance:
+        from demo.rebalance import RebalanceDemo
+        from demo.report_rebalance import report as rebalance_report
+
+        console.rule(
+            "trainstack local rebalance demo: a warm standby takes over, embedded S3/KMS/SNS/Auto Scaling "
+            "(moto) + a simulated IMDS per instance"
+        )
+        try:
+            with moto_server() as endpoint:
+                os.environ["AWS_ENDPOINT_URL"] = endpoint
+                handed_over = RebalanceDemo(workdir, console).run()
+        except Exception as exc:
+            console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
+            return 1
+        return _verdict(rebalance_report(handed_over, console), console)
     if multi_node:
         from demo.multinode import MultiNodeDemo
         from demo.report_multinode import report
@@ -121,6 +150,18 @@ def _refuse_nodes(nodes: int, job: Path | None) -> str | None:
         return f"--nodes {nodes}: the local demo runs 1 or 2 nodes (2 is the multi-node story it tests)"
     if nodes > 1 and job is not None:
         return "multi-node runs the built-in trainer; user jobs on several nodes are not supported yet"
+    return None
+
+
+def _refuse_rebalance(rebalance: bool, nodes: int, job: Path | None) -> str | None:
+    """Why `--rebalance` cannot run as asked (one line), or None."""
+    if not rebalance:
+        return None
+    if nodes > 1:
+        # A multi-node job has no lease and no standby: its generation record is its single writer.
+        return "--rebalance is the single-node story (lease and warm standby); leave out --nodes"
+    if job is not None:
+        return "--rebalance runs the built-in trainer (its gated start is the warm standby the story shows)"
     return None
 
 

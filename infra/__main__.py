@@ -15,6 +15,7 @@ from bootstrap.agent_config import Prefixes  # noqa: E402
 from infra.bundle import build_bundle  # noqa: E402
 from infra.capacity import CapacityFallback, CapacityFallbackArgs  # noqa: E402
 from infra.config import load_stack_config  # noqa: E402
+from infra.drill import Drill, DrillArgs  # noqa: E402
 from infra.fleet import Fleet, FleetArgs, resolve_image  # noqa: E402
 from infra.identity import Identity, IdentityArgs  # noqa: E402
 from infra.jobdef import define_stack_job  # noqa: E402
@@ -131,6 +132,23 @@ if config.spot_fallback_minutes > 0:
             tags=tags,
         ),
     )
+drill = (
+    Drill(
+        "drill",
+        DrillArgs(
+            name=config.name,
+            project=config.project,
+            stack=config.stack,
+            partition=partition,
+            region=config.region,
+            account_id=account_id,
+            group_name=config.group_name,
+            tags=tags,
+        ),
+    )
+    if config.drill
+    else None
+)
 
 pulumi.export(StackOutput.REGION.value, config.region)
 pulumi.export(StackOutput.BUCKET_NAME.value, storage.bucket.bucket)
@@ -162,3 +180,6 @@ pulumi.export(
     f"--region {config.region} --auto-scaling-group-names {config.group_name} "
     "--query 'AutoScalingGroups[0].Instances[0].InstanceId' --output text)",
 )
+# Only with trainstack:drill on: `trainstack drill` reads its absence as "not enabled".
+if drill is not None:
+    pulumi.export(StackOutput.DRILL_TEMPLATE_ID.value, drill.template.id)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from trainstack import control, doctor, estimate, jobs, logs, prices, session, status, transfer
+from trainstack import control, doctor, drill, estimate, jobs, logs, prices, session, status, transfer
 from trainstack.aws import Clients, explain
 from trainstack.errors import CliError
 from trainstack.output import print_error
@@ -147,6 +147,31 @@ def build_parser() -> argparse.ArgumentParser:
         parents=both,
         help="withdraw the current job's stop and scale the group back to trainstack:instanceCount",
     )
+    drill_parser = commands.add_parser(
+        "drill",
+        parents=both,
+        help="a real spot interruption of the job's instance (AWS FIS), then the timeline of its recovery",
+        description="Starts the stack's AWS Fault Injection Service experiment (`pulumi config set "
+        "trainstack:drill true && pulumi up` declares it): one of the group's running spot instances gets "
+        "the two-minute interruption notice and is then interrupted, for real. Then it reads the job's own "
+        "state and the agent's events and prints the timeline: notice → checkpoint confirmed → replacement "
+        "(or standby) → resumed, the steps lost and the drill's cost. Exit 1 if the job did not keep its "
+        "promise.",
+    )
+    drill_parser.add_argument(
+        "--wait",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wait for the interruption and the resume, then print the timeline (default); --no-wait starts "
+        "the experiment and returns",
+    )
+    drill_parser.add_argument(
+        "--timeout",
+        type=float,
+        default=drill.DEFAULT_TIMEOUT_MINUTES,
+        metavar="MINUTES",
+        help=f"how long to wait for training to resume (default {drill.DEFAULT_TIMEOUT_MINUTES:g})",
+    )
     return parser
 
 
@@ -195,6 +220,8 @@ def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
         return control.run_stop(clients, stack, as_json=as_json)
     if command == "resume":
         return control.run_resume(clients, stack, as_json=as_json)
+    if command == "drill":
+        return drill.run(clients, stack, wait=args.wait, as_json=as_json, timeout_minutes=args.timeout)
     raise CliError(f"unknown command {command!r}: see `trainstack --help`")
 
 

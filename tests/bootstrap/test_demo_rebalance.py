@@ -60,7 +60,7 @@ def _steps(instance: str, first: int, last: int, start: float) -> list[StepSeen]
 
 
 def _versions(keys: list[str], at: float) -> list[ObjectVersion]:
-    return [ObjectVersion(key, f"v-{key}", T0 + at) for key in keys]
+    return [ObjectVersion(key, f"v-{key}", T0 + at, etag=f'"{key}"') for key in keys]
 
 
 def good_story() -> RebalanceResult:
@@ -217,10 +217,18 @@ def test_latest_json_moving_back_fails() -> None:
 
 
 def test_a_step_folder_written_twice_fails() -> None:
-    """A second version of one of step 16's objects: two writers, or one that wrote it again."""
+    """A second version of one of step 16's objects with other bytes: a second writer of that step."""
     result = good_story()
-    result.versions.append(ObjectVersion("step-16/model.pt", "again", T0 + 14.5))
+    result.versions.append(ObjectVersion("step-16/model.pt", "again", T0 + 14.5, etag='"other bytes"'))
     assert failed_names(result) == {"no checkpoint step folder written twice"}
+
+
+def test_one_file_uploaded_twice_with_the_same_bytes_is_shown_not_failed() -> None:
+    """The holder's final flush redoing the upload its stop interrupted: the same file, the same bytes."""
+    result = good_story()
+    result.versions.append(ObjectVersion("step-16/model.pt", "again", T0 + 14.5, etag='"step-16/model.pt"'))
+    check = next(c for c in checks(result) if c.name == "no checkpoint step folder written twice")
+    assert check.passed and "uploaded again with the same bytes: step-16/model.pt" in check.detail
 
 
 def test_the_handed_over_step_rewritten_after_the_take_over_fails() -> None:

@@ -317,12 +317,19 @@ class OrderedLatest:
             self._done.set()
 
 
+@pytest.mark.parametrize("existing", [False, True], ids=["first-latest", "latest-exists"])
 @pytest.mark.parametrize("fenced", [True, False], ids=["tokens", "steps"])
 def test_the_conditional_write_of_latest_keeps_out_a_writer_that_read_it_before_another_wrote(
-    s3: Any, tmp_path: Path, fenced: bool
+    s3: Any, tmp_path: Path, fenced: bool, existing: bool
 ) -> None:
     """Both writers read latest.json, then the newer one writes, then the stale one: only S3's If-Match /
-    If-None-Match refuses the stale put (its read and its fence check were fine when made)."""
+    If-None-Match refuses the stale put (its read and its fence check were fine when made). With no
+    latest.json yet, If-None-Match is what refuses it; with one already there (an earlier holder's step 4),
+    If-Match on the ETag both read."""
+    if existing:
+        earlier = persister(s3, tmp_path / "earlier", StubFence(1) if fenced else None)
+        commit_step(tmp_path / "earlier", 4)
+        assert earlier.persist_newest(soon()) == 4
     together, lock = threading.Barrier(2), threading.Lock()
     newer_done, stale_done = threading.Event(), threading.Event()
     newer_s3 = OrderedLatest(s3, together, lock, newer_done)
@@ -374,3 +381,40 @@ def test_a_fence_that_cannot_read_the_lease_blocks_the_write_and_is_retried_not_
     fence.error = None  # S3 answers again
     assert owner.persist_newest(soon()) == 3
     assert latest(s3)["token"] == 1
+
+
+def test_a_stop_between_files_makes_the_final_flush_upload_only_what_is_missing(
+    s3: Any, tmp_path: Path
+) -> None:
+    """The stop arrives while the background upload is between two files of a step: the final flush must
+    not upload the first (multi-GB in real life, in the middle of a two-minute notice) a second time."""
+    s3.put_bucket_versioning(Bucket=BUCKET, VersioningConfiguration={"Status": "Enabled"})
+    root = tmp_path / "ckpt"
+    staging = root / ".step-5.tmp"
+    staging.mkdir(parents=True)
+    files = {}
+    for name in ("model.bin", "optimizer.bin"):
+        data = os.urandom(2000)
+        (staging / name).write_bytes(data)
+        files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (staging / "manifest.json").write_text(json.dumps({"step": 5, "epoch": 0, "files": files}))
+    staging.rename(root / "step-5")
+    persister = CheckpointPersister(s3, BUCKET, PREFIX, root, Events())
+    uploads: list[str] = []
+    real_upload = persister._upload_file
+
+    def upload_then_stop(path: Path, relative: str, step: int, deadline: Any, background: bool) -> None:
+        real_upload(path, relative, step, deadline, background)
+        uploads.append(relative)
+        if background and len(uploads) == 1:
+            persister._stopping.set()  # the stop begins right after the first file is in S3
+
+    persister._upload_file = upload_then_stop  # type: ignore[method-assign]
+    with pytest.raises(Exception, match="a stop began"):
+        persister.persist_newest(deadline=None, background=True)
+    result = persister.finish(time.monotonic() + 30)
+    persister.close()
+    assert result.confirmed_step == 5
+    assert uploads == ["step-5/model.bin", "step-5/optimizer.bin"], "the first file was uploaded twice"
+    versions = s3.list_object_versions(Bucket=BUCKET, Prefix=f"{PREFIX}/step-5/model.bin")["Versions"]
+    assert len(versions) == 1

@@ -90,7 +90,8 @@ def test_group_is_all_spot_price_capacity_optimized_with_rebalancing(example_sta
     assert distribution["onDemandPercentageAboveBaseCapacity"] == 0
     assert distribution["spotAllocationStrategy"] == "price-capacity-optimized"
     assert group["capacityRebalance"] is True
-    assert (group["minSize"], group["maxSize"], group["desiredCapacity"]) == (0, 1, 1)
+    # Max one above desired: capacity rebalancing launches the replacement before terminating the old one.
+    assert (group["minSize"], group["maxSize"], group["desiredCapacity"]) == (0, 2, 1)
     assert group["name"] == "trainstack-dev-gpu"
     assert group["waitForCapacityTimeout"] == "0"
 
@@ -126,7 +127,7 @@ def test_on_demand_mix_and_max_price_come_from_config() -> None:
         50,
     )
     assert distribution["spotMaxPrice"] == "0.75"
-    assert group["maxSize"] == 1  # one instance until multi-node training exists (config refuses more)
+    assert (group["maxSize"], group["desiredCapacity"]) == (2, 1)  # room for rebalancing's replacement
 
 
 def test_launch_template_boots_the_resolved_ami_from_its_root_device(example_stack: StackRun) -> None:
