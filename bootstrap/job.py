@@ -3,6 +3,7 @@ command line and the contract environment the agent gives it (docs/job-contract.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
@@ -122,6 +123,12 @@ class JobSpec:
                 problems.append(f"{source}: workdir: {root} is not a folder")
             elif requirements and not (root / requirements).is_file():
                 problems.append(f"{source}: requirements: {root / requirements} does not exist")
+            else:
+                # Only the folder the job ships is known here: a typo in its script's name fails preview.
+                argv = tuple(str(a) for a in command) if isinstance(command, list) else ()
+                missing = command_problem(argv, root, bool(requirements))
+                if missing:
+                    problems.append(f"{source}: command: {missing}")
         if problems:
             raise JobSpecError(problems)
         return cls(
@@ -133,6 +140,106 @@ class JobSpec:
             data_sync=bool(data.get("sync", True)),
             checkpoint_keep=int(keep),
         )
+
+
+# Interpreters whose first operand is a file in the job's folder, and their options that take a value
+# (attached, -Wignore, or as the next argument, -o pipefail).
+_PYTHON = re.compile(r"^python(3(\.\d+)?)?$")
+_SHELLS = frozenset({"bash", "sh", "dash", "zsh"})
+_PYTHON_VALUE_LETTERS, _SHELL_VALUE_LETTERS = "WX", "oO"
+_LONG_OPTIONS_WITH_VALUE = frozenset({"--check-hash-based-pycs", "--rcfile", "--init-file"})
+# Modules every job can run with `python -m` although they are not in its folder: the instance's PyTorch
+# builds (the AMI's, never reinstalled) and the code bundle's own packages (PYTHONPATH; e.g. `training`).
+_INSTANCE_MODULES = frozenset({*PINNED_PACKAGES, "pip", "venv", "ensurepip"})
+_CODE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def command_problem(command: tuple[str, ...], root: Path, has_requirements: bool) -> str | None:
+    """What is wrong with a command whose script is not in the job's folder (`root`), else None.
+
+    Checked: the script after `python` (and its options), the script after `bash`/`sh`, a relative program
+    (`./run.sh`), and `python -m <module>`. Absolute paths and programs found on PATH (`torchrun`, `bash -c`)
+    are the instance's business and pass: only the folder the job ships can be known at preview."""
+    if not command:
+        return None
+    program = Path(command[0]).name
+    if _PYTHON.match(program):
+        kind, operand = _first_operand(command[1:], python=True)
+    elif program in _SHELLS:
+        kind, operand = _first_operand(command[1:], python=False)
+    elif "/" in command[0] and not Path(command[0]).is_absolute():
+        kind, operand = "file", command[0]
+    else:
+        return None
+    if operand is None or kind == "code":
+        return None
+    if kind == "module":
+        return _module_problem(operand, root, has_requirements)
+    if Path(operand).is_absolute() or operand == "-" or (root / operand).is_file():
+        return None
+    return f"{operand} is not in {root}{_did_you_mean(operand, _files(root))}"
+
+
+def _first_operand(args: tuple[str, ...], *, python: bool) -> tuple[str, str | None]:
+    """("file", the script), ("module", name) for python's -m, ("code", None) for -c, or ("file", None)."""
+    value_letters = _PYTHON_VALUE_LETTERS if python else _SHELL_VALUE_LETTERS
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        index += 1
+        if arg == "--":
+            return "file", args[index] if index < len(args) else None
+        if arg in ("-", "+") or not arg.startswith(("-", "+")):
+            return "file", arg
+        if arg.startswith("--"):
+            index += arg in _LONG_OPTIONS_WITH_VALUE
+            continue
+        # A group of short options: -u, -OO, -uc "code", -Wignore, -um pkg, -eo pipefail.
+        for position, letter in enumerate(arg[1:], start=2):
+            rest = arg[position:]
+            if letter == "c":
+                return "code", None
+            if python and letter == "m":
+                return "module", rest or (args[index] if index < len(args) else None)
+            if letter in value_letters:
+                index += not rest
+                break
+    return "file", None
+
+
+def _module_problem(module: str, root: Path, has_requirements: bool) -> str | None:
+    top = module.split(".", 1)[0]
+    local = [root / top, root / f"{top}.py", _CODE_ROOT / top, _CODE_ROOT / f"{top}.py"]
+    if any(path.exists() for path in local) or top in sys.stdlib_module_names or top in _INSTANCE_MODULES:
+        return None
+    # The job's requirements install packages whose module names preview cannot know (scikit-learn is
+    # sklearn): a module may come from them, so only a job without requirements is refused.
+    if has_requirements:
+        return None
+    names = [Path(name).stem for name in _files(root, depth=1)]
+    return (
+        f"python -m {module}: {top} is not in {root} and the job has no requirements to install it"
+        f"{_did_you_mean(top, names)}"
+    )
+
+
+def _files(root: Path, depth: int = 3) -> list[str]:
+    """The job folder's files (and, at depth 1, its packages), as the command names them; a bounded walk."""
+    found: list[str] = []
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root)
+        if len(relative.parts) > depth or any(part.startswith(".") for part in relative.parts):
+            continue
+        if path.is_file() or (depth == 1 and (path / "__init__.py").is_file()):
+            found.append(relative.as_posix() if depth > 1 else path.name)
+        if len(found) >= 2000:
+            break
+    return found
+
+
+def _did_you_mean(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def _env_value(value: Any) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bootstrap.agent_config import AgentConfig
+from bootstrap.devices import context_env
 from bootstrap.efa import efa_environment, supports_device_rdma
 from bootstrap.eventlog import EventLog
 from bootstrap.imds import InstanceIdentity
@@ -21,6 +22,7 @@ from bootstrap.persist import CheckpointPersister, PersistResult
 from bootstrap.stops import STOP_OUTCOMES, StopRequests
 from bootstrap.trainer import (
     PERMANENT_FAILURES,
+    USER_JOB_PERMANENT_FAILURES,
     TrainerPaths,
     TrainerProcess,
     default_trainer_command,
@@ -69,6 +71,13 @@ class Supervisor:
         env = paths.contract_env(with_data=spec is None or spec.data_sync, restored_step=restored)
         env |= interruption_env(*spot_interruptions)
         env[JobEnv.CHECKPOINT_KEEP.value] = str(spec.checkpoint_keep if spec else 3)
+        # What this life runs as (job, code, GPU profile and its precision): each checkpoint records it, and
+        # the built-in trainer's `train.precision: auto` on a CPU trains in the profile's precision.
+        context, profile_line = context_env(
+            self.config.job_id, self.config.bundle_sha256, identity.instance_type if identity else None
+        )
+        env |= context
+        self.log.event("job", profile_line, precision=context.get(JobEnv.PRECISION.value, "the job's own"))
         if self.config.efa and identity is not None:
             # NCCL over EFA between the nodes (infra/efa.py chose an EFA type and a cluster placement group).
             env |= efa_environment(device_rdma=supports_device_rdma(identity.instance_type))
@@ -149,29 +158,12 @@ class Supervisor:
         self, code: TrainerExit, reason: str | None, persisted: PersistResult, trainer: TrainerProcess
     ) -> LifeEnd | Failure:
         progress = read_progress(trainer.paths.progress_file) or {}
+        if reason is not None:
+            self._log_stop(code, reason, persisted, progress)
         if code == ExitCode.COMPLETED:
             # A job that completed wins over a stop request that arrived meanwhile.
             return LifeEnd.COMPLETED
         if reason is not None:
-            fields: dict[str, Any] = {
-                "exit_code": _plain(code),
-                "checkpoint_confirmed": persisted.confirmed,
-                "checkpoint_step": persisted.confirmed_step,
-                "newest_local_step": persisted.newest_local_step,
-                "reached_step": progress.get("step"),
-            }
-            _, seen_at = self.stops.state()
-            if seen_at is not None:
-                fields["notice_to_exit_s"] = round(time.monotonic() - seen_at, 2)
-            confirmed = persisted.confirmed and code == ExitCode.STOPPED
-            self.log.event(
-                "stop",
-                "trainer stopped; checkpoint confirmed in S3"
-                if confirmed
-                else "trainer stopped WITHOUT its newest checkpoint in S3; the confirmed one is kept",
-                reason=reason,
-                **fields,
-            )
             return STOP_OUTCOMES[reason]
         if code == ExitCode.STOPPED:
             # Nobody here asked: the OS sent the stop (shutdown), so this instance is going away.
@@ -185,12 +177,57 @@ class Supervisor:
             "failed", "trainer exited with a failure", exit_code=_plain(code), step=progress.get("step")
         )
         lines = list(trainer.tail)[-25:] or list(self.log.tail)
+        if self.user_job is not None:
+            # The user's job under its own name: its exit code, never the built-in trainer's meanings.
+            if isinstance(code, int) and code in USER_JOB_PERMANENT_FAILURES:
+                why, fix = USER_JOB_PERMANENT_FAILURES[code]
+                return Failure(LifeEnd.FAILED, why, lines, fix=fix, permanent=True)
+            signature = {"exit_code": _plain(code), "step": progress.get("step")}
+            return Failure(LifeEnd.FAILED, f"your job exited {_plain(code)}", lines, signature=signature)
         if isinstance(code, int) and code in PERMANENT_FAILURES:
             why, fix = PERMANENT_FAILURES[code]
             return Failure(LifeEnd.FAILED, f"{why} (trainer exit {code})", lines, fix=fix, permanent=True)
         # The ledger compares it with the life before's (read back from JSON): plain values only.
         signature = {"exit_code": _plain(code), "step": progress.get("step")}
         return Failure(LifeEnd.FAILED, f"trainer exited {_plain(code)}", lines, signature=signature)
+
+    def _log_stop(
+        self, code: TrainerExit, reason: str, persisted: PersistResult, progress: dict[str, Any]
+    ) -> None:
+        """The agent's one line on how the job ended after a stop request, saying what really happened:
+        only an exit 75 is a stop with a checkpoint, and `checkpoint_confirmed` is true only then."""
+        confirmed = persisted.confirmed and code == ExitCode.STOPPED
+        fields: dict[str, Any] = {
+            "reason": reason,
+            "exit_code": _plain(code),
+            "checkpoint_confirmed": confirmed,
+            "checkpoint_step": persisted.confirmed_step,
+            "newest_local_step": persisted.newest_local_step,
+            "reached_step": progress.get("step"),
+        }
+        _, seen_at = self.stops.state()
+        if seen_at is not None:
+            fields["notice_to_exit_s"] = round(time.monotonic() - seen_at, 2)
+        kept = f"the confirmed checkpoint (step {persisted.confirmed_step}) is kept"
+        if code == ExitCode.COMPLETED:
+            message = "trainer completed before the stop took effect (exit 0); nothing to resume"
+        elif code == ExitCode.STOPPED:
+            message = (
+                "trainer stopped; checkpoint confirmed in S3"
+                if confirmed
+                else f"trainer stopped WITHOUT its newest checkpoint in S3; {kept}"
+            )
+        elif code == LifeEnd.KILLED:
+            message = f"trainer missed the stop deadline and was killed before its checkpoint; {kept}"
+        elif isinstance(code, int) and code < 0:
+            # Popen's -N: the signal ended it (the stop's SIGTERM, unhandled), not the job's own exit.
+            message = (
+                f"trainer killed by signal {-code} before it could checkpoint (it does not handle the stop: "
+                f"docs/job-contract.md, Stopping); {kept}"
+            )
+        else:
+            message = f"trainer exited {_plain(code)} after the stop request instead of 75; {kept}"
+        self.log.event("stop", message, **fields)
 
 
 def _plain(code: TrainerExit) -> int | str:

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES
 from demo.run import DemoResult
+from trainstack_job.contract import ExitCode
 
 MIN_ACCURACY = 0.5  # 4 classes: chance is 0.25
 
@@ -34,6 +35,40 @@ def steps_lost(result: DemoResult) -> int | None:
     return max(0, reached_max - int(checkpoint))
 
 
+LENGTHEN = "lengthen it (more steps) so the demo can interrupt it"
+
+
+def interrupted_mid_run(result: DemoResult) -> tuple[bool, str]:
+    """Whether the notice really interrupted instance 1's job: injected before its last step, and the job
+    stopped early (before its last step) with exit 75. A job that finished first proves nothing about
+    the promise, whatever the other checks say, so it fails here with what to change."""
+    total = result.total_steps
+    code = result.stop_event.get("exit_code")
+    stopped = result.trainer_stopped_step
+    if stopped is None and isinstance(result.stop_event.get("newest_local_step"), int):
+        stopped = int(result.stop_event["newest_local_step"])
+    first = [s.step for s in result.samples if s.instance == "instance-1"]
+    finished = (
+        code == ExitCode.COMPLETED
+        or (total > 0 and stopped is not None and stopped >= total)
+        or (not result.stop_event and total > 0 and max(first, default=0) >= total)
+    )
+    if not result.notice_at:
+        return False, f"no notice was injected: the job finished before the demo's point; {LENGTHEN}"
+    if total > 0 and result.notice_step >= total:
+        return False, f"the notice came at the job's last step ({result.notice_step}/{total}); {LENGTHEN}"
+    if finished:
+        return False, f"the job finished before the notice: {LENGTHEN} (exit {code}, step {stopped}/{total})"
+    if code != ExitCode.STOPPED:
+        why = "no stop line from the agent" if not result.stop_event else f"exit {code}"
+        return False, (
+            f"the job did not stop with exit 75 ({why}); it must save and exit 75 on the stop file or "
+            "SIGTERM "
+            "(docs/job-contract.md, Stopping)"
+        )
+    return True, f"notice at step {result.notice_step}/{total}, stopped at {stopped}/{total} with exit 75"
+
+
 def final_accuracy(result: DemoResult) -> float | None:
     final = result.metrics.get("final")
     source = final if isinstance(final, dict) else result.metrics
@@ -48,18 +83,25 @@ def checks(result: DemoResult) -> list[Check]:
     accuracy = final_accuracy(result)
     names = {a.rsplit("/", 1)[-1] for a in result.artifacts}
     subjects = [a["Subject"] for a in result.alerts]
+    mid_run, mid_run_detail = interrupted_mid_run(result)
     return [
         Check(
             "user-data renders, is valid and fits",
             result.user_data_bytes < USER_DATA_LIMIT_BYTES,
             f"{result.user_data_bytes} bytes; {result.user_data_valid}",
         ),
+        Check("the notice interrupted the job mid-run", mid_run, mid_run_detail),
         Check(
             "instance 1 stopped with a confirmed checkpoint",
-            bool(result.stop_event.get("checkpoint_confirmed")) and result.exit_codes[:1] == [0],
-            f"checkpoint step {checkpoint}, agent exit {result.exit_codes[:1]}",
+            mid_run
+            and bool(result.stop_event.get("checkpoint_confirmed"))
+            and result.stop_event.get("exit_code") == ExitCode.STOPPED
+            and result.exit_codes[:1] == [0],
+            f"checkpoint step {checkpoint}, job exit {result.stop_event.get('exit_code')}, "
+            f"agent exit {result.exit_codes[:1]}",
         ),
-        Check("steps lost = 0", lost == 0, f"{lost}"),
+        # Nothing was lost only means something when there was something to lose.
+        Check("steps lost = 0", mid_run and lost == 0, f"{lost}" if mid_run else f"{lost}, not interrupted"),
         Check(
             "checkpoint confirmed within the 2-minute notice",
             notice_to_confirmed is not None and notice_to_confirmed < 120,
@@ -73,6 +115,12 @@ def checks(result: DemoResult) -> list[Check]:
         Check("instance 2 completed", result.exit_codes[1:] == [0], f"agent exit {result.exit_codes[1:]}"),
         *(
             [
+                # The L4 life's bf16 checkpoint continues in the T4's fp16 (a fresh loss scaler).
+                Check(
+                    "instance 2 resumed across precisions",
+                    " -> " in result.resumed_as and "precision" in result.resumed_as,
+                    result.resumed_as.split(": ", 1)[-1] or "no precision change seen",
+                ),
                 Check(
                     f"final accuracy ≥ {MIN_ACCURACY}",
                     accuracy is not None and accuracy >= MIN_ACCURACY,
@@ -139,7 +187,8 @@ def print_timeline(result: DemoResult, console: Console) -> None:
             (result.stop_confirmed_at, f"checkpoint step {checkpoint} confirmed in S3; instance 1 done")
         )
     if result.instance2_booted_at:
-        rows.append((result.instance2_booted_at, "instance 2 (replacement, other type and AZ) boots"))
+        device = result.devices[1] if len(result.devices) > 1 else "other type"
+        rows.append((result.instance2_booted_at, f"instance 2 (replacement: {device}; other AZ) boots"))
     if result.resumed_at:
         rows.append((result.resumed_at, f"instance 2 resumes at step {result.resumed_step}/{total}"))
     second = [s for s in result.samples if s.instance == "instance-2"]
@@ -152,6 +201,10 @@ def print_timeline(result: DemoResult, console: Console) -> None:
     summary.add_column("what")
     summary.add_column("value", overflow="fold")
     summary.add_row("steps lost", str(steps_lost(result)))
+    for number, device in enumerate(result.devices, start=1):
+        summary.add_row(f"instance {number} precision", device)
+    if result.resumed_as:
+        summary.add_row("resumed as", result.resumed_as)
     if result.stop_confirmed_at:
         summary.add_row(
             "notice → checkpoint confirmed", f"{result.stop_confirmed_at - result.notice_at:.1f}s"

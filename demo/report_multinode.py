@@ -11,8 +11,8 @@ from rich.table import Table
 
 from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES
 from demo.multinode import COMPLETE_LINE, INTERRUPTED, NODES, STOPPED_LINE, MultiNodeResult
-from demo.report import MIN_ACCURACY, Check, cost_line
-from trainstack_job.contract import JobStatus, LifeOutcome
+from demo.report import LENGTHEN, MIN_ACCURACY, Check, cost_line
+from trainstack_job.contract import ExitCode, JobStatus, LifeOutcome
 
 REPLACEMENT = f"node-{NODES + 1}"
 # Who should end how: the interrupted node goes, the survivor and the replacement finish the job together.
@@ -36,6 +36,27 @@ def steps_lost_at_join(result: MultiNodeResult) -> int | None:
     if result.reached_before_join is None or result.rejoined_step is None:
         return None
     return result.reached_before_join - result.rejoined_step
+
+
+def interrupted_mid_run(result: MultiNodeResult) -> tuple[bool, str]:
+    """The notice came before the last step and every rank stopped early: the interrupted node's trainer
+    exited 75 at a step before the end. A job that completed first fails, naming what to change."""
+    total, stopped = result.total_steps, result.stopped_step
+    # The agent's stop line (bootstrap/supervisor.py) says how the trainer ended: exit 75, 0, a signal.
+    event = next(
+        (e for e in result.events if e.node == INTERRUPTED and e.stage == "stop" and "exit_code" in e.fields),
+        None,
+    )
+    code = event.fields.get("exit_code") if event is not None else None
+    if not result.notice_at:
+        return False, f"no notice was injected: the job finished before the demo's point; {LENGTHEN}"
+    if total > 0 and result.notice_step >= total:
+        return False, f"the notice came at the job's last step ({result.notice_step}/{total}); {LENGTHEN}"
+    if code == ExitCode.COMPLETED or (total > 0 and stopped is not None and stopped >= total):
+        return False, f"the job finished before the notice: {LENGTHEN} (exit {code}, step {stopped}/{total})"
+    if code != ExitCode.STOPPED or stopped is None:
+        return False, f"{INTERRUPTED}'s trainer did not stop with exit 75 (exit {code}, step {stopped})"
+    return True, f"notice at step {result.notice_step}/{total}, ranks stopped at {stopped}/{total}, exit 75"
 
 
 def final_accuracy(metrics: dict[str, Any]) -> float | None:
@@ -67,12 +88,14 @@ def checks(result: MultiNodeResult) -> list[Check]:
     completed = [a["Subject"] for a in result.alerts if "training completed" in a["Subject"]]
     lives = lives_by_node(result)
     codes = {node.name: node.exit_code for node in result.nodes}
+    mid_run, mid_run_detail = interrupted_mid_run(result)
     return [
         Check(
             "user-data renders, is valid and fits",
             result.user_data_bytes < USER_DATA_LIMIT_BYTES,
             f"{result.user_data_bytes} bytes; {result.user_data_valid}",
         ),
+        Check("the notice interrupted the job mid-run", mid_run, mid_run_detail),
         Check(
             f"every agent exited 0 ({NODES + 1} nodes)",
             len(codes) == NODES + 1 and all(code == 0 for code in codes.values()),

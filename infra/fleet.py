@@ -12,6 +12,7 @@ from bootstrap.agent_config import AgentConfig
 from bootstrap.cloud_init import UserDataError, render_user_data
 from infra.bundle import CodeBundle
 from infra.config import NAMESPACE, StackConfig, StackConfigError
+from infra.efa import EfaTableError, efa_interfaces
 from infra.jobdef import JobDefinition, define_stack_job
 
 # The agent completes this hook once its last upload is confirmed, so a scale-in never cuts one short.
@@ -141,19 +142,7 @@ class Fleet(pulumi.ComponentResource):
             description=f"{config.name}: GPU training instances",
             image_id=args.image.id,
             iam_instance_profile=aws.ec2.LaunchTemplateIamInstanceProfileArgs(arn=args.instance_profile_arn),
-            network_interfaces=[
-                aws.ec2.LaunchTemplateNetworkInterfaceArgs(
-                    device_index=0,
-                    # One EFA on the primary card when the job spans nodes (infra/efa.py: why only one).
-                    network_card_index=0 if config.efa else None,
-                    interface_type="efa" if config.efa else None,
-                    security_groups=[args.security_group_id],
-                    # Public subnets have no NAT, so instances need an address to reach AWS APIs; the
-                    # security group still admits nothing inbound. Private subnets: never a public address.
-                    associate_public_ip_address="false" if config.private_subnets else "true",
-                    delete_on_termination="true",
-                )
-            ],
+            network_interfaces=self._network_interfaces(),
             metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
                 http_endpoint="enabled",
                 http_tokens="required",
@@ -183,6 +172,44 @@ class Fleet(pulumi.ComponentResource):
             opts=self._child,
         )
 
+    def _network_interfaces(self) -> list[aws.ec2.LaunchTemplateNetworkInterfaceArgs]:
+        """The primary interface; on a multi-node EFA cluster, one EFA per network card (infra/efa.py)."""
+        args, config = self._args, self._args.config
+        if not config.efa:
+            return [
+                aws.ec2.LaunchTemplateNetworkInterfaceArgs(
+                    device_index=0,
+                    security_groups=[args.security_group_id],
+                    # Public subnets have no NAT, so instances need an address to reach AWS APIs; the
+                    # security group still admits nothing inbound. Private subnets: never a public address.
+                    associate_public_ip_address="false" if config.private_subnets else "true",
+                    delete_on_termination="true",
+                )
+            ]
+        try:
+            interfaces = efa_interfaces(config.instance_types)
+        # Preview refuses these first (infra/config.py); here too, never a half-built template.
+        except EfaTableError as exc:
+            raise StackConfigError(f"{NAMESPACE}:instanceTypes: {exc}") from exc
+        several = len(interfaces) > 1
+        return [
+            aws.ec2.LaunchTemplateNetworkInterfaceArgs(
+                device_index=interface.device_index,
+                network_card_index=interface.network_card_index,
+                interface_type=interface.interface_type,
+                security_groups=[args.security_group_id],
+                # EC2 refuses AssociatePublicIpAddress with several interfaces (and would assign none): those
+                # clusters run in private subnets (preview requires it), the primary's address is private.
+                associate_public_ip_address=(
+                    None if several else "false" if config.private_subnets else "true"
+                )
+                if interface.network_card_index == 0
+                else None,
+                delete_on_termination="true",
+            )
+            for interface in interfaces
+        ]
+
     def _create_placement_group(self) -> aws.ec2.PlacementGroup:
         return aws.ec2.PlacementGroup(
             f"{self._name}-placement",
@@ -201,7 +228,11 @@ class Fleet(pulumi.ComponentResource):
             # A fixed name: the user-data and the instance policy must name the group before it exists.
             name=config.group_name,
             min_size=0,
-            max_size=config.instance_count,
+            # One above the job's count: capacity rebalancing launches the replacement BEFORE it terminates
+            # the at-risk instance, and a group at its maximum may hold that launch back (EC2 Auto Scaling
+            # user guide, "Capacity Rebalancing behavior"). The extra instance waits as the job's warm
+            # standby or leaves (docs/internals.md, "Jobs, the lease and the standby"); desired stays put.
+            max_size=config.instance_count + 1,
             desired_capacity=config.instance_count,
             vpc_zone_identifiers=subnet_ids,
             placement_group=self.placement_group.name if self.placement_group else None,

@@ -121,3 +121,18 @@ def test_a_job_on_an_efa_cluster_gets_the_libfabric_settings(
     plain = InstanceLife(stack.agent_config(scratch_dir=str(tmp_path), user_job=spec), job_root=JOB_DIR)
     plain.identity = life.identity
     assert "FI_PROVIDER" not in plain._job_process(TrainerPaths(tmp_path), gpu_count=0, restored=None)._env
+
+
+def test_a_users_job_exiting_2_is_reported_as_its_own_exit_not_as_the_trainer_config(
+    stack: LocalStack, imds: ImdsSimulator, tmp_path: Path
+) -> None:
+    # argparse exits 2 on an unknown option, as Python does for a script it cannot open: the job contract's
+    # configuration error (permanent: another instance would fail the same way), in the job's own words.
+    parse = "import argparse; argparse.ArgumentParser().parse_args()"
+    life = user_life(stack, tmp_path, command=["python", "-c", parse, "--stepz", "10"])
+    result = life.run()
+    assert (result.outcome, result.exit_code) == ("gave_up", 0), "no second life for the same bad argv"
+    (alert,) = stack.alerts()
+    assert "your job exited 2" in alert["Subject"] and "trainer config" not in alert["Subject"]
+    assert "unrecognized arguments: --stepz 10" in alert["Message"], "the job's own last lines"
+    assert "trainingConfig" not in alert["Message"] and "command and arguments" in alert["Message"]

@@ -17,7 +17,15 @@ import infra.config
 from bootstrap.agent_config import AgentConfig
 from bootstrap.efa import efa_environment, supports_device_rdma
 from infra.config import DEFAULTS, StackConfigError, parse_stack_config
-from infra.efa import EFA_INSTANCE_TYPES, all_support_efa, supports_efa
+from infra.efa import (
+    EFA_INSTANCE_TYPES,
+    EFA_TYPES,
+    EfaInterface,
+    EfaTableError,
+    all_support_efa,
+    efa_interfaces,
+    supports_efa,
+)
 from infra.fleet import agent_config
 from tests.infra.program import DEFAULT_OFFERINGS, REGION, StackRun, example_config, run_stack
 from tests.policy.harness import Resource, check
@@ -26,10 +34,11 @@ SECURITY_GROUP = "aws:ec2/securityGroup:SecurityGroup"
 PLACEMENT_GROUP = "aws:ec2/placementGroup:PlacementGroup"
 GROUP = "aws:autoscaling/group:Group"
 LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
-EFA_TYPES = ["p5.48xlarge", "p4d.24xlarge"]
+# Two types with the same 32 network cards: the group's one launch template serves both.
+CLUSTER_TYPES = ["p5.48xlarge", "p5e.48xlarge"]
 EFA_OFFERINGS = {
-    "us-east-1a": ("p5.48xlarge", "p4d.24xlarge"),
-    "us-east-1b": ("p4d.24xlarge",),
+    "us-east-1a": ("p5.48xlarge", "p5e.48xlarge", "p4d.24xlarge", "g6e.48xlarge", "g6e.12xlarge"),
+    "us-east-1b": ("p4d.24xlarge", "g6e.48xlarge", "g6e.12xlarge"),
     "us-east-1d": ("p5.48xlarge",),
 }
 
@@ -61,7 +70,11 @@ def spread_multinode() -> StackRun:
 def cluster_efa() -> StackRun:
     """Two nodes of EFA types in a cluster placement group."""
     return _run(
-        {"trainstack:instanceTypes": EFA_TYPES, "trainstack:placementStrategy": "cluster"},
+        {
+            "trainstack:instanceTypes": CLUSTER_TYPES,
+            "trainstack:placementStrategy": "cluster",
+            "trainstack:privateSubnets": "true",
+        },
         offerings=EFA_OFFERINGS,
     )
 
@@ -76,9 +89,13 @@ def _peer_rules(stack: StackRun, direction: str) -> list[dict[str, Any]]:
     return [rule for rule in stack.one(SECURITY_GROUP).inputs.get(direction, []) if rule.get("self")]
 
 
+def _interfaces(stack: StackRun) -> list[dict[str, Any]]:
+    return [dict(interface) for interface in stack.one(LAUNCH_TEMPLATE).inputs["networkInterfaces"]]
+
+
 def _interface(stack: StackRun) -> dict[str, Any]:
-    (interface,) = stack.one(LAUNCH_TEMPLATE).inputs["networkInterfaces"]
-    return dict(interface)
+    (interface,) = _interfaces(stack)
+    return interface
 
 
 def _agent_yaml(stack: StackRun) -> dict[str, Any]:
@@ -119,11 +136,100 @@ def test_cluster_placement_puts_the_group_in_one_zone(cluster_without_efa: Stack
     assert group["vpcZoneIdentifiers"] == ["network-public-us-east-1a-id"]
 
 
-def test_efa_types_in_a_cluster_get_an_efa_interface(cluster_efa: StackRun) -> None:
-    interface = _interface(cluster_efa)
-    assert interface["interfaceType"] == "efa"
-    assert interface["networkCardIndex"] == 0 and interface["deviceIndex"] == 0
+def _shape(stack: StackRun) -> list[tuple[int, int, str]]:
+    return [(i["networkCardIndex"], i["deviceIndex"], i["interfaceType"]) for i in _interfaces(stack)]
+
+
+def test_p5_in_a_cluster_gets_one_efa_on_each_of_its_32_network_cards(cluster_efa: StackRun) -> None:
+    # The primary (card 0, device 0) is an EFA with ENA: the instance's address; cards 1-31 EFA-only.
+    assert _shape(cluster_efa) == [(0, 0, "efa"), *((card, 1, "efa-only") for card in range(1, 32))]
+    interfaces = _interfaces(cluster_efa)
+    assert all(i["securityGroups"] == interfaces[0]["securityGroups"] for i in interfaces)
+    # EC2 refuses AssociatePublicIpAddress with several interfaces: none is set, and the subnets are private.
+    assert not any("associatePublicIpAddress" in i for i in interfaces)
+    assert all(i["deleteOnTermination"] == "true" for i in interfaces)
+    assert all("private" in subnet for subnet in cluster_efa.one(GROUP).inputs["vpcZoneIdentifiers"])
     assert _agent_yaml(cluster_efa)["efa"] is True
+
+
+@pytest.mark.parametrize(
+    ("instance_type", "expected"),
+    [
+        # p4d: 4 cards; EFA-only is not documented for it, so full EFAs (each with ENA) on cards 1-3.
+        ("p4d.24xlarge", [(0, 0, "efa"), (1, 1, "efa"), (2, 1, "efa"), (3, 1, "efa")]),
+        ("g6e.48xlarge", [(0, 0, "efa"), (1, 1, "efa-only"), (2, 1, "efa-only"), (3, 1, "efa-only")]),
+        # One card: the single EFA on the primary, with its public address in a public subnet as before.
+        ("g6e.12xlarge", [(0, 0, "efa")]),
+    ],
+)
+def test_each_efa_type_gets_one_interface_per_network_card(
+    instance_type: str, expected: list[tuple[int, int, str]]
+) -> None:
+    private = "true" if len(expected) > 1 else "false"
+    stack = _run(
+        {
+            "trainstack:instanceTypes": [instance_type],
+            "trainstack:placementStrategy": "cluster",
+            "trainstack:privateSubnets": private,
+        },
+        offerings=EFA_OFFERINGS,
+    )
+    assert _shape(stack) == expected
+    if len(expected) == 1:
+        assert _interface(stack)["associatePublicIpAddress"] == "true"
+
+
+def test_the_efa_table_gives_every_type_one_interface_per_card() -> None:
+    for instance_type, cards in EFA_TYPES.items():
+        interfaces = efa_interfaces([instance_type])
+        assert [i.network_card_index for i in interfaces] == list(range(cards.network_cards)), instance_type
+        assert interfaces[0] == EfaInterface(0, 0, "efa")
+        extra = "efa-only" if cards.efa_only else "efa"
+        assert all((i.device_index, i.interface_type) == (1, extra) for i in interfaces[1:]), instance_type
+    assert len(efa_interfaces(["p5en.48xlarge"])) == 16 and len(efa_interfaces(["p6-b200.48xlarge"])) == 8
+
+
+def test_types_with_different_cards_or_unknown_cards_are_refused_in_one_line() -> None:
+    with pytest.raises(EfaTableError, match=r"p5.48xlarge \(32 network cards\), p4d.24xlarge \(4"):
+        efa_interfaces(["p5.48xlarge", "p4d.24xlarge"])
+    with pytest.raises(EfaTableError, match=r"p5\.4xlarge has no entry in the EFA table"):
+        efa_interfaces(["p5.4xlarge"])
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (
+            {"instanceTypes": ["p5.4xlarge"]},
+            "trainstack:instanceTypes: p5.4xlarge has no entry in the EFA table (its network cards are "
+            "unknown); add it to EFA_TYPES in infra/efa.py",
+        ),
+        (
+            {"instanceTypes": ["p5.48xlarge", "p4d.24xlarge"], "privateSubnets": "true"},
+            "trainstack:instanceTypes: p5.48xlarge (32 network cards), p4d.24xlarge (4 network cards) need "
+            "different EFA interfaces and the group has one launch template",
+        ),
+        (
+            {"instanceTypes": ["p5.48xlarge"]},
+            "trainstack:privateSubnets: p5.48xlarge gets 32 EFA interfaces (one per network card) and AWS "
+            "gives no public address",
+        ),
+    ],
+)
+def test_preview_refuses_an_efa_cluster_the_table_cannot_build(raw: dict[str, Any], expected: str) -> None:
+    cluster = {"instanceCount": 2, "minNodes": 2, "placementStrategy": "cluster", "job": ""}
+    cluster["trainingConfig"] = "training/configs/tiny.yaml"
+    with pytest.raises(StackConfigError) as error:
+        _config(**cluster, **raw)
+    (line,) = [line for line in str(error.value).splitlines() if line.startswith("  - ")]
+    assert expected in line
+
+
+def test_preview_accepts_a_p5_cluster_in_private_subnets_and_single_card_types_anywhere() -> None:
+    cluster = {"instanceCount": 2, "minNodes": 2, "placementStrategy": "cluster", "job": ""}
+    cluster["trainingConfig"] = "training/configs/tiny.yaml"
+    assert _config(**cluster, instanceTypes=CLUSTER_TYPES, privateSubnets="true").efa
+    assert _config(**cluster, instanceTypes=["g6e.12xlarge", "g5.12xlarge"]).efa
 
 
 def test_g6_xlarge_gets_no_efa_even_in_a_cluster(cluster_without_efa: StackRun) -> None:
@@ -163,7 +269,7 @@ def test_instance_count_above_one_is_a_multi_node_job_of_the_built_in_trainer() 
 
 
 def test_efa_needs_several_nodes_a_cluster_and_every_type_to_take_one() -> None:
-    efa_cluster = _config(instanceTypes=EFA_TYPES, placementStrategy="cluster")
+    efa_cluster = _config(instanceTypes=CLUSTER_TYPES, placementStrategy="cluster")
     assert not efa_cluster.multi_node and not efa_cluster.efa
     assert dataclasses.replace(efa_cluster, instance_count=2).efa
     assert not dataclasses.replace(efa_cluster, instance_count=2, placement_strategy="").efa
@@ -173,7 +279,7 @@ def test_efa_needs_several_nodes_a_cluster_and_every_type_to_take_one() -> None:
 
 def test_agent_config_carries_efa() -> None:
     config = dataclasses.replace(
-        _config(instanceTypes=EFA_TYPES, placementStrategy="cluster"), instance_count=2
+        _config(instanceTypes=CLUSTER_TYPES, placementStrategy="cluster"), instance_count=2
     )
     filled = agent_config(config, bucket="trainstack-dev-bucket", topic_arn="arn:t", log_group="/t")
     assert filled.efa is True
@@ -193,12 +299,16 @@ def test_efa_table_covers_the_types_aws_lists() -> None:
     for instance_type in ("g6.xlarge", "g5.xlarge", "g6e.4xlarge", "g4dn.xlarge"):
         assert not supports_efa(instance_type), instance_type
     assert EFA_INSTANCE_TYPES["p5.48xlarge"] == 32 and EFA_INSTANCE_TYPES["p4d.24xlarge"] == 4
-    assert all_support_efa(EFA_TYPES) and not all_support_efa([]) and not all_support_efa(["g6.xlarge"])
+    assert all_support_efa(CLUSTER_TYPES) and not all_support_efa([]) and not all_support_efa(["g6.xlarge"])
 
 
 def test_efa_environment_selects_the_efa_provider_and_rdma_only_where_supported() -> None:
-    assert efa_environment() == {"FI_PROVIDER": "efa"}
-    assert efa_environment(device_rdma=True) == {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
+    assert efa_environment() == {"FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1"}
+    assert efa_environment(device_rdma=True) == {
+        "FI_PROVIDER": "efa",
+        "FI_EFA_FORK_SAFE": "1",
+        "FI_EFA_USE_DEVICE_RDMA": "1",
+    }
     assert "NCCL_SOCKET_IFNAME" not in efa_environment(device_rdma=True)
     assert supports_device_rdma("p5.48xlarge") and supports_device_rdma("p4d.24xlarge")
     assert not supports_device_rdma("g6e.12xlarge")
