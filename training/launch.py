@@ -63,6 +63,11 @@ JOIN_TIMEOUT_SECONDS = 900.0
 # Once the minimum of nodes is there, how long the rendezvous still admits more before it forms: nodes the
 # agent started together join the same round instead of forcing a restart a moment later.
 LAST_CALL_SECONDS = 3.0
+# Multi-node, the store host only: the file descriptor of a listening TCP socket on the endpoint's port, which
+# the rendezvous store serves on. Whoever chose the endpoint bound port 0 and kept the socket listening, so
+# the port is never free between being published and being served (a port probed free, closed and bound
+# again later can be taken in between). Unset, the store binds the endpoint's port itself.
+LISTEN_FD_ENV = "TRAINSTACK_RDZV_LISTEN_FD"
 # The rendezvous backend name under which `_TrackedRendezvous` wraps torch's c10d handler.
 TRACKED_BACKEND = "trainstack-c10d"
 
@@ -159,6 +164,7 @@ class NodeRendezvous:
     join_timeout: float = JOIN_TIMEOUT_SECONDS
     last_call_timeout: float = LAST_CALL_SECONDS
     exit_file: Path | None = None
+    listen_fd: int | None = None  # LISTEN_FD_ENV: the store host's listening socket
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -191,6 +197,11 @@ class NodeRendezvous:
         if not (join_timeout > 0 and math.isfinite(join_timeout)):
             raise ValueError(f"{JobEnv.RDZV_JOIN_TIMEOUT.value}={join!r}: expected seconds > 0")
         exit_file = env.get(JobEnv.NODE_EXIT_FILE.value, "").strip()
+        listen_fd = env.get(LISTEN_FD_ENV, "").strip()
+        if listen_fd and not (listen_fd.isdigit() and is_host == "1"):
+            raise ValueError(
+                f"{LISTEN_FD_ENV}={listen_fd!r}: expected a file descriptor, on the store host only"
+            )
         return cls(
             endpoint=endpoint,
             run_id=run_id,
@@ -200,6 +211,7 @@ class NodeRendezvous:
             local_addr=env.get(JobEnv.NODE_ADDR.value, "").strip() or None,
             join_timeout=join_timeout,
             exit_file=Path(exit_file) if exit_file else None,
+            listen_fd=int(listen_fd) if listen_fd else None,
         )
 
 
@@ -259,25 +271,50 @@ class _Rounds:
 
 
 # Rounds of each launch in progress in this process, by run id (the registered handler creator finds its
-# launch's through the parameters it is given).
+# launch's through the parameters it is given), and the listening socket of those that host the store.
 _LAUNCHES: dict[str, _Rounds] = {}
+_LISTENERS: dict[str, int] = {}
 
 
 def _tracked_handler(params: RendezvousParameters) -> RendezvousHandler:
     from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
-    inner = rendezvous_handler_registry.create_handler(
-        RendezvousParameters(
-            "c10d",
-            params.endpoint,
-            params.run_id,
-            params.min_nodes,
-            params.max_nodes,
-            params.local_addr,
-            **params.config,
-        )
+    c10d = RendezvousParameters(
+        "c10d",
+        params.endpoint,
+        params.run_id,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        **params.config,
     )
+    listen_fd = _LISTENERS.get(params.run_id)
+    if listen_fd is None:
+        inner = rendezvous_handler_registry.create_handler(c10d)
+    else:
+        inner = _handler_on_listener(c10d, listen_fd)
     return _make_tracked(inner, _LAUNCHES[params.run_id])
+
+
+def _handler_on_listener(params: RendezvousParameters, listen_fd: int) -> RendezvousHandler:
+    """torch's c10d handler (as its registry builds it) with its store served on the listening socket this
+    launcher was handed (LISTEN_FD_ENV) instead of binding the endpoint's port anew."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    host, _, port = params.endpoint.rpartition(":")
+    store = TCPStore(
+        host.strip("[]"),
+        int(port),
+        is_master=True,
+        multi_tenant=True,
+        timeout=timedelta(seconds=params.get_as_int("read_timeout", 60) or 60),
+        master_listen_fd=listen_fd,
+    )
+    return create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
 
 
 def _make_tracked(inner: RendezvousHandler, rounds: _Rounds) -> RendezvousHandler:
@@ -458,6 +495,8 @@ def launch(
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         _LAUNCHES[run_id] = rounds
+        if nodes is not None and nodes.listen_fd is not None:
+            _LISTENERS[run_id] = nodes.listen_fd
         failures: dict[int, int] = {}
         rendezvous_error: str | None = None
         crashed = False
@@ -495,6 +534,7 @@ def launch(
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
                 _LAUNCHES.pop(run_id, None)
+                _LISTENERS.pop(run_id, None)
         except _StopBeforeRanks:
             # Raised by `forward` in the rendezvous (or, rarely, while the lines above handled its end).
             pass

@@ -95,14 +95,18 @@ def _documents(resource_type: str, props: Mapping[str, Any]) -> Iterator[tuple[s
 
 
 def _every_group(resource: str) -> bool:
-    """True if the pattern would also match a group nobody named (`*`, `...autoScalingGroupName/*`)."""
+    """True if the pattern would also match a group nobody named: `*`, `...autoScalingGroupName/*`, a
+    wildcard (`*` or `?`) anywhere in the group's name (`trainstack-*`, `trainstack-dev-gp?`), or any
+    wildcard in an ARN that does not end in a name. The `*` for the group's id before the name is what
+    every group ARN in a policy has (the id changes when the group is replaced)."""
     if is_unknown(resource):
         return False
     resource = resource.strip()
     marker = "autoScalingGroupName/"
     if marker in resource:
-        return fnmatchcase(_UNRELATED_GROUP, resource.split(marker, 1)[1])
-    return "*" in resource
+        name = resource.split(marker, 1)[1]
+        return fnmatchcase(_UNRELATED_GROUP, name) or "*" in name or "?" in name
+    return "*" in resource or "?" in resource
 
 
 POLICIES: list[Policy] = [

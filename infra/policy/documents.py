@@ -23,6 +23,8 @@ class Statement:
     resources: tuple[str, ...]
     principals: tuple[str, ...]
     conditions: Mapping[str, Mapping[str, tuple[str, ...]]]
+    # NotResource: an Allow with it grants every resource it does not list.
+    not_resources: tuple[str, ...] = ()
 
     def allows(self) -> bool:
         return self.effect.lower() == "allow"
@@ -81,6 +83,7 @@ def _statement(raw: Mapping[str, Any]) -> Statement:
         resources=_strings(get(raw, "Resource")),
         principals=_principals(get(raw, "Principal")),
         conditions=conditions,
+        not_resources=_strings(get(raw, "NotResource")),
     )
 
 

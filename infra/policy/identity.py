@@ -64,17 +64,83 @@ def no_decrypt_on_all_keys(
     try:
         for where, statement in _allow_statements(resource_type, props):
             actions = [action for action in _DECRYPT_ACTIONS if statement.covers_action(action)]
-            if actions and any(_all_keys(resource) for resource in statement.resources):
+            if not actions:
+                continue
+            if statement.not_resources:
+                yield (
+                    f"{where} allows {', '.join(actions)} with NotResource, which is every KMS key it does "
+                    "not list: name the key ARNs in Resource"
+                )
+            elif any(_all_keys(resource) for resource in statement.resources):
                 yield f"{where} allows {', '.join(actions)} on every KMS key: name the key ARNs in Resource"
     except _UnreadableError as error:
         yield f"{error}: fix the JSON"
 
 
 def _all_keys(resource: str) -> bool:
+    """True when a Resource pattern grants keys it does not name: it has a `*` or `?` and matches some KMS
+    key's ARN. Every spelling counts (`*`, `arn:aws:kms:*`, `arn:aws:kms:<region>:<account>:*`,
+    `...:key/*`, `arn:*:kms:*:*:key/*`, a wildcard in the region or account, `key/????...`); a named key, an
+    alias (Decrypt is authorised on keys, never on aliases) and a wildcard over another service's ARNs
+    pass."""
     if is_unknown(resource):
         return False
-    resource = resource.strip()
-    return resource == "*" or resource.startswith("arn:aws:kms:*") or resource.endswith(":key/*")
+    pattern = resource.strip()
+    return ("*" in pattern or "?" in pattern) and _matches_a_key_arn(pattern)
+
+
+# A KMS key's ARN, arn:<partition>:kms:<region>:<account>:key/<key id>, as elements: a literal character,
+# _ONE (one character other than ":") or _ANY (zero or more of them).
+_ONE, _ANY = "one", "any"
+_KEY_ARN: tuple[str, ...] = (*"arn:", _ONE, _ANY, *":kms:", _ANY, ":", _ANY, *":key/", _ONE, _ANY)
+
+
+def _matches_a_key_arn(pattern: str) -> bool:
+    """Whether an IAM Resource pattern (`*`: any run of characters, colons included; `?`: any one) matches
+    at least one string of a key ARN's shape: a search over (pattern position, ARN element) pairs. Compared
+    case-insensitively: stricter than IAM, which compares ARNs case-sensitively."""
+    pattern = pattern.lower()
+    end = len(_KEY_ARN)
+
+    def closure(element: int) -> set[int]:
+        # An _ANY element may match nothing: the elements after it are reachable without a character.
+        reached = {element}
+        while element < end and _KEY_ARN[element] == _ANY:
+            element += 1
+            reached.add(element)
+        return reached
+
+    def consume(element: int, char: str | None) -> set[int]:
+        """Elements reached by matching one character: `char`, or any the ARN allows here when None."""
+        if element == end:
+            return set()
+        expected = _KEY_ARN[element]
+        if expected in (_ONE, _ANY):
+            if char == ":":
+                return set()
+            return closure(element + 1) if expected == _ONE else closure(element)
+        return closure(element + 1) if char in (None, expected) else set()
+
+    seen = {(0, element) for element in closure(0)}
+    frontier = list(seen)
+    while frontier:
+        position, element = frontier.pop()
+        if position == len(pattern):
+            if element == end:
+                return True
+            continue
+        symbol = pattern[position]
+        following: set[tuple[int, int]] = set()
+        if symbol == "*":
+            following.add((position + 1, element))
+            following.update((position, after) for after in consume(element, None))
+        else:
+            char = None if symbol == "?" else symbol
+            following.update((position + 1, after) for after in consume(element, char))
+        for state in following - seen:
+            seen.add(state)
+            frontier.append(state)
+    return False
 
 
 # AWS managed policies that hand over a whole service or the account: AdministratorAccess (and its

@@ -52,7 +52,10 @@ def make_life(stack: LocalStack, imds: ImdsSimulator, tmp_path: Path) -> Callabl
     lives = iter(range(1, 100))
 
     def build(
-        fake: dict[str, Any] | None = None, trainer: list[str] | None = None, **config: Any
+        fake: dict[str, Any] | None = None,
+        trainer: list[str] | None = None,
+        state_poll_seconds: float = 0.5,
+        **config: Any,
     ) -> InstanceLife:
         scratch = tmp_path / f"instance-{next(lives)}"
         values: dict[str, Any] = {
@@ -69,7 +72,7 @@ def make_life(stack: LocalStack, imds: ImdsSimulator, tmp_path: Path) -> Callabl
             # No wait for a drain hook: no test here terminates the instance, and the wait polls every 2 s
             # (python -m demo covers the terminating path end to end).
             release_wait_seconds=0,
-            state_poll_seconds=0.5,
+            state_poll_seconds=state_poll_seconds,
             tick_seconds=0.1,
         )
 

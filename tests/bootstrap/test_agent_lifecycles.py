@@ -238,6 +238,61 @@ def test_a_cap_crossed_before_the_trainer_trains_still_stops_the_job_and_scales_
         assert confirmed is None or (latest is not None and latest["step"] == confirmed), stop
 
 
+def test_a_ledger_total_past_the_cap_at_boot_ends_the_life_before_any_start_up_work(
+    make_life: MakeLife, stack: LocalStack
+) -> None:
+    """Earlier lives (three spot interruptions at a real g6.xlarge price) already cost more than the cap: a
+    replacement that boots must not check the GPU, sync the dataset or start a trainer; it ends as
+    cost_cap, scales the group to zero and says why. The state poller, which would also see the total, is
+    slowed to a minute here so that only the start-of-life check can end this life in time."""
+    price, hours, cap = 0.7512, 9.0, 20.0  # $/h for a g6.xlarge spot instance; 3 × 9 h = $20.28 > $20
+    earlier = [
+        {
+            "life_id": f"i-earlier{n}@2030-01-0{n}T00:00:00Z",
+            "instance_id": f"i-earlier{n}",
+            "instance_type": "g6.xlarge",
+            "az": "us-east-1a",
+            "lifecycle": "spot",
+            "started_at": f"2030-01-0{n}T00:00:00Z",
+            "heartbeat_at": f"2030-01-0{n}T09:00:00Z",
+            "ended_at": f"2030-01-0{n}T09:00:00Z",
+            "price_usd_per_hour": price,
+            "cost_usd": round(price * hours, 6),
+            "outcome": "preempted",
+        }
+        for n in (1, 2, 3)
+    ]
+    total = round(3 * price * hours, 6)
+    assert cap < total < cap * 1.02, "crossed, but not by an absurd amount"
+    ledger_before = {
+        "status": "running",
+        "lives": earlier,
+        "interruptions": 3,
+        "consecutive_failures": 0,
+        "total_cost_usd": total,
+    }
+    stack.client("s3").put_object(
+        Bucket=stack.bucket, Key="state/ledger.json", Body=json.dumps(ledger_before).encode()
+    )
+    life = make_life(fake={"steps": 40}, max_cost_usd=cap, state_poll_seconds=60)
+    life.cost_meter.fixed_price = lambda instance_type, az: price
+    lines: list[str] = []
+    life.log.add_sink(lines.append)
+    assert life.run().outcome == "cost_cap"
+    stages = [json.loads(line)["stage"] for line in lines]
+    assert "preflight" not in stages and "data" not in stages, stages
+    output = Path(life.config.scratch_dir or "") / "output"
+    assert not (output / "progress.json").exists(), "a trainer was started"
+    assert stack.group()["DesiredCapacity"] == 0
+    ledger = stack.read_json("state/ledger.json")
+    assert ledger is not None and ledger["status"] == "cost_cap"
+    assert ledger["total_cost_usd"] >= cap and len(ledger["lives"]) == 4
+    assert ledger["lives"][-1]["outcome"] == "cost_cap"
+    (alert,) = stack.alerts()
+    assert "cost cap reached" in alert["Subject"]
+    assert stack.read_json("checkpoints/latest.json") is None, "no checkpoint claimed"
+
+
 def test_stalled_training_is_restarted_once_then_fails(make_life: MakeLife, stack: LocalStack) -> None:
     life = make_life(fake={"hang_at_step": 3, "steps": 50}, stall_minutes=0.05)  # 3 s without progress
     lines: list[str] = []

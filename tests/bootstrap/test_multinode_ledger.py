@@ -106,4 +106,5 @@ def test_an_interrupted_node_waits_for_the_jobs_checkpoint_and_reports_what_it_s
 
     started = time.monotonic()
     assert wait_until_confirmed(unreachable, 12, time.monotonic() + 0.3, poll_seconds=0.05) is None
-    assert time.monotonic() - started < 2, "bounded by the notice's deadline"
+    # Bounded by the 0.3 s deadline, not by S3 coming back (it never does): generous for a loaded machine.
+    assert time.monotonic() - started < 30, "bounded by the notice's deadline"

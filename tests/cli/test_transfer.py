@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.tools import require_module
 from trainstack.errors import CliError
 from trainstack.transfer import IMG_EXTENSIONS, validate_image_folder
 
@@ -32,7 +33,9 @@ def _keys(deployed: Deployed, prefix: str) -> list[str]:
 
 
 def test_cli_accepts_exactly_the_extensions_imagefolder_loads():
-    folder = pytest.importorskip("torchvision.datasets.folder")
+    require_module("torchvision", "its ImageFolder defines the extensions the trainer loads (the dev extras)")
+    from torchvision.datasets import folder
+
     assert set(IMG_EXTENSIONS) == set(folder.IMG_EXTENSIONS)
 
 

@@ -11,7 +11,12 @@ from typing import Any
 import boto3
 import pytest
 from botocore.config import Config
-from botocore.exceptions import ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
+from botocore.exceptions import (
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    ReadTimeoutError,
+)
 
 from tests.faults.proxy import Blackhole, Cut, CutRequests, Pass, S3FaultProxy, Slow
 
@@ -70,10 +75,11 @@ def test_cut_fails_fast_and_pass_recovers(s3: Any, aws_via_proxy: S3FaultProxy) 
     s3.put_object(Bucket=BUCKET, Key="a.txt", Body=b"hello")
     aws_via_proxy.set_mode(Cut())
 
-    started = time.monotonic()
-    with pytest.raises(CONNECTION_LOST):
+    with pytest.raises(CONNECTION_LOST) as raised:
         s3.get_object(Bucket=BUCKET, Key="a.txt")
-    assert time.monotonic() - started < 1
+    # Fast means: the connection was cut, not waited out (that would be a timeout error), whatever the
+    # wall clock of a loaded machine says.
+    assert not isinstance(raised.value, ConnectTimeoutError | ReadTimeoutError)
 
     aws_via_proxy.set_mode(Pass())
     assert s3.get_object(Bucket=BUCKET, Key="a.txt")["Body"].read() == b"hello"
@@ -97,7 +103,9 @@ def test_blackhole_times_out_the_client_and_still_stops_promptly(
     started = time.monotonic()
     with pytest.raises(ReadTimeoutError):
         s3.list_objects_v2(Bucket=BUCKET)
-    assert 0.9 <= time.monotonic() - started < 3
+    # At least the client's 1 s read timeout (the blackhole answered nothing); the upper bound only says
+    # it did not hang, generous for a loaded machine.
+    assert 0.9 <= time.monotonic() - started < 15
 
     sock = raw_request(aws_via_proxy)
     with sock:
@@ -105,8 +113,9 @@ def test_blackhole_times_out_the_client_and_still_stops_promptly(
         with pytest.raises(TimeoutError):
             sock.recv(1)  # neither an answer nor a close
         started = time.monotonic()
-        aws_via_proxy.stop()
-        assert time.monotonic() - started < 1
+        aws_via_proxy.stop()  # raises if a thread is still alive after its stop_timeout_s (5 s)
+        # Promptly: not by waiting out its own join timeout for a blackholed connection's thread.
+        assert time.monotonic() - started < aws_via_proxy.stop_timeout_s
     assert proxy_threads() == []
 
 

@@ -105,6 +105,19 @@ def test_log_group_found_by_dependency_when_its_name_is_unknown_at_preview() -> 
             "arn:aws:autoscaling:us-east-1:1:autoScalingGroup:*:autoScalingGroupName/*",
         ),
         ("autoscaling:UpdateAutoScalingGroup", "arn:aws:autoscaling:*"),
+        # A wildcard in the name matches groups nobody named; so does a `?` where the name should be.
+        (
+            "autoscaling:SetDesiredCapacity",
+            "arn:aws:autoscaling:us-east-1:1:autoScalingGroup:*:autoScalingGroupName/trainstack-*",
+        ),
+        (
+            "autoscaling:SetDesiredCapacity",
+            "arn:aws:autoscaling:us-east-1:1:autoScalingGroup:*:autoScalingGroupName/trainstack-dev-gp?",
+        ),
+        (
+            "autoscaling:UpdateAutoScalingGroup",
+            "arn:aws:autoscaling:us-east-1:1:autoScalingGroup:????????-????-????-????-????????????",
+        ),
     ],
 )
 def test_changing_every_group_fails(action: str, resource: str) -> None:

@@ -231,11 +231,12 @@ def test_a_denied_bucket_names_the_key_and_the_permissions() -> None:
 
 
 def test_an_unreachable_s3_is_a_transient_failure_in_one_line(image_folders: Dataset) -> None:
-    with socket.socket() as probe:  # a port nothing listens on: connection refused at once
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    result = _trainer(*image_folders.overrides(), "output.uri=s3://job/results", env=env)
+    # A port bound here and not listening: connections are refused at once, and while the socket is open
+    # no other process can take the port and answer.
+    with socket.socket() as reserved:
+        reserved.bind(("127.0.0.1", 0))
+        env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{reserved.getsockname()[1]}"}
+        result = _trainer(*image_folders.overrides(), "output.uri=s3://job/results", env=env)
     assert result.returncode == 1
     [line] = result.stderr.splitlines()
     assert line.startswith("error: output.uri: could not check s3://job/results (")

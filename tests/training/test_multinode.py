@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.training.conftest import _STARTED, REPO, Dataset, MakeRun, Run, make_run_factory
+from training.launch import LISTEN_FD_ENV
 from trainstack_job.contract import JobEnv
 
 EXIT_STOPPED = 75
@@ -29,10 +30,26 @@ GLOBAL_BATCH = 16  # conftest FAST: batch 16, micro-batch 8
 ENGINE_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRAINSTACK_FAULT")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def store_listener() -> socket.socket:
+    """A listening socket on a port the OS picked, handed to the host launcher for its store
+    (TRAINSTACK_RDZV_LISTEN_FD): the port is never free between the test choosing it and the store serving
+    it, as a port probed free and closed would be."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    return listener
+
+
+def refusing_port() -> socket.socket:
+    """A socket bound to a port the OS picked, not listening: while it stays open nobody else can take the
+    port and every connection there is refused (a store nobody hosts)."""
+    reserved = socket.socket()
+    reserved.bind(("127.0.0.1", 0))
+    return reserved
+
+
+def port_of(sock: socket.socket) -> int:
+    return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True, eq=False)  # a dict key by identity (its Run holds a list)
@@ -51,8 +68,17 @@ class Node:
         return self.run.root / "launcher.log"
 
     def start(
-        self, port: int, run_id: str, *, host: bool, nnodes: str = "2:2", join_timeout: float = 120
+        self,
+        port: int,
+        run_id: str,
+        *,
+        host: bool,
+        listener: socket.socket | None = None,
+        nnodes: str = "2:2",
+        join_timeout: float = 120,
     ) -> subprocess.Popen[str]:
+        """The node's launcher; the host's serves its store on `listener` (then closed here: the launcher
+        holds it) when given one."""
         env = {key: value for key, value in os.environ.items() if key not in ENGINE_VARIABLES}
         env |= {
             "OMP_NUM_THREADS": "1",
@@ -64,12 +90,22 @@ class Node:
             JobEnv.NODE_EXIT_FILE.value: str(self.exit_file),
             JobEnv.RDZV_JOIN_TIMEOUT.value: f"{join_timeout:g}",
         }
+        if listener is not None:
+            env[LISTEN_FD_ENV] = str(listener.fileno())
         self.run.root.mkdir(parents=True, exist_ok=True)
         self.exit_file.unlink(missing_ok=True)
         with self.log.open("w") as log:  # a file, not a pipe: nobody has to drain two nodes at once
             process = subprocess.Popen(
-                self.run.command(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True
+                self.run.command(),
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                pass_fds=() if listener is None else (listener.fileno(),),
             )
+        if listener is not None:
+            listener.close()
         _STARTED.append(process)  # conftest's reap_trainers kills it if the test ends first
         return process
 
@@ -137,8 +173,12 @@ def stopped_pair(tmp_path_factory: pytest.TempPathFactory, image_folders: Datase
     make = make_run_factory(tmp_path_factory.mktemp("pair"), image_folders)
     a = Node(make("train.processes=1", f"train.epochs={EPOCHS}", name="a"), "127.0.0.1")
     b = Node(make("train.processes=1", f"train.epochs={EPOCHS}", name="b"), "127.0.0.2")
-    port, run_id = free_port(), "pair-1"
-    processes = {a: a.start(port, run_id, host=True), b: b.start(port, run_id, host=False)}
+    listener, run_id = store_listener(), "pair-1"
+    port = port_of(listener)
+    processes = {
+        a: a.start(port, run_id, host=True, listener=listener),
+        b: b.start(port, run_id, host=False),
+    }
     try:
         poll(processes[a], lambda: trained_steps(a.run) >= 2, "two trained steps")
         processes[b].send_signal(signal.SIGTERM)
@@ -191,10 +231,11 @@ def test_a_node_without_the_checkpoint_gets_it_over_the_process_group_and_both_c
     holder = Node(make_run("train.processes=1", f"train.epochs={EPOCHS}", name="holder"), "127.0.0.2")
     empty = Node(make_run("train.processes=1", f"train.epochs={EPOCHS}", name="empty"), "127.0.0.1")
     copy_checkpoints(stopped_pair.a.run, holder.run)
-    port = free_port()
+    listener = store_listener()
+    port = port_of(listener)
     codes = wait_for(
         {
-            holder: holder.start(port, "pair-2", host=True),
+            holder: holder.start(port, "pair-2", host=True, listener=listener),
             empty: empty.start(port, "pair-2", host=False),
         }
     )
@@ -228,18 +269,20 @@ def test_sigterm_while_waiting_for_the_other_nodes_exits_75_at_once(make_run: Ma
     rendezvous, the other node for a store host that never comes."""
     host = Node(make_run("train.processes=1", name="host"), "127.0.0.1")
     guest = Node(make_run("train.processes=1", name="guest"), "127.0.0.1")
+    listener, nobody = store_listener(), refusing_port()
     processes = {
-        host: host.start(free_port(), "lonely", host=True, join_timeout=300),
-        guest: guest.start(free_port(), "lonely-guest", host=False, join_timeout=300),
+        host: host.start(port_of(listener), "lonely", host=True, listener=listener, join_timeout=300),
+        guest: guest.start(port_of(nobody), "lonely-guest", host=False, join_timeout=300),
     }
-    for node, process in processes.items():
-        poll(process, in_rendezvous(node), "rendezvous")
-    time.sleep(1.0)  # well inside the wait
-    signalled = time.monotonic()
-    for process in processes.values():
-        process.send_signal(signal.SIGTERM)
-    codes = wait_for(processes, timeout=60)
-    took = time.monotonic() - signalled
+    with nobody:
+        for node, process in processes.items():
+            poll(process, in_rendezvous(node), "rendezvous")
+        time.sleep(1.0)  # well inside the wait
+        signalled = time.monotonic()
+        for process in processes.values():
+            process.send_signal(signal.SIGTERM)
+        codes = wait_for(processes, timeout=60)
+        took = time.monotonic() - signalled
     for node in processes:
         assert codes[node] == EXIT_STOPPED, node.output()[-3000:]
         assert "SIGTERM received while waiting for the other nodes" in node.output()
@@ -260,11 +303,13 @@ def test_a_rendezvous_that_cannot_form_fails_as_a_rendezvous_failure(make_run: M
     the agent to try a new generation rather than count a failure."""
     unreachable = Node(make_run("train.processes=1", name="unreachable"), "127.0.0.1")
     alone = Node(make_run("train.processes=1", name="alone"), "127.0.0.1")
+    listener, nobody = store_listener(), refusing_port()
     processes = {
-        unreachable: unreachable.start(free_port(), "nobody", host=False, join_timeout=2),
-        alone: alone.start(free_port(), "too-few", host=True, join_timeout=2),
+        unreachable: unreachable.start(port_of(nobody), "nobody", host=False, join_timeout=2),
+        alone: alone.start(port_of(listener), "too-few", host=True, listener=listener, join_timeout=2),
     }
-    codes = wait_for(processes, timeout=120)
+    with nobody:
+        codes = wait_for(processes, timeout=120)
     for node in processes:
         assert codes[node] == 1, node.output()[-3000:]
         record = node.exit_record()
@@ -305,7 +350,9 @@ def test_the_node_rendezvous_comes_from_the_agents_variables() -> None:
     nodes = NodeRendezvous.from_env(rendezvous_env(TRAINSTACK_NNODES="3", TRAINSTACK_RDZV_HOST="1"))
     assert nodes is not None and (nodes.min_nodes, nodes.max_nodes, nodes.is_host) == (3, 3, True)
     nodes = NodeRendezvous.from_env(rendezvous_env(TRAINSTACK_RDZV_JOIN_TIMEOUT="2.5"))
-    assert nodes is not None and nodes.join_timeout == 2.5
+    assert nodes is not None and nodes.join_timeout == 2.5 and nodes.listen_fd is None
+    nodes = NodeRendezvous.from_env(rendezvous_env(TRAINSTACK_RDZV_HOST="1", TRAINSTACK_RDZV_LISTEN_FD="7"))
+    assert nodes is not None and nodes.listen_fd == 7
 
 
 @pytest.mark.parametrize(
@@ -319,6 +366,8 @@ def test_the_node_rendezvous_comes_from_the_agents_variables() -> None:
         ("TRAINSTACK_NNODES", "0:2"),
         ("TRAINSTACK_RDZV_JOIN_TIMEOUT", "soon"),
         ("TRAINSTACK_RDZV_JOIN_TIMEOUT", "0"),
+        ("TRAINSTACK_RDZV_LISTEN_FD", "three"),
+        ("TRAINSTACK_RDZV_LISTEN_FD", "7"),  # a listener on a node that does not host the store
     ],
 )
 def test_a_malformed_rendezvous_variable_is_one_line_naming_it(variable: str, value: str) -> None:

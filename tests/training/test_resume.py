@@ -111,14 +111,15 @@ def test_resume_after_stop_files_sigterms_and_a_checkpoint_request_is_bitwise_ex
 def test_resume_after_sigkills_during_checkpoint_writes_and_at_random_is_bitwise_exact(
     make_run: MakeRun, baseline: Run
 ) -> None:
-    """One job killed with SIGKILL four times: twice mid-checkpoint, twice at random moments.
+    """One job killed with SIGKILL four times: twice mid-checkpoint, then mid-step at a random step, then at
+    a random moment.
 
     The step-6 checkpoint is hit twice: killed after its state file is written but before its manifest
     (the half-written directory is never loaded: the next life resumes at step 3), then after the rename
     but before latest.json (a complete directory that latest.json does not name yet). Then, from step 6,
-    two kills at random moments, then the job completes. One job rather than two: each life is ~4 s of
-    CPU and the suite must stay under 5 minutes. Both faults hit step 6, which leaves ten steps for the
-    random kills to land in."""
+    a kill in a micro-batch of a step drawn at random, and one at a random moment, then the job completes.
+    One job rather than two: each life is ~4 s of CPU and the suite must stay under 5 minutes. Both faults
+    hit step 6, which leaves ten steps for the random kills to land in."""
     run = make_run()
     code, output = run.life(fault="sigkill:checkpoint-state-written:step=6")
     assert code == -signal.SIGKILL, output
@@ -126,22 +127,23 @@ def test_resume_after_sigkills_during_checkpoint_writes_and_at_random_is_bitwise
     assert code == -signal.SIGKILL, output
     assert "resuming at step 3 " in output
     rng = random.Random(20261129)
+    # A step and micro-batch drawn at random, killed there by the trainer's fault hook: it lands however
+    # fast or loaded this machine is.
+    step, micro = rng.randint(7, TOTAL_STEPS - 2), rng.randint(0, 1)
+    code, output = run.life(fault=f"sigkill:micro-batch:step={step},micro={micro}")
+    assert code == -signal.SIGKILL, output
     progress = run.output / "progress.json"
-    kills = 0
-    for _ in range(2):
-        progress.unlink(missing_ok=True)
-        process = run.popen()
-        wait_until(process, progress.exists)
-        # Training has started (its first log line): kill at a random moment of the next half second,
-        # which on this job spans several steps and, every third step, a checkpoint write. The rest of
-        # the job takes over 2 s (about 0.9 s to its final checkpoint), so neither life finishes first.
-        time.sleep(rng.uniform(0.0, 0.5))
-        process.kill()
-        process.communicate()
-        if process.returncode == 0:
-            break  # this life finished first
-        kills += 1
-    assert kills == 2
+    progress.unlink(missing_ok=True)
+    process = run.popen()
+    wait_until(process, progress.exists)
+    # Training has started (its first log line): kill at a random moment of the next half second, which on
+    # this job spans several steps and, every third step, a checkpoint write: windows no fault point names.
+    # No count of kills is asserted: whether this life is still running then depends on the machine's
+    # speed (the rest of the job takes about 2 s here), and a life that finished first is a fine end too.
+    time.sleep(rng.uniform(0.0, 0.5))
+    process.kill()
+    output, _ = process.communicate()
+    assert process.returncode in (-signal.SIGKILL, 0), output
     finish(run)
     assert_same_model(run, baseline)
 

@@ -173,7 +173,9 @@ def test_the_wait_ends_when_the_gate_is_removed(tmp_path: Path) -> None:
     _remove_later(gate, 0.3)
     started = time.monotonic()
     assert wait_for_start_gate(gate, lambda: False) is True
-    assert 0.25 <= time.monotonic() - started < 2
+    # The order is the promise: the wait ended after the gate went (not before). The bound only says it
+    # noticed; generous, because a loaded 2-core machine can stall a thread for seconds.
+    assert not gate.exists() and time.monotonic() - started < 30
 
 
 def test_a_stop_while_the_gate_is_there_ends_the_wait_as_a_stop(tmp_path: Path) -> None:
