@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -26,4 +30,58 @@ def client(service: str, region: str, config: Config = RETRY_CONFIG) -> Any:
     with _session_lock:
         if _session is None:
             _session = boto3.session.Session()
-        return _session.client(service, region_name=region, config=config)  # type: ignore[call-overload]
+        made = _session.client(service, region_name=region, config=config)  # type: ignore[call-overload]
+    folder = os.environ.get(IAM_RECORD_ENV)
+    if folder:
+        record_calls(made, INSTANCE_PRINCIPAL, folder)
+    return made
+
+
+# Opt-in record of every AWS call, for the IAM check of the tests and the demo (tests/iam): moto never
+# evaluates IAM, so each call is written down and later checked against the policy the program declares for
+# its principal. An environment variable, not a sitecustomize or a patch of botocore: it reaches the agents
+# that tests and the demo start as subprocesses (they inherit it), costs one lookup per client when unset,
+# and is never set on an instance (user data and the agent's config do not know it).
+IAM_RECORD_ENV = "TRAINSTACK_IAM_RECORD"
+INSTANCE_PRINCIPAL = "instance-role"
+_record_lock = threading.Lock()
+_clients_recorded = itertools.count(1)
+
+
+def record_calls(made: Any, principal: str, folder: str) -> None:
+    """Append one JSON line per API call of `made` to FOLDER/<principal>-<pid>.jsonl: the operation and its
+    parameters as the caller passed them (bodies left out), before botocore sends anything."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    path = Path(folder) / f"{principal}-{os.getpid()}.jsonl"
+    service = made.meta.service_model.service_name
+    region = made.meta.region_name
+    # Which client made the call: the check binds each client to the first stack it names (tests/iam).
+    client_id = next(_clients_recorded)
+
+    def record(params: dict[str, Any], model: Any, **_: Any) -> None:
+        line = json.dumps(
+            {
+                "principal": principal,
+                "service": service,
+                "operation": model.name,
+                "region": region,
+                "client": client_id,
+                "params": _plain(params),
+            }
+        )
+        with _record_lock, path.open("a", encoding="utf-8") as out:
+            out.write(line + "\n")
+
+    # provide-client-params: once per API call (not per retry), with the parameters as the caller named them.
+    made.meta.events.register("provide-client-params", record)
+
+
+def _plain(value: Any) -> Any:
+    """Parameters as JSON: payloads (bytes, files, streams) are left out; they never decide an IAM check."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if k != "Body"}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value) if hasattr(value, "isoformat") else f"<{type(value).__name__}>"

@@ -12,10 +12,13 @@ import pulumi_aws as aws
 
 from infra import policies
 
+# The role's document and the group's ARN are pure functions in infra/policies.py (tests/iam evaluates them
+# without importing Pulumi); the names stay importable from here.
+from infra.policies import autoscaling_group_arn as group_arn_pattern
+from infra.policies import capacity_fallback_policy as function_policy
+
 HANDLER = Path(__file__).resolve().parent / "capacity_fallback" / "handler.py"
 SCHEDULE = "rate(5 minutes)"
-# Auto Scaling's Describe* actions take no resource ARN; AWS requires `"Resource": "*"` for them.
-DESCRIBE_ACTIONS = ["autoscaling:DescribeAutoScalingGroups", "autoscaling:DescribeScalingActivities"]
 
 
 @dataclass
@@ -35,36 +38,6 @@ class CapacityFallbackArgs:
     # Created after the group exists, so its first launch failures already reach the function.
     depends_on: list[pulumi.Resource] = field(default_factory=list)
     tags: dict[str, str] = field(default_factory=dict)
-
-
-def group_arn_pattern(*, partition: str, region: str, account_id: str, group_name: str) -> str:
-    """The group's ARN with its generated id left open: the name is fixed before the group exists."""
-    return (
-        f"arn:{partition}:autoscaling:{region}:{account_id}:autoScalingGroup:*:"
-        f"autoScalingGroupName/{group_name}"
-    )
-
-
-def function_policy(*, group_arn: str, log_group_arn: str) -> dict[str, Any]:
-    """The function's role: read its group, change that group only, write its own log group."""
-    return {
-        "Version": "2012-10-17",
-        "Statement": [
-            {"Sid": "ReadTheGroup", "Effect": "Allow", "Action": DESCRIBE_ACTIONS, "Resource": "*"},
-            {
-                "Sid": "SwitchThisGroupsPurchaseOption",
-                "Effect": "Allow",
-                "Action": "autoscaling:UpdateAutoScalingGroup",
-                "Resource": group_arn,
-            },
-            {
-                "Sid": "WriteItsOwnLogs",
-                "Effect": "Allow",
-                "Action": ["logs:CreateLogStream", "logs:PutLogEvents"],
-                "Resource": f"{log_group_arn}:*",
-            },
-        ],
-    }
 
 
 def group_events_pattern(group_name: str) -> dict[str, Any]:

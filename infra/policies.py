@@ -279,6 +279,51 @@ def instance_policy(
     )
 
 
+def autoscaling_group_arn(*, partition: str, region: str, account_id: str, group_name: str) -> str:
+    """The group's ARN with its generated id left open: the name is fixed before the group exists."""
+    return (
+        f"arn:{partition}:autoscaling:{region}:{account_id}:autoScalingGroup:*:"
+        f"autoScalingGroupName/{group_name}"
+    )
+
+
+# Auto Scaling's Describe* actions take no resource ARN; AWS requires `"Resource": "*"` for them.
+CAPACITY_FALLBACK_DESCRIBE_ACTIONS = [
+    "autoscaling:DescribeAutoScalingGroups",
+    "autoscaling:DescribeScalingActivities",
+]
+
+
+def capacity_fallback_policy(*, group_arn: str, log_group_arn: str) -> Document:
+    """The capacity fallback's role: read its group, change that group's purchase option, write its logs.
+
+    No ec2:RunInstances, iam:PassRole or ec2:CreateTags: the function updates the instances distribution
+    only and never names the launch template, and AWS checks those three only for a create or update that
+    does (EC2 Auto Scaling User Guide, "Control Amazon EC2 launch template usage in Auto Scaling groups";
+    infra/capacity_fallback/handler.py, tests/iam).
+    """
+    return _doc(
+        {
+            "Sid": "ReadTheGroup",
+            "Effect": "Allow",
+            "Action": CAPACITY_FALLBACK_DESCRIBE_ACTIONS,
+            "Resource": "*",
+        },
+        {
+            "Sid": "SwitchThisGroupsPurchaseOption",
+            "Effect": "Allow",
+            "Action": "autoscaling:UpdateAutoScalingGroup",
+            "Resource": group_arn,
+        },
+        {
+            "Sid": "WriteItsOwnLogs",
+            "Effect": "Allow",
+            "Action": ["logs:CreateLogStream", "logs:PutLogEvents"],
+            "Resource": f"{log_group_arn}:*",
+        },
+    )
+
+
 def flow_logs_policy(*, log_group_arn: str) -> Document:
     """What the VPC flow-logs service may do: write to its own log group only."""
     return _doc(

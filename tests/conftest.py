@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from demo.moto_server import MOTO_SETTINGS
 from demo.moto_server import moto_server as embedded_moto_server
+from tests.iam import plugin as iam_check
+from tests.tools import pytest_runtest_makereport as pytest_runtest_makereport  # in CI no test skips
 
 # Set before any test makes a boto3 client (importing boto3 reads nothing): no test may find real
 # credentials or reach a real endpoint.
@@ -44,6 +47,21 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> Generator[None, int,
     return cores if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else cores + 1
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The IAM check (tests/iam): every AWS call of the agent, capacity fallback and CLI is recorded."""
+    iam_check.configure(config)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Checks every recorded call against its principal's declared policy; a refusal fails the session."""
+    iam_check.sessionfinish(session)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    iam_check.terminal_summary(terminalreporter, config)
+
+
 @dataclass(frozen=True)
 class MotoServer:
     """A moto server on 127.0.0.1 with a port the OS picked."""
@@ -52,7 +70,8 @@ class MotoServer:
 
     def env(self) -> dict[str, str]:
         """Environment for a subprocess that must talk to this server only."""
-        return {**_ISOLATED_ENV, "AWS_ENDPOINT_URL": self.endpoint_url}
+        # The IAM recording folder travels too: an agent started with this environment is recorded.
+        return {**_ISOLATED_ENV, **iam_check.recording_env(), "AWS_ENDPOINT_URL": self.endpoint_url}
 
 
 @pytest.fixture(scope="session")

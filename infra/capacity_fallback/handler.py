@@ -145,23 +145,19 @@ def read_launches(activities: Iterable[Mapping[str, Any]]) -> list[Launch]:
 
 
 def distribution_update(description: Mapping[str, Any], on_demand_percentage: int) -> dict[str, Any]:
-    """The group's own mixed instances policy with one field changed, as UpdateAutoScalingGroup takes it."""
-    policy = description["MixedInstancesPolicy"]
-    template = policy["LaunchTemplate"]
-    spec = template["LaunchTemplateSpecification"]
-    # Describe returns the template's id and name; Update takes exactly one of them.
-    which = {"LaunchTemplateId": spec["LaunchTemplateId"]} if spec.get("LaunchTemplateId") else {
-        "LaunchTemplateName": spec["LaunchTemplateName"]
-    }  # fmt: skip
-    launch_template: dict[str, Any] = {"LaunchTemplateSpecification": {**which, "Version": spec["Version"]}}
-    if template.get("Overrides"):
-        launch_template["Overrides"] = template["Overrides"]
+    """The group's instances distribution with one field changed, as UpdateAutoScalingGroup takes it.
+
+    Only the distribution is sent, never the launch template: AWS checks the caller for ec2:RunInstances,
+    iam:PassRole on the instance profile's role and ec2:CreateTags only when a create or update names a
+    launch template (EC2 Auto Scaling User Guide, "Control Amazon EC2 launch template usage in Auto Scaling
+    groups"), and the template "is not required when updating the group" (API reference,
+    MixedInstancesPolicy): what the request leaves out stays as it is. So the function's role needs
+    autoscaling:UpdateAutoScalingGroup on its group and nothing that could launch an instance. The whole
+    distribution is sent, not the one field: each of its fields keeps the group's value.
+    """
+    distribution = description["MixedInstancesPolicy"].get("InstancesDistribution", {})
     return {
-        "LaunchTemplate": launch_template,
-        "InstancesDistribution": {
-            **policy.get("InstancesDistribution", {}),
-            "OnDemandPercentageAboveBaseCapacity": on_demand_percentage,
-        },
+        "InstancesDistribution": {**distribution, "OnDemandPercentageAboveBaseCapacity": on_demand_percentage}
     }
 
 

@@ -12,13 +12,17 @@ from typing import Any
 
 import boto3
 import pytest
-from moto.autoscaling.models import autoscaling_backends
+from moto.autoscaling.models import FakeAutoScalingGroup, autoscaling_backends
 from moto.core import DEFAULT_ACCOUNT_ID
 
 from demo.stack import STAND_IN_AMI
 from infra.capacity import HANDLER, function_policy, group_arn_pattern
 from infra.capacity_fallback import handler
 from infra.capacity_fallback.handler import FALL_BACK, RETURN_TO_SPOT, STAY, Settings
+from tests.iam import principals
+from tests.iam.plugin import record_as
+from tests.iam.principals import CAPACITY_FALLBACK
+from tests.iam.requests import Stack
 from tests.infra.program import ACCOUNT_ID, StackRun, example_config, run_stack
 
 FUNCTION = "aws:lambda/function:Function"
@@ -136,6 +140,8 @@ class Fleet:
     """
 
     client: Any
+    # The handler's own client: its calls are recorded as the function's role's, for the IAM check.
+    function_client: Any
     activities: list[dict[str, Any]] = field(default_factory=list)
 
     def settings(self, minutes: int = 15, group: str = GROUP) -> Settings:
@@ -188,11 +194,37 @@ class Fleet:
     def tick(
         self, now: datetime, *, settings: Settings | None = None, event: dict[str, Any] | None = None
     ) -> str:
-        return handler.run(event or {}, self.client, settings or self.settings(), now)["action"]
+        return handler.run(event or {}, self.function_client, settings or self.settings(), now)["action"]
+
+
+def _update_as_aws_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """moto replaces a group's whole mixed instances policy on UpdateAutoScalingGroup (and fails on one
+    without a launch template); AWS changes only what the request names ("Any parameters that you don't
+    specify are not changed"; the launch template "is not required when updating the group")."""
+    update = FakeAutoScalingGroup.update
+
+    def merged(self: FakeAutoScalingGroup, *args: Any, **kwargs: Any) -> None:
+        policy = kwargs.get("mixed_instances_policy")
+        if policy and "LaunchTemplate" not in policy and self.mixed_instances_policy:
+            template = dict(self.mixed_instances_policy["LaunchTemplate"])
+            # moto keeps the template's id and name, and takes only one of them back.
+            spec = template["LaunchTemplateSpecification"]
+            template["LaunchTemplateSpecification"] = {
+                k: v for k, v in spec.items() if k != "LaunchTemplateName"
+            }
+            kwargs["mixed_instances_policy"] = {
+                **self.mixed_instances_policy,
+                **policy,
+                "LaunchTemplate": template,
+            }
+        update(self, *args, **kwargs)
+
+    monkeypatch.setattr(FakeAutoScalingGroup, "update", merged)
 
 
 @pytest.fixture()
-def fleet(aws: Any) -> Iterator[Fleet]:
+def fleet(aws: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
+    _update_as_aws_does(monkeypatch)
     ec2 = boto3.client("ec2", region_name=REGION)
     client = boto3.client("autoscaling", region_name=REGION)
     image = STAND_IN_AMI
@@ -220,13 +252,15 @@ def fleet(aws: Any) -> Iterator[Fleet]:
                 },
             },
         )
-    state = Fleet(client)
+    function_client = record_as(boto3.client("autoscaling", region_name=REGION), CAPACITY_FALLBACK)
+    state = Fleet(client, function_client)
 
     def scaling_activities(params: dict[str, Any], **_: Any) -> Any:
         assert params["body"]["AutoScalingGroupName"] == GROUP, "the handler read another group's activities"
         return _Ok(), {"Activities": list(state.activities)}
 
-    client.meta.events.register("before-call.auto-scaling.DescribeScalingActivities", scaling_activities)
+    for made in (client, function_client):
+        made.meta.events.register("before-call.auto-scaling.DescribeScalingActivities", scaling_activities)
     yield state
 
 
@@ -322,5 +356,44 @@ def test_handler_reads_its_settings_from_the_environment(
     monkeypatch.setenv("GROUP_NAME", GROUP)
     monkeypatch.setenv("FALLBACK_MINUTES", "15")
     monkeypatch.setenv("SPOT_ON_DEMAND_PERCENTAGE", "0")
-    monkeypatch.setattr(handler.boto3, "client", lambda service: fleet.client)
+    monkeypatch.setattr(handler.boto3, "client", lambda service: fleet.function_client)
     assert handler.handler({"source": "aws.events", "detail-type": "Scheduled Event"}, None)["action"] == STAY
+
+
+def test_the_update_names_no_launch_template_so_aws_checks_no_launch_permissions(fleet: Fleet) -> None:
+    # AWS checks ec2:RunInstances, iam:PassRole and ec2:CreateTags only when an update names a launch
+    # template; the function's role has none of them (tests/iam checks the recorded call against it).
+    update = handler.distribution_update(fleet.group(), 100)
+    assert update == {
+        "InstancesDistribution": {
+            **fleet.group()["MixedInstancesPolicy"]["InstancesDistribution"],
+            "OnDemandPercentageAboveBaseCapacity": 100,
+        }
+    }
+
+
+# --- the IAM check evaluates what the program attaches -----------------------------------------------------
+
+
+def test_the_iam_check_evaluates_the_documents_the_program_attaches_to_each_role(
+    example_stack: StackRun,
+) -> None:
+    """tests/iam builds each role's policy from infra/policies.py for a stack's ARNs: for the example stack's
+    ARNs it must be, statement for statement, what the program attaches to the instance and function roles."""
+
+    class ExampleStack(Stack):
+        bucket_arn = "arn:aws:s3:::trainstack-dev-0123456789"
+        key_arn = f"arn:aws:kms:{REGION}:{ACCOUNT_ID}:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+        topic_arn = f"arn:aws:sns:{REGION}:{ACCOUNT_ID}:trainstack-dev-alerts"
+        log_group_arn = f"arn:aws:logs:{REGION}:{ACCOUNT_ID}:log-group:/trainstack/dev"
+
+    stack = ExampleStack("trainstack-dev", REGION, ACCOUNT_ID)
+    attached = {
+        r.name: json.loads(r.inputs["policy"]) for r in example_stack.of_type("aws:iam/rolePolicy:RolePolicy")
+    }
+    assert attached["identity-instance-policy"] == principals.instance_policy(stack)
+    assert attached["capacity-policy"] == principals.capacity_fallback_policy(stack)
+    # ... and the roles the check names as the callers are the program's roles.
+    roles = {r.inputs.get("name") for r in example_stack.of_type("aws:iam/role:Role")}
+    for principal in (principals.INSTANCE, principals.CAPACITY_FALLBACK):
+        assert principals.caller(principal, stack).arn.rsplit("/", 1)[-1] in roles

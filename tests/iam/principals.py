@@ -1,0 +1,79 @@
+"""The policies the program declares, per principal, for one stack: built by the same functions the Pulumi
+program calls (infra/policies.py, infra/capacity.py). tests/iam/test_declared.py runs the program under the
+Pulumi mocks and checks that what it attaches to each role is exactly what these return for its ARNs.
+
+Not modelled: the AWS managed AmazonSSMManagedInstanceCore policy on the instance role (Session Manager's
+ssm/ssmmessages/ec2messages actions; leaving it out can only make the check stricter), the Lambda
+service's own writes to the function's log group, SCPs and permission boundaries (the program declares
+none; an account's SCPs are outside it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from infra import policies
+from tests.iam.evaluate import Caller
+from tests.iam.requests import PARTITION, Stack
+
+INSTANCE = "instance-role"  # bootstrap/aws.py's INSTANCE_PRINCIPAL: the agent on a training instance
+CAPACITY_FALLBACK = "capacity-fallback"  # the Lambda function's role
+CLI = "cli-user"  # the trainstack CLI: the user's own credentials
+
+PRINCIPALS = (INSTANCE, CAPACITY_FALLBACK, CLI)
+
+
+def group_pattern(stack: Stack) -> str:
+    return policies.autoscaling_group_arn(
+        partition=PARTITION, region=stack.region, account_id=stack.account, group_name=stack.group_name
+    )
+
+
+def instance_policy(stack: Stack) -> dict[str, Any]:
+    return policies.instance_policy(
+        bucket_arn=stack.bucket_arn,
+        key_arn=stack.key_arn,
+        topic_arn=stack.topic_arn,
+        log_group_arn=stack.log_group_arn,
+        group_arn_pattern=group_pattern(stack),
+    )
+
+
+def capacity_fallback_policy(stack: Stack) -> dict[str, Any]:
+    return policies.capacity_fallback_policy(
+        group_arn=group_pattern(stack), log_group_arn=f"{stack.log_group_arn}/capacity-fallback"
+    )
+
+
+def caller(principal: str, stack: Stack) -> Caller:
+    role = f"arn:{PARTITION}:iam::{stack.account}:role/{stack.name}"
+    if principal == INSTANCE:
+        return Caller(principal, stack.instance_role_arn, stack.account, [instance_policy(stack)])
+    if principal == CAPACITY_FALLBACK:
+        return Caller(
+            principal, f"{role}-capacity-fallback", stack.account, [capacity_fallback_policy(stack)]
+        )
+    if principal == CLI:
+        # The user's own identity policies are not the program's: only the resources' policies can refuse.
+        return Caller(
+            principal, f"arn:{PARTITION}:iam::{stack.account}:user/trainstack-user", stack.account, None
+        )
+    raise KeyError(f"unknown principal {principal!r}: known are {', '.join(PRINCIPALS)}")
+
+
+def resource_policy(resource: str, stack: Stack) -> tuple[Mapping[str, Any] | None, bool]:
+    """The policy the resource itself carries (bucket, key), and whether it is a key policy."""
+    if resource == stack.bucket_arn or resource.startswith(f"{stack.bucket_arn}/"):
+        return policies.bucket_policy(bucket_arn=stack.bucket_arn, key_arn=stack.key_arn), False
+    if resource == stack.key_arn:
+        logs = f"arn:{PARTITION}:logs:{stack.region}:{stack.account}:log-group:/trainstack/{stack.name}*"
+        return (
+            policies.key_policy(
+                partition=PARTITION, account_id=stack.account, region=stack.region, log_group_arns_like=logs
+            ),
+            True,
+        )
+    if resource.startswith(f"arn:{PARTITION}:kms:"):
+        return None, True  # another key: its policy is not the program's, so nothing allows it
+    return None, False
