@@ -28,8 +28,9 @@ from s3transfer.subscribers import BaseSubscriber
 
 from bootstrap.eventlog import EventLog
 from training.dataset_layout import is_hidden
+from trainstack_job.contract import SYNC_MANIFEST
 
-MANIFEST_NAME = ".trainstack-sync.json"
+MANIFEST_NAME = SYNC_MANIFEST
 TOOLS = ("s5cmd", "aws", "boto3")
 # Many small image files: throughput comes from concurrency, not from the size of each request.
 CONCURRENCY = 64

@@ -39,6 +39,10 @@ ISOLATED_ENV = {
 INTERRUPT_AT_FRACTION = 0.4
 STOPPED_AT = re.compile(r"stopped at step (\d+)")
 LIFE_TIMEOUT_S = 420
+# A heterogeneous fleet, as the default instanceTypes make it: an L4 (bf16) life, then a T4 (fp16 with a loss
+# scaler) replacement. On a CPU the agent's device profile makes the trainer use each GPU's precision.
+FIRST_TYPE = "g6.xlarge"
+REPLACEMENT_TYPE = "g4dn.xlarge"
 
 
 @dataclass
@@ -80,6 +84,10 @@ class DemoResult:
     bucket: str = ""
     workdir: Path = Path(".demo")
     job_name: str | None = None  # a user's job (`--job`); None = the built-in trainer
+    # Per life: the agent's device-profile line ("device profile g6.xlarge: 1x L4 24 GiB, bf16").
+    devices: list[str] = field(default_factory=list)
+    # The trainer's line on what the checkpoint resumed as ("... precision bf16 -> fp16, fresh loss scaler").
+    resumed_as: str = ""
 
 
 def _validate_user_data(path: Path) -> str:
@@ -210,7 +218,8 @@ class Demo:
         env = {**ISOLATED_ENV, "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]}
         first_id = stack.instance_ids()[0]
         with ImdsSimulator(
-            SimulatedInstance(instance_id=first_id), lifecycle_state=stack.lifecycle_state
+            SimulatedInstance(instance_id=first_id, instance_type=FIRST_TYPE),
+            lifecycle_state=stack.lifecycle_state,
         ) as imds:
             env["AWS_EC2_METADATA_SERVICE_ENDPOINT"] = imds.endpoint
             result.instance_ids.append(first_id)
@@ -219,7 +228,7 @@ class Demo:
             result.instance_ids.append(second_id)
             imds.clear_events()
             imds.instance = SimulatedInstance(
-                instance_id=second_id, instance_type="g5.xlarge", availability_zone="us-east-1b"
+                instance_id=second_id, instance_type=REPLACEMENT_TYPE, availability_zone="us-east-1b"
             )
             result.instance2_booted_at = time.time()
             result.exit_codes.append(self._life("instance-2", stack, user_data, bundle.sha256, env, None))
@@ -251,6 +260,10 @@ class Demo:
         run = boot_agent(name, code_root, config, env, self._echo, self._echo_trainer)
         code = self._watch(run, scratch / "scratch", interrupt, stack)
         time.sleep(0.3)  # let the output pump drain the last lines
+        profile = run.find("device profile")
+        self.result.devices.append(str(profile[1]["message"]) if profile else "no device profile")
+        resumed = next((line for _, line in run.trainer_lines if "resumes as" in line), "")
+        self.result.resumed_as = self.result.resumed_as or resumed.split(" INFO ", 1)[-1]
         if interrupt is not None:
             seen = next((t for t, e in run.events if e.get("stage") == "interruption"), None)
             self.result.notice_seen_at = seen or 0.0

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from training.faults import fault_point
+from trainstack_job.context import CheckpointContext
 from trainstack_job.layout import (
     LATEST,
     MANIFEST,
@@ -62,6 +63,11 @@ class Restored:
     step: int
     directory: Path
     manifest: dict[str, Any]
+
+    @property
+    def context(self) -> CheckpointContext | None:
+        """What wrote it (manifest.json "context"); None for a checkpoint from before contexts."""
+        return CheckpointContext.from_dict(self.manifest.get("context"))
 
     def load_state(self) -> dict[str, Any]:
         # weights_only: a checkpoint from S3 is data, never code.
@@ -116,9 +122,17 @@ class CheckpointManager:
     # -- saving ---------------------------------------------------------------------------------------
 
     def save(
-        self, state: dict[str, Any], *, step: int, epoch: int, world_size: int, config_hash: str
+        self,
+        state: dict[str, Any],
+        *,
+        step: int,
+        epoch: int,
+        world_size: int,
+        config_hash: str,
+        context: CheckpointContext | None = None,
     ) -> Path:
-        """Write step-<N> atomically (staging directory, manifest last, rename); returns the directory."""
+        """Write step-<N> atomically (staging directory, manifest last, rename); returns the directory.
+        `context` goes into the manifest, readable without loading the state (the CLI, users' jobs)."""
         started = time.monotonic()
         name = step_dir_name(step)
         tmp = self.root / f".{name}.tmp-{os.getpid()}"
@@ -135,6 +149,7 @@ class CheckpointManager:
                 "epoch": epoch,
                 "world_size": world_size,
                 "config_hash": config_hash,
+                **({"context": context.to_dict()} if context is not None else {}),
                 "written_at": now_iso(),
                 "files": {STATE: {"sha256": sha256_file(tmp / STATE), "size": (tmp / STATE).stat().st_size}},
             }

@@ -49,8 +49,11 @@ from training.metrics import EpochResult, History
 from training.model import build_model
 from training.precision import PrecisionPlan, choose_precision, resolve_device
 from training.progress import ProgressReporter
+from training.resume import check_resumable, load_scaler, saved_context, source_hash
 from training.stop import AutoDeadline, Deadline, StopRequest
-from trainstack_job.contract import ExitCode
+from trainstack_job.context import CheckpointContext, environment_context
+from trainstack_job.contract import ExitCode, JobEnv
+from trainstack_job.layout import step_dir_name
 
 log = logging.getLogger("training")
 
@@ -168,7 +171,10 @@ class Trainer:
         device = resolve_device(t.device)
         self.world = dist_utils.init_world(device.type)
         self.device = torch.device("cuda", self.world.local_rank) if device.type == "cuda" else device
-        self.precision: PrecisionPlan = choose_precision(t.precision, self.device)
+        # `auto` on a CPU follows the agent's device profile (a simulated T4 trains in fp16, an L4 in bf16).
+        self.precision: PrecisionPlan = choose_precision(
+            t.precision, self.device, os.environ.get(JobEnv.PRECISION.value)
+        )
         self.train_set = SeededImageFolder(
             config.data.train_dir, train_transform(config.data.image_size), t.seed
         )
@@ -196,6 +202,7 @@ class Trainer:
         self.config_hash = config.optimisation_hash()
         self.output_dir = Path(config.output.dir)
         self._restored_from = ""  # the checkpoint.dir restored from (maybe another machine's), for the log
+        self._context: CheckpointContext | None = None
 
     @property
     def checkpoints(self) -> CheckpointManager:
@@ -322,10 +329,62 @@ class Trainer:
                 self._restored_from,
             )
 
+    def context(self) -> CheckpointContext:
+        """This life's context, saved with every checkpoint (the batch plan must be made: it is part of it).
+        The same for the whole life: the data, code and device do not change under a running trainer."""
+        if self._context is None:
+            env = environment_context(os.environ, [Path(self.config.data.train_dir).parent])
+            on_gpu = self.device.type == "cuda"
+            gpu_model, gpu_count = env.gpu_model, env.gpu_count
+            if on_gpu and gpu_model is None:
+                gpu_model, gpu_count = torch.cuda.get_device_name(self.device), torch.cuda.device_count()
+            self._context = CheckpointContext(
+                job_id=env.job_id,
+                code_hash=env.code_hash or source_hash(),
+                dataset_version=env.dataset_version,
+                instance_type=env.instance_type,
+                device=self.device.type,
+                gpu_model=gpu_model,
+                gpu_count=gpu_count,
+                emulated=not on_gpu and (gpu_model is not None or self.precision.emulated),
+                precision=self.precision.precision,
+                loss_scaling=self.precision.needs_scaler,
+                world_size=self.world.size,
+                global_batch=self.plan.global_batch,
+                micro_batch=self.plan.micro_batch,
+                accumulation=self.plan.accumulation,
+                torch=str(torch.__version__),  # a str: TorchVersion does not load weights-only
+                cuda=torch.version.cuda if on_gpu else None,
+                model=self.config.model.name,
+                optimizer=type(self.optimizer).__name__,
+            )
+        return self._context
+
+    def _precision_line(self) -> str:
+        """`precision fp16 (device profile g4dn.xlarge: 1x T4; emulated: fp32 math ...)`: which and why."""
+        plan, context = self.precision, self.context()
+        why = plan.source
+        if plan.source == "the device profile":
+            gpus = f"{context.gpu_count or 1}x {context.gpu_model}"
+            why = f"device profile {context.instance_type or '?'}: {gpus}"
+        return f"precision {plan.precision} ({'; '.join(filter(None, [why, plan.emulation()]))})"
+
     def _load(self, saved: dict[str, Any]) -> None:
+        # Checked before anything is loaded: a refused checkpoint leaves no half-loaded model behind.
+        before, now = saved_context(saved), self.context()
+        check_resumable(saved, before, now, self.raw_model.state_dict(), self.train_set.classes)
         self.raw_model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
-        self.scaler.load_state_dict(saved["scaler"])
+        scaler_note = load_scaler(self.scaler, saved)
+        changed = before.differences(now)
+        if self.world.is_main and (changed or scaler_note):
+            log.info(
+                "checkpoint %s (%s) resumes as %s: %s",
+                step_dir_name(int(saved["train"]["global_step"])),
+                before.describe(),
+                now.describe(),
+                ", ".join([*changed, scaler_note] if scaler_note else changed),
+            )
         self.state = TrainState(**saved["train"])
         self.history = History.from_state(saved["history"])
         restore_rng(saved["rng"])
@@ -348,6 +407,7 @@ class Trainer:
                 "world_size": self.world.size,
             },
             "precision": self.precision.precision,
+            "context": self.context().to_dict(),
             "classes": self.train_set.classes,
             "skipped_files": self.skipped_files.to_state(),
         }
@@ -462,7 +522,7 @@ class Trainer:
                 config.model.name,
                 self.device.type,
                 self.world.size,
-                self.precision.precision,
+                self._precision_line(),
                 self.plan.global_batch,
                 self.world.size,
                 self.plan.accumulation,
@@ -672,6 +732,7 @@ class Trainer:
             epoch=self.state.epoch,
             world_size=self.world.size,
             config_hash=self.config_hash,
+            context=self.context(),
         )
         return time.monotonic() - started
 

@@ -12,6 +12,7 @@ docs/job-contract.md describes the contract; trainstack_job.lightning and trains
 framework callbacks (imported only by the scripts that use them).
 """
 
+from trainstack_job.context import CheckpointContext
 from trainstack_job.job import Checkpoint, Job
 
-__all__ = ["Checkpoint", "Job"]
+__all__ = ["Checkpoint", "CheckpointContext", "Job"]

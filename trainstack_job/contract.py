@@ -51,6 +51,16 @@ class JobEnv(str, Enum):
     NODE_ADDR = "TRAINSTACK_NODE_ADDR"
     NODE_EXIT_FILE = "TRAINSTACK_NODE_EXIT_FILE"
     RDZV_JOIN_TIMEOUT = "TRAINSTACK_RDZV_JOIN_TIMEOUT"
+    # What this life runs as, recorded in every checkpoint's context (trainstack_job/context.py): the job's
+    # id, the code bundle's sha256, and the instance's device profile (bootstrap/devices.py): its type, GPU
+    # model, GPUs, memory per GPU in GiB, and the precision that GPU trains in (bf16, or fp16 on T4/V100).
+    JOB_ID = "TRAINSTACK_JOB_ID"
+    CODE_HASH = "TRAINSTACK_CODE_HASH"
+    INSTANCE_TYPE = "TRAINSTACK_INSTANCE_TYPE"
+    GPU_MODEL = "TRAINSTACK_GPU_MODEL"
+    GPU_COUNT = "TRAINSTACK_GPU_COUNT"
+    GPU_MEMORY_GIB = "TRAINSTACK_GPU_MEMORY_GIB"
+    PRECISION = "TRAINSTACK_PRECISION"
 
 
 # Files inside a job's checkpoint directory (trainstack_job/layout.py reads and writes them).
@@ -66,6 +76,9 @@ PROGRESS = "progress.json"
 PROGRESS_UPDATED_AT = "updated_at"
 CONTROL = "control.json"
 DATA_MANIFEST = "data-manifest.json"
+# Beside a synced dataset on the instance (bootstrap/datasync.py): key -> [size, ETag] of every object synced;
+# its hash is the dataset version a checkpoint's context records (trainstack_job/context.py).
+SYNC_MANIFEST = ".trainstack-sync.json"
 
 
 class BucketPrefix(str, Enum):
@@ -132,6 +145,8 @@ class StackOutput(str, Enum):
     KMS_KEY_ARN = "kms_key_arn"
     DASHBOARD_URL = "dashboard_url"
     SSM_SESSION_COMMAND = "ssm_session_command"
+    # Only when trainstack:drill is on: the AWS FIS experiment template `trainstack drill` starts.
+    DRILL_TEMPLATE_ID = "drill_template_id"
 
 
 # What resumes a job the agent scaled to zero (stopped, cost cap, failed, no data): never `pulumi up` alone.

@@ -7,6 +7,7 @@ from the TRAINSTACK_* variables; without them (a workstation) checkpoints go to 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
+from trainstack_job.context import CheckpointContext, environment_context
 from trainstack_job.contract import PROGRESS_UPDATED_AT, ExitCode, JobEnv
 from trainstack_job.layout import (
     LATEST,
@@ -46,6 +48,13 @@ class Checkpoint:
     directory: Path
     manifest: dict[str, Any]
 
+    @property
+    def context(self) -> CheckpointContext | None:
+        """What wrote it (job, code, dataset, instance, GPU, precision, ...): compare it with
+        `job.checkpoint_context()` to adapt, e.g. `context.precision != job.precision`. None when the
+        checkpoint was written without one."""
+        return CheckpointContext.from_dict(self.manifest.get("context"))
+
 
 class Job:
     """A training job's side of the contract. Build it with `Job.from_env()`."""
@@ -61,6 +70,7 @@ class Job:
         progress_file: Path | None = None,
         restored_step: int | None = None,
         keep: int = DEFAULT_KEEP,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1 (the newest checkpoint), got {keep}")
@@ -72,6 +82,8 @@ class Job:
         self.progress_file = progress_file
         self.restored_step = restored_step
         self.keep = keep
+        # What the agent said about this life (job id, device profile, ...), for checkpoint contexts.
+        self._environ = dict(os.environ if environ is None else environ)
         self._stop_requested = False
         self._stop_reason = ""
         self._watching_signals = False
@@ -99,11 +111,26 @@ class Job:
             progress_file=path(JobEnv.PROGRESS_FILE),
             restored_step=int(restored) if restored.isdigit() else None,
             keep=keep,
+            environ=env,
         )
         job.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         job.output_dir.mkdir(parents=True, exist_ok=True)
         job.watch_signals()
         return job
+
+    @property
+    def precision(self) -> str | None:
+        """The precision this instance's GPU trains in ("bf16", or "fp16" with a loss scaler on T4/V100),
+        from the agent's device profile; None when the agent does not know the type (or no agent)."""
+        return self._environ.get(JobEnv.PRECISION.value) or None
+
+    def checkpoint_context(self, **fields: Any) -> CheckpointContext:
+        """This life's context as `save_checkpoint` records it: what the agent says (job id, code hash,
+        instance type, GPU model and count, the profile's precision), the synced dataset's version, torch's
+        versions when the job imported torch, and `fields` on top, e.g. `precision="fp16", model="gpt2",
+        optimizer="AdamW", world_size=8, micro_batch=16, accumulation=4`."""
+        base = environment_context(self._environ, [self.data_dir])
+        return dataclasses.replace(base, **fields)
 
     @property
     def managed(self) -> bool:
@@ -162,11 +189,13 @@ class Job:
     # -- checkpoints --------------------------------------------------------------------------------
 
     @contextmanager
-    def save_checkpoint(self, step: int, *, epoch: int | None = None) -> Iterator[Path]:
+    def save_checkpoint(
+        self, step: int, *, epoch: int | None = None, context: CheckpointContext | None = None
+    ) -> Iterator[Path]:
         """Write the files of step `step` into the directory this yields; on leaving the block they are
-        committed as `step-<step>/` (manifest with sha256, rename, `latest.json`) and steps beyond `keep`
-        are pruned. If the block raises, nothing is committed. A step already committed intact is kept
-        as it is (the same step holds the same state)."""
+        committed as `step-<step>/` (manifest with sha256 and `context`, default `checkpoint_context()`,
+        rename, `latest.json`) and steps beyond `keep` are pruned. If the block raises, nothing is
+        committed. A step already committed intact is kept as it is (the same step holds the same state)."""
         if step < 0:
             raise ValueError(f"a checkpoint step is a non-negative integer, got {step}")
         answering_request = self.checkpoint_requested()
@@ -176,14 +205,14 @@ class Job:
         staging.mkdir(parents=True)
         try:
             yield staging
-            self._commit(staging, step, epoch)
+            self._commit(staging, step, epoch, context or self.checkpoint_context())
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         if answering_request and self.checkpoint_request_file is not None:
             self.checkpoint_request_file.unlink(missing_ok=True)
         self._prune()
 
-    def _commit(self, staging: Path, step: int, epoch: int | None) -> None:
+    def _commit(self, staging: Path, step: int, epoch: int | None, context: CheckpointContext) -> None:
         final = self.checkpoint_dir / step_dir_name(step)
         if final.exists():
             if verify_dir(final)[0] is not None:
@@ -193,7 +222,7 @@ class Job:
             shutil.rmtree(aside, ignore_errors=True)
             final.rename(aside)
             shutil.rmtree(aside, ignore_errors=True)
-        manifest = build_manifest(staging, step=step, extra={"epoch": epoch})
+        manifest = build_manifest(staging, step=step, extra={"epoch": epoch, "context": context.to_dict()})
         # The files reach the disk before the manifest that vouches for them.
         for path in staging.rglob("*"):
             if path.is_file():

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.iam.plugin import recording_env
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -19,7 +21,8 @@ def run_demo(tmp_path: Path, *extra: str) -> str:
         capture_output=True,
         text=True,
         timeout=240,
-        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"},
+        # The IAM recording folder (tests/iam) too: the demo's agents inherit it and record their calls.
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", **recording_env()},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
@@ -31,14 +34,23 @@ def test_demo_resumes_after_a_spot_interruption_with_zero_steps_lost_and_scales_
     tmp_path: Path,
 ) -> None:
     output = run_demo(tmp_path)
-    for check in ("steps lost = 0", "instance 2 resumed at the checkpoint step", "group scaled to zero"):
+    for check in (
+        "steps lost = 0",
+        "instance 2 resumed at the checkpoint step",
+        "instance 2 resumed across precisions",
+        "group scaled to zero",
+    ):
         assert f"PASS {check}" in output, output[-4000:]
     assert "FAIL" not in output
     # Piped output is not cut at 80 columns: whole artifact names, whole lines.
     assert "s3://trainstack-demo-data/results/metrics.json" in output
     assert "…" not in output
     cost = next(line for line in output.splitlines() if "estimated cost" in line)
-    assert "at simulated spot prices (g6.xlarge $0.38/h, g5.xlarge $0.44/h)" in cost
+    assert "at simulated spot prices (g6.xlarge $0.38/h, g4dn.xlarge $0.22/h)" in cost
+    # An L4 life in bf16, a T4 replacement in fp16 (the device profiles on this CPU), one resume across.
+    assert "device profile g6.xlarge: 1x L4 24 GiB, bf16" in output
+    assert "device profile g4dn.xlarge: 1x T4 16 GiB, fp16" in output
+    assert "precision bf16 -> fp16, fresh fp16 loss scaler" in output
     assert "$0.0000 " not in cost
     assert (tmp_path / "demo" / "timeline.png").stat().st_size > 10_000
     assert (tmp_path / "demo" / "user-data.yaml").read_text().startswith("#cloud-config")

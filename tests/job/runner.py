@@ -1,9 +1,11 @@
-"""Runs a job script the way the agent does: contract variables set, a stop file touched mid-run."""
+"""Runs a job script the way the agent does: contract variables set, a stop file touched mid-run (the job
+held at that step until the stop arrives: tests/job/hold_at_step.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,15 +13,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.job.hold_at_step import HOLD_ENV
 from trainstack_job.contract import JobEnv
 
 REPO = Path(__file__).resolve().parents[2]
+HOLD = Path(__file__).with_name("hold_at_step.py")
 
 
 @dataclass(frozen=True)
 class Run:
     returncode: int
     output: str
+
+    @property
+    def held_at(self) -> int | None:
+        """The step the job was held at until its stop arrived (hold_at_step.py), if it was."""
+        found = re.search(r"^test hold: at step (\d+) until the stop arrives$", self.output, re.MULTILINE)
+        return int(found.group(1)) if found else None
 
 
 class JobSandbox:
@@ -65,14 +75,20 @@ class JobSandbox:
         env: dict[str, str] | None = None,
     ) -> Run:
         """Run `python argv...`; with `stop_at_step`, touch the stop file (or send SIGTERM) once progress
-        reaches it."""
+        reaches it. The job is held at the first step it reports from there until the stop arrives, so the
+        stop lands at that step however fast this machine is (`Run.held_at` names it)."""
         self.stop_file.unlink(missing_ok=True)
         self.progress_file.unlink(missing_ok=True)
         log = self.root / f"run-{time.monotonic_ns()}.log"
         deadline = time.monotonic() + timeout
         with log.open("w") as sink:
+            extra = dict(env or {})
+            command = [sys.executable, *argv]
+            if stop_at_step is not None:
+                extra[HOLD_ENV] = str(stop_at_step)
+                command = [sys.executable, str(HOLD), *argv]
             process = subprocess.Popen(
-                [sys.executable, *argv], cwd=cwd, env=self.env(env), stdout=sink, stderr=subprocess.STDOUT
+                command, cwd=cwd, env=self.env(extra), stdout=sink, stderr=subprocess.STDOUT
             )
             try:
                 while process.poll() is None and time.monotonic() < deadline:
