@@ -26,6 +26,7 @@ from bootstrap.rendezvous import Membership, Rendezvous
 from bootstrap.stops import StopRequests
 from bootstrap.supervisor import Supervisor, TrainerExit
 from bootstrap.trainer import TrainerPaths, TrainerProcess
+from training.launch import LISTEN_FD_ENV
 from trainstack_job.contract import ExitCode, JobStatus, NodeExit
 
 
@@ -143,12 +144,19 @@ class Generations:
                 continue
             generation = membership.generation
             self.job.record(_in_generation(generation.number))
-            trainer.update_env(nodes.trainer_env(membership))
-
-            if not self.stops.launch(functools.partial(self._start, trainer, membership, restored)):
-                # The last generation ended with every rank's checkpoint committed: nothing new here.
-                return int(ExitCode.STOPPED)
-            code = self.supervisor.supervise(trainer, persister, watch_silent=False)
+            try:
+                trainer.update_env(nodes.trainer_env(membership))
+                if not self.stops.launch(functools.partial(self._start, trainer, membership, restored)):
+                    # The last generation ended with every rank's checkpoint committed: nothing new here.
+                    return int(ExitCode.STOPPED)
+                # Every start in this generation (the stall watchdog's restart included) passes the store's
+                # socket on: the agent keeps its copy until the trainer is done with the generation.
+                code = self.supervisor.supervise(trainer, persister, watch_silent=False)
+            finally:
+                # The generation is over here whichever way it ended: no socket outlives it, and no later
+                # start can pass on an fd number the agent may have reused for something else.
+                nodes.end_generation()
+                trainer.update_env({LISTEN_FD_ENV: ""})
             ended = nodes.node_exit()
             if code == ExitCode.COMPLETED:
                 # Global rank 0's node owns the results and the job's completion; the others end quietly

@@ -2,7 +2,9 @@
 
 The agent on every node restores, syncs and supervises as for one node; what is added (docs/multi-node.md):
 - before each launch the node joins a generation through S3 (bootstrap/rendezvous.py) and hands the
-  trainer that generation's c10d endpoint, run id and node bounds (trainstack_job.contract.JobEnv);
+  trainer that generation's c10d endpoint, run id and node bounds (trainstack_job.contract.JobEnv); on the
+  node that hosts it, also the store's listening socket (LISTEN_FD_ENV), which the agent holds until the
+  generation ends here (`end_generation`), so every start of the trainer in it gets the socket;
 - training/launch.py writes what its ranks did into the node exit file (trainstack_job.contract.NodeExit):
   the agent reads the step they stopped at (to confirm that step in S3 before an interrupted node goes),
   whether global rank 0 ran here (that node owns the job's results and its completion) and whether the
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bootstrap.rendezvous import Membership, Rendezvous
+from training.launch import LISTEN_FD_ENV
 from trainstack_job.contract import JobEnv, NodeExit
 
 # How long a node waits in a rendezvous for `min_nodes` (a replacement's boot, sync and restore included).
@@ -58,7 +61,16 @@ class NodeGroup:
         return membership
 
     def trainer_env(self, membership: Membership) -> dict[str, str]:
+        """The trainer's rendezvous variables for this generation (TrainerProcess.start passes the store's
+        socket on with them). LISTEN_FD_ENV is always set, empty on a client, because a trainer's variables
+        are updated, never cleared: a host of the generation before must not pass a closed fd on."""
         generation = membership.generation
+        listen_fd = ""
+        if membership.is_host:
+            listener = self.rendezvous.listener(generation)
+            if listener is None:  # `join` returns a hosted generation only with its socket held
+                raise RuntimeError(f"generation {generation.number}: hosted here without its store's socket")
+            listen_fd = str(listener.fileno())
         return {
             JobEnv.RDZV_ENDPOINT.value: generation.endpoint,
             JobEnv.RDZV_ID.value: generation.run_id,
@@ -67,7 +79,18 @@ class NodeGroup:
             JobEnv.NODE_ADDR.value: self.address,
             JobEnv.NODE_EXIT_FILE.value: str(self.exit_file),
             JobEnv.RDZV_JOIN_TIMEOUT.value: f"{self.join_timeout_seconds:g}",
+            LISTEN_FD_ENV: listen_fd,
         }
+
+    def end_generation(self) -> None:
+        """This node's trainer is done with the generation: close the store's socket it hosted (if any).
+
+        Not at the trainer's start: the stall watchdog (bootstrap/supervisor.py) may start it again in the
+        same generation, and that launcher needs the same socket: the endpoint the other nodes dial cannot
+        change within a generation. torch elastic's own restarts need nothing here: they happen inside the
+        launcher, whose store (and socket) lives on. Held past the trainer's exit, the socket would only let
+        late dialers queue in its backlog instead of being refused, so it goes as the generation ends."""
+        self.rendezvous.close_listener()
 
     def node_exit(self) -> NodeExit | None:
         return NodeExit.read(self.exit_file)
@@ -76,6 +99,7 @@ class NodeGroup:
         self.rendezvous.heartbeat(self.last_generation)
 
     def leave(self) -> None:
+        """Out of the rendezvous: the node file, and the store's socket if this node still holds one."""
         self.rendezvous.leave()
 
 

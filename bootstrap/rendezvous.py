@@ -6,6 +6,11 @@ Why S3, and why generations (docs/multi-node.md):
   users to run. Every node here can be interrupted, the one hosting the rendezvous included.
 - A generation is one elastic run of the trainer. Its c10d store lives in that generation's host agent (the
   host's launcher serves it) and dies with it; nobody needs it afterwards.
+- The store's port is never free between being published and being served: the host binds port 0 on its
+  address and listens before it proposes the generation, publishes the port it got, and keeps the socket
+  for as long as it hosts that generation; its launcher serves the store on that very socket (inherited,
+  training/launch.py LISTEN_FD_ENV). A port probed free and closed could be taken by any process in
+  between, and a peer dialling the endpoint early waits in the listen backlog instead of being refused.
 - Any membership change by interruption ends the generation: the interrupted node's notice stops every rank
   of every node at one step through the trainer's coordinated stop. The survivors then call `join` with the
   generation they ran in; they all want generation + 1 and the first writer hosts it (an S3 conditional
@@ -18,7 +23,8 @@ Why S3, and why generations (docs/multi-node.md):
 Keys under the job's state prefix:
 - `nodes/<instance_id>.json`: {"instance_id", "address", "heartbeat_at" (epoch s), "generation" (the one
   this node last launched in, or null)}. Only its own node writes it (plain puts); `leave` deletes it.
-- `rendezvous.json`: the current generation, {"generation", "host_id", "endpoint" ("address:port"),
+- `rendezvous.json`: the current generation, {"generation", "host_id", "endpoint" ("address:port": the
+  port of a socket the host was already listening on when it wrote the record),
   "run_id" ("<stack>-g<generation>"), "created_at", "min_nodes", "max_nodes"}. Only ever written with
   If-None-Match: * (the first) or If-Match: <the ETag read> (every later one).
 
@@ -129,17 +135,28 @@ def _node_file(raw: Any, instance_id: str | None = None) -> dict[str, Any] | Non
     return raw
 
 
-def free_port(address: str) -> int:
-    """A TCP port free on `address` now.
+def listen(address: str) -> socket.socket:
+    """A TCP socket on `address`, bound to a port the OS picked and listening: the c10d store's socket for a
+    generation this node proposes. Python makes it non-inheritable (PEP 446), so only the trainer it is
+    passed to (subprocess's pass_fds) gets a copy, never another child of the agent."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((address, 0))
+        # Every node's launcher dials the store once per rendezvous round; SOMAXCONN lets a whole group
+        # that read the record before the store serves wait in the backlog rather than be refused.
+        listener.listen(socket.SOMAXCONN)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
 
-    The socket is closed before the host's launcher binds the port for its c10d store, so another process
-    could take it in between. That race is small (the kernel hands out ephemeral ports in turn) and not
-    fatal: the store fails to start, the generation never forms, and the agent tries the next generation
-    with a new port.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((address, 0))
-        return int(probe.getsockname()[1])
+
+@dataclass(frozen=True)
+class _Hosting:
+    """The listening socket behind an endpoint this node published (or is about to)."""
+
+    endpoint: str
+    listener: socket.socket
 
 
 class Rendezvous:
@@ -158,7 +175,6 @@ class Rendezvous:
         max_nodes: int,
         stale_seconds: float,
         now: Callable[[], float] = time.time,
-        port: Callable[[str], int] = free_port,
         attempts: int = JOIN_ATTEMPTS,
     ) -> None:
         self._s3 = s3
@@ -171,13 +187,15 @@ class Rendezvous:
         self.max_nodes = max_nodes
         self.stale_seconds = stale_seconds
         self._now = now
-        self._port = port
         self._attempts = attempts
         # The generations this object proposed. A record naming this instance as host but not proposed here
         # was written by an earlier agent on this instance (systemd restarted it): that agent's launcher,
         # and the c10d store in it, died with it, so the record is dead even though this node is alive.
         # One proposed here is live even if its write looked lost (a retried put answered 412).
         self._proposed: set[tuple[int, str]] = set()
+        # The socket of the generation this node hosts (or of the proposal of the join under way). A store
+        # can only be served on it, so a generation of this node's is alive exactly while it is held.
+        self._hosting: _Hosting | None = None
 
     @property
     def record_key(self) -> str:
@@ -208,8 +226,34 @@ class Rendezvous:
 
     def leave(self) -> None:
         """Remove this node's file: no one joins a generation it hosts from now on (S3 deletes are
-        idempotent, so leaving twice is fine)."""
+        idempotent, so leaving twice is fine). The store's socket goes first: closing it is local and must
+        happen even when S3 cannot be reached."""
+        self.close_listener()
         self._s3.delete_object(Bucket=self.bucket, Key=self.node_key(self.instance_id))
+
+    # -- the store's socket -------------------------------------------------------------------------
+
+    def listener(self, generation: Generation) -> socket.socket | None:
+        """The listening socket of `generation` if this node hosts it and still holds it, else None."""
+        hosting = self._hosting
+        if hosting is None or hosting.endpoint != generation.endpoint or hosting.listener.fileno() < 0:
+            return None
+        return hosting.listener
+
+    def close_listener(self) -> None:
+        """Close the socket of the generation this node hosted: the generation is over here (its trainer
+        exited, or this node leaves). The launcher's own copy, if it still runs, keeps the store up."""
+        hosting, self._hosting = self._hosting, None
+        if hosting is not None:
+            hosting.listener.close()
+
+    def _endpoint(self) -> str:
+        """The endpoint of this join's proposals: one socket for all of them (a proposal whose answer was
+        lost may have been written, and a later read of it must find its socket still here)."""
+        if self._hosting is None:
+            listener = listen(self.address)
+            self._hosting = _Hosting(f"{self.address}:{listener.getsockname()[1]}", listener)
+        return self._hosting.endpoint
 
     # -- the other nodes ----------------------------------------------------------------------------
 
@@ -266,7 +310,8 @@ class Rendezvous:
 
     def _host_alive(self, generation: Generation) -> bool:
         if generation.host_id == self.instance_id:
-            return (generation.number, generation.endpoint) in self._proposed
+            proposed = (generation.number, generation.endpoint) in self._proposed
+            return proposed and self.listener(generation) is not None
         return self.node(generation.host_id) is not None
 
     def _floor(self) -> int:
@@ -282,38 +327,49 @@ class Rendezvous:
         The record's generation if it is newer than `last_generation` (the one this node last launched in)
         and its host is alive; otherwise a new generation hosted here, written conditionally. A lost race
         re-reads and decides again, so of several nodes proposing at once one hosts and the others join it.
+        A generation hosted here comes with its store's socket, bound and listening before the record
+        names its port, held until the next join, `close_listener` or `leave` (see `listener`).
         """
-        # Alive before any record can name this node: another node may read the record the moment it is
-        # written, and would take this node for dead if its file were missing or old.
-        self.heartbeat(last_generation)
+        # Asked between generations only (this node's trainer has exited): a store it hosted is over.
+        self.close_listener()
+        try:
+            # Alive before any record can name this node: another node may read the record the moment it
+            # is written, and would take this node for dead if its file were missing or old.
+            self.heartbeat(last_generation)
+            membership = self._decide(last_generation)
+            if not membership.is_host:
+                self.close_listener()  # every proposal of this join lost: its port goes back
+            self.heartbeat(membership.generation.number)
+        except BaseException:
+            self.close_listener()
+            raise
+        return membership
+
+    def _decide(self, last_generation: int | None) -> Membership:
         for _ in range(self._attempts):
             raw, etag = self._get(self.record_key)
             record = Generation.from_record(raw)
             if record is not None and record.number > (last_generation or 0) and self._host_alive(record):
-                membership = Membership(record, record.host_id == self.instance_id)
-                break
+                return Membership(record, record.host_id == self.instance_id)
             # An object there that is not a record: replaced by this proposal if it wins, and reported.
             repaired = None
             if record is None and etag is not None:
                 repaired = f"{self._uri(self.record_key)} was not a generation record; replaced"
             number = max(record.number if record is not None else self._floor(), last_generation or 0) + 1
+            # Bound and listening before the record names it: the published port is already this node's.
             proposal = Generation(
                 number=number,
                 host_id=self.instance_id,
-                endpoint=f"{self.address}:{self._port(self.address)}",
+                endpoint=self._endpoint(),
                 run_id=f"{self.stack}-g{number}",
                 created_at=self._now(),
                 min_nodes=self.min_nodes,
                 max_nodes=self.max_nodes,
             )
             if self._propose(proposal, etag):
-                membership = Membership(proposal, True, repaired)
-                break
-        else:
-            lost = f"{self._attempts} generation proposals lost in a row"
-            raise RuntimeError(f"{self._uri(self.record_key)}: {lost}; will retry")
-        self.heartbeat(membership.generation.number)
-        return membership
+                return Membership(proposal, True, repaired)
+        lost = f"{self._attempts} generation proposals lost in a row"
+        raise RuntimeError(f"{self._uri(self.record_key)}: {lost}; will retry")
 
     def _propose(self, proposal: Generation, etag: str | None) -> bool:
         """Write the proposal unless the record changed since it was read (False: another write got in)."""

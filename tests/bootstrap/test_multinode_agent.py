@@ -2,13 +2,16 @@
 rendezvous host interrupted. `python -m demo --nodes 2` (tests/bootstrap/test_demo_multinode.py) covers the
 other node interrupted, a replacement joining and both nodes of the last round completing; between them, every
 moment of a two-node job is under test (each of these runs costs 20-50 s of CPU on 2 cores, so none is
-repeated: an uninterrupted two-node run would only replay the first and last rounds of the two)."""
+repeated: an uninterrupted two-node run would only replay the first and last rounds of the two). The store's
+socket, from the host's join to its trainer, is checked first with a stand-in trainer (no training)."""
 
 from __future__ import annotations
 
 import io
 import json
 import re
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,14 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 import yaml
 
 from bootstrap.eventlog import EventLog
 from bootstrap.imds import ImdsClient
 from bootstrap.lifecycle import InstanceLife, LifeResult
+from bootstrap.multinode import NodeGroup
+from bootstrap.rendezvous import Rendezvous
+from bootstrap.trainer import TrainerPaths, TrainerProcess
 from demo.imds import ImdsSimulator, SimulatedInstance
 from demo.stack import LocalStack, create_stack
+from training.launch import LISTEN_FD_ENV
 from training.sample_data import write_dataset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,6 +173,82 @@ def _story(nodes: list[Node]) -> str:
 
 def _completion_alerts(stack: LocalStack) -> list[dict[str, str]]:
     return [a for a in stack.alerts() if "training completed" in a["Subject"]]
+
+
+# A stand-in for the host's launcher: serves one connection on the socket it was handed, as the c10d store
+# does (training/launch.py), and says which process served it; says so when it was handed none.
+SERVE_ON_INHERITED_SOCKET = f"""
+import os, socket
+fd = os.environ["{LISTEN_FD_ENV}"]
+if not fd:
+    print("no socket", flush=True)
+    raise SystemExit(0)
+with socket.socket(fileno=int(fd)) as store:
+    conn, _ = store.accept()
+    with conn:
+        conn.sendall(str(os.getpid()).encode())
+"""
+
+
+def _node_group(s3: Any, instance_id: str, scratch: Path) -> NodeGroup:
+    rendezvous = Rendezvous(
+        s3,
+        "trainstack-fd",
+        "state/",
+        instance_id=instance_id,
+        address="127.0.0.1",
+        stack="fd",
+        min_nodes=1,
+        max_nodes=2,
+        stale_seconds=60,
+    )
+    return NodeGroup(
+        rendezvous, min_nodes=1, max_nodes=2, exit_file=scratch / "node-exit.json", address="127.0.0.1"
+    )
+
+
+def _served_by(endpoint: str) -> int:
+    host, _, port = endpoint.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.settimeout(30)
+        return int(conn.recv(64).decode())
+
+
+def test_the_host_trainer_serves_on_the_socket_published_at_every_start_of_its_generation(
+    aws: Any, tmp_path: Path
+) -> None:
+    """The published port reaches the host's trainer as the socket itself (TRAINSTACK_RDZV_LISTEN_FD,
+    passed with pass_fds), at the first start and at a restart in the same generation (the stall
+    watchdog's): the agent holds it until the generation ends; a client node's trainer gets none."""
+    s3 = boto3.client("s3", region_name="us-east-1")
+    s3.create_bucket(Bucket="trainstack-fd")
+    host, client = _node_group(s3, "i-host", tmp_path), _node_group(s3, "i-client", tmp_path)
+    hosted = host.join()
+    env = host.trainer_env(hosted)
+    listener = host.rendezvous.listener(hosted.generation)
+    assert hosted.is_host and listener is not None and env[LISTEN_FD_ENV] == str(listener.fileno())
+    assert not listener.get_inheritable(), "only the trainer may get the socket, not every child of the agent"
+    lines: list[str] = []
+    trainer = TrainerProcess(
+        [sys.executable, "-c", SERVE_ON_INHERITED_SOCKET],
+        TrainerPaths(tmp_path / "host"),
+        {},
+        lines.append,
+        user_job=True,
+        env=env,
+    )
+    for start in ("first start", "restart in the same generation"):
+        trainer.start()
+        assert _served_by(hosted.generation.endpoint) == trainer.pid, start
+        assert trainer.wait(timeout=30) == 0, (start, lines)
+    host.end_generation()
+    assert listener.fileno() == -1 and host.rendezvous.listener(hosted.generation) is None
+
+    joined = client.join()
+    assert not joined.is_host and client.trainer_env(joined)[LISTEN_FD_ENV] == ""
+    trainer.update_env(client.trainer_env(joined))
+    trainer.start()
+    assert trainer.wait(timeout=30) == 0 and lines[-1] == "no socket", lines
 
 
 def test_the_rendezvous_host_interrupted_mid_run_the_other_node_finishes_with_no_step_lost(
