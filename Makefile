@@ -12,7 +12,7 @@ PYTEST_ARGS ?= -n auto --dist worksteal
 SHELL       := bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: all venv test lint demo bench clean
+.PHONY: all venv test lint demo bench mutate lock wheels clean
 
 all: test
 
@@ -39,6 +39,46 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# Mutation testing of the guarantee modules (bench/mutate.py; not part of `make test`: tens of minutes on
+# 2 cores). Runs in a private copy under /tmp, niced. One target: make mutate MUTATE_ARGS=persist
+MUTATE_ARGS ?=
+mutate: $(STAMP)
+	nice -n 10 $(BIN)/python -m bench.mutate $(MUTATE_ARGS)
+
+# The instance's boot-time Python packages (bootstrap/requirements-instance.txt), pinned with every file's
+# sha256: install-agent.sh installs them with --require-hashes --only-binary=:all:. Needs PyPI; run after
+# editing requirements-instance.txt and commit the lock. pip-tools runs from a throwaway venv under build/.
+# The check downloads every pinned wheel for the DLAMI's CPython (3.12, and 3.11 for older DLAMIs) on
+# x86_64 manylinux, so a lock that would not install there fails here. Never lists torch or torchvision.
+LOCK_IN        := bootstrap/requirements-instance.txt
+LOCK_OUT       := bootstrap/requirements-instance.lock.txt
+LOCK_ENV       := build/lock-env
+PYPI           := https://pypi.org/simple
+INSTANCE_PYTHON ?= 3.12
+# Ubuntu 24.04 has glibc 2.39; pip does not widen --platform to older manylinux tags, so each one is named.
+MANYLINUX      := $(foreach g,39 35 34 31 28 27 24 17 12 5,--platform manylinux_2_$(g)_x86_64) \
+		--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64
+PIP_OFFLINE_ENV := env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null
+lock:
+	$(PYTHON) -m venv $(LOCK_ENV)
+	$(LOCK_ENV)/bin/pip install --quiet pip-tools==7.6.2
+	CUSTOM_COMPILE_COMMAND='make lock' $(PIP_OFFLINE_ENV) $(LOCK_ENV)/bin/pip-compile --quiet --generate-hashes --strip-extras \
+		--no-emit-index-url --index-url $(PYPI) --output-file $(LOCK_OUT) $(LOCK_IN)
+	for version in 3.12 3.11; do \
+		rm -rf build/lock-check && $(PIP_OFFLINE_ENV) $(LOCK_ENV)/bin/pip download --quiet --index-url $(PYPI) \
+			--require-hashes --only-binary=:all: --no-deps $(MANYLINUX) --implementation cp \
+			--python-version $$version -d build/lock-check -r $(LOCK_OUT) || exit 1; \
+	done
+	! grep -Eiq '^(torch|torchvision)==' $(LOCK_OUT)
+
+# trainstack:networkIsolation: the instances cannot reach PyPI, so `pulumi up` uploads these wheels to the
+# stack's bucket (code/wheels/) and install-agent.sh installs them offline; pip checks each against the lock.
+wheels: $(STAMP)
+	rm -rf build/wheels/instance
+	$(PIP_OFFLINE_ENV) $(BIN)/pip download --quiet --index-url $(PYPI) --require-hashes --only-binary=:all: \
+		--no-deps $(MANYLINUX) --implementation cp --python-version $(INSTANCE_PYTHON) \
+		-d build/wheels/instance -r $(LOCK_OUT)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .demo

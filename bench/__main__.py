@@ -1,5 +1,6 @@
 """`python -m bench`: the CPU benchmarks; `python -m bench cost`: the cost replay; `python -m bench scaling`:
-1 vs 2 process data-parallel scaling of the trainer on CPU (see bench/RESULTS.md)."""
+1 vs 2 process data-parallel scaling of the trainer on CPU; `python -m bench handover`: a spot notice with a
+warm standby vs a cold replacement, and the rebalance hand-over (see bench/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def main() -> None:
         from bench.scaling import main as scaling_main
 
         scaling_main(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["handover"]:
+        from bench.handover import main as handover_main
+
+        handover_main(sys.argv[2:])
         return
     cpu_benchmarks()
 

@@ -16,6 +16,7 @@ DEFAULT_PATH = Path("/etc/trainstack/agent.yaml")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]{1,64}$")
 
 
 class AgentConfigError(ValueError):
@@ -85,6 +86,10 @@ class AgentConfig:
     # code (the object is retained in S3), so its record names it. Empty = unknown (a config built by hand).
     bundle_key: str = ""
     bundle_sha256: str = ""
+    # The stack's job role (infra/identity.py): the agent assumes it with a session policy for this job and
+    # hands the job those narrower credentials (bootstrap/jobuser.py). None = the job gets no AWS credentials
+    # of its own (and, running as the agent's own user off an instance, inherits the agent's environment).
+    job_role_arn: str | None = None
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(asdict(self), sort_keys=False)
@@ -165,6 +170,9 @@ class AgentConfig:
             problems.append(
                 "'scratch_dir' must be a path or null (null = instance-store NVMe, else root volume)"
             )
+        role = raw.get("job_role_arn")
+        if role is not None and (not isinstance(role, str) or not _ROLE_ARN.match(role)):
+            problems.append(f"'job_role_arn' must be an IAM role ARN or null, got {role!r}")
         if raw.get("lifecycle_hook") is not None and not isinstance(raw["lifecycle_hook"], str):
             problems.append("'lifecycle_hook' must be the group's termination hook name or null")
         if problems:

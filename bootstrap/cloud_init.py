@@ -16,6 +16,8 @@ USER_DATA_LIMIT_BYTES = 16 * 1024
 INSTANCE_DIR = Path(__file__).resolve().parent / "instance"
 AGENT_CONFIG_PATH = "/etc/trainstack/agent.yaml"
 BUNDLE_ENV_PATH = "/etc/trainstack/bundle.env"
+# The job user and its IMDS firewall rule (bootstrap/instance/job-sandbox.sh, bootstrap/jobuser.py).
+JOB_SANDBOX_PATH = "/usr/local/sbin/trainstack-job-sandbox"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _KEY = re.compile(r"^[A-Za-z0-9!_.*'()/-]+$")
 # Turns apt's periodic jobs off even if a unit comes back after a package install.
@@ -74,6 +76,7 @@ def render_user_data(agent_config: AgentConfig, *, bundle_key: str, bundle_sha25
             _file(AGENT_CONFIG_PATH, agent_config.to_yaml(), "0640"),
             _file(BUNDLE_ENV_PATH, _bundle_env(agent_config, bundle_key, bundle_sha256), "0640"),
             _file("/usr/local/sbin/trainstack-prepare-os", _instance_file("prepare-os.sh"), "0755"),
+            _file(JOB_SANDBOX_PATH, _instance_file("job-sandbox.sh"), "0755"),
             _file("/usr/local/sbin/trainstack-install-agent", _instance_file("install-agent.sh"), "0755"),
             _file("/etc/systemd/system/trainstack-agent.service", _instance_file("trainstack-agent.service")),
             _file(
@@ -82,6 +85,8 @@ def render_user_data(agent_config: AgentConfig, *, bundle_key: str, bundle_sha25
         ],
         "runcmd": [
             ["/usr/local/sbin/trainstack-prepare-os"],
+            # Before anything of the job can run; the agent's unit runs it again at every start.
+            [JOB_SANDBOX_PATH],
             ["/usr/local/sbin/trainstack-install-agent"],
         ],
     }

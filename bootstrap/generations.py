@@ -58,7 +58,7 @@ def node_group(
         rendezvous,
         min_nodes=config.min_nodes,
         max_nodes=config.instance_count,
-        exit_file=paths.scratch / "node-exit.json",
+        exit_file=paths.node_exit_file,
         address=address,
     )
 

@@ -9,13 +9,15 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
+from bootstrap.bootlock import has_hashes
+from bootstrap.secrets import env_secret_problem, parse_secrets, refs_to_mapping
 from trainstack_job.contract import JobEnv
 
 # Where the job's workdir sits inside the code bundle (infra/bundle.py puts it there).
@@ -24,7 +26,9 @@ BUNDLE_JOB_DIR = "job"
 MIN_OBSERVED_INTERRUPTIONS = 2
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_KNOWN = {"name", "command", "workdir", "requirements", "env", "data", "checkpoint"}
+_KNOWN = {"name", "command", "workdir", "requirements", "env", "secrets", "data", "checkpoint"}
+# A job's vendored wheels: a folder of this name next to its requirements file (infra/wheels.py checks it).
+VENDORED_WHEELS_DIR = "wheels"
 # Packages a job's requirements may not replace: the AMI's builds match its CUDA driver.
 PINNED_PACKAGES = ("torch", "torchvision", "torchaudio")
 
@@ -32,9 +36,11 @@ PINNED_PACKAGES = ("torch", "torchvision", "torchaudio")
 class JobSpecError(ValueError):
     """Every problem of a job file, one line each, naming the key and the fix."""
 
-    def __init__(self, problems: list[str]) -> None:
+    def __init__(self, problems: list[str], fix: str = "") -> None:
         super().__init__("; ".join(problems))
         self.problems = problems
+        # What the notification's "Fix:" line says; empty: the job file's own (requirements) fix.
+        self.fix = fix
 
 
 @dataclass(frozen=True)
@@ -48,10 +54,12 @@ class JobSpec:
     env: dict[str, str] = field(default_factory=dict)
     data_sync: bool = True
     checkpoint_keep: int = 3
+    # ENV_NAME -> a secret's name under the stack's path (bootstrap/secrets.py); the agent resolves them.
+    secrets: dict[str, str] = field(default_factory=dict)
 
     def to_mapping(self) -> dict[str, Any]:
         """The form carried in the agent config (workdir: where the bundle put it)."""
-        return {
+        mapping: dict[str, Any] = {
             "name": self.name,
             "command": list(self.command),
             "workdir": self.workdir,
@@ -60,6 +68,10 @@ class JobSpec:
             "data": {"sync": self.data_sync},
             "checkpoint": {"keep": self.checkpoint_keep},
         }
+        if self.secrets:
+            # Only when named: a job without secrets keeps the definition, and the job id, it always had.
+            mapping["secrets"] = dict(self.secrets)
+        return mapping
 
     @classmethod
     def from_mapping(cls, raw: Any, source: str, base_dir: Path | None = None) -> JobSpec:
@@ -108,6 +120,18 @@ class JobSpec:
                 )
             elif not isinstance(value, (str, int, float, bool)):
                 problems.append(f"{source}: env.{key}: a string value")
+            else:
+                # Parsed values, not the file's text: a folded or quoted token is still seen.
+                secret = env_secret_problem(f"{source}: env", key, value)
+                if secret:
+                    problems.append(secret)
+        secrets, secret_problems = parse_secrets(raw.get("secrets"), f"{source}: secrets")
+        problems += secret_problems
+        problems += [
+            f"{source}: secrets.{key}: also set in env; keep it under secrets: only"
+            for key in secrets
+            if key in env
+        ]
         data = raw.get("data", {}) or {}
         if not isinstance(data, dict) or set(data) - {"sync"} or not isinstance(data.get("sync", True), bool):
             problems.append(f"{source}: data: only {{sync: true|false}} is known")
@@ -139,6 +163,7 @@ class JobSpec:
             env={str(k): _env_value(v) for k, v in env.items()},
             data_sync=bool(data.get("sync", True)),
             checkpoint_keep=int(keep),
+            secrets=refs_to_mapping(secrets),
         )
 
 
@@ -328,19 +353,43 @@ def _see_base_packages(base_python: str, python: str) -> None:
     Path(own.stdout.strip(), "_trainstack_base_env.pth").write_text(base.stdout)
 
 
+class RunsAs(Protocol):
+    """Who the job's pip runs as (bootstrap/jobuser.py's JobLaunch): its command line and its files."""
+
+    def wrap(self, argv: list[str], unit: str | None) -> list[str]: ...
+
+    def give(self, directories: Iterable[Path]) -> None: ...
+
+
+def pip_install_args(requirements: Path) -> list[str]:
+    """How pip reads the job's requirements: --require-hashes (and wheels only) when they pin hashes, as the
+    instance's own lock is installed; offline from a `wheels/` folder next to them when the job vendors one
+    (trainstack:networkIsolation requires both, infra/config.py)."""
+    args = ["-r", str(requirements)]
+    if has_hashes(requirements.read_text(encoding="utf-8")):
+        args += ["--require-hashes", "--only-binary=:all:"]
+    wheels = requirements.parent / VENDORED_WHEELS_DIR
+    if wheels.is_dir():
+        args += ["--no-index", "--find-links", str(wheels)]
+    return args
+
+
 def prepare_python(
     base_python: str,
     requirements: Path | None,
     cache_root: Path,
     log: Callable[..., None],
     should_abort: Callable[[], bool] = lambda: False,
+    launch: RunsAs | None = None,
 ) -> str:
     """The interpreter the job runs with: the AMI's own, or a venv on top of it with the job's requirements.
 
     The venv sees the AMI's packages (a .pth file naming their site-packages: `--system-site-packages`
     would see the interpreter's base, not the AMI's own venv) and pip is constrained to their torch version,
     so torch is found installed and never reinstalled. It is keyed by the requirements' content and reused
-    by later lives on this instance.
+    by later lives on this instance. Never root's env: the venv is the job's own, and with `launch` (the
+    job's unprivileged user) it is that user's and pip runs as that user, so no package's install code runs
+    as root. Hashed requirements are installed with --require-hashes (pip_install_args).
     """
     if requirements is None:
         return base_python
@@ -359,23 +408,29 @@ def prepare_python(
     _see_base_packages(base_python, str(python))
     constraints_file = venv / "constraints.txt"
     constraints_file.write_text(constraints)
+    pip_cache = cache_root / "pip-cache"
+    pip_env = {**os.environ, "PIP_CACHE_DIR": str(pip_cache)}
+    if launch is not None:
+        # The job user's venv and cache; its HOME is the cache (root's home is not its).
+        launch.give([venv, pip_cache])
+        pip_env["HOME"] = str(pip_cache)
     log(
         "job", "installing the job's requirements", requirements=str(requirements), pinned=constraints.split()
     )
+    argv = [
+        str(python),
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "-q",
+        *pip_install_args(requirements),
+        "-c",
+        str(constraints_file),
+    ]
     process = subprocess.Popen(
-        [
-            str(python),
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            "-q",
-            "-r",
-            str(requirements),
-            "-c",
-            str(constraints_file),
-        ],
-        env={**os.environ, "PIP_CACHE_DIR": str(cache_root / "pip-cache")},
+        launch.wrap(argv, None) if launch is not None else argv,
+        env=pip_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -507,7 +507,7 @@ class InstanceLife:
         except (UploadAbandonedError, InterruptedError):
             return self.stops.stopped_before_training()
         except JobSpecError as exc:
-            fix = f"fix the job's requirements file, run pulumi up, then {RESUME_COMMAND}"
+            fix = exc.fix or f"fix the job's requirements file, run pulumi up, then {RESUME_COMMAND}"
             return Failure(LifeEnd.FAILED, exc.problems[0], list(self.log.tail), fix=fix, permanent=True)
         if standby:
             ended = self._wait_as_standby(trainer, floor=reader.latest_token() or 0)

@@ -16,6 +16,7 @@ Guarantees (docs/job-contract.md):
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -123,6 +124,20 @@ def bounded(fn: Callable[[], _T], deadline: float | None, what: str) -> _T:
         raise box["error"]
     value: _T = box["value"]
     return value
+
+
+def _refuse_outside(directory: Path, file_name: str, step: int) -> None:
+    """The job writes the manifest and the step folder; the agent uploading them may run as root. A file
+    name that leaves the folder (`../`, an absolute path) or a link (to /etc/shadow, to the agent's own
+    files) is never read: the step is not uploaded, and says why."""
+    path = directory / file_name
+    inside = Path(os.path.normpath(path)).is_relative_to(directory) and not Path(file_name).is_absolute()
+    links = [p for p in (path, *path.parents) if p.is_symlink() and p.is_relative_to(directory)]
+    if not inside or links or (path.exists() and not path.is_file()):
+        raise UploadAbandonedError(
+            f"step {step}: {file_name!r} is not a regular file inside {directory}; not uploaded "
+            "(the job's checkpoint must hold plain files)"
+        )
 
 
 class CheckpointPersister:
@@ -452,6 +467,7 @@ class CheckpointPersister:
         self._fence_check(deadline)
         for file_name, entry in manifest["files"].items():
             relative = f"{name}/{file_name}"
+            _refuse_outside(directory, file_name, step)
             # A stop interrupts the background upload between files: the final flush then uploads only
             # what is missing, not a multi-GB file already in S3 (it would eat the two-minute notice).
             if self._uploaded.get(relative) == entry.get("sha256"):

@@ -6,19 +6,23 @@ Supervising is local only: no network call here, so a stop is never held up by S
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bootstrap import aws
 from bootstrap.agent_config import AgentConfig
 from bootstrap.devices import context_env
 from bootstrap.efa import efa_environment, supports_device_rdma
 from bootstrap.eventlog import EventLog
 from bootstrap.imds import InstanceIdentity
-from bootstrap.job import JobSpec, interruption_env, prepare_python
+from bootstrap.job import JobSpec, JobSpecError, interruption_env, prepare_python
+from bootstrap.jobuser import LOG_STREAM_SOURCE, JobCredentials, JobLaunch, job_launch, job_session_policy
 from bootstrap.outcomes import Failure, LifeEnd
 from bootstrap.persist import CheckpointPersister, PersistResult
+from bootstrap.secrets import ClientFactory, Redactor, SecretUnavailableError, parse_secrets, resolve
 from bootstrap.stops import STOP_OUTCOMES, StopRequests
 from bootstrap.trainer import (
     PERMANENT_FAILURES,
@@ -29,7 +33,14 @@ from bootstrap.trainer import (
     trainer_python,
 )
 from bootstrap.watchdog import StallWatchdog, read_progress
-from trainstack_job.contract import ExitCode, JobEnv
+from trainstack_job.contract import RESUME_COMMAND, ExitCode, JobEnv
+from trainstack_job.jobs import JobPrefixes
+
+# On an instance the job's credentials live on tmpfs, in a directory only root writes.
+CREDENTIALS_DIR = Path("/run/trainstack/job-credentials")
+# The job's own log stream (the job role allows `<job-id>/<instance-id>/job` only), named in its environment.
+JOB_LOG_GROUP_ENV = "TRAINSTACK_JOB_LOG_GROUP"
+JOB_LOG_STREAM_ENV = "TRAINSTACK_JOB_LOG_STREAM"
 
 # What supervising a trainer ends with: its exit code, or LifeEnd.STALLED / LifeEnd.KILLED.
 TrainerExit = int | LifeEnd
@@ -46,6 +57,7 @@ class Supervisor:
         job_root: Path,
         trainer_command: Sequence[str] | None,
         tick_seconds: float,
+        secret_clients: ClientFactory | None = None,
     ) -> None:
         self.config = config
         self.log = log
@@ -55,6 +67,14 @@ class Supervisor:
         self._job_root = job_root
         self._trainer_command = list(trainer_command) if trainer_command else None
         self._tick_seconds = tick_seconds
+        # As whom the job runs: detected once per agent process, said once (bootstrap/jobuser.py).
+        self.launch: JobLaunch = job_launch(lambda line: log.event("job", line))
+        self._credentials: JobCredentials | None = None
+        self._credentials_env: dict[str, str] = {}
+        # SSM / Secrets Manager clients for the job's `secrets:` (the instance role), made only when named.
+        self._secret_clients = secret_clients or (lambda service: aws.client(service, config.region))
+        # Masks the job's secret values in the lines the agent ships; the values live in memory only.
+        self.redact = Redactor()
 
     def job_process(
         self,
@@ -78,18 +98,24 @@ class Supervisor:
         )
         env |= context
         self.log.event("job", profile_line, precision=context.get(JobEnv.PRECISION.value, "the job's own"))
+        env |= self._job_credentials(paths, identity)
         if self.config.efa and identity is not None:
             # NCCL over EFA between the nodes (infra/efa.py chose an EFA type and a cluster placement group).
             env |= efa_environment(device_rdma=supports_device_rdma(identity.instance_type))
+        secrets = self.job_secrets()
+        sink = self._masked(log_sink())
         if spec is None:
             command = self._trainer_command or default_trainer_command(gpu_count)
+            # The trainer config less `secrets:`: the agent reads that section, the trainer never sees it.
+            trainer_config = {k: v for k, v in self.config.job.items() if k != "secrets"}
             return TrainerProcess(
                 command,
                 paths,
-                dict(self.config.job),
-                log_sink(),
+                trainer_config,
+                sink,
                 defer_early_signals=self._trainer_command is None,
-                env=env,
+                env={**env, **secrets},
+                launch=self.launch,
             )
         workdir = self._job_root / spec.workdir
         self.stops.phase = "job-setup"
@@ -104,8 +130,88 @@ class Supervisor:
         command = [python if arg in ("python", "python3") else arg for arg in spec.command]
         self.log.event("job", "user job", name=spec.name, workdir=str(workdir), restored_step=restored)
         return TrainerProcess(
-            command, paths, {}, log_sink(), user_job=True, cwd=workdir, env={**env, **spec.env}
+            command,
+            paths,
+            {},
+            sink,
+            user_job=True,
+            cwd=workdir,
+            env={**env, **spec.env, **secrets},
+            launch=self.launch,
         )
+
+    def _job_credentials(self, paths: TrainerPaths, identity: InstanceIdentity | None) -> dict[str, str]:
+        """The job's own AWS credentials (the job role narrowed to this job), taken once per life and kept
+        fresh by the agent; none without a job role in the config (tests, the demo, older stacks)."""
+        role = self.config.job_role_arn
+        if not role:
+            return {}
+        if self._credentials is not None:
+            return self._credentials_env
+        stream = (
+            JobPrefixes.of(self.config.job_id).log_stream(identity.instance_id, LOG_STREAM_SOURCE)
+            if identity is not None
+            else None
+        )
+        policy = job_session_policy(
+            role_arn=role,
+            bucket=self.config.bucket,
+            job_id=self.config.job_id,
+            region=self.config.region,
+            log_group=self.config.log_group,
+            log_stream=stream,
+            data_prefix=self.config.prefixes.data,
+            jobs_prefix=self.config.prefixes.jobs,
+        )
+        credentials = JobCredentials(
+            aws.client("sts", self.config.region),
+            role_arn=role,
+            policy=policy,
+            session_name=f"{self.config.job_id}-{identity.instance_id if identity else 'local'}",
+            region=self.config.region,
+            directory=CREDENTIALS_DIR if os.geteuid() == 0 else paths.scratch / "job-credentials",
+            launch=self.launch,
+            log=self.log.event,
+        )
+        try:
+            env = credentials.start()
+        except Exception as exc:  # the job runs without AWS credentials rather than not at all
+            self.log.event(
+                "job", "could not take the job role; the job gets no AWS credentials", error=str(exc)
+            )
+            return {}
+        if stream is not None:
+            env |= {JOB_LOG_GROUP_ENV: self.config.log_group, JOB_LOG_STREAM_ENV: stream}
+        self._credentials, self._credentials_env = credentials, env
+        self.log.event("job", "job credentials: the job role, narrowed to this job", role=role, stream=stream)
+        return env
+
+    def job_secrets(self) -> dict[str, str]:
+        """The job's `secrets:` (job.yaml, or the built-in trainer's config) read into memory for its
+        environment only. The event names them, never a value; a missing or denied one is a JobSpecError
+        (one line naming it and the fix: a permanent failure, no other life retries it)."""
+        raw = self.user_job.secrets if self.user_job is not None else self.config.job.get("secrets")
+        refs, problems = parse_secrets(raw, "secrets")
+        if problems:
+            raise JobSpecError(problems)
+        if not refs:
+            return {}
+        try:
+            values = resolve(refs, stack=self.config.stack, clients=self._secret_clients)
+        except SecretUnavailableError as exc:
+            fix = f"store it with `trainstack secrets set NAME` (or fix secrets:), then {RESUME_COMMAND}"
+            raise JobSpecError([str(exc)], fix=fix) from None
+        self.redact = Redactor(values.values())
+        self.log.event(
+            "job",
+            "secrets resolved into the job's environment",
+            secrets={name: refs[name].location(self.config.stack) for name in sorted(refs)},
+        )
+        return values
+
+    def _masked(self, sink: Callable[[str], None]) -> Callable[[str], None]:
+        """The job's output sink, masking any secret value the job prints."""
+        return lambda line: sink(self.redact(line))
 
     def trainer_deadline(self, seen_at: float, persister: CheckpointPersister) -> float:
         """When a stopping trainer is killed: early enough to leave the final upload its measured time."""
@@ -170,13 +276,11 @@ class Supervisor:
             self.log.event("stop", "trainer stopped by the system", exit_code=code)
             return LifeEnd.PREEMPTED
         if code == LifeEnd.STALLED:
-            return Failure(
-                LifeEnd.STALLED, "trainer stalled", list(trainer.tail)[-25:] or list(self.log.tail)
-            )
+            return Failure(LifeEnd.STALLED, "trainer stalled", self._tail(trainer) or list(self.log.tail))
         self.log.event(
             "failed", "trainer exited with a failure", exit_code=_plain(code), step=progress.get("step")
         )
-        lines = list(trainer.tail)[-25:] or list(self.log.tail)
+        lines = self._tail(trainer) or list(self.log.tail)
         if self.user_job is not None:
             # The user's job under its own name: its exit code, never the built-in trainer's meanings.
             if isinstance(code, int) and code in USER_JOB_PERMANENT_FAILURES:
@@ -190,6 +294,10 @@ class Supervisor:
         # The ledger compares it with the life before's (read back from JSON): plain values only.
         signature = {"exit_code": _plain(code), "step": progress.get("step")}
         return Failure(LifeEnd.FAILED, f"trainer exited {_plain(code)}", lines, signature=signature)
+
+    def _tail(self, trainer: TrainerProcess) -> list[str]:
+        """The job's last output lines for a failure report, its secret values masked."""
+        return [self.redact(line) for line in list(trainer.tail)[-25:]]
 
     def _log_stop(
         self, code: TrainerExit, reason: str, persisted: PersistResult, progress: dict[str, Any]

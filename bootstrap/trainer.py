@@ -17,6 +17,8 @@ from pathlib import Path
 import yaml
 
 from bootstrap.job import contract_env
+from bootstrap.jobuser import AS_AGENT, JobLaunch
+from training.launch import LISTEN_FD_ENV
 from training.stop import stop_signals_blocked
 from trainstack_job.contract import PROGRESS, RESUME_COMMAND, ExitCode
 
@@ -31,6 +33,21 @@ PERMANENT_FAILURES: dict[int, tuple[str, str]] = {
     ExitCode.DATA_ERROR: (
         "the dataset has too many unreadable files",
         f"fix or remove the files named above, run trainstack data push, then {RESUME_COMMAND}",
+    ),
+}
+# A user's job keeps the same contract (docs/job-contract.md: exits 2 and 65 are permanent: another instance
+# would fail the same way), but the words are its own: Python itself exits 2 when it cannot open the script
+# and argparse on a bad option, so "the trainer config is invalid" would send the user to the wrong file.
+# Short: the reason is also the e-mail's subject (SNS: 100 characters).
+USER_JOB_PERMANENT_FAILURES: dict[int, tuple[str, str]] = {
+    ExitCode.CONFIG_ERROR: (
+        "your job exited 2 (configuration error)",
+        "check the job's command and arguments in the file trainstack:job names (Python exits 2 when it "
+        f"cannot open the script, argparse on an unknown option), run pulumi up, then {RESUME_COMMAND}",
+    ),
+    ExitCode.DATA_ERROR: (
+        "your job exited 65 (data error)",
+        f"fix or remove the data its last lines name, run trainstack data push, then {RESUME_COMMAND}",
     ),
 }
 
@@ -74,18 +91,30 @@ class TrainerPaths:
         return self.output_dir / PROGRESS
 
     @property
+    def control_dir(self) -> Path:
+        """The agent ↔ job signal files. The job's user owns this folder (bootstrap/jobuser.py): it deletes
+        the checkpoint request it has served and the launcher writes its node's result here; the rest of
+        scratch stays the agent's."""
+        return self.scratch / "control"
+
+    @property
     def stop_file(self) -> Path:
-        return self.scratch / "STOP"
+        return self.control_dir / "STOP"
 
     @property
     def checkpoint_request_file(self) -> Path:
-        return self.scratch / "CHECKPOINT"
+        return self.control_dir / "CHECKPOINT"
+
+    @property
+    def node_exit_file(self) -> Path:
+        """A multi-node launcher's result for its node (written by the job, read by the agent)."""
+        return self.control_dir / "node-exit.json"
 
     @property
     def start_gate_file(self) -> Path:
         """While this exists the built-in trainer warms up and waits (a standby); removed, it restores the
         newest checkpoint and trains. Beside checkpoints/, not in it: the agent refreshes that folder."""
-        return self.scratch / "START_GATE"
+        return self.control_dir / "START_GATE"
 
     def overrides(self) -> list[str]:
         """The built-in trainer's config overrides: the same places as the contract's variables."""
@@ -127,8 +156,12 @@ class TrainerProcess:
         user_job: bool = False,
         cwd: Path | None = None,
         env: dict[str, str] | None = None,
+        launch: JobLaunch = AS_AGENT,
     ) -> None:
         self._command = list(command)
+        # As whom and in which cgroup the job runs (bootstrap/jobuser.py); the agent's own user by default.
+        self._launch = launch
+        self._unit: str | None = None
         # A user's command runs as given; the built-in trainer also gets its config file and overrides.
         self._user_job = user_job
         self._cwd = cwd or CODE_ROOT
@@ -158,6 +191,7 @@ class TrainerProcess:
         """Start the job; `gated` (a standby, built-in trainer) holds it warm until `open_gate()`."""
         self.paths.output_dir.mkdir(parents=True, exist_ok=True)
         self.paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.paths.control_dir.mkdir(parents=True, exist_ok=True)
         if not self._user_job:
             self.paths.config_file.write_text(yaml.safe_dump(self._job, sort_keys=False))
         # A stale stop or checkpoint request from an earlier run must not stop this one.
@@ -169,12 +203,21 @@ class TrainerProcess:
             self.paths.start_gate_file.touch()
         else:
             self.paths.start_gate_file.unlink(missing_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env}
+        # The directories the job writes are its user's; nothing else in scratch is (bootstrap/jobuser.py).
+        home = self.paths.scratch / "home"
+        self._launch.give([self.paths.output_dir, self.paths.checkpoint_dir, self.paths.control_dir, home])
+        inherited = self._launch.inherited_environment(os.environ, home if self._launch.isolated else None)
+        env = {**inherited, "PYTHONUNBUFFERED": "1", **self._env}
         # The bundle on the path: `import trainstack_job` works in any job without an install.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CODE_ROOT), env.get("PYTHONPATH", "")) if p)
+        # The c10d store's listening socket on a multi-node generation's host (bootstrap/multinode.py): the
+        # launcher serves the store on it. pass_fds makes it inheritable in the child only, at the same
+        # number; the agent's copy stays non-inheritable, so no other child of the agent holds the port.
+        listen_fd = self._env.get(LISTEN_FD_ENV, "").strip()
         with stop_signals_blocked() if self._defer_early_signals else contextlib.nullcontext():
+            self._unit = self._launch.unit_name()
             self._process = subprocess.Popen(
-                self.argv,
+                self._launch.wrap(self.argv, self._unit),
                 cwd=self._cwd,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -183,6 +226,7 @@ class TrainerProcess:
                 bufsize=1,
                 # Its own process group: a signal meant for the agent does not hit the trainer unasked.
                 start_new_session=True,
+                pass_fds=(int(listen_fd),) if listen_fd else (),
             )
         self._pump = threading.Thread(target=self._pump_output, name="trainer-output", daemon=True)
         self._pump.start()
@@ -203,7 +247,12 @@ class TrainerProcess:
         return self._process.pid if self._process else None
 
     def poll(self) -> int | None:
-        return self._process.poll() if self._process else None
+        code = self._process.poll() if self._process else None
+        if code is not None and self._unit is not None:
+            # Its main process is gone: so must be anything it left running in its scope.
+            self._launch.stop(self._unit)
+            self._unit = None
+        return code
 
     def wait(self, timeout: float | None = None) -> int | None:
         if self._process is None:
@@ -232,3 +281,6 @@ class TrainerProcess:
         if self._process is not None and self._process.poll() is None:
             os.killpg(self._process.pid, signal.SIGKILL)
             self.wait(timeout=30)
+        # The whole cgroup, not only the process group: a process the job moved out with setsid too.
+        self._launch.stop(self._unit)
+        self._unit = None

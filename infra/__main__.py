@@ -13,7 +13,7 @@ import pulumi_aws as aws  # noqa: E402
 
 from bootstrap.agent_config import Prefixes  # noqa: E402
 from infra.bundle import build_bundle  # noqa: E402
-from infra.capacity import CapacityFallback, CapacityFallbackArgs  # noqa: E402
+from infra.capacity import CapacityFallback, CapacityFallbackArgs, declared  # noqa: E402
 from infra.config import load_stack_config  # noqa: E402
 from infra.drill import Drill, DrillArgs  # noqa: E402
 from infra.fleet import Fleet, FleetArgs, resolve_image  # noqa: E402
@@ -23,6 +23,7 @@ from infra.network import Network, NetworkArgs  # noqa: E402
 from infra.observability import Observability, ObservabilityArgs  # noqa: E402
 from infra.placement import lookup_zones  # noqa: E402
 from infra.storage import Storage, StorageArgs  # noqa: E402
+from infra.wheels import INSTANCE_LOCK, INSTANCE_WHEELS_DIR, VendoredWheels, vendored_wheels  # noqa: E402
 from trainstack_job.contract import StackOutput  # noqa: E402
 
 config = load_stack_config()
@@ -60,7 +61,9 @@ network = Network(
         kms_key_arn=storage.key.arn,
         flow_log_group_name=config.flow_log_group_name,
         flow_log_retention_days=config.flow_log_retention_days,
+        bucket_arn=storage.bucket.arn,
         peer_traffic=config.multi_node,
+        network_isolation=config.network_isolation,
         tags=tags,
     ),
 )
@@ -96,6 +99,19 @@ identity = Identity(
         tags=tags,
     ),
 )
+# The bucket refuses the instances' roles (the agent's and the job's) outside their S3 endpoint.
+storage.attach_bucket_policy(
+    instance_endpoint_id=network.s3_endpoint.id,
+    instance_principal_arns=[identity.role.arn, identity.job_role.arn],
+)
+if config.network_isolation:
+    # No PyPI from inside: the locked boot-time wheels (checked at preview, infra/config.py) go to the bucket.
+    VendoredWheels(
+        "wheels",
+        bucket=storage.bucket.bucket,
+        wheels=vendored_wheels(INSTANCE_LOCK, INSTANCE_WHEELS_DIR),
+        tags=tags,
+    )
 fleet = Fleet(
     "fleet",
     FleetArgs(
@@ -107,13 +123,15 @@ fleet = Fleet(
         topic_arn=observability.topic.arn,
         log_group_name=config.log_group_name,
         instance_profile_arn=identity.instance_profile.arn,
+        job_role_arn=identity.job_role_arn,
         security_group_id=network.security_group.id,
         subnet_ids=network.subnet_ids,
         tags=tags,
         job=job,
     ),
 )
-if config.spot_fallback_minutes > 0:
+# The same function enforces the cost cap from outside the instance: declared when either is on.
+if declared(config.spot_fallback_minutes, config.max_cost_usd):
     CapacityFallback(
         "capacity",
         CapacityFallbackArgs(
@@ -130,6 +148,10 @@ if config.spot_fallback_minutes > 0:
             log_retention_days=config.log_retention_days,
             depends_on=[fleet.group],
             tags=tags,
+            max_cost_usd=config.max_cost_usd,
+            bucket_name=storage.bucket.bucket,
+            bucket_arn=storage.bucket.arn,
+            topic_arn=observability.topic.arn,
         ),
     )
 drill = (

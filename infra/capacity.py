@@ -1,4 +1,6 @@
-"""Capacity fallback: a small function that launches on-demand when spot capacity is missing, then returns."""
+"""Capacity fallback: a small function that launches on-demand when spot capacity is missing, then returns;
+and the cost cap enforced outside the instance: at `maxCostUsd` it scales the group to zero, whatever the
+instance (or a hostile job on it) does."""
 
 from __future__ import annotations
 
@@ -38,6 +40,23 @@ class CapacityFallbackArgs:
     # Created after the group exists, so its first launch failures already reach the function.
     depends_on: list[pulumi.Resource] = field(default_factory=list)
     tags: dict[str, str] = field(default_factory=dict)
+    # The cost cap (trainstack:maxCostUsd; None = no cap): the function reads the current job's ledger in
+    # the bucket and tells the topic when it stops the group.
+    max_cost_usd: float | None = None
+    bucket_name: pulumi.Input[str] | None = None
+    bucket_arn: pulumi.Input[str] | None = None
+    topic_arn: pulumi.Input[str] | None = None
+
+    @property
+    def caps_cost(self) -> bool:
+        return self.max_cost_usd is not None
+
+
+def declared(fallback_minutes: int, max_cost_usd: float | None) -> bool:
+    """One function for both jobs: declared when either is on. A stack with spotFallbackMinutes 0 still
+    gets it for the cost cap (its fallback decision then always stays), rather than a second function with
+    its own role, log group and schedule for the same five-minute look at the same group."""
+    return fallback_minutes > 0 or max_cost_usd is not None
 
 
 def group_events_pattern(group_name: str) -> dict[str, Any]:
@@ -102,19 +121,48 @@ class CapacityFallback(pulumi.ComponentResource):
         aws.iam.RolePolicy(
             f"{self._name}-policy",
             role=role.id,
-            policy=self.log_group.arn.apply(
-                lambda arn: json.dumps(function_policy(group_arn=group_arn, log_group_arn=arn))
+            policy=pulumi.Output.all(
+                self.log_group.arn, args.bucket_arn or "", args.kms_key_arn, args.topic_arn or ""
+            ).apply(
+                lambda arns: json.dumps(
+                    function_policy(
+                        group_arn=group_arn,
+                        log_group_arn=arns[0],
+                        cost_cap=policies.CostCapAccess(
+                            bucket_arn=arns[1], key_arn=arns[2], topic_arn=arns[3], region=args.region
+                        )
+                        if args.caps_cost
+                        else None,
+                    )
+                )
             ),
             opts=self._child,
         )
         return role
+
+    def _environment(self) -> dict[str, pulumi.Input[str]]:
+        args = self._args
+        variables: dict[str, pulumi.Input[str]] = {
+            "GROUP_NAME": args.group_name,
+            "FALLBACK_MINUTES": str(args.fallback_minutes),
+            "SPOT_ON_DEMAND_PERCENTAGE": str(args.spot_on_demand_percentage),
+        }
+        if args.caps_cost:
+            if args.bucket_name is None or args.topic_arn is None:
+                raise ValueError("the cost cap needs the stack's bucket_name and topic_arn")
+            variables |= {
+                "MAX_COST_USD": f"{args.max_cost_usd:g}",
+                "BUCKET": args.bucket_name,
+                "TOPIC_ARN": args.topic_arn,
+            }
+        return variables
 
     def _create_function(self) -> aws.lambda_.Function:
         args = self._args
         return aws.lambda_.Function(
             f"{self._name}-function",
             name=f"{args.name}-capacity-fallback",
-            description=f"{args.name}: on-demand after {args.fallback_minutes} min without a spot launch",
+            description=_description(args),
             runtime=aws.lambda_.Runtime.PYTHON3D13,
             architectures=["arm64"],
             handler="handler.handler",
@@ -123,13 +171,7 @@ class CapacityFallback(pulumi.ComponentResource):
             role=self.role.arn,
             timeout=30,
             memory_size=128,
-            environment=aws.lambda_.FunctionEnvironmentArgs(
-                variables={
-                    "GROUP_NAME": args.group_name,
-                    "FALLBACK_MINUTES": str(args.fallback_minutes),
-                    "SPOT_ON_DEMAND_PERCENTAGE": str(args.spot_on_demand_percentage),
-                }
-            ),
+            environment=aws.lambda_.FunctionEnvironmentArgs(variables=self._environment()),
             logging_config=aws.lambda_.FunctionLoggingConfigArgs(
                 log_format="Text", log_group=self.log_group.name
             ),
@@ -164,3 +206,12 @@ class CapacityFallback(pulumi.ComponentResource):
             arn=self.function.arn,
             opts=pulumi.ResourceOptions(parent=self, depends_on=[permission]),
         )
+
+
+def _description(args: CapacityFallbackArgs) -> str:
+    jobs = []
+    if args.fallback_minutes > 0:
+        jobs.append(f"on-demand after {args.fallback_minutes} min without a spot launch")
+    if args.caps_cost:
+        jobs.append(f"scale to zero at the {args.max_cost_usd:g} USD cost cap")
+    return f"{args.name}: " + "; ".join(jobs)

@@ -16,9 +16,11 @@ import pulumi
 import yaml
 
 from bootstrap.job import JobSpec, JobSpecError, load_job_spec
+from bootstrap.secrets import find_secret_values, parse_secrets
 from bootstrap.trainer import TrainerPaths
+from infra import wheels as vendored
 from infra.bundle import BundleError, job_files
-from infra.efa import all_support_efa
+from infra.efa import EfaTableError, all_support_efa, efa_interfaces, unknown_efa_types
 from infra.jobdef import define_job
 from training.config import ConfigError, apply_overrides, build_config
 from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, check_job_id
@@ -64,6 +66,8 @@ DEFAULTS: dict[str, Any] = {
     "expectedHours": "",
     "placementStrategy": "",
     "resumeFrom": "",
+    "drill": False,
+    "networkIsolation": False,
 }
 
 # Instance families with NVIDIA GPUs that the x86_64 Deep Learning AMI boots on.
@@ -156,6 +160,11 @@ class StackConfig:
     min_nodes: int = 1
     # A job id (or "legacy") whose newest checkpoint this stack's job starts from; "" = from scratch.
     resume_from: str = ""
+    # Declare the AWS FIS experiment template (and its role) that `trainstack drill` starts.
+    drill: bool = False
+    # Private subnets with no route out of the VPC, AWS APIs through interface endpoints, packages from the
+    # stack's bucket (infra/network.py, infra/wheels.py); implies private_subnets, without a NAT gateway.
+    network_isolation: bool = False
 
     @property
     def name(self) -> str:
@@ -267,6 +276,10 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
     expected_hours = _expected_hours(value("expectedHours", _string, "24").strip(), problems)
     placement_strategy = value("placementStrategy", _string, "cluster").strip()
     resume_from = value("resumeFrom", _string, "default-1a2b3c4d").strip()
+    drill = value("drill", _boolean, "true")
+    network_isolation = value("networkIsolation", _boolean, "true")
+    # networkIsolation puts the instances in private subnets (without a NAT gateway), whatever privateSubnets.
+    private_subnets = bool(private_subnets or network_isolation)
 
     _check_instance_types(instance_types, problems)
     _check_range(
@@ -284,6 +297,8 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
             f"unknown strategy {placement_strategy!r}; use '' (none) or cluster (one AZ, multi-node jobs)",
             "cluster",
         )
+    if isinstance(instance_count, int) and instance_count > 1 and placement_strategy == "cluster":
+        _check_efa_types(instance_types, private_subnets, problems)
     if strategy not in SPOT_ALLOCATION_STRATEGIES:
         problems.add(
             "spotAllocationStrategy",
@@ -357,6 +372,8 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
         )
     elif isinstance(instance_count, int) and isinstance(min_nodes, int) and instance_count > 1:
         _check_global_batch(job, min_nodes, instance_count, problems)
+    if network_isolation:
+        _check_network_isolation(ssh_cidrs, user_job, user_job_dir, problems)
     if resume_from and not problems.lines:
         _check_resume_from(resume_from, training_path, job, user_job, user_job_dir, problems)
     elif resume_from:
@@ -410,6 +427,8 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
         placement_strategy=placement_strategy,
         min_nodes=min_nodes,
         resume_from=resume_from,
+        drill=drill,
+        network_isolation=network_isolation,
     )
 
 
@@ -564,6 +583,72 @@ def _check_instance_types(types: tuple[str, ...], problems: _Problems) -> None:
             )
 
 
+def _check_efa_types(types: tuple[str, ...], private_subnets: bool, problems: _Problems) -> None:
+    """A multi-node cluster gets one EFA per network card (infra/efa.py): every type's cards must be known and
+    the same, and several interfaces need private subnets."""
+    example = '\'["p5.48xlarge","p5e.48xlarge"]\''
+    for unknown in unknown_efa_types(types):
+        problems.add(
+            "instanceTypes",
+            f"{unknown} has no entry in the EFA table (its network cards are unknown); add it to "
+            "EFA_TYPES in infra/efa.py (MaximumNetworkCards from `aws ec2 describe-instance-types`) or "
+            "choose a listed type",
+            example,
+        )
+    if not all_support_efa(types):
+        return
+    try:
+        interfaces = efa_interfaces(types)
+    except EfaTableError as exc:
+        problems.add("instanceTypes", str(exc), example)
+        return
+    if len(interfaces) > 1 and not private_subnets:
+        problems.add(
+            "privateSubnets",
+            f"{types[0]} gets {len(interfaces)} EFA interfaces (one per network card) and AWS gives no "
+            "public address to an instance with several network interfaces, so in a public subnet it could "
+            "not reach S3 or the AWS APIs; private subnets reach them through the NAT gateway",
+            "true",
+        )
+
+
+def _check_network_isolation(
+    ssh_cidrs: tuple[str, ...],
+    user_job: JobSpec | None,
+    user_job_dir: Path | None,
+    problems: _Problems,
+) -> None:
+    """What cannot work without any route out of the VPC: refused at preview, one line each."""
+    if ssh_cidrs:
+        problems.add(
+            "sshIngressCidrs",
+            "no SSH from outside reaches an instance under networkIsolation (the VPC has no internet "
+            "gateway); use SSM Session Manager and remove the key",
+            "'[]'",
+        )
+    try:
+        vendored.vendored_wheels(vendored.INSTANCE_LOCK, vendored.INSTANCE_WHEELS_DIR)
+    except vendored.WheelsError as exc:
+        problems.add(
+            "networkIsolation",
+            f"the instances cannot reach PyPI and {exc}; run `make wheels` (they go to the stack's bucket)",
+            "true",
+        )
+    if user_job is not None and user_job.requirements and user_job_dir is not None:
+        requirements = user_job_dir / user_job.requirements
+        try:
+            vendored.vendored_wheels(requirements, requirements.parent / vendored.JOB_WHEELS_DIR_NAME)
+        except vendored.WheelsError as exc:
+            problems.add(
+                "networkIsolation",
+                f"the job's requirements cannot come from PyPI: {exc}; lock them with hashes (pip-compile "
+                "--generate-hashes) and vendor them next to it (pip download --require-hashes "
+                "--only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d wheels -r "
+                f"{user_job.requirements}), or set false",
+                "false",
+            )
+
+
 def _check_vpc_cidr(cidr: str, problems: _Problems) -> None:
     try:
         network = ipaddress.ip_network(cidr)
@@ -632,10 +717,16 @@ def _load_training_config(path_text: str, problems: _Problems) -> tuple[Path, di
         return path, {}
     # The trainer's own validator (no torch import), so a typo fails `pulumi preview`, not a GPU instance.
     shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    # `secrets:` is the agent's section (bootstrap/secrets.py), never the trainer's: checked here, then left
+    # out of what the trainer validates. No value in the file may look like a credential (it is user data).
+    trainer_sections = {k: v for k, v in job.items() if k != "secrets"}
+    where = f"{NAMESPACE}:trainingConfig: {shown}"
+    problems.lines.extend(parse_secrets(job.get("secrets"), f"{where}: secrets")[1])
+    problems.lines.extend(find_secret_values(trainer_sections, where))
     try:
-        build_config(apply_overrides(job, _instance_overrides()))
+        build_config(apply_overrides(trainer_sections, _instance_overrides()))
     except ConfigError as exc:
-        problems.lines.extend(f"{NAMESPACE}:trainingConfig: {shown}: {problem}" for problem in exc.problems)
+        problems.lines.extend(f"{where}: {problem}" for problem in exc.problems)
     return path, job
 
 

@@ -74,6 +74,8 @@ class FleetArgs:
     tags: dict[str, str] = field(default_factory=dict)
     # The stack's job (infra/jobdef.py); None = defined here from `config`.
     job: JobDefinition | None = None
+    # The role the agent narrows to the job's own credentials (infra/identity.py); None = the job gets none.
+    job_role_arn: str | None = None
 
 
 class Fleet(pulumi.ComponentResource):
@@ -116,6 +118,7 @@ class Fleet(pulumi.ComponentResource):
                     log_group=args.log_group_name,
                     job=job,
                     bundle=args.bundle,
+                    job_role_arn=args.job_role_arn,
                 ),
                 bundle_key,
                 args.bundle.sha256,
@@ -146,7 +149,8 @@ class Fleet(pulumi.ComponentResource):
             metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
                 http_endpoint="enabled",
                 http_tokens="required",
-                # One hop: a container on the instance cannot borrow the instance role's credentials.
+                # One hop: a container on the instance cannot borrow the instance role's credentials. The job
+                # is no container: its user is kept from IMDS by a firewall rule (bootstrap/jobuser.py).
                 http_put_response_hop_limit=1,
                 instance_metadata_tags="enabled",
             ),
@@ -305,6 +309,7 @@ def agent_config(
     log_group: str,
     job: JobDefinition | None = None,
     bundle: CodeBundle | None = None,
+    job_role_arn: str | None = None,
 ) -> AgentConfig:
     """The agent's config for this stack: the one `bootstrap/` definition, filled from the stack's.
 
@@ -334,4 +339,5 @@ def agent_config(
         resume_from=job.resume_from,
         bundle_key=bundle.key() if bundle else "",
         bundle_sha256=bundle.sha256 if bundle else "",
+        job_role_arn=job_role_arn,
     )

@@ -10,8 +10,9 @@ import pulumi_aws as aws
 
 from infra import policies
 
-# Session Manager (instead of SSH) needs the AWS-managed core policy; everything else is written here.
-SSM_CORE_POLICY = "arn:{partition}:iam::aws:policy/AmazonSSMManagedInstanceCore"
+# No AWS managed policy is attached: AmazonSSMManagedInstanceCore grants ssm:GetParameter(s) on `*` (any
+# process on the instance could read every SSM parameter in the region); Session Manager's few actions are
+# written here instead (infra/policies.py session_manager_policy).
 
 
 @dataclass
@@ -29,10 +30,13 @@ class IdentityArgs:
 
 
 class Identity(pulumi.ComponentResource):
-    """Instance role (SSM core + the stack's least-privilege policy) and its instance profile."""
+    """Instance role (Session Manager + the stack's least-privilege policy), its instance profile, and the
+    job role the agent narrows to one job for the job's own credentials (bootstrap/jobuser.py)."""
 
     role: aws.iam.Role
     instance_profile: aws.iam.InstanceProfile
+    job_role: aws.iam.Role
+    job_role_arn: str
 
     def __init__(self, name: str, args: IdentityArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("trainstack:identity:Identity", name, None, opts)
@@ -46,12 +50,20 @@ class Identity(pulumi.ComponentResource):
             tags=args.tags,
             opts=child,
         )
-        aws.iam.RolePolicyAttachment(
-            f"{name}-ssm-core",
-            role=self.role.name,
-            policy_arn=SSM_CORE_POLICY.format(partition=args.partition),
+        aws.iam.RolePolicy(
+            f"{name}-session-manager",
+            role=self.role.id,
+            policy=json.dumps(
+                policies.session_manager_policy(
+                    partition=args.partition, region=args.region, account_id=args.account_id
+                )
+            ),
             opts=child,
         )
+        self.job_role_arn = policies.job_role_arn(
+            partition=args.partition, account_id=args.account_id, name=args.name
+        )
+        self.job_role = self._create_job_role(name, args, child)
         group_arn = (
             f"arn:{args.partition}:autoscaling:{args.region}:{args.account_id}:autoScalingGroup:*:"
             f"autoScalingGroupName/{args.group_name}"
@@ -69,6 +81,7 @@ class Identity(pulumi.ComponentResource):
                         topic_arn=arns[2],
                         log_group_arn=arns[3],
                         group_arn_pattern=group_arn,
+                        job_role_arn=self.job_role_arn,
                     )
                 )
             ),
@@ -81,4 +94,43 @@ class Identity(pulumi.ComponentResource):
             tags=args.tags,
             opts=child,
         )
-        self.register_outputs({"role_arn": self.role.arn, "instance_profile_arn": self.instance_profile.arn})
+        self.register_outputs(
+            {
+                "role_arn": self.role.arn,
+                "instance_profile_arn": self.instance_profile.arn,
+                "job_role_arn": self.job_role.arn,
+            }
+        )
+
+    def _create_job_role(self, name: str, args: IdentityArgs, child: pulumi.ResourceOptions) -> aws.iam.Role:
+        """The job's own role: taken only by the instance role, at most `jobs/*` and `data/*`, never state.
+
+        One hour, the most AWS allows a chained role session; the agent refreshes the job's credentials
+        before they expire (bootstrap/jobuser.py)."""
+        instance_role_arn = f"arn:{args.partition}:iam::{args.account_id}:role/{args.name}-instance"
+        role = aws.iam.Role(
+            f"{name}-job-role",
+            name=f"{args.name}-job",
+            description=f"{args.name} job credentials: its jobs/<id>/ prefix, the dataset, its log stream",
+            assume_role_policy=json.dumps(
+                policies.job_role_trust_policy(
+                    partition=args.partition, account_id=args.account_id, instance_role_arn=instance_role_arn
+                )
+            ),
+            max_session_duration=3600,
+            tags=args.tags,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.role]),
+        )
+        aws.iam.RolePolicy(
+            f"{name}-job-policy",
+            role=role.id,
+            policy=pulumi.Output.all(args.bucket_arn, args.kms_key_arn, args.log_group_arn).apply(
+                lambda arns: json.dumps(
+                    policies.job_role_policy(
+                        bucket_arn=arns[0], key_arn=arns[1], region=args.region, log_group_arn=arns[2]
+                    )
+                )
+            ),
+            opts=child,
+        )
+        return role

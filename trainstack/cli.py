@@ -9,7 +9,19 @@ from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from trainstack import control, doctor, drill, estimate, jobs, logs, prices, session, status, transfer
+from trainstack import (
+    control,
+    doctor,
+    drill,
+    estimate,
+    jobs,
+    logs,
+    prices,
+    secrets,
+    session,
+    status,
+    transfer,
+)
 from trainstack.aws import Clients, explain
 from trainstack.errors import CliError
 from trainstack.output import print_error
@@ -130,6 +142,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--markdown", action="store_true", help="a Markdown table (the pull-request comment)"
     )
 
+    secrets_parser = commands.add_parser(
+        "secrets",
+        help="the job's secrets: SSM SecureString parameters under /trainstack/<stack>/",
+        description="A job names its secrets in job.yaml (`secrets: {HF_TOKEN: hf-token}`); the agent reads "
+        "them into the job's environment only. Values come from stdin, never the command line, and are never "
+        "shown (docs/job-contract.md, Secrets).",
+    )
+    secrets_commands = secrets_parser.add_subparsers(dest="secrets_command", required=True, metavar="ACTION")
+    secret_set = secrets_commands.add_parser(
+        "set",
+        parents=both,
+        help="store NAME's value, read from stdin, as a SecureString with the stack's KMS key",
+    )
+    secret_set.add_argument("name", metavar="NAME", help="the secret's name under /trainstack/<stack>/")
+    secret_set.add_argument("--overwrite", action="store_true", help="replace an existing value")
+    secrets_commands.add_parser("list", parents=both, help="names and last-modified dates, never values")
+    secret_delete = secrets_commands.add_parser("delete", parents=both, help="delete NAME's parameter")
+    secret_delete.add_argument("name", metavar="NAME", help="the secret's name under /trainstack/<stack>/")
+
     shell = commands.add_parser("shell", parents=[common], help="SSM Session Manager shell on an instance")
     shell.add_argument("--instance", metavar="ID", help="instance id (default: the first in service)")
     forward = commands.add_parser(
@@ -212,6 +243,15 @@ def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
         return estimate.run(clients, stack, hours=args.hours, as_json=as_json, as_markdown=args.markdown)
     if command == "prices":
         return prices.run(clients, stack, types=args.types, days=args.days, as_json=as_json)
+    if command == "secrets":
+        return secrets.run(
+            clients,
+            stack,
+            args.secrets_command,
+            name=getattr(args, "name", None),
+            overwrite=bool(getattr(args, "overwrite", False)),
+            as_json=as_json,
+        )
     if command == "shell":
         return session.run(clients, stack, instance=args.instance)
     if command == "forward":

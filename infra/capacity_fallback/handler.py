@@ -1,10 +1,16 @@
-"""The capacity fallback's Lambda handler: spot → on-demand after a launch drought, back to spot after."""
+"""The capacity fallback's Lambda handler: spot → on-demand after a launch drought, back to spot after; and
+the cost cap from outside the instance: at `maxCostUsd` the group goes to zero and the topic says why.
+
+The cap is the agent's job on the instance (bootstrap/ledger.py); this is the second line, for an agent
+that cannot act (wedged, or a job hostile enough to try): the function reads only what the agent alone
+writes (the job's credentials cannot write `state/` or `jobs/<id>/state/`) and acts through the group."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -30,6 +36,9 @@ LOOKBACK = timedelta(hours=12)
 _MAX_PAGES = 10
 _ACTIVE_STATES = ("Pending", "Pending:Wait", "Pending:Proceed", "InService")
 _LAUNCH_FAILED = ("Failed", "Cancelled")
+CAP_STOP = "stop_at_cost_cap"
+LEGACY_JOB_ID = "legacy"
+_JOB_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,35 @@ class Settings:
             group_name=env["GROUP_NAME"],
             fallback_minutes=int(env["FALLBACK_MINUTES"]),
             spot_on_demand_percentage=int(env["SPOT_ON_DEMAND_PERCENTAGE"]),
+        )
+
+
+@dataclass(frozen=True)
+class CostCap:
+    """The cost cap's settings (MAX_COST_USD, BUCKET, TOPIC_ARN); absent when the stack sets no cap."""
+
+    max_cost_usd: float
+    bucket: str
+    topic_arn: str
+    state_prefix: str = "state/"
+    jobs_prefix: str = "jobs/"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> CostCap | None:
+        if not env.get("MAX_COST_USD"):
+            return None
+        return cls(max_cost_usd=float(env["MAX_COST_USD"]), bucket=env["BUCKET"], topic_arn=env["TOPIC_ARN"])
+
+    @property
+    def current_job_key(self) -> str:
+        return f"{self.state_prefix}current-job.json"
+
+    def ledger_key(self, job_id: str) -> str:
+        # The legacy job (a stack from before jobs) keeps its ledger at the stack's state/ prefix.
+        return (
+            f"{self.state_prefix}ledger.json"
+            if job_id == LEGACY_JOB_ID
+            else f"{self.jobs_prefix}{job_id}/state/ledger.json"
         )
 
 
@@ -161,7 +199,81 @@ def distribution_update(description: Mapping[str, Any], on_demand_percentage: in
     }
 
 
-def run(event: Mapping[str, Any], autoscaling: Any, settings: Settings, now: datetime) -> dict[str, str]:
+def estimated_cost(ledger: Mapping[str, Any], now: datetime) -> float:
+    """The job's cost now: the ledger's total, plus each running life's hourly price since the agent last
+    priced it. A ledger whose agent stopped updating it (wedged, or its instance's job hostile) still
+    counts up, at the prices the agent recorded, for as long as the life is open."""
+    total = float(ledger.get("total_cost_usd") or 0.0)
+    for life in ledger.get("lives") or []:
+        if life.get("outcome") != "running" or life.get("price_usd_per_hour") is None:
+            continue
+        since = life.get("priced_at") or life.get("heartbeat_at") or life.get("started_at")
+        if not since:
+            continue
+        hours = max(
+            0.0, (now - datetime.fromisoformat(str(since).replace("Z", "+00:00"))).total_seconds() / 3600
+        )
+        total += hours * (float(life["price_usd_per_hour"]) + float(life.get("storage_usd_per_hour") or 0.0))
+    return total
+
+
+def read_json(s3: Any, bucket: str, key: str) -> dict[str, Any] | None:
+    """The object as JSON; None when it does not exist (no job started yet). Access denied is not "none":
+    it is raised, so a role missing its read fails the invocation loudly instead of disabling the cap."""
+    try:
+        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except s3.exceptions.NoSuchKey:
+        return None
+    value = json.loads(body)
+    return value if isinstance(value, dict) else None
+
+
+def enforce_cost_cap(
+    cap: CostCap,
+    description: Mapping[str, Any],
+    s3: Any,
+    autoscaling: Any,
+    sns: Any,
+    group_name: str,
+    now: datetime,
+) -> dict[str, str] | None:
+    """At or over the cap with the group still wanting instances: desired capacity 0 and one line on the
+    topic. Once the group is at zero nothing more is done (so the line is sent once, not every 5 minutes);
+    the agent's own cap normally gets there first, and then this finds the group at zero and says nothing."""
+    if int(description.get("DesiredCapacity", 0)) == 0:
+        return None
+    pointer = read_json(s3, cap.bucket, cap.current_job_key)
+    job_id = str(pointer.get("job_id", "")) if pointer else ""
+    if not (_JOB_ID.match(job_id) or job_id == LEGACY_JOB_ID):
+        return None
+    ledger = read_json(s3, cap.bucket, cap.ledger_key(job_id))
+    if ledger is None:
+        return None
+    cost = estimated_cost(ledger, now)
+    if cost < cap.max_cost_usd:
+        return None
+    autoscaling.set_desired_capacity(AutoScalingGroupName=group_name, DesiredCapacity=0, HonorCooldown=False)
+    line = (
+        f"trainstack {group_name}: job {job_id} reached {cost:.2f} USD of its {cap.max_cost_usd:g} USD cap "
+        "(maxCostUsd); the capacity function scaled the group to zero from outside the instance. Raise "
+        "trainstack:maxCostUsd and run pulumi up, then trainstack resume, to continue."
+    )
+    sns.publish(
+        TopicArn=cap.topic_arn, Subject=f"trainstack {group_name}: cost cap reached"[:100], Message=line
+    )
+    return {"action": CAP_STOP, "reason": line, "group": group_name, "job_id": job_id}
+
+
+def run(
+    event: Mapping[str, Any],
+    autoscaling: Any,
+    settings: Settings,
+    now: datetime,
+    *,
+    cost_cap: CostCap | None = None,
+    s3: Any = None,
+    sns: Any = None,
+) -> dict[str, str]:
     """Read the group, decide, act; returns the decision (also logged as one JSON line)."""
     named = event.get("detail", {}).get("AutoScalingGroupName")
     if named and named != settings.group_name:
@@ -171,6 +283,10 @@ def run(event: Mapping[str, Any], autoscaling: Any, settings: Settings, now: dat
     if not groups["AutoScalingGroups"]:
         return _log({"action": STAY, "reason": "group not found", "group": settings.group_name})
     description = groups["AutoScalingGroups"][0]
+    if cost_cap is not None:
+        stopped = enforce_cost_cap(cost_cap, description, s3, autoscaling, sns, settings.group_name, now)
+        if stopped is not None:
+            return _log(stopped)
     decision = decide(read_group(description), _recent_launches(autoscaling, settings, now), now, settings)
     if decision.action != STAY:
         percentage = ON_DEMAND_ONLY if decision.action == FALL_BACK else settings.spot_on_demand_percentage
@@ -205,4 +321,13 @@ def _log(result: dict[str, str]) -> dict[str, str]:
 
 def handler(event: Mapping[str, Any], context: object) -> dict[str, str]:
     """Lambda entry point: the group's launch-unsuccessful or termination event, or the 5-minute schedule."""
-    return run(event, boto3.client("autoscaling"), Settings.from_env(os.environ), datetime.now(timezone.utc))
+    cap = CostCap.from_env(os.environ)
+    return run(
+        event,
+        boto3.client("autoscaling"),
+        Settings.from_env(os.environ),
+        datetime.now(timezone.utc),
+        cost_cap=cap,
+        s3=boto3.client("s3") if cap else None,
+        sns=boto3.client("sns") if cap else None,
+    )

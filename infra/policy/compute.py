@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+
+from pulumi_policy import PolicyResource, ReportViolation
 
 from . import resource_types as t
 from .keys import is_aws_managed_key
 from .properties import Unknown, as_bool, as_int, count, get, is_set, is_unknown, items
-from .user_data import decode, find_secrets
+from .stack import describe, of_type
+from .user_data import decode, find_piped_downloads, scan_user_data
 
 
 def imdsv2_required(resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]) -> Iterator[str]:
@@ -143,10 +146,12 @@ def no_secrets_in_user_data(
         value = get(props, prop)
         if not isinstance(value, str) or is_unknown(value):
             continue
-        # Scanned as written and decoded, so a wrongly (un)encoded value is still read.
-        text = f"{value}\n{decode(value, base64_encoded=encoded)}"
-        for kind in find_secrets(text):
-            yield f"{prop} contains {kind}: read it at boot from SSM Parameter Store or Secrets Manager"
+        # Scanned as written and decoded, so a wrongly (un)encoded value is still read; YAML as parsed values.
+        for kind in scan_user_data(value, decode(value, base64_encoded=encoded)):
+            yield (
+                f"{prop} contains {kind}: read it at boot from SSM Parameter Store or Secrets Manager "
+                "(a trainstack job: `secrets:` in job.yaml, `trainstack secrets set NAME`)"
+            )
 
 
 def _inherits_from_launch_template(resource_type: str, props: Mapping[str, Any]) -> bool:
@@ -163,3 +168,74 @@ def _known(values: list[Any] | Unknown) -> list[Any]:
     if isinstance(values, Unknown):
         return []
     return [value for value in values if not is_unknown(value)]
+
+
+def groups_launch_declared_templates(
+    resources: Sequence[PolicyResource], config: Mapping[str, Any], report: ReportViolation
+) -> None:
+    """AutoScaling.3 / AutoScaling.4: what a group (or an instance) launches is a launch template of this
+    stack, so the IMDS, EBS and user-data rules have judged it. A template made elsewhere (the console,
+    another stack, an older version) bypasses all of them; so does a per-type override naming one."""
+    templates = of_type(resources, [t.LAUNCH_TEMPLATE])
+    declared: set[str] = set()
+    for template in templates:
+        for key in ("id", "name", "arn"):
+            value = get(template.props, key)
+            if isinstance(value, str) and not is_unknown(value):
+                declared.add(value)
+    for launcher in of_type(resources, [t.AUTOSCALING_GROUP, t.INSTANCE]):
+        for where, reference in _template_references(launcher.props):
+            if reference not in declared:
+                report(
+                    f"{describe(launcher)}: {where} names launch template {reference}, which this stack does "
+                    "not declare (so no IMDS, EBS or user-data rule judged it): launch from this stack's "
+                    "aws.ec2.LaunchTemplate (launch_template_id=template.id)",
+                    launcher.urn,
+                )
+
+
+def _template_references(props: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    """(where, id or name) of each launch template a group or instance names with a value known now."""
+    specifications: list[tuple[str, Any, tuple[str, str]]] = [
+        ("launchTemplate", get(props, "launchTemplate"), ("id", "name")),
+        (
+            "mixedInstancesPolicy.launchTemplate.launchTemplateSpecification",
+            get(props, "mixedInstancesPolicy", "launchTemplate", "launchTemplateSpecification"),
+            ("launchTemplateId", "launchTemplateName"),
+        ),
+    ]
+    overrides = items(props, "mixedInstancesPolicy", "launchTemplate", "overrides")
+    for index, override in enumerate(_known(overrides)):
+        specifications.append(
+            (
+                f"mixedInstancesPolicy.launchTemplate.overrides[{index}].launchTemplateSpecification",
+                get(override, "launchTemplateSpecification"),
+                ("launchTemplateId", "launchTemplateName"),
+            )
+        )
+    for where, specification, keys in specifications:
+        if specification is None or is_unknown(specification):
+            continue
+        for key in keys:
+            value = get(specification, key)
+            if isinstance(value, str) and value and not is_unknown(value):
+                yield f"{where}.{key}", value
+
+
+def no_piped_downloads_in_user_data(
+    resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
+) -> Iterator[str]:
+    """Boot supply chain: user data never runs what it downloads unseen (`curl | bash`, `wget -O- | sh`,
+    `bash <(curl ...)`, `sh -c "$(curl ...)"`): whoever controls that URL, its DNS or its TLS path owns the
+    instance, role included, and nothing pins what ran."""
+    sources = [("userData", resource_type == t.LAUNCH_TEMPLATE), ("userDataBase64", True)]
+    for prop, encoded in sources:
+        value = get(props, prop)
+        if not isinstance(value, str) or is_unknown(value):
+            continue
+        text = f"{value}\n{decode(value, base64_encoded=encoded)}"
+        for command in find_piped_downloads(text):
+            yield (
+                f"{prop} runs a download unseen ({command}): download to a file, check its SHA-256, then run "
+                "it (or ship it in the hashed bundle)"
+            )

@@ -25,6 +25,10 @@ class Statement:
     conditions: Mapping[str, Mapping[str, tuple[str, ...]]]
     # NotResource: an Allow with it grants every resource it does not list.
     not_resources: tuple[str, ...] = ()
+    # The principals with their kind: ("*", "*") for `"Principal": "*"`, ("AWS", arn), ("Service", name)...
+    typed_principals: tuple[tuple[str, str], ...] = ()
+    # NotPrincipal: an Allow with it grants everyone it does not list.
+    not_principals: tuple[str, ...] = ()
 
     def allows(self) -> bool:
         return self.effect.lower() == "allow"
@@ -84,7 +88,17 @@ def _statement(raw: Mapping[str, Any]) -> Statement:
         principals=_principals(get(raw, "Principal")),
         conditions=conditions,
         not_resources=_strings(get(raw, "NotResource")),
+        typed_principals=_typed_principals(get(raw, "Principal")),
+        not_principals=_principals(get(raw, "NotPrincipal")),
     )
+
+
+def _typed_principals(raw: Any) -> tuple[tuple[str, str], ...]:
+    if raw is None:
+        return ()
+    if isinstance(raw, Mapping):
+        return tuple((str(kind), value) for kind, values in raw.items() for value in _strings(values))
+    return tuple(("*" if value.strip() == "*" else "AWS", value) for value in _strings(raw))
 
 
 def _principals(raw: Any) -> tuple[str, ...]:

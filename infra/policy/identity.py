@@ -8,6 +8,7 @@ from typing import Any
 
 from . import resource_types as t
 from .documents import Statement, UnreadableDocumentError, is_wildcard_action, statements
+from .patterns import KEY_ARN, matches_shape
 from .properties import Unknown, get, is_unknown, items
 
 _DECRYPT_ACTIONS = ("kms:Decrypt", "kms:ReEncryptFrom")
@@ -89,58 +90,11 @@ def _all_keys(resource: str) -> bool:
     return ("*" in pattern or "?" in pattern) and _matches_a_key_arn(pattern)
 
 
-# A KMS key's ARN, arn:<partition>:kms:<region>:<account>:key/<key id>, as elements: a literal character,
-# _ONE (one character other than ":") or _ANY (zero or more of them).
-_ONE, _ANY = "one", "any"
-_KEY_ARN: tuple[str, ...] = (*"arn:", _ONE, _ANY, *":kms:", _ANY, ":", _ANY, *":key/", _ONE, _ANY)
-
-
 def _matches_a_key_arn(pattern: str) -> bool:
-    """Whether an IAM Resource pattern (`*`: any run of characters, colons included; `?`: any one) matches
-    at least one string of a key ARN's shape: a search over (pattern position, ARN element) pairs. Compared
-    case-insensitively: stricter than IAM, which compares ARNs case-sensitively."""
-    pattern = pattern.lower()
-    end = len(_KEY_ARN)
-
-    def closure(element: int) -> set[int]:
-        # An _ANY element may match nothing: the elements after it are reachable without a character.
-        reached = {element}
-        while element < end and _KEY_ARN[element] == _ANY:
-            element += 1
-            reached.add(element)
-        return reached
-
-    def consume(element: int, char: str | None) -> set[int]:
-        """Elements reached by matching one character: `char`, or any the ARN allows here when None."""
-        if element == end:
-            return set()
-        expected = _KEY_ARN[element]
-        if expected in (_ONE, _ANY):
-            if char == ":":
-                return set()
-            return closure(element + 1) if expected == _ONE else closure(element)
-        return closure(element + 1) if char in (None, expected) else set()
-
-    seen = {(0, element) for element in closure(0)}
-    frontier = list(seen)
-    while frontier:
-        position, element = frontier.pop()
-        if position == len(pattern):
-            if element == end:
-                return True
-            continue
-        symbol = pattern[position]
-        following: set[tuple[int, int]] = set()
-        if symbol == "*":
-            following.add((position + 1, element))
-            following.update((position, after) for after in consume(element, None))
-        else:
-            char = None if symbol == "?" else symbol
-            following.update((position + 1, after) for after in consume(element, char))
-        for state in following - seen:
-            seen.add(state)
-            frontier.append(state)
-    return False
+    """Whether an IAM Resource pattern matches at least one KMS key ARN,
+    arn:<partition>:kms:<region>:<account>:key/<key id> (the exact matcher lives in patterns.py and judges
+    the other resource wildcards too)."""
+    return matches_shape(pattern, KEY_ARN)
 
 
 # AWS managed policies that hand over a whole service or the account: AdministratorAccess (and its

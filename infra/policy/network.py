@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pulumi_policy import PolicyResource, ReportViolation
 
 from . import resource_types as t
+from .documents import UnreadableDocumentError, statements
+from .patterns import has_wildcard, literal_prefix
 from .properties import Unknown, as_bool, as_int, get, is_unknown, items
-from .stack import describe, of_type, require_configurer
+from .stack import Reference, describe, of_type, refers_to, require_configurer
 
 _ALL_PROTOCOLS = ("-1", "all")
 
@@ -37,12 +40,17 @@ def no_unrestricted_ingress(
     world, the way Security Hub's EC2.18 parameter does, for stacks that do serve the Internet.
     """
     authorized = {int(port) for port in config.get("authorizedPublicPorts", [])}
+    lists = {str(pl) for pl in config.get("authorizedPrefixListIds", [])}
     if resource_type == t.SECURITY_GROUP:
         rules = items(props, "ingress")
         known = [] if isinstance(rules, Unknown) else rules
         for index, rule in enumerate(known):
             if not is_unknown(rule):
                 yield from _other_group_problems(f"ingress[{index}]", _inline_source_groups(rule))
+                if not _ports_authorized(rule, authorized, "protocol"):
+                    yield from _prefix_list_problems(
+                        f"ingress[{index}]", rule, "prefixListIds", "protocol", lists
+                    )
         open_rules = [
             (f"ingress[{index}]", rule)
             for index, rule in enumerate(known)
@@ -55,10 +63,27 @@ def no_unrestricted_ingress(
         yield from _other_group_problems("the rule", _rule_source_groups(props, "sourceSecurityGroupId"))
         if not _ports_authorized(props, authorized, "protocol"):
             yield from _wide_ingress_problems([("the rule", props)], "protocol", _rule_sources)
+            yield from _prefix_list_problems("the rule", props, "prefixListIds", "protocol", lists)
     elif resource_type == t.SECURITY_GROUP_INGRESS_RULE:
         yield from _other_group_problems("the rule", _rule_source_groups(props, "referencedSecurityGroupId"))
         if not _ports_authorized(props, authorized, "ipProtocol"):
             yield from _wide_ingress_problems([("the rule", props)], "ipProtocol", _ingress_rule_sources)
+            yield from _prefix_list_problems("the rule", props, "prefixListId", "ipProtocol", lists)
+
+
+def _prefix_list_problems(
+    where: str, rule: Any, key: str, protocol_key: str, authorized: set[str]
+) -> Iterator[str]:
+    """A prefix list's addresses are not in the rule (an AWS-managed list, CloudFront's say, spans much of
+    the internet): ingress from one passes only when the pack config lists it as reviewed."""
+    values = items(rule, key)
+    for prefix_list in [] if isinstance(values, Unknown) else values:
+        if isinstance(prefix_list, str) and not is_unknown(prefix_list) and prefix_list not in authorized:
+            yield (
+                f"{where} admits prefix list {prefix_list} on {_ports(rule, protocol_key)}, whose addresses "
+                "this pack cannot judge: allow narrow CIDRs or use SSM Session Manager (or list the prefix "
+                "list in the policy's authorizedPrefixListIds once reviewed)"
+            )
 
 
 def _inline_source_groups(rule: Any) -> list[str]:
@@ -261,9 +286,16 @@ def vpc_flow_logs_retained(
         destination_type = get(flow_log.props, "logDestinationType")
         if destination_type not in (None, "cloud-watch-logs"):
             continue
-        for group in log_groups:
-            if not _delivers_to(flow_log, group):
-                continue
+        receivers = [group for group in log_groups if _delivers_to(flow_log, group)]
+        destination = get(flow_log.props, "logDestination") or get(flow_log.props, "logGroupName")
+        if not receivers and isinstance(destination, str) and not is_unknown(destination):
+            report(
+                f"{describe(flow_log)}: delivers to {destination}, a log group this stack does not declare "
+                "(deleted, or kept elsewhere with no known retention): declare it as an "
+                f"aws.cloudwatch.LogGroup with retention_in_days >= {minimum} and kms_key_id",
+                flow_log.urn,
+            )
+        for group in receivers:
             raw = get(group.props, "retentionInDays")
             days = as_int(raw)
             if not is_unknown(raw) and (days is None or days < minimum):
@@ -290,3 +322,106 @@ def _delivers_to(flow_log: PolicyResource, group: PolicyResource) -> bool:
         if by_name and value.removesuffix(":*").endswith(f":log-group:{name}"):
             return True
     return False
+
+
+def no_all_protocol_egress_to_the_internet(
+    resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
+) -> Iterator[str]:
+    """CKV_AWS_382: no security group sends every protocol and port to the internet (more than a /8 or an
+    IPv6 /32): a compromised process then reaches any service anywhere. Egress names its ports (443)."""
+    if resource_type == t.SECURITY_GROUP:
+        rules = items(props, "egress")
+        known = [] if isinstance(rules, Unknown) else rules
+        for index, rule in enumerate(known):
+            if not is_unknown(rule) and _all_traffic(rule, "protocol"):
+                yield from _egress_problem(f"egress[{index}]", _rule_sources(rule))
+    elif resource_type == t.SECURITY_GROUP_RULE:
+        if get(props, "type") == "egress" and _all_traffic(props, "protocol"):
+            yield from _egress_problem("the rule", _rule_sources(props))
+    elif resource_type == t.SECURITY_GROUP_EGRESS_RULE and _all_traffic(props, "ipProtocol"):
+        yield from _egress_problem("the rule", _ingress_rule_sources(props))
+
+
+def _all_traffic(rule: Any, protocol_key: str) -> bool:
+    protocol = get(rule, protocol_key)
+    if is_unknown(protocol):
+        return False
+    if str(protocol if protocol is not None else "-1").lower() in _ALL_PROTOCOLS:
+        return True
+    low, high = as_int(get(rule, "fromPort")), as_int(get(rule, "toPort"))
+    return low is not None and high is not None and low <= 1 and high >= 65535
+
+
+def _egress_problem(where: str, destinations: list[Any]) -> Iterator[str]:
+    wide = wide_address_space(_networks(destinations))
+    if wide:
+        yield (
+            f"{where} allows all protocols and ports to {wide}: allow only the ports the instances need "
+            "(tcp 443 for AWS APIs and package indexes)"
+        )
+
+
+def s3_endpoint_policy_scoped(
+    resources: Sequence[PolicyResource], config: Mapping[str, Any], report: ReportViolation
+) -> None:
+    """Data perimeter: an S3 VPC endpoint carries a policy that reaches named buckets only.
+
+    Without a policy (AWS's default allows everything) or with `s3:*` on `*`, a compromised process sends
+    data through the endpoint to any bucket of any account, out of sight of the security group.
+    """
+    policies = of_type(resources, [t.VPC_ENDPOINT_POLICY])
+    for endpoint in of_type(resources, [t.VPC_ENDPOINT]):
+        service = get(endpoint.props, "serviceName")
+        if not isinstance(service, str) or is_unknown(service) or not service.endswith(".s3"):
+            continue
+        documents = [("policy", get(endpoint.props, "policy"))]
+        documents += [
+            (f"the policy of {describe(p)}", get(p.props, "policy"))
+            for p in policies
+            if refers_to(p, "vpcEndpointId", endpoint) is not Reference.NO
+        ]
+        known = [(where, document) for where, document in documents if document is not None]
+        if not known:
+            report(
+                f"{describe(endpoint)}: set a policy allowing the stack's bucket only (without one the "
+                "endpoint reaches every bucket of every account)",
+                endpoint.urn,
+            )
+            continue
+        for where, document in known:
+            for problem in _endpoint_document_problems(document):
+                report(f"{describe(endpoint)}: {where} {problem}", endpoint.urn)
+
+
+def _endpoint_document_problems(document: Any) -> Iterator[str]:
+    try:
+        parsed = statements(document)
+    except UnreadableDocumentError as error:
+        yield f"{error}: fix the JSON"
+        return
+    for index, statement in enumerate(parsed or []):
+        if not statement.allows():
+            continue
+        s3_actions = [a for a in _ENDPOINT_S3_ACTIONS if statement.covers_action(a)]
+        if not s3_actions:
+            continue
+        if statement.not_resources:
+            yield f"Statement[{index}] allows S3 with NotResource: name the stack's bucket in Resource"
+            continue
+        broad = [r for r in statement.resources if not is_unknown(r) and not _names_a_bucket(r)]
+        if broad:
+            yield (
+                f"Statement[{index}] allows {', '.join(s3_actions)} on {broad[0].strip()}, every bucket: "
+                "name the stack's bucket (arn:aws:s3:::<bucket> and arn:aws:s3:::<bucket>/*)"
+            )
+
+
+def _names_a_bucket(resource: str) -> bool:
+    """A wildcard only after the bucket's name (`arn:aws:s3:::bucket/*`), or none at all."""
+    return _NAMED_BUCKET.match(literal_prefix(resource)) is not None or (
+        not has_wildcard(resource) and resource.strip().lower().startswith("arn:")
+    )
+
+
+_ENDPOINT_S3_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:ListBucket")
+_NAMED_BUCKET = re.compile(r"^arn:[^:*?]+:s3:::[^/*?]+/", re.IGNORECASE)

@@ -57,3 +57,14 @@ GROUP_POLICY_ATTACHMENTS_EXCLUSIVE = "aws:iam/groupPolicyAttachmentsExclusive:Gr
 
 SNS_TOPIC = "aws:sns/topic:Topic"
 LOG_GROUP = "aws:cloudwatch/logGroup:LogGroup"
+
+# Resource policies and shares (issue 24): who else may use a key, topic, function, snapshot or image.
+KMS_KEY_POLICY = "aws:kms/keyPolicy:KeyPolicy"
+SNS_TOPIC_POLICY = "aws:sns/topicPolicy:TopicPolicy"
+LAMBDA_PERMISSION = "aws:lambda/permission:Permission"
+SNAPSHOT_CREATE_VOLUME_PERMISSION = "aws:ec2/snapshotCreateVolumePermission:SnapshotCreateVolumePermission"
+AMI_LAUNCH_PERMISSION = "aws:ec2/amiLaunchPermission:AmiLaunchPermission"
+
+SECURITY_GROUP_EGRESS_RULE = "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule"
+VPC_ENDPOINT = "aws:ec2/vpcEndpoint:VpcEndpoint"
+VPC_ENDPOINT_POLICY = "aws:ec2/vpcEndpointPolicy:VpcEndpointPolicy"

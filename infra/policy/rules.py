@@ -12,7 +12,7 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
-from . import capacity, compute, identity, network, observability, storage
+from . import capacity, compute, exposure, grants, identity, network, observability, storage
 from . import resource_types as t
 from .control import resource_policy, stack_policy
 
@@ -27,6 +27,152 @@ def _with_config(policy: _Configurable, schema: PolicyConfigSchema) -> _Configur
     policy.config_schema = schema
     return policy
 
+
+def _trusted_accounts(policy: StackValidationPolicy) -> StackValidationPolicy:
+    return _with_config(
+        policy,
+        PolicyConfigSchema(
+            properties={
+                "trustedAccountIds": {
+                    "type": "array",
+                    "items": {"type": "string", "pattern": "^[0-9]{12}$"},
+                    "default": [],
+                }
+            }
+        ),
+    )
+
+
+# Issue 24: effective permissions (identity, resource and trust policies alike), what groups launch, egress,
+# the S3 endpoint, and what user data runs.
+ISSUE_24_POLICIES: list[Policy] = [
+    resource_policy(
+        "iam-escalation-on-named-resources",
+        ["CKV_AWS_286", "CKV_AWS_355"],
+        "Identity policies (managed, inline and AWS managed ones attached) allow iam:PassRole, "
+        "sts:AssumeRole, launch template versions, IAM policy and credential changes and function code "
+        "updates on named resources only, however the action is spelled (iam:Pass*, *, NotAction).",
+        grants.IDENTITY_DOCUMENT_CARRIERS,
+        grants.no_escalation_on_unnamed_resources,
+        Severity.CRITICAL,
+        'Resource: ["arn:aws:iam::<account>:role/<name>"] (no wildcard) for iam:PassRole and the like',
+    ),
+    resource_policy(
+        "iam-data-access-on-named-resources",
+        ["CKV_AWS_288", "CKV_AWS_355"],
+        "Identity policies (managed, inline and AWS managed ones attached, e.g. AmazonS3ReadOnlyAccess) "
+        "read or write objects, SSM parameters and secrets only in a named bucket, parameter path or "
+        "secret path.",
+        grants.IDENTITY_DOCUMENT_CARRIERS,
+        grants.no_data_access_on_unnamed_resources,
+        Severity.HIGH,
+        'Resource: "arn:aws:s3:::<bucket>/<prefix>*", "arn:aws:ssm:<region>:<account>:parameter/trainstack/'
+        '<stack>/*"',
+    ),
+    _trusted_accounts(
+        stack_policy(
+            "s3-bucket-policy-not-public",
+            ["S3.6", "CKV_AWS_70"],
+            "Bucket policies grant nothing to everyone (Principal *, without a condition on this account, "
+            "organization, source or VPC endpoint) nor to another account.",
+            exposure.bucket_policy_not_public,
+            Severity.CRITICAL,
+            "Principal: this account's roles; or a condition on aws:SourceAccount/aws:SourceVpce",
+        )
+    ),
+    _trusted_accounts(
+        stack_policy(
+            "kms-key-policy-not-public",
+            ["KMS.5", "CKV_AWS_33"],
+            "KMS key policies grant nothing to everyone (Principal *, without a condition on this account) "
+            "nor to another account.",
+            exposure.key_policy_not_public,
+            Severity.CRITICAL,
+            'Principal {"AWS": "arn:aws:iam::<this account>:root"}, or * with aws:PrincipalAccount',
+        )
+    ),
+    _trusted_accounts(
+        stack_policy(
+            "iam-trust-policy-not-public",
+            ["CKV_AWS_60"],
+            "Role trust policies let only named services or this account's principals assume the role: "
+            'never Principal * or {"AWS": "*"} without a restricting condition, never another account.',
+            exposure.trust_policy_not_public,
+            Severity.CRITICAL,
+            'Principal {"Service": "ec2.amazonaws.com"} or this account\'s role ARNs',
+        )
+    ),
+    _trusted_accounts(
+        stack_policy(
+            "sns-topic-policy-not-public",
+            ["SNS.4", "CKV_AWS_169"],
+            "SNS topic policies grant nothing to everyone (without a condition on this account or source) "
+            "nor to another account.",
+            exposure.topic_policy_not_public,
+            Severity.HIGH,
+            "Principal: a service with aws:SourceAccount and aws:SourceArn conditions",
+        )
+    ),
+    _trusted_accounts(
+        stack_policy(
+            "lambda-permission-not-public",
+            ["Lambda.1", "CKV_AWS_301", "CKV_AWS_364"],
+            "Lambda permissions let no one outside the account invoke a function, and services only for a "
+            "named source (source_arn or source_account).",
+            exposure.lambda_permission_not_public,
+            Severity.HIGH,
+            'aws.lambda_.Permission(principal="events.amazonaws.com", source_arn=rule.arn, ...)',
+        )
+    ),
+    _trusted_accounts(
+        stack_policy(
+            "ebs-snapshot-not-public",
+            ["EC2.1"],
+            "No EBS snapshot (nor AMI) is shared with everyone or with another account.",
+            exposure.snapshots_not_public,
+            Severity.CRITICAL,
+            "remove the aws.ec2.SnapshotCreateVolumePermission / aws.ec2.AmiLaunchPermission",
+        )
+    ),
+    stack_policy(
+        "launch-templates-declared",
+        ["AutoScaling.3", "AutoScaling.4"],
+        "Auto Scaling groups, their per-type overrides and instances launch only launch templates this "
+        "stack declares, so the IMDS, EBS and user-data rules judged what runs.",
+        compute.groups_launch_declared_templates,
+        Severity.HIGH,
+        "launch_template_specification={'launch_template_id': template.id, ...} of this stack's template",
+    ),
+    resource_policy(
+        "no-all-protocol-egress-to-internet",
+        ["CKV_AWS_382"],
+        "No security group allows all protocols and ports out to the internet (more than an IPv4 /8 or an "
+        "IPv6 /32); egress names its ports.",
+        [t.SECURITY_GROUP, t.SECURITY_GROUP_RULE, t.SECURITY_GROUP_EGRESS_RULE],
+        network.no_all_protocol_egress_to_the_internet,
+        Severity.HIGH,
+        'egress=[{"protocol": "tcp", "from_port": 443, "to_port": 443, "cidr_blocks": ["0.0.0.0/0"]}]',
+    ),
+    stack_policy(
+        "s3-endpoint-policy-scoped",
+        ["data-perimeter"],
+        "S3 VPC endpoints carry a policy that reaches named buckets only (no policy, or s3:* on *, lets "
+        "data leave to any bucket of any account).",
+        network.s3_endpoint_policy_scoped,
+        Severity.HIGH,
+        'policy: Allow s3:GetObject/PutObject on "arn:aws:s3:::<bucket>/*" and s3:ListBucket on the bucket',
+    ),
+    resource_policy(
+        "no-piped-downloads-in-user-data",
+        ["boot-supply-chain"],
+        "EC2 user data never pipes a download into a shell or interpreter (curl | bash, wget -O- | sh, "
+        "bash <(curl ...)): what runs at boot is pinned by a hash.",
+        _LAUNCHERS,
+        compute.no_piped_downloads_in_user_data,
+        Severity.HIGH,
+        "download to a file, check its SHA-256 (sha256sum -c), then run it; or ship it in the hashed bundle",
+    ),
+]
 
 POLICIES: list[Policy] = [
     resource_policy(
@@ -123,8 +269,9 @@ POLICIES: list[Policy] = [
             "no-unrestricted-ingress",
             ["EC2.18", "EC2.19", "CIS 5.2", "CIS 5.3"],
             "Ingress from the internet (sources whose union exceeds an IPv4 /8 or an IPv6 /32, 0.0.0.0/0 "
-            "included) or from another security group is refused on every security group (SSM replaces "
-            "SSH); a self-referencing rule between the group's own members passes.",
+            "included), from another security group or from a prefix list the pack cannot see into is "
+            "refused on every security group (SSM replaces SSH); a self-referencing rule between the "
+            "group's own members passes.",
             [t.SECURITY_GROUP, t.SECURITY_GROUP_RULE, t.SECURITY_GROUP_INGRESS_RULE],
             network.no_unrestricted_ingress,
             Severity.CRITICAL,
@@ -137,7 +284,8 @@ POLICIES: list[Policy] = [
                     "type": "array",
                     "items": {"type": "integer", "minimum": 0, "maximum": 65535},
                     "default": [],
-                }
+                },
+                "authorizedPrefixListIds": {"type": "array", "items": {"type": "string"}, "default": []},
             }
         ),
     ),
@@ -283,4 +431,5 @@ POLICIES: list[Policy] = [
         "fetch secrets at boot from SSM Parameter Store or Secrets Manager with the instance role",
     ),
     *capacity.POLICIES,
+    *ISSUE_24_POLICIES,
 ]

@@ -1,4 +1,12 @@
-"""Finding credentials in EC2 user data, which any process on the instance can read back from IMDS."""
+"""Finding credentials in EC2 user data, which any process on the instance can read back from IMDS.
+
+Scanned twice: the text as written and decoded (patterns that hold whatever the format), and, when it is YAML
+(a `#cloud-config`, and the YAML files it writes, such as an agent config), its PARSED values: YAML folds a
+long line and quotes or escapes a value as it likes, so a raw-text pattern misses `aws_secret_access_key`
+folded onto the next line, while the parsed value is whole. A mapping key that names a credential (HF_TOKEN,
+WANDB_API_KEY, DB_PASSWORD) with a literal value is a secret whatever the value looks like; so is a shell or
+dotenv assignment to such a name in a script, and a `.netrc` line with a password.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,10 @@ import base64
 import binascii
 import gzip
 import re
+from collections.abc import Iterator
+from typing import Any
+
+import yaml  # PyYAML: a dependency of the pulumi SDK the pack already requires
 
 # The credential shapes checkov's CKV_AWS_46 and detect-secrets look for, plus private keys and tokens.
 _SECRET_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -19,7 +31,23 @@ _SECRET_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("a Slack token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}\b")),
     ("credentials in a URL", re.compile(r"\b[a-z][a-z0-9+.-]*://[^/\s:@]+:[^/\s:@$<{]{3,}@")),
     ("a password", re.compile(r"(?i)\b(?:password|passwd)[\"']?\s*[:=]\s*[\"']?[^\s\"'$<{]{8,}")),
+    ("a GitHub token", re.compile(r"\bgithub_pat_[A-Za-z0-9_]{22,}")),
+    ("a Hugging Face token", re.compile(r"\bhf_[A-Za-z0-9]{30,}\b")),
+    ("a .netrc password", re.compile(r"(?is)\b(?:machine\s+\S+|default)\s.*?\bpassword\s+(?![$<{(])\S+")),
 )
+# Name segments (split at '_', any case) that say a value is a credential, and endings that do.
+_CREDENTIAL_WORDS = frozenset(
+    {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "APIKEY", "CREDENTIALS"}
+)
+_CREDENTIAL_ENDINGS = ("API_KEY", "ACCESS_KEY", "SECRET_KEY", "PRIVATE_KEY", "ACCESS_KEY_ID", "AUTH_KEY")
+# `NAME=value` in a script or dotenv file (`export`, systemd's Environment=, `env NAME=...` alike).
+_ASSIGNMENT = re.compile(r"(?:^|[\s;'\"=])([A-Za-z_][A-Za-z0-9_]*)=([\"']?)([^\s\"';]+)", re.MULTILINE)
+# Values that are no credential: a reference to one ($VAR, $(command), ${VAR}, <placeholder>), or a keyword.
+_REFERENCE = re.compile(r"^(?:[$<{(%]|ssm:|secretsmanager:|arn:)")
+_MIN_LITERAL = 8
+_BY_NAME = "a credential in "
+# Parsed documents nest: a cloud-config writes a YAML file (an agent config) that holds a job's env.
+_MAX_DEPTH = 4
 
 
 def decode(user_data: str, *, base64_encoded: bool) -> str:
@@ -41,3 +69,108 @@ def decode(user_data: str, *, base64_encoded: bool) -> str:
 def find_secrets(text: str) -> list[str]:
     """What kinds of secret the text holds, in the order checked (empty when none)."""
     return [kind for kind, pattern in _SECRET_PATTERNS if pattern.search(text)]
+
+
+# A download fed straight to an interpreter: `curl ... | sudo bash`, `wget -qO- ... | sh -s --`,
+# `bash <(curl ...)`, `sh -c "$(wget -O- ...)"`, `eval "$(curl ...)"`, `python3 <(curl ...)`.
+_FETCH = r"(?:curl|wget|fetch)\b"
+_INTERPRETER = (
+    r"(?:sudo\s+(?:-\S+\s+)*)?(?:/usr)?(?:/bin/)?(?:env\s+)?(?:ba|da|k|z)?sh\b|python[0-9.]*\b|perl\b|ruby\b"
+)
+_PIPED_DOWNLOADS = (
+    re.compile(rf"{_FETCH}[^\n;&]*\|\s*(?:{_INTERPRETER})", re.IGNORECASE),
+    re.compile(rf"(?:{_INTERPRETER}|source|\.)\s*<\(\s*{_FETCH}", re.IGNORECASE),
+    re.compile(rf"(?:(?:{_INTERPRETER})\s+-c|eval)\s+\\?[\"']?\$\(\s*{_FETCH}", re.IGNORECASE),
+)
+
+
+def find_piped_downloads(text: str) -> list[str]:
+    """Each command that runs downloaded code without keeping or checking it (as written, one line each)."""
+    found: list[str] = []
+    for pattern in _PIPED_DOWNLOADS:
+        for match in pattern.finditer(text):
+            command = " ".join(match.group(0).split())
+            if command not in found:
+                found.append(command)
+    return found
+
+
+def credential_name(name: str) -> bool:
+    """Whether a variable or key named so holds a credential (HF_TOKEN, wandb_api_key, DB_PASSWORD)."""
+    upper = name.upper()
+    return bool(_CREDENTIAL_WORDS.intersection(upper.split("_"))) or upper.endswith(_CREDENTIAL_ENDINGS)
+
+
+def _literal(value: Any) -> bool:
+    """A value that is a credential itself, not a reference to one, a number or a boolean."""
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        return False
+    text = str(value).strip().strip("\"'")
+    return len(text) >= _MIN_LITERAL and not _REFERENCE.match(text) and not text.isdigit()
+
+
+def _parse(text: str) -> Any:
+    if ":" not in text or "\n" not in text.strip():
+        return None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+
+
+def _written_content(entry: dict[str, Any]) -> str | None:
+    """A cloud-config write_files entry's content, its b64/gzip encoding undone."""
+    content = entry.get("content")
+    if not isinstance(content, str):
+        return None
+    encoding = str(entry.get("encoding", "")).lower()
+    if encoding in ("b64", "base64", "gz+b64", "gzip+base64", "gz+base64", "gzip+b64"):
+        return decode(content, base64_encoded=True)
+    return content
+
+
+def _walk(node: Any, depth: int, under_references: bool = False) -> Iterator[str]:
+    if depth > _MAX_DEPTH:
+        return
+    if isinstance(node, dict):
+        if "content" in node and "encoding" in node:
+            content = _written_content(node)
+            if content is not None:
+                yield from _scan_string(content, depth)
+        for key, value in node.items():
+            # A `secrets:` mapping names secrets by reference (bootstrap/secrets.py): its names are expected.
+            references = under_references or str(key) == "secrets"
+            if isinstance(value, dict | list):
+                yield from _walk(value, depth, references)
+                continue
+            if not references and credential_name(str(key)) and _literal(value):
+                yield f"{_BY_NAME}{key}"
+            if isinstance(value, str):
+                yield from _scan_string(value, depth)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _walk(item, depth, under_references)
+    elif isinstance(node, str):
+        yield from _scan_string(node, depth)
+
+
+def _scan_string(text: str, depth: int) -> Iterator[str]:
+    yield from find_secrets(text)
+    for name, _, value in _ASSIGNMENT.findall(text):
+        if credential_name(name) and _literal(value):
+            yield f"{_BY_NAME}{name}"
+    nested = _parse(text)
+    if isinstance(nested, dict | list):
+        yield from _walk(nested, depth + 1)
+
+
+def scan_user_data(written: str, decoded: str) -> list[str]:
+    """What kinds of secret user data holds, as written and decoded, its YAML read as parsed values."""
+    kinds = find_secrets(f"{written}\n{decoded}")
+    for text in dict.fromkeys((decoded, written)):
+        # A script's assignments, or a YAML document's values (and the files and scripts they hold).
+        kinds += list(_scan_string(text, 0))
+    found = list(dict.fromkeys(kinds))
+    # One line per finding: a value whose shape is known is named by its shape, not again by its key.
+    shaped = [kind for kind in found if not kind.startswith(_BY_NAME)]
+    return shaped or found

@@ -197,7 +197,9 @@ def test_trainer_overrides_follow_the_internals_contract() -> None:
         "checkpoint.uri=",  # the agent's persister owns the S3 copy
         "output.dir=/s/output",
         "output.uri=",  # the agent uploads the results
-        "train.stop_file=/s/STOP",
-        "train.checkpoint_request_file=/s/CHECKPOINT",
-        "train.start_gate_file=/s/START_GATE",  # a standby's trainer waits warm until the agent removes it
+        # The signal files live in the folder the job's user owns (it deletes a served checkpoint request).
+        "train.stop_file=/s/control/STOP",
+        "train.checkpoint_request_file=/s/control/CHECKPOINT",
+        # A standby's trainer waits warm at the gate until the agent removes it.
+        "train.start_gate_file=/s/control/START_GATE",
     ]

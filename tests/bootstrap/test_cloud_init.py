@@ -86,6 +86,7 @@ def test_user_data_freezes_upgrades_and_holds_driver_and_kernel_before_starting_
     assert document["package_upgrade"] is False
     assert document["runcmd"] == [
         ["/usr/local/sbin/trainstack-prepare-os"],
+        ["/usr/local/sbin/trainstack-job-sandbox"],
         ["/usr/local/sbin/trainstack-install-agent"],
     ]
     files = written_files(text)
@@ -155,10 +156,36 @@ def test_systemd_units_have_no_unknown_keys_or_syntax_errors(tmp_path: Path) -> 
         [analyze, "verify", *map(str, units)], capture_output=True, text=True, timeout=120
     )
     # ExecStart lives in the unpacked bundle on the instance, so only "not executable" may be reported here.
+    # So is ExecStartPre's job sandbox, which cloud-init writes to /usr/local/sbin.
+    on_the_instance = (
+        "/opt/trainstack/current/bootstrap/instance/run-agent.sh is not executable",
+        "/usr/local/sbin/trainstack-job-sandbox is not executable",
+    )
     problems = [
         line
         for line in (result.stdout + result.stderr).splitlines()
-        if line.strip()
-        and "/opt/trainstack/current/bootstrap/instance/run-agent.sh is not executable" not in line
+        if line.strip() and not any(expected in line for expected in on_the_instance)
     ]
     assert problems == []
+
+
+def test_user_data_keeps_the_job_user_away_from_imds_before_the_agent_starts() -> None:
+    """The job's sandbox (bootstrap/jobuser.py): its user and an owner-matched REJECT of both IMDS addresses,
+    run by cloud-init before the agent is installed and by the agent's unit before every start."""
+    text = rendered()
+    sandbox = written_files(text)["/usr/local/sbin/trainstack-job-sandbox"]
+    assert "job_user=${TRAINSTACK_JOB_USER:-trainstack-job}" in sandbox
+    assert "useradd --system" in sandbox and "--shell /usr/sbin/nologin" in sandbox
+    assert 'rule=(OUTPUT -m owner --uid-owner "$job_user" -d "$address" -j REJECT)' in sandbox
+    assert "imds_v4=169.254.169.254" in sandbox and "imds_v6=fd00:ec2::254" in sandbox
+    assert 'with_iptables ip6tables "$imds_v6"' in sandbox
+    assert 'meta skuid "$job_user" ip daddr $imds_v4 reject' in sandbox  # nft where there is no iptables
+    document = yaml.safe_load(text)
+    entry = next(f for f in document["write_files"] if f["path"] == "/usr/local/sbin/trainstack-job-sandbox")
+    assert (entry["owner"], entry["permissions"]) == ("root:root", "0755")
+    commands = [command[0] for command in document["runcmd"]]
+    assert commands.index("/usr/local/sbin/trainstack-job-sandbox") < commands.index(
+        "/usr/local/sbin/trainstack-install-agent"
+    )
+    unit = written_files(text)["/etc/systemd/system/trainstack-agent.service"]
+    assert "ExecStartPre=/usr/local/sbin/trainstack-job-sandbox" in unit

@@ -418,3 +418,39 @@ def test_a_stop_between_files_makes_the_final_flush_upload_only_what_is_missing(
     assert uploads == ["step-5/model.bin", "step-5/optimizer.bin"], "the first file was uploaded twice"
     versions = s3.list_object_versions(Bucket=BUCKET, Prefix=f"{PREFIX}/step-5/model.bin")["Versions"]
     assert len(versions) == 1
+
+
+@pytest.mark.parametrize("trick", ["link", "traversal", "linked-folder"])
+def test_a_checkpoint_that_points_outside_its_folder_is_never_uploaded(
+    s3: Any, tmp_path: Path, trick: str
+) -> None:
+    """The job (another user) writes the step folder and its manifest; the agent uploads it, maybe as
+    root. A link to a file the job cannot read, or a manifest name that leaves the folder, must never carry
+    that file into the job's prefix, where the job could read it back."""
+    secret = tmp_path / "agent-only.txt"
+    secret.write_text("the agent's secret")
+    root = tmp_path / "ckpt"
+    step = root / "step-7"
+    if trick == "linked-folder":
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        (elsewhere / "state.bin").symlink_to(secret)
+        root.mkdir()
+        step.symlink_to(elsewhere)
+        name = "state.bin"
+    else:
+        step.mkdir(parents=True)
+        if trick == "link":
+            (step / "state.bin").symlink_to(secret)
+            name = "state.bin"
+        else:
+            name = "../../agent-only.txt"
+    digest = hashlib.sha256(secret.read_bytes()).hexdigest()
+    files = {name: {"sha256": digest, "size": secret.stat().st_size}}
+    (step / "manifest.json").write_text(json.dumps({"step": 7, "epoch": 0, "files": files}))
+    persister = CheckpointPersister(s3, BUCKET, PREFIX, root, Events())
+    result = persister.finish(time.monotonic() + 10)
+    persister.close()
+    assert not result.confirmed
+    listed = s3.list_objects_v2(Bucket=BUCKET).get("Contents", [])
+    assert listed == [], [o["Key"] for o in listed]

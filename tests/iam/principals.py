@@ -2,10 +2,10 @@
 program calls (infra/policies.py, infra/capacity.py). tests/iam/test_declared.py runs the program under the
 Pulumi mocks and checks that what it attaches to each role is exactly what these return for its ARNs.
 
-Not modelled: the AWS managed AmazonSSMManagedInstanceCore policy on the instance role (Session Manager's
-ssm/ssmmessages/ec2messages actions; leaving it out can only make the check stricter), the Lambda
-service's own writes to the function's log group, SCPs and permission boundaries (the program declares
-none; an account's SCPs are outside it).
+The instance role carries two documents: the stack's instance policy and its own Session Manager policy
+(no AWS managed policy is attached any more). Not modelled: the Lambda service's own writes to the
+function's log group, SCPs and permission boundaries (the program declares none; an account's SCPs are
+outside it).
 """
 
 from __future__ import annotations
@@ -37,19 +37,37 @@ def instance_policy(stack: Stack) -> dict[str, Any]:
         topic_arn=stack.topic_arn,
         log_group_arn=stack.log_group_arn,
         group_arn_pattern=group_pattern(stack),
+        job_role_arn=stack.job_role_arn,
     )
 
 
-def capacity_fallback_policy(stack: Stack) -> dict[str, Any]:
+def session_manager_policy(stack: Stack) -> dict[str, Any]:
+    return policies.session_manager_policy(partition=PARTITION, region=stack.region, account_id=stack.account)
+
+
+def capacity_fallback_policy(stack: Stack, *, cost_cap: bool = True) -> dict[str, Any]:
+    """The function's role; with `cost_cap` (a stack with trainstack:maxCostUsd, the check's model) it also
+    reads the current job's ledger, scales the group to zero and publishes through the stack's key."""
     return policies.capacity_fallback_policy(
-        group_arn=group_pattern(stack), log_group_arn=f"{stack.log_group_arn}/capacity-fallback"
+        group_arn=group_pattern(stack),
+        log_group_arn=f"{stack.log_group_arn}/capacity-fallback",
+        cost_cap=policies.CostCapAccess(
+            bucket_arn=stack.bucket_arn, key_arn=stack.key_arn, topic_arn=stack.topic_arn, region=stack.region
+        )
+        if cost_cap
+        else None,
     )
 
 
 def caller(principal: str, stack: Stack) -> Caller:
     role = f"arn:{PARTITION}:iam::{stack.account}:role/{stack.name}"
     if principal == INSTANCE:
-        return Caller(principal, stack.instance_role_arn, stack.account, [instance_policy(stack)])
+        return Caller(
+            principal,
+            stack.instance_role_arn,
+            stack.account,
+            [instance_policy(stack), session_manager_policy(stack)],
+        )
     if principal == CAPACITY_FALLBACK:
         return Caller(
             principal, f"{role}-capacity-fallback", stack.account, [capacity_fallback_policy(stack)]

@@ -20,6 +20,13 @@ Which stack a resource belongs to is read from its name, as the embedded stack n
 (topic). A call that names an instance only (SetInstanceHealth, TerminateInstanceInAutoScalingGroup) is
 authorized on AWS against the group that instance is in: here the group of the stack the same process
 named last.
+
+A job's secrets (bootstrap/secrets.py) live under `/trainstack/<stack>/` (SSM) and `trainstack/<stack>/`
+(Secrets Manager): GetParameter(s) with decryption and GetSecretValue are also kms:Decrypt on the stack's key,
+made by the service for the caller, so the request carries `kms:ViaService` and the encryption context the
+service sends (`PARAMETER_ARN`, `SecretARN`; Systems Manager User Guide, "How AWS Systems Manager Parameter
+Store uses AWS KMS"; Secrets Manager User Guide, "Secret encryption and decryption"). `trainstack secrets set`
+(the CLI's PutParameter with the stack's key) is kms:Encrypt through SSM, judged by the key policy.
 """
 
 from __future__ import annotations
@@ -88,6 +95,10 @@ class Stack:
     def instance_role_arn(self) -> str:
         return f"arn:{PARTITION}:iam::{self.account}:role/{self.name}-instance"
 
+    @property
+    def job_role_arn(self) -> str:
+        return f"arn:{PARTITION}:iam::{self.account}:role/{self.name}-job"
+
 
 def stack_named_by(call: Mapping[str, Any]) -> str | None:
     """The stack a call's resource names, or None when it names none (Describe*, an instance id)."""
@@ -104,6 +115,12 @@ def stack_named_by(call: Mapping[str, Any]) -> str | None:
     group = params.get("logGroupName")
     if isinstance(group, str) and group.startswith("/trainstack/"):
         return group.removeprefix("/trainstack/").split("/")[0]
+    # A secret's parameter or secret id: /trainstack/<stack>/<name> or trainstack/<stack>/<name>.
+    secret = params.get("Name") or (params.get("Names") or [None])[0] or params.get("SecretId")
+    if call["service"] in ("ssm", "secretsmanager") and isinstance(secret, str):
+        parts = secret.lstrip("/").split("/")
+        if len(parts) > 2 and parts[0] == "trainstack":
+            return parts[1]
     return None
 
 
@@ -139,6 +156,9 @@ def requests_for(call: Mapping[str, Any], stack: Stack | None) -> list[Request]:
         return [_request(_STAR_ACTIONS[service, operation], "*", why)]
     if service == "sts" and operation == "GetCallerIdentity":
         return []  # needs no permission: AWS answers it for any valid credentials
+    if service == "sts" and operation == "AssumeRole":
+        # The caller's side; the role's trust policy is checked in tests/infra (job role scoping).
+        return [_request("sts:AssumeRole", params["RoleArn"], why)]
     if service == "s3":
         return list(_s3(operation, params, stack, why))
     if service == "autoscaling":
@@ -149,12 +169,86 @@ def requests_for(call: Mapping[str, Any], stack: Stack | None) -> list[Request]:
             group = f"{group}:log-stream:{params['logStreamName']}"
         return [_request(f"logs:{operation}", group, why)]
     if service == "sns" and operation == "Publish":
-        return [_request("sns:Publish", params["TopicArn"], why)]
+        publish = [_request("sns:Publish", params["TopicArn"], why)]
+        if stack is not None and params["TopicArn"] == stack.topic_arn:
+            # The topic is encrypted with the stack's key: SNS asks KMS for the publisher (SNS developer
+            # guide, "Encryption at rest": kms:GenerateDataKey and kms:Decrypt).
+            via = {"kms:viaservice": [f"sns.{stack.region}.amazonaws.com"]}
+            publish += [
+                _request(action, stack.key_arn, f"{why} (encrypted topic)", **via)
+                for action in ("kms:GenerateDataKey", "kms:Decrypt")
+            ]
+        return publish
+    if service == "ssm" and operation in ("GetParameter", "GetParameters", "PutParameter"):
+        return list(_ssm(operation, params, call["region"], stack, why))
+    if service == "secretsmanager" and operation == "GetSecretValue":
+        return list(_secretsmanager(params, call["region"], stack, why))
     if service == "cloudwatch" and operation == "PutMetricData":
         return [
             _request("cloudwatch:PutMetricData", "*", why, **{"cloudwatch:namespace": [params["Namespace"]]})
         ]
     raise UnmappedCallError(f"{service}.{operation}")
+
+
+def _parameter_arn(region: str, name: str) -> str:
+    return f"arn:{PARTITION}:ssm:{region}:{ACCOUNT}:parameter/{name.lstrip('/')}"
+
+
+def _own_key(key: Any, stack: Stack | None) -> str:
+    """A key ARN of the stack's account and region stands for the stack's key (see _put_context)."""
+    own = stack is not None and str(key).startswith(
+        f"arn:{PARTITION}:kms:{stack.region}:{stack.account}:key/"
+    )
+    return stack.key_arn if own and stack is not None else str(key)
+
+
+def _ssm(
+    operation: str, params: Mapping[str, Any], region: str, stack: Stack | None, why: str
+) -> Iterator[Request]:
+    via = {"kms:viaservice": [f"ssm.{region}.amazonaws.com"]}
+    if operation == "PutParameter":
+        arn = _parameter_arn(region, params["Name"])
+        yield _request("ssm:PutParameter", arn, why)
+        if params.get("Type") == "SecureString":
+            key = _own_key(params["KeyId"], stack) if params.get("KeyId") else "alias/aws/ssm"
+            yield _request("kms:Encrypt", key, f"{why} (SecureString)", **via, **_parameter_context(arn))
+        return
+    names = [params["Name"]] if operation == "GetParameter" else list(params["Names"])
+    for name in names:
+        arn = _parameter_arn(region, name)
+        yield _request(f"ssm:{operation}", arn, why)
+        if params.get("WithDecryption") and stack is not None:
+            # `trainstack secrets set` encrypts with the stack's key: decrypting is kms:Decrypt through SSM.
+            yield _request(
+                "kms:Decrypt", stack.key_arn, f"{why} (SecureString)", **via, **_parameter_context(arn)
+            )
+
+
+def _parameter_context(arn: str) -> dict[str, list[str]]:
+    return {"kms:encryptioncontext:parameter_arn": [arn]}
+
+
+def _secretsmanager(
+    params: Mapping[str, Any], region: str, stack: Stack | None, why: str
+) -> Iterator[Request]:
+    secret_id = str(params["SecretId"])
+    # A name gets the six random characters AWS appends to every secret's ARN.
+    arn = (
+        secret_id
+        if secret_id.startswith("arn:")
+        else (f"arn:{PARTITION}:secretsmanager:{region}:{ACCOUNT}:secret:{secret_id}-AbCdEf")
+    )
+    yield _request("secretsmanager:GetSecretValue", arn, why)
+    if stack is not None:
+        yield _request(
+            "kms:Decrypt",
+            stack.key_arn,
+            f"{why} (a secret on the stack's key)",
+            **{
+                "kms:viaservice": [f"secretsmanager.{region}.amazonaws.com"],
+                "kms:encryptioncontext:secretarn": [arn],
+            },
+        )
 
 
 def _object(bucket: str, key: str) -> str:
@@ -164,7 +258,9 @@ def _object(bucket: str, key: str) -> str:
 def _kms(action: str, stack: Stack | None, bucket: str, why: str) -> Iterator[Request]:
     """The stack's bucket encrypts every object with the stack's key; another bucket's key is unknown."""
     if stack is not None and bucket == stack.bucket:
-        yield _request(action, stack.key_arn, f"{why} (SSE-KMS object)")
+        # S3 calls KMS on the caller's behalf: kms:ViaService is S3's regional endpoint.
+        via = {"kms:viaservice": [f"s3.{stack.region}.amazonaws.com"]}
+        yield _request(action, stack.key_arn, f"{why} (SSE-KMS object)", **via)
     else:
         yield _request(
             action, f"arn:{PARTITION}:kms:*:{ACCOUNT}:key/unknown-key-of-{bucket}", f"{why} (SSE-KMS)"

@@ -15,7 +15,12 @@ LOG_BUCKET = "trainstack-dev-access-logs"
 LOG_BUCKET_ARN = f"arn:aws:s3:::{LOG_BUCKET}"
 FLOW_LOG_GROUP = "/trainstack/dev/vpc-flow-logs"
 FLOW_LOG_GROUP_ARN = f"arn:aws:logs:us-east-1:123456789012:log-group:{FLOW_LOG_GROUP}"
+ACCOUNT = "123456789012"
 SSM_CORE = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
+# What the instance attaches instead of SSM core: the stack's own Session Manager policy (issue 24).
+SESSION_MANAGER_POLICY = f"arn:aws:iam::{ACCOUNT}:policy/trainstack-dev-session-manager"
+TOPIC_ARN = f"arn:aws:sns:us-east-1:{ACCOUNT}:trainstack-dev-alerts"
+RULE_ARN = f"arn:aws:events:us-east-1:{ACCOUNT}:rule/trainstack-dev-capacity"
 
 USER_DATA = """#cloud-config
 write_files:
@@ -63,11 +68,63 @@ INSTANCE_POLICY = _document(
 )
 
 
+KEY_POLICY = _document(
+    {
+        "Sid": "AccountAdministersKeyThroughIam",
+        "Effect": "Allow",
+        "Principal": {"AWS": f"arn:aws:iam::{ACCOUNT}:root"},
+        "Action": ["kms:DescribeKey", "kms:PutKeyPolicy", "kms:Decrypt"],
+        "Resource": "*",
+    },
+    {
+        "Sid": "AutoScalingLaunchesEncryptedVolumes",
+        "Effect": "Allow",
+        "Principal": {"AWS": "*"},
+        "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
+        "Resource": "*",
+        "Condition": {
+            "StringEquals": {"aws:PrincipalAccount": ACCOUNT},
+            "ArnEquals": {
+                "aws:PrincipalArn": f"arn:aws:iam::{ACCOUNT}:role/aws-service-role/autoscaling.amazonaws.com/"
+                "AWSServiceRoleForAutoScaling"
+            },
+        },
+    },
+)
+
+TOPIC_POLICY = _document(
+    {
+        "Sid": "EventBridgeRulesPublish",
+        "Effect": "Allow",
+        "Principal": {"Service": "events.amazonaws.com"},
+        "Action": "sns:Publish",
+        "Resource": TOPIC_ARN,
+        "Condition": {
+            "StringEquals": {"aws:SourceAccount": ACCOUNT},
+            "ArnLike": {"aws:SourceArn": f"arn:aws:events:us-east-1:{ACCOUNT}:rule/*"},
+        },
+    }
+)
+
+ENDPOINT_POLICY = _document(
+    {
+        "Sid": "ThisStacksBucketOnly",
+        "Effect": "Allow",
+        "Principal": "*",
+        "Action": ["s3:GetObject", "s3:PutObject"],
+        "Resource": f"{BUCKET_ARN}/*",
+    },
+    {"Effect": "Allow", "Principal": "*", "Action": "s3:ListBucket", "Resource": BUCKET_ARN},
+)
+
+
 def compliant_stack() -> list[Resource]:
     """One of each resource type the pack reads, every property set the secure way."""
     return [
         Resource(
-            "aws:kms/key:Key", "key", {"enableKeyRotation": True, "deletionWindowInDays": 7, "arn": KEY_ARN}
+            "aws:kms/key:Key",
+            "key",
+            {"enableKeyRotation": True, "deletionWindowInDays": 7, "arn": KEY_ARN, "policy": KEY_POLICY},
         ),
         Resource("aws:ec2/vpc:Vpc", "vpc", {"cidrBlock": "10.42.0.0/16", "id": VPC_ID}),
         Resource(
@@ -95,7 +152,7 @@ def compliant_stack() -> list[Resource]:
                 "ingress": [
                     {"protocol": "tcp", "fromPort": 22, "toPort": 22, "cidrBlocks": ["203.0.113.7/32"]},
                 ],
-                "egress": [{"protocol": "-1", "fromPort": 0, "toPort": 0, "cidrBlocks": ["0.0.0.0/0"]}],
+                "egress": [{"protocol": "tcp", "fromPort": 443, "toPort": 443, "cidrBlocks": ["0.0.0.0/0"]}],
             },
         ),
         Resource(
@@ -113,6 +170,7 @@ def compliant_stack() -> list[Resource]:
             "aws:ec2/launchTemplate:LaunchTemplate",
             "launch-template",
             {
+                "id": "lt-1",
                 "imageId": "resolve:ssm:/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pytorch",
                 "metadataOptions": {
                     "httpEndpoint": "enabled",
@@ -244,7 +302,30 @@ def compliant_stack() -> list[Resource]:
                 ],
             },
         ),
-        Resource("aws:sns/topic:Topic", "topic", {"kmsMasterKeyId": KEY_ARN}),
+        Resource("aws:sns/topic:Topic", "topic", {"kmsMasterKeyId": KEY_ARN, "arn": TOPIC_ARN}),
+        Resource(
+            "aws:sns/topicPolicy:TopicPolicy", "topic-policy", {"arn": TOPIC_ARN, "policy": TOPIC_POLICY}
+        ),
+        Resource(
+            "aws:lambda/permission:Permission",
+            "invoke",
+            {
+                "action": "lambda:InvokeFunction",
+                "function": "trainstack-dev-capacity",
+                "principal": "events.amazonaws.com",
+                "sourceArn": RULE_ARN,
+            },
+        ),
+        Resource(
+            "aws:ec2/vpcEndpoint:VpcEndpoint",
+            "s3-endpoint",
+            {
+                "vpcId": VPC_ID,
+                "serviceName": "com.amazonaws.us-east-1.s3",
+                "vpcEndpointType": "Gateway",
+                "policy": ENDPOINT_POLICY,
+            },
+        ),
         Resource("aws:cloudwatch/logGroup:LogGroup", "logs", {"retentionInDays": 30, "kmsKeyId": KEY_ARN}),
         *_audit_trail(),
     ]
@@ -340,11 +421,51 @@ def _audit_trail() -> list[Resource]:
         ),
         Resource(
             "aws:iam/rolePolicyAttachment:RolePolicyAttachment",
-            "ssm-core",
-            {"role": "instance-role", "policyArn": SSM_CORE},
+            "session-manager",
+            {"role": "instance-role", "policyArn": SESSION_MANAGER_POLICY},
         ),
     ]
 
 
 def named(resources: list[Resource], name: str) -> Resource:
     return next(resource for resource in resources if resource.name == name)
+
+
+_ALL_TRAFFIC = {"protocol": "-1", "fromPort": 0, "toPort": 0}
+
+
+def multinode_stack() -> list[Resource]:
+    """The compliant stack as infra/ writes it for instanceCount > 1 with placementStrategy cluster."""
+    resources = compliant_stack()
+    group = named(resources, "instances").props
+    group["ingress"].append({**_ALL_TRAFFIC, "self": True})
+    group["egress"].append({**_ALL_TRAFFIC, "self": True})
+    named(resources, "group").props.update(vpcZoneIdentifiers=["subnet-a"], placementGroup="trainstack-pg")
+    resources.append(Resource("aws:ec2/placementGroup:PlacementGroup", "placement", {"strategy": "cluster"}))
+    return resources
+
+
+def multinode_efa_stack() -> list[Resource]:
+    """The multi-node stack on EFA types: private subnets behind NAT, one EFA per network card, no public
+    address (EC2 assigns none with several interfaces), as infra/fleet.py writes it."""
+    resources = multinode_stack()
+    resources.append(
+        Resource(
+            "aws:ec2/natGateway:NatGateway", "nat", {"subnetId": "subnet-a", "allocationId": "eipalloc-1"}
+        )
+    )
+    named(resources, "launch-template").props["networkInterfaces"] = [
+        {
+            "deviceIndex": 0 if card == 0 else 1,
+            "networkCardIndex": card,
+            "interfaceType": "efa" if card == 0 else "efa-only",
+            "securityGroups": ["sg-1"],
+            "deleteOnTermination": "true",
+        }
+        for card in range(4)
+    ]
+    named(resources, "group").props["mixedInstancesPolicy"]["launchTemplate"]["overrides"] = [
+        {"instanceType": "p5.48xlarge"},
+        {"instanceType": "p4d.24xlarge"},
+    ]
+    return resources

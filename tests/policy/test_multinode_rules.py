@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-from tests.policy.golden import compliant_stack, named
+from tests.policy.golden import multinode_efa_stack, multinode_stack, named
 from tests.policy.harness import Resource, check
 
 _ALL_TRAFFIC = {"protocol": "-1", "fromPort": 0, "toPort": 0}
 
 
 def _multinode_stack() -> list[Resource]:
-    """The compliant stack as infra/ writes it for instanceCount > 1 with placementStrategy cluster."""
-    resources = compliant_stack()
-    group = named(resources, "instances").props
-    group["ingress"].append({**_ALL_TRAFFIC, "self": True})
-    group["egress"].append({**_ALL_TRAFFIC, "self": True})
-    named(resources, "group").props.update(vpcZoneIdentifiers=["subnet-a"], placementGroup="trainstack-pg")
-    resources.append(Resource("aws:ec2/placementGroup:PlacementGroup", "placement", {"strategy": "cluster"}))
-    return resources
+    return multinode_stack()
 
 
 def test_self_referencing_peer_rules_pass() -> None:
@@ -65,3 +58,7 @@ def test_peer_rules_of_a_multinode_stack_still_refuse_another_group() -> None:
     violations = check(resources)
     assert [v.policy for v in violations] == ["no-unrestricted-ingress"]
     assert "admits security group sg-0other" in violations[0].message
+
+
+def test_the_efa_variant_passes_every_policy() -> None:
+    assert check(multinode_efa_stack()) == []

@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
+from pulumi.runtime.mocks import MockResourceArgs
 
-from tests.infra.program import RecordedResource, example_config, run_stack
+from tests.infra.program import DEFAULT_OFFERINGS, RecordedResource, _Mocks, example_config, run_stack
+from tests.infra.test_multinode_infra import CLUSTER_TYPES, EFA_OFFERINGS
+from tests.infra.test_multinode_infra import _run as run_multinode
 from tests.policy.harness import Resource, Violation, check
+
+_MOCKS = _Mocks(DEFAULT_OFFERINGS, "x86_64", ami_parameter_found=True)
 
 
 def _as_engine_sees_it(recorded: list[RecordedResource]) -> list[Resource]:
-    """Recorded inputs plus the ID each resource got, as stack policies see outputs after `up`.
+    """Recorded inputs plus the ID and ARN each resource got, as stack policies see outputs after `up`.
 
-    tests/infra/program.py's mocks give every resource the ID f"{name}-id"; were that to change, the
-    stack policies would find no configurers and this test would fail loudly, not pass silently.
+    tests/infra/program.py's mocks give every resource the ID f"{name}-id" and an ARN in account
+    123456789012 (the ARNs tell the exposure policies which account is the stack's); were that to change,
+    the stack policies would find no configurers and this test would fail loudly, not pass silently.
     """
-    return [Resource(r.type, r.name, {**r.inputs, "id": f"{r.name}-id"}) for r in recorded]
+    engine: list[Resource] = []
+    for r in recorded:
+        resource_id, state = _MOCKS.new_resource(MockResourceArgs(r.type, r.name, dict(r.inputs)))
+        engine.append(Resource(r.type, r.name, {**r.inputs, "id": resource_id, "arn": state["arn"]}))
+    return engine
 
 
 def _violations(overrides: dict[str, Any]) -> list[Violation]:
@@ -43,6 +54,32 @@ def test_trainstack_program_has_zero_violations(overrides: dict[str, Any]) -> No
     assert violations == [], _explain(violations)
 
 
+def test_multinode_efa_program_has_zero_violations() -> None:
+    """Two nodes of EFA types in a cluster placement group in private subnets, one EFA per network card."""
+    run = run_multinode(
+        {
+            "trainstack:instanceTypes": CLUSTER_TYPES,
+            "trainstack:placementStrategy": "cluster",
+            "trainstack:privateSubnets": "true",
+        },
+        offerings=EFA_OFFERINGS,
+    )
+    violations = check(_as_engine_sees_it(run.resources))
+    assert violations == [], _explain(violations)
+
+
+def test_the_exposure_policies_know_the_programs_account() -> None:
+    """Guard against a silent pass: the recorded program names its account, so another account is judged."""
+    resources = _as_engine_sees_it(run_stack().resources)
+    key = next(r for r in resources if r.type == "aws:kms/key:Key")
+    assert key.props["arn"].startswith("arn:aws:kms:us-east-1:123456789012:")
+    policy = json.loads(key.props["policy"])
+    policy["Statement"][0]["Principal"] = {"AWS": "arn:aws:iam::999988887777:root"}
+    key.props["policy"] = json.dumps(policy)
+    violations = check(resources)
+    assert [v.policy for v in violations] == ["kms-key-policy-not-public"], _explain(violations)
+
+
 def test_program_resources_are_the_ones_the_pack_reads() -> None:
     """Guard against a silent pass: the program's resources reach the policies that check them."""
     types = {resource.type for resource in run_stack().resources}
@@ -58,7 +95,9 @@ def test_program_resources_are_the_ones_the_pack_reads() -> None:
         "aws:sns/topic:Topic",
         "aws:cloudwatch/logGroup:LogGroup",
         "aws:iam/rolePolicy:RolePolicy",
-        "aws:iam/rolePolicyAttachment:RolePolicyAttachment",
+        "aws:ec2/vpcEndpoint:VpcEndpoint",
+        "aws:lambda/permission:Permission",
+        "aws:sns/topicPolicy:TopicPolicy",
         "aws:s3/bucketLogging:BucketLogging",
     } <= types
 

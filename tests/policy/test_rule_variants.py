@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 
-from tests.policy.golden import LOG_BUCKET, SSM_CORE, TLS_ONLY_POLICY, compliant_stack, named
+from tests.policy.golden import (
+    LOG_BUCKET,
+    SESSION_MANAGER_POLICY,
+    TLS_ONLY_POLICY,
+    compliant_stack,
+    named,
+)
 from tests.policy.harness import Resource, check
 
 
@@ -125,7 +131,7 @@ def test_broad_aws_managed_policies_are_refused_however_attached(
     arn: str, token: str, prop: str, as_list: bool
 ) -> None:
     resources = compliant_stack()
-    resources.append(Resource(token, "attacher", {prop: [SSM_CORE, arn] if as_list else arn}))
+    resources.append(Resource(token, "attacher", {prop: [SESSION_MANAGER_POLICY, arn] if as_list else arn}))
     violations = check(resources)
     assert [v.policy for v in violations] == ["iam-no-admin-managed-policies"]
     assert "'attacher'" in violations[0].message and arn.rsplit("/", 1)[1] in violations[0].message
@@ -134,15 +140,16 @@ def test_broad_aws_managed_policies_are_refused_however_attached(
 @pytest.mark.parametrize(
     "arn",
     [
-        SSM_CORE,
-        "arn:aws:iam::aws:policy/AmazonS3ReadOnlyAccess",
         "arn:aws:iam::aws:policy/CloudWatchAgentServerPolicy",
+        "arn:aws:iam::aws:policy/service-role/AWSLambdaBasicExecutionRole",
         "arn:aws:iam::123456789012:policy/trainstack-instance",
     ],
 )
 def test_narrow_and_customer_managed_policies_may_be_attached(arn: str) -> None:
+    """AmazonS3ReadOnlyAccess and AmazonSSMManagedInstanceCore used to be listed here: their documents grant
+    s3:GetObject and ssm:GetParameter on `*`, which iam-data-access-on-named-resources now refuses."""
     resources = compliant_stack()
-    named(resources, "ssm-core").props["policyArn"] = arn
+    named(resources, "session-manager").props["policyArn"] = arn
     assert check(resources) == []
 
 

@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 
 from infra.policy.rules import POLICIES
-from tests.policy.golden import BUCKET, KEY_ARN, SSM_CORE, compliant_stack, named
+from tests.policy.golden import (
+    BUCKET,
+    KEY_ARN,
+    SESSION_MANAGER_POLICY,
+    compliant_stack,
+    multinode_efa_stack,
+    named,
+)
 from tests.policy.harness import Resource, check
 
 Mutation = Callable[[list[Resource]], None]
@@ -352,7 +359,11 @@ MUTATIONS: list[tuple[str, Mutation, str, str]] = [
         _set(
             "instance-inline",
             "policy",
-            value=_policy_document({"Effect": "Allow", "NotAction": "kms:*", "Resource": "*"}),
+            # On the bucket's checkpoints only: the same NotAction on `*` also grants iam:PassRole and
+            # s3:GetObject everywhere, which test_effective_permissions.py shows the grant rules catch.
+            value=_policy_document(
+                {"Effect": "Allow", "NotAction": "kms:*", "Resource": f"arn:aws:s3:::{BUCKET}/checkpoints/*"}
+            ),
         ),
         "iam-no-wildcard-actions",
         "allows NotAction",
@@ -502,14 +513,16 @@ MUTATIONS += [
     ),
     (
         "administrator-access-attached",
-        _set("ssm-core", "policyArn", value="arn:aws:iam::aws:policy/AdministratorAccess"),
+        _set("session-manager", "policyArn", value="arn:aws:iam::aws:policy/AdministratorAccess"),
         "iam-no-admin-managed-policies",
         "policyArn attaches the AWS managed AdministratorAccess",
     ),
     (
         "power-user-in-role-managed-policy-arns",
         _set(
-            "instance-role", "managedPolicyArns", value=[SSM_CORE, "arn:aws:iam::aws:policy/PowerUserAccess"]
+            "instance-role",
+            "managedPolicyArns",
+            value=[SESSION_MANAGER_POLICY, "arn:aws:iam::aws:policy/PowerUserAccess"],
         ),
         "iam-no-admin-managed-policies",
         "managedPolicyArns[1] attaches the AWS managed PowerUserAccess",
@@ -598,6 +611,202 @@ MUTATIONS += [
 ]
 
 
+def _allow(action: str, resource: str = "*", **extra: object) -> str:
+    return _policy_document({"Effect": "Allow", "Action": action, "Resource": resource, **extra})
+
+
+def _both(*mutations: Mutation) -> Mutation:
+    def mutate(resources: list[Resource]) -> None:
+        for mutation in mutations:
+            mutation(resources)
+
+    return mutate
+
+
+OTHER_ACCOUNT = "999988887777"
+PUBLIC_SNAPSHOT = Resource(
+    "aws:ec2/snapshotCreateVolumePermission:SnapshotCreateVolumePermission",
+    "share",
+    {"snapshotId": "snap-0abc", "accountId": "all"},
+)
+BUCKET_POLICY_FOR_ANOTHER_ACCOUNT = _policy_document(
+    {
+        "Effect": "Deny",
+        "Principal": "*",
+        "Action": "s3:*",
+        "Resource": [f"arn:aws:s3:::{BUCKET}", f"arn:aws:s3:::{BUCKET}/*"],
+        "Condition": {"Bool": {"aws:SecureTransport": "false"}},
+    },
+    {
+        "Effect": "Allow",
+        "Principal": {"AWS": f"arn:aws:iam::{OTHER_ACCOUNT}:root"},
+        "Action": "s3:GetObject",
+        "Resource": f"arn:aws:s3:::{BUCKET}/*",
+    },
+)
+UNDECLARED_OVERRIDE = {
+    "instanceType": "g5.xlarge",
+    "launchTemplateSpecification": {"launchTemplateId": "lt-0console"},
+}
+
+# Issue 24: the 29 adversarial mutations the pack missed. Effective permissions (however the action is
+# spelled, in identity, AWS managed, resource and trust policies alike), what groups launch, egress, the S3
+# endpoint, the flow logs' log group and what user data runs. Each is also run on the multi-node/EFA
+# variant (test_issue_24_mutations_fail_the_multinode_efa_stack_too).
+ISSUE_24_MUTATIONS: list[tuple[str, Mutation, str, str]] = [
+    (
+        "pass-role-on-every-role",
+        _set("instance-inline", "policy", value=_allow("iam:PassRole")),
+        "iam-escalation-on-named-resources",
+        "'instance-inline': policy Statement[0] allows iam:PassRole on *: name the role ARNs",
+    ),
+    (
+        "assume-any-role-through-a-roles-inline-policy",
+        _set("instance-role", "inlinePolicies", 0, "policy", value=_allow("sts:AssumeRole")),
+        "iam-escalation-on-named-resources",
+        "inlinePolicies[0].policy Statement[0] allows sts:AssumeRole on *",
+    ),
+    (
+        "launch-template-versions-of-every-template",
+        _set("instance-policy", "policy", value=_allow("ec2:CreateLaunchTemplateVersion")),
+        "iam-escalation-on-named-resources",
+        "allows ec2:CreateLaunchTemplateVersion on *: name the launch template ARNs",
+    ),
+    (
+        "get-object-in-every-bucket",
+        _set("instance-inline", "policy", value=_allow("s3:GetObject")),
+        "iam-data-access-on-named-resources",
+        "allows s3:GetObject on *: name the bucket",
+    ),
+    (
+        "get-every-ssm-parameter",
+        _set("instance-inline", "policy", value=_allow("ssm:GetParameter")),
+        "iam-data-access-on-named-resources",
+        "allows ssm:GetParameter on *: name the parameter path",
+    ),
+    (
+        "get-every-secret-value",
+        _set("instance-policy", "policy", value=_allow("secretsmanager:GetSecretValue")),
+        "iam-data-access-on-named-resources",
+        "allows secretsmanager:GetSecretValue on *: name the secrets",
+    ),
+    (
+        "s3-read-only-access-attached",
+        _set("session-manager", "policyArn", value="arn:aws:iam::aws:policy/AmazonS3ReadOnlyAccess"),
+        "iam-data-access-on-named-resources",
+        "policyArn (the AWS managed AmazonS3ReadOnlyAccess) Statement[0] allows s3:GetObject",
+    ),
+    (
+        "bucket-policy-grants-another-account",
+        _set("bucket-policy", "policy", value=BUCKET_POLICY_FOR_ANOTHER_ACCOUNT),
+        "s3-bucket-policy-not-public",
+        f"'bucket-policy': policy Statement[1] grants account {OTHER_ACCOUNT}",
+    ),
+    (
+        "key-policy-for-everyone",
+        _set("key", "policy", value=_allow("kms:Decrypt", Principal={"AWS": "*"})),
+        "kms-key-policy-not-public",
+        """'key': policy Statement[0] allows Principal {"AWS": "*"} (anyone) without a restricting""",
+    ),
+    (
+        "trust-policy-for-any-aws-principal",
+        _set(
+            "instance-role",
+            "assumeRolePolicy",
+            value=_policy_document(
+                {"Effect": "Allow", "Principal": {"AWS": "*"}, "Action": "sts:AssumeRole"}
+            ),
+        ),
+        "iam-trust-policy-not-public",
+        """'instance-role': assumeRolePolicy Statement[0] allows Principal {"AWS": "*"} (anyone)""",
+    ),
+    (
+        "topic-policy-for-everyone",
+        _set("topic-policy", "policy", value=_allow("sns:Publish", Principal="*")),
+        "sns-topic-policy-not-public",
+        """'topic-policy': policy Statement[0] allows Principal "*" (anyone)""",
+    ),
+    (
+        "lambda-permission-for-everyone",
+        _both(_set("invoke", "principal", value="*"), _delete("invoke", "sourceArn")),
+        "lambda-permission-not-public",
+        "'invoke': principal * lets anyone invoke the function",
+    ),
+    (
+        "public-ebs-snapshot",
+        _add(PUBLIC_SNAPSHOT),
+        "ebs-snapshot-not-public",
+        "'share': makes the snapshot public",
+    ),
+    (
+        "group-launches-an-undeclared-template",
+        _set(
+            "group",
+            "mixedInstancesPolicy",
+            "launchTemplate",
+            "launchTemplateSpecification",
+            "launchTemplateId",
+            value="lt-0console",
+        ),
+        "launch-templates-declared",
+        "'group': mixedInstancesPolicy.launchTemplate.launchTemplateSpecification.launchTemplateId names "
+        "launch template lt-0console, which this stack does not declare",
+    ),
+    (
+        "override-launches-an-undeclared-template",
+        _set("group", "mixedInstancesPolicy", "launchTemplate", "overrides", 1, value=UNDECLARED_OVERRIDE),
+        "launch-templates-declared",
+        "overrides[1].launchTemplateSpecification.launchTemplateId names launch template lt-0console",
+    ),
+    (
+        "ssh-through-a-prefix-list",
+        _set(
+            "instances",
+            "ingress",
+            0,
+            value={"protocol": "tcp", "fromPort": 22, "toPort": 22, "prefixListIds": ["pl-0abc"]},
+        ),
+        "no-unrestricted-ingress",
+        "'instances': ingress[0] admits prefix list pl-0abc on ports 22-22",
+    ),
+    (
+        "all-protocol-egress-to-anywhere",
+        _set(
+            "instances",
+            "egress",
+            0,
+            value={"protocol": "-1", "fromPort": 0, "toPort": 0, "cidrBlocks": ["0.0.0.0/0"]},
+        ),
+        "no-all-protocol-egress-to-internet",
+        "'instances': egress[0] allows all protocols and ports to 0.0.0.0/0",
+    ),
+    (
+        "s3-endpoint-policy-on-everything",
+        _set("s3-endpoint", "policy", value=_allow("s3:*", Principal="*")),
+        "s3-endpoint-policy-scoped",
+        "'s3-endpoint': policy Statement[0] allows s3:GetObject, s3:PutObject, s3:ListBucket on *, every",
+    ),
+    (
+        "flow-logs-log-group-deleted",
+        _remove("flow-logs"),
+        "vpc-flow-logs-retained",
+        "'flow-log': delivers to arn:aws:logs:us-east-1:123456789012:log-group:/trainstack/dev/vpc-flow-logs,"
+        " a log group this stack does not declare",
+    ),
+    (
+        "curl-pipe-bash-in-user-data",
+        _set(
+            "launch-template",
+            "userData",
+            value=_user_data("#!/bin/sh\ncurl -fsSL https://get.example.sh | bash\n"),
+        ),
+        "no-piped-downloads-in-user-data",
+        "'launch-template': userData runs a download unseen (curl -fsSL https://get.example.sh | bash)",
+    ),
+]
+MUTATIONS += ISSUE_24_MUTATIONS
+
+
 def test_every_policy_is_mandatory_and_names_its_controls() -> None:
     for policy in POLICIES:
         assert policy.enforcement_level is not None and policy.enforcement_level.value == "mandatory"
@@ -642,3 +851,19 @@ def test_a_pack_without_any_one_policy_lets_a_mutation_through(removed: str) -> 
         if check(resources, policies=smaller_pack) == []:
             undetected.append(name)
     assert undetected, f"every mutation is still caught without {removed}: it guards nothing of its own"
+
+
+@pytest.mark.parametrize(
+    ("mutation", "policy", "fragment"),
+    [m[1:] for m in ISSUE_24_MUTATIONS],
+    ids=[m[0] for m in ISSUE_24_MUTATIONS],
+)
+def test_issue_24_mutations_fail_the_multinode_efa_stack_too(
+    mutation: Mutation, policy: str, fragment: str
+) -> None:
+    resources = multinode_efa_stack()
+    assert check(resources) == []
+    mutation(resources)
+    violations = check(resources)
+    assert {violation.policy for violation in violations} == {policy}, violations
+    assert any(fragment in violation.message for violation in violations), violations

@@ -193,11 +193,11 @@ def test_a_stop_after_the_gate_was_removed_is_left_to_the_training_loop(tmp_path
 
 def test_the_agents_gate_override_passes_the_config_check_and_leaves_the_optimisation_hash() -> None:
     paths = TrainerPaths(Path("/scratch"))
-    assert "train.start_gate_file=/scratch/START_GATE" in paths.overrides()
+    assert "train.start_gate_file=/scratch/control/START_GATE" in paths.overrides()
     tree = {"train": {"stop_file": "/scratch/STOP", "checkpoint_request_file": "/scratch/CHECKPOINT"}}
     plain = build_config(tree)
     gated = build_config({"train": {**tree["train"], "start_gate_file": str(paths.start_gate_file)}})
-    assert gated.train.start_gate_file == "/scratch/START_GATE"
+    assert gated.train.start_gate_file == "/scratch/control/START_GATE"
     # Gated and ungated lives of one job are one optimisation: no "config changed" at the restore.
     assert gated.optimisation_hash() == plain.optimisation_hash()
 

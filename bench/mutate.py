@@ -1,0 +1,314 @@
+"""`make mutate`: mutation testing (mutmut) of the modules that carry trainstack's guarantees.
+
+Each target mutates its module(s) and runs only the fast tests that exercise them (no trainer processes), so
+a run fits a 2-core machine. mutmut rewrites the files it mutates: every target runs in a private copy of the
+working tree (tracked and untracked, not ignored, files) under `--workdir` (default
+$TMPDIR/trainstack-mutate), never in the checkout itself, so colleagues' test runs never import a mutant.
+
+    python -m bench.mutate                        # every target, most important first
+    python -m bench.mutate persist lease          # some targets
+    python -m bench.mutate --changed-since origin/main   # the targets whose modules changed (CI)
+    python -m bench.mutate --again persist        # the last run's survivors against the current tests
+    python -m bench.mutate --list
+
+Per target it prints killed / total and the survivors (with their diffs, also saved in
+`<workdir>/<target>/survivors.txt`); it exits 1 when a target scores under `--min-score` (90 %).
+A mutant counts as killed when a selected test fails or times out with it; one no selected test reaches
+counts as surviving. Scores and the equivalent survivors are recorded in bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Copied into mutmut's mutants/ folder whole, so every import of the project comes from the private copy.
+PACKAGES = ("bootstrap", "infra", "training", "trainstack", "trainstack_job", "demo")
+KILLED = {"killed", "timeout"}
+
+
+@dataclass(frozen=True)
+class Target:
+    modules: tuple[str, ...]
+    tests: tuple[str, ...]
+
+
+FAULTS = "tests/faults/test_nothing_lost_nothing_billed.py"
+
+# Most important first. Tests: files or node ids; those that do not exist (yet) are left out.
+TARGETS: dict[str, Target] = {
+    "persist": Target(
+        ("bootstrap/persist.py",),
+        (
+            "tests/bootstrap/test_fencing.py",
+            "tests/bootstrap/test_mutants_persist.py",
+            # The persister alone against the S3 fault proxy (a few seconds each; no agent, no trainer).
+            f"{FAULTS}::test_after_an_s3_outage_at_a_stop_latest_names_the_newest_step_and_never_moved_back",
+            f"{FAULTS}::test_a_draining_old_life_cannot_move_latest_back",
+            f"{FAULTS}::test_an_upload_overtaken_by_a_newer_step_is_dropped_and_the_newest_goes_first",
+            f"{FAULTS}::test_nothing_confirmed_is_claimed_when_s3_never_comes_back",
+        ),
+    ),
+    "lease": Target(
+        ("bootstrap/lease.py",),
+        (
+            "tests/bootstrap/test_lease.py",
+            "tests/bootstrap/test_fencing.py",
+            "tests/bootstrap/test_mutants_lease.py",
+        ),
+    ),
+    "ledger": Target(
+        ("bootstrap/ledger.py",),
+        (
+            "tests/bootstrap/test_agent_parts.py",
+            "tests/bootstrap/test_ledger_handover.py",
+            "tests/bootstrap/test_multinode_ledger.py",
+            "tests/bootstrap/test_outcomes.py",
+            "tests/bootstrap/test_mutants_ledger.py",
+        ),
+    ),
+    # The cost cap and `trainstack stop` as each life reads them (the agent's own tests start trainers).
+    "costcap": Target(("bootstrap/jobstate.py",), ("tests/bootstrap/test_mutants_ledger.py",)),
+    "watcher": Target(
+        ("bootstrap/watcher.py",),
+        ("tests/bootstrap/test_imds_and_watcher.py", "tests/bootstrap/test_mutants_watcher.py"),
+    ),
+    "policy": Target(
+        # patterns.py: the ARN matchers the identity rules judge resources with (the KMS "every key" rule).
+        (
+            "infra/policy/identity.py",
+            "infra/policy/patterns.py",
+            "infra/policy/network.py",
+            "infra/policy/storage.py",
+        ),
+        (
+            "tests/policy/test_rules.py",
+            "tests/policy/test_rule_variants.py",
+            "tests/policy/test_capacity_rules.py",
+            "tests/policy/test_multinode_rules.py",
+            "tests/policy/test_mutants_policy.py",
+        ),
+    ),
+    "config": Target(
+        ("infra/config.py", "training/config.py", "bootstrap/agent_config.py"),
+        (
+            "tests/infra/test_config.py",
+            "tests/infra/test_config_security.py",
+            "tests/training/test_config.py",
+            "tests/bootstrap/test_jobbinding.py",
+            "tests/test_mutants_config.py",
+        ),
+    ),
+}
+
+
+def private_copy(destination: Path) -> None:
+    """The working tree as it is now (tracked and untracked files git does not ignore) under `destination`."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    shutil.rmtree(destination, ignore_errors=True)
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if not source.is_file():  # deleted in the working tree, or a submodule
+            continue
+        target = destination / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)
+
+
+def toml_list(values: list[str]) -> str:
+    return "[" + ", ".join(json.dumps(v) for v in values) + "]"
+
+
+def configure(tree: Path, target: Target) -> list[str]:
+    """mutmut's settings for `target`, appended to the copy's pyproject.toml; returns the tests selected."""
+    tests = [t for t in target.tests if (tree / t.split("::")[0]).exists()]
+    settings = {
+        "source_paths": list(PACKAGES),
+        "only_mutate": list(target.modules),
+        "pytest_add_cli_args_test_selection": tests,
+        # One process per mutant run: no xdist workers, no cache written into the copy. mutmut's own time
+        # limit counts CPU seconds, which a mutant that makes a test wait never spends: 60 s of wall time
+        # per test (the selected tests take a few seconds at most on a loaded 2-core machine).
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--timeout=60"],
+        "use_git_change_detection": False,
+    }
+    lines = ["", "[tool.mutmut]"]
+    for key, value in settings.items():
+        lines.append(f"{key} = {toml_list(value) if isinstance(value, list) else json.dumps(value)}")
+    with (tree / "pyproject.toml").open("a") as file:
+        file.write("\n".join(lines) + "\n")
+    return tests
+
+
+@dataclass
+class Score:
+    name: str
+    killed: int
+    total: int
+    statuses: dict[str, int]
+    survivors: list[str]
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.killed / self.total if self.total else 100.0
+
+
+def mutmut(tree: Path, *args: str, capture: bool = False) -> str:
+    command = [str(Path(sys.executable).with_name("mutmut")), *args]
+    # The copy's packages, not the editable install's (the checkout), for anything the tests start too.
+    env = {**os.environ, "PYTHONPATH": str(tree / "mutants")}
+    if not capture:
+        subprocess.run(command, cwd=tree, env=env, check=True)
+        return ""
+    return subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True, text=True).stdout
+
+
+def results(tree: Path) -> dict[str, str]:
+    """Each mutant's status in the run under `tree`."""
+    statuses = {}
+    for line in mutmut(tree, "results", "--all", "true", capture=True).splitlines():
+        key, _, status = line.strip().rpartition(": ")
+        if key:
+            statuses[key] = status
+    return statuses
+
+
+def refresh_tests(tree: Path) -> None:
+    """The checkout's tests/ as they are now, into an earlier run's copy (new tests get mutmut's stats)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "tests"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        if (ROOT / name).is_file():
+            for base in (tree, tree / "mutants"):
+                (base / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / name, base / name)
+
+
+def run_target(name: str, target: Target, workdir: Path, children: int, again: bool) -> Score:
+    tree = workdir / name
+    print(f"==> {name}: {', '.join(target.modules)} in {tree}", flush=True)
+    if again and (tree / "mutants").is_dir():
+        # The same mutants as last time; only the survivors run again, against the tests as they are now.
+        refresh_tests(tree)
+        survivors = [key for key, status in results(tree).items() if status not in KILLED]
+        print(
+            f"    again: the {len(survivors)} survivors of the last run, with the current tests", flush=True
+        )
+        if survivors:
+            mutmut(tree, "run", "--max-children", str(children), *survivors)
+    else:
+        private_copy(tree)
+        tests = configure(tree, target)
+        # mutmut's first run in a fresh folder fails to import the `tests` package of its own copy (its
+        # import caches see mutants/ empty); a run over a mutants/ already holding the sources does not.
+        # Same files, same mtimes (copy2): mutmut still takes them for unmutated and mutates them.
+        for package in (*PACKAGES, "tests"):
+            shutil.copytree(tree / package, tree / "mutants" / package, copy_function=shutil.copy2)
+        print(f"    tests: {' '.join(tests)}", flush=True)
+        mutmut(tree, "run", "--max-children", str(children))
+    statuses: dict[str, int] = {}
+    survivors = []
+    for key, status in results(tree).items():
+        statuses[status] = statuses.get(status, 0) + 1
+        if status not in KILLED:
+            survivors.append(key)
+    killed = sum(n for status, n in statuses.items() if status in KILLED)
+    score = Score(name, killed, sum(statuses.values()), statuses, survivors)
+    diffs = subprocess.run(
+        [sys.executable, "-c", SHOW_DIFFS, *survivors],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree / "mutants")},
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    (tree / "survivors.txt").write_text(diffs)
+    return score
+
+
+# `mutmut show` for many mutants in one process (a process each takes a second apiece).
+SHOW_DIFFS = """
+import sys
+from mutmut.__main__ import find_mutant, get_diff_for_mutant
+for name in sys.argv[1:]:
+    print(f"# {name}")
+    print(get_diff_for_mutant(name, path=find_mutant(name).path))
+"""
+
+
+def changed_targets(since: str) -> list[str]:
+    changed = set(
+        subprocess.run(
+            ["git", "diff", "--name-only", since, "--"], cwd=ROOT, check=True, capture_output=True, text=True
+        ).stdout.split()
+    )
+    if "bench/mutate.py" in changed:  # the targets or the way they run changed: every score may have
+        return list(TARGETS)
+    return [name for name, target in TARGETS.items() if changed & set(target.modules + target.tests)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.mutate", description=__doc__.splitlines()[0])
+    parser.add_argument("targets", nargs="*", help=f"of {', '.join(TARGETS)} (default: all, in this order)")
+    parser.add_argument("--changed-since", metavar="REF", help="only targets whose modules or tests changed")
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "trainstack-mutate")
+    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--min-score", type=float, default=90.0)
+    parser.add_argument(
+        "--again",
+        action="store_true",
+        help="rerun only the last run's survivors (same mutants) against the current tests",
+    )
+    parser.add_argument("--list", action="store_true", help="print the targets and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, target in TARGETS.items():
+            print(f"{name}: {' '.join(target.modules)}  <-  {' '.join(target.tests)}")
+        return 0
+    unknown = [n for n in args.targets if n not in TARGETS]
+    if unknown:
+        parser.error(f"unknown target(s) {', '.join(unknown)}; known: {', '.join(TARGETS)}")
+    names = list(args.targets) or list(TARGETS)
+    if args.changed_since:
+        changed = changed_targets(args.changed_since)
+        names = [n for n in names if n in changed]
+        if not names:
+            print(f"no guarantee module changed since {args.changed_since}")
+            return 0
+    workdir = args.workdir.resolve()
+    if workdir == ROOT or ROOT in workdir.parents:
+        parser.error("--workdir must be outside the checkout: mutmut rewrites the files it mutates")
+    scores = [run_target(name, TARGETS[name], workdir, args.max_children, args.again) for name in names]
+    print("\n==> mutation scores (killed / total; a timeout counts as killed)")
+    for score in scores:
+        detail = ", ".join(f"{status} {n}" for status, n in sorted(score.statuses.items()))
+        print(f"    {score.name:8} {score.killed:4} / {score.total:<4} {score.percent:5.1f} %  ({detail})")
+        for key in score.survivors:
+            print(f"        survived: {key}")
+    print(f"    survivors' diffs: {workdir}/<target>/survivors.txt")
+    low = [s.name for s in scores if s.percent < args.min_score]
+    if low:
+        print(f"under {args.min_score:.0f} %: {', '.join(low)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""The job's own identity on the instance: an unprivileged user in its own cgroup, and its own credentials.
+
+The agent runs as root with the instance role; the job (the built-in trainer or a user's command) must not:
+it could rewrite the ledger (the cost cap, the crash counter), kill or patch the agent, or take the role's
+credentials from IMDS. So, on an instance:
+
+- **User.** The job runs as `trainstack-job` (created at boot by bootstrap/instance/job-sandbox.sh), through
+  `setpriv --reuid --regid --clear-groups --no-new-privs` (util-linux, on every DLAMI). Not
+  `subprocess.Popen(user=..., preexec_fn=prctl)`: `preexec_fn` is unsafe in a process with threads (the
+  agent has several: watcher, persister, log pumps), and NoNewPrivileges needs it; setpriv sets uid, gid,
+  no groups and no_new_privs in one exec, in C. The process stays the agent's child at the same pid, in its
+  own process group, its output on the agent's pipe: signals, killpg and the output pump work unchanged.
+- **Cgroup.** Wrapped in `systemd-run --scope` (a transient scope unit: systemd-run registers the scope and
+  execs the command in place, so still the same pid and pipe). `setsid` or a double fork leaves a process
+  group but never a cgroup: the agent's kill also kills the scope (`systemctl kill`), and the scope is
+  `BindsTo=` the agent's service, so whatever the job leaves behind dies when the agent stops. `Before=` the
+  agent: on shutdown systemd stops the agent first (it stops the job at a step boundary), then the scope.
+  NoNewPrivileges is not a scope property (scopes run nothing themselves), which is why setpriv sets it.
+- **No IMDS.** An owner-matched firewall rule (job-sandbox.sh, before the agent starts) rejects the job
+  user's packets to 169.254.169.254 and fd00:ec2::254, as container platforms do for their tasks.
+- **Its own credentials** (`JobCredentials`): the agent assumes the stack's job role with a session policy
+  for this job (`job_session_policy`) and hands the job a `credential_process` profile.
+
+Off an instance (tests, the demo, a CPU workstation) there is no such user, or the agent is not root: the
+job runs as the agent's own user, exactly as before, and the agent says so once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+JOB_USER = "trainstack-job"
+AGENT_UNIT = "trainstack-agent.service"
+# IMDS over IPv4 and IPv6 (Nitro): job-sandbox.sh rejects both for the job user.
+IMDS_ADDRESSES = ("169.254.169.254", "fd00:ec2::254")
+# Credentials of the agent's own that a job must never inherit from its environment.
+_AGENT_ONLY_ENV = re.compile(
+    r"^AWS_(ACCESS_KEY_ID|SECRET_ACCESS_KEY|SESSION_TOKEN|SECURITY_TOKEN|PROFILE|DEFAULT_PROFILE|"
+    r"CONTAINER_.*|WEB_IDENTITY_TOKEN_FILE|ROLE_ARN|ROLE_SESSION_NAME|CONFIG_FILE|SHARED_CREDENTIALS_FILE)$"
+)
+_units = count(1)
+
+
+@dataclass(frozen=True)
+class JobUser:
+    name: str
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True)
+class JobLaunch:
+    """How the agent starts the job: as `user` in a scope (an instance), or as itself (`user` None)."""
+
+    user: JobUser | None = None
+    # systemd is PID 1 and systemd-run is here: the job gets a scope; else only its process group.
+    scope: bool = False
+    # The agent's own service, when it runs in one: the scope is bound to it.
+    agent_unit: str | None = None
+    # Root may clear the job's groups and capability bounding set; a test as another user keeps its own.
+    privileged: bool = True
+    reason: str = ""
+
+    @property
+    def isolated(self) -> bool:
+        return self.user is not None
+
+    def describe(self) -> str:
+        if self.user is None:
+            return f"the job runs as the agent's own user ({self.reason})"
+        cgroup = "in its own systemd scope" if self.scope else "without a cgroup (no systemd): setsid escapes"
+        return f"the job runs as {self.user.name} (uid {self.user.uid}), no new privileges, {cgroup}"
+
+    def unit_name(self) -> str | None:
+        """A fresh scope name for one start of the job; None without a scope."""
+        return f"trainstack-job-{os.getpid()}-{next(_units)}.scope" if self.scope and self.user else None
+
+    def wrap(self, argv: list[str], unit: str | None) -> list[str]:
+        """The command line that starts `argv` as the job user (in scope `unit`); `argv` as is without one."""
+        if self.user is None:
+            return list(argv)
+        user = self.user
+        identity = [f"--reuid={user.uid}", f"--regid={user.gid}"]
+        if self.privileged:
+            # No supplementary groups (root's would be kept otherwise), no capabilities ever again.
+            identity += ["--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]
+        else:
+            identity += ["--keep-groups"]
+        setpriv = [_which("setpriv"), *identity, "--no-new-privs", "--"]
+        if unit is None:
+            return [*setpriv, *argv]
+        properties = ["--property=TimeoutStopSec=10"]
+        if self.agent_unit:
+            properties += [f"--property=BindsTo={self.agent_unit}", f"--property=Before={self.agent_unit}"]
+        scope = [
+            _which("systemd-run"),
+            "--scope",
+            "--quiet",
+            "--collect",
+            f"--unit={unit}",
+            *properties,
+            "--",
+        ]
+        return [*scope, *setpriv, *argv]
+
+    def inherited_environment(self, environ: Mapping[str, str], home: Path | None) -> dict[str, str]:
+        """What the job inherits of the agent's environment: all of it as the agent's own user; as the job
+        user, nothing that names the agent's credentials, and a home of its own (root's is not its)."""
+        if self.user is None:
+            return dict(environ)
+        env = {k: v for k, v in environ.items() if not _AGENT_ONLY_ENV.match(k)}
+        env |= {"USER": self.user.name, "LOGNAME": self.user.name}
+        if home is not None:
+            env["HOME"] = str(home)
+        return env
+
+    def give(self, directories: Iterable[Path]) -> None:
+        """Make the directories the job writes (checkpoints, output, home) the job user's, contents too.
+
+        The job may have left symlinks in them (to /etc/shadow, say): the walk holds each directory open
+        (os.fwalk) and changes each entry through that descriptor without following links, so a link
+        swapped in during the walk can never redirect a chown outside the tree."""
+        if self.user is None:
+            return
+        uid, gid = self.user.uid, self.user.gid
+        for directory in directories:
+            directory.mkdir(parents=True, exist_ok=True)
+            os.chown(directory, uid, gid, follow_symlinks=False)
+            for _, dirnames, filenames, dir_fd in os.fwalk(directory, follow_symlinks=False):
+                for entry in (*dirnames, *filenames):
+                    try:
+                        os.chown(entry, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # removed by the job meanwhile
+
+    def stop(self, unit: str | None) -> None:
+        """Kill everything left in the job's scope: what `setsid` took out of its process group too."""
+        if unit is None:
+            return
+        subprocess.run(
+            [_which("systemctl"), "kill", "--signal=SIGKILL", unit],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+
+
+AS_AGENT = JobLaunch(reason="default")
+
+
+def detect(user_name: str = JOB_USER) -> JobLaunch:
+    """What this machine allows: the job user when the agent is root and the user exists, else itself."""
+    try:
+        entry = pwd.getpwnam(user_name)
+    except KeyError:
+        return JobLaunch(reason=f"no user {user_name} on this machine")
+    if os.geteuid() != 0:
+        return JobLaunch(reason="the agent is not root, so it cannot start another user's process")
+    if shutil.which("setpriv") is None:
+        return JobLaunch(reason="setpriv (util-linux) is not installed")
+    booted = Path("/run/systemd/system").is_dir() and shutil.which("systemd-run") is not None
+    return JobLaunch(
+        user=JobUser(entry.pw_name, entry.pw_uid, entry.pw_gid),
+        scope=booted,
+        agent_unit=_own_service() if booted else None,
+        reason=f"root, user {user_name}",
+    )
+
+
+_detected: JobLaunch | None = None
+_detect_lock = threading.Lock()
+
+
+def job_launch(say: Callable[[str], None]) -> JobLaunch:
+    """The launch for this agent process, detected once; `say` gets the one line that tells how."""
+    global _detected
+    with _detect_lock:
+        if _detected is None:
+            _detected = detect()
+            say(_detected.describe())
+        return _detected
+
+
+def _own_service() -> str | None:
+    """The systemd service this process runs in (from its cgroup path), e.g. trainstack-agent.service."""
+    try:
+        text = Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return None
+    names = re.findall(r"/([^/\s]+\.service)", text)
+    return names[-1] if names else None
+
+
+def _which(name: str) -> str:
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} is not installed; the job cannot be started as {JOB_USER}")
+    return found
+
+
+# --- the job's credentials ----------------------------------------------------------------------------------
+
+# A chained role session (the instance role assumes the job role) lasts at most one hour (IAM User Guide,
+# "Role chaining"); the agent refreshes well before the SDKs' own refresh window (botocore: 15 minutes).
+SESSION_SECONDS = 3600
+REFRESH_BEFORE = timedelta(minutes=25)
+RETRY_SECONDS = 60.0
+LOG_STREAM_SOURCE = "job"  # infra/policies.py JOB_LOG_STREAM_SOURCE: the role allows only `*/job` streams
+_ROLE_ARN = re.compile(r"^arn:(?P<partition>aws[a-z-]*):iam::(?P<account>\d{12}):role/")
+
+
+def job_session_policy(
+    *,
+    role_arn: str,
+    bucket: str,
+    job_id: str,
+    region: str,
+    log_group: str,
+    log_stream: str | None,
+    data_prefix: str = "data/",
+    jobs_prefix: str = "jobs/",
+) -> dict[str, Any]:
+    """The session policy the agent passes to AssumeRole: the job role narrowed to this one job.
+
+    Effective permissions are the intersection of the role's policy and this document, so this only
+    narrows: `jobs/<job-id>/` read-write and `data/` read (the role itself denies every job's `state/`,
+    `job.json` and the stack's `state/`), the stack's key only through S3 (the role names the key), and the
+    job's own log stream. The legacy job (a stack from before jobs) has no prefix of its own the role
+    allows: its job reads the dataset only.
+    """
+    match = _ROLE_ARN.match(role_arn)
+    if match is None:
+        raise ValueError(f"{role_arn!r} is not an IAM role ARN")
+    partition, account = match["partition"], match["account"]
+    bucket_arn = f"arn:{partition}:s3:::{bucket}"
+    own = "" if job_id == "legacy" else f"{jobs_prefix}{job_id}/"
+    listed = [f"{data_prefix}*"] + ([f"{own}*"] if own else [])
+    statements: list[dict[str, Any]] = [
+        {
+            "Sid": "ListOwnJobAndData",
+            "Effect": "Allow",
+            "Action": "s3:ListBucket",
+            "Resource": bucket_arn,
+            "Condition": {"StringLike": {"s3:prefix": listed}},
+        },
+        {
+            "Sid": "ReadData",
+            "Effect": "Allow",
+            "Action": "s3:GetObject",
+            "Resource": f"{bucket_arn}/{data_prefix}*",
+        },
+    ]
+    if own:
+        statements.append(
+            {
+                "Sid": "ReadWriteOwnJob",
+                "Effect": "Allow",
+                "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+                "Resource": f"{bucket_arn}/{own}*",
+            }
+        )
+        statements.append(
+            {
+                # Said here too, so the document alone shows it: the agent's state is never the job's.
+                "Sid": "NeverOwnState",
+                "Effect": "Deny",
+                "Action": ["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+                "Resource": [f"{bucket_arn}/{own}state/*", f"{bucket_arn}/{own}job.json"],
+            }
+        )
+    statements.append(
+        {
+            # `*`: the agent is not told the key's ARN; the role's policy allows only the stack's key.
+            "Sid": "StackKeyThroughS3",
+            "Effect": "Allow",
+            "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
+            "Resource": "*",
+            "Condition": {"StringEquals": {"kms:ViaService": f"s3.{region}.amazonaws.com"}},
+        }
+    )
+    if log_stream:
+        statements.append(
+            {
+                "Sid": "OwnLogStream",
+                "Effect": "Allow",
+                "Action": ["logs:CreateLogStream", "logs:PutLogEvents"],
+                "Resource": (
+                    f"arn:{partition}:logs:{region}:{account}:log-group:{log_group}:log-stream:{log_stream}"
+                ),
+            }
+        )
+    return {"Version": "2012-10-17", "Statement": statements}
+
+
+class JobCredentials:
+    """The job's credentials: AssumeRole with the session policy, kept fresh in a `credential_process`.
+
+    Why a credential_process and not AWS_ACCESS_KEY_ID/SECRET/SESSION_TOKEN in the job's environment: the
+    variables are read once, cannot be replaced in a running process, and take precedence over every other
+    source in every SDK's chain, so a job that runs longer than the one-hour chained session would fail
+    with expired credentials. A profile whose `credential_process` prints the file the agent rewrites
+    before each expiry is refreshed by the SDK itself when its copy nears expiry (boto3/botocore, the AWS
+    CLI, the Go, Java and JS SDKs, s5cmd, the CRT). Not a static credentials file with
+    AWS_SHARED_CREDENTIALS_FILE either: botocore reads that file once per session and never again.
+
+    The file lives in a root-owned directory (the job cannot replace it), readable by the job's group only,
+    on /run (tmpfs) on an instance: the credentials never reach a disk.
+    """
+
+    def __init__(
+        self,
+        sts: Any,
+        *,
+        role_arn: str,
+        policy: dict[str, Any],
+        session_name: str,
+        region: str,
+        directory: Path,
+        launch: JobLaunch,
+        log: Callable[..., None],
+    ) -> None:
+        self._sts = sts
+        self._role_arn = role_arn
+        self._policy = json.dumps(policy, separators=(",", ":"))
+        self._session_name = re.sub(r"[^\w+=,.@-]", "-", session_name)[:64]
+        self._region = region
+        self._directory = directory
+        self._launch = launch
+        self._log = log
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.expiration: datetime | None = None
+
+    @property
+    def credentials_file(self) -> Path:
+        return self._directory / "credentials.json"
+
+    @property
+    def config_file(self) -> Path:
+        return self._directory / "config"
+
+    def environment(self) -> dict[str, str]:
+        """What the job's environment gets: the profile, and no other source to fall back on."""
+        return {
+            "AWS_CONFIG_FILE": str(self.config_file),
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_REGION": self._region,
+            "AWS_DEFAULT_REGION": self._region,
+        }
+
+    def start(self) -> dict[str, str]:
+        """Take the first credentials (raises on failure), start refreshing them; the job's variables."""
+        self._directory.mkdir(parents=True, exist_ok=True)
+        self._directory.chmod(0o755)  # root's: the job may read in it, never replace what is in it
+        self.refresh()
+        cat = shutil.which("cat") or "/bin/cat"
+        self._write(
+            self.config_file,
+            f"[default]\nregion = {self._region}\n"
+            f"credential_process = {shlex.quote(cat)} {shlex.quote(str(self.credentials_file))}\n",
+            0o644,
+        )
+        self._thread = threading.Thread(target=self._run, name="job-credentials", daemon=True)
+        self._thread.start()
+        return self.environment()
+
+    def refresh(self) -> None:
+        answer = self._sts.assume_role(
+            RoleArn=self._role_arn,
+            RoleSessionName=self._session_name,
+            DurationSeconds=SESSION_SECONDS,
+            Policy=self._policy,
+        )["Credentials"]
+        expiration = answer["Expiration"]
+        if not isinstance(expiration, datetime):
+            expiration = datetime.fromisoformat(str(expiration).replace("Z", "+00:00"))
+        document = {
+            "Version": 1,
+            "AccessKeyId": answer["AccessKeyId"],
+            "SecretAccessKey": answer["SecretAccessKey"],
+            "SessionToken": answer["SessionToken"],
+            "Expiration": expiration.astimezone(timezone.utc).isoformat().replace("+00:00", "Z"),
+        }
+        self._write(self.credentials_file, json.dumps(document), 0o640)
+        self.expiration = expiration
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while True:
+            wait = RETRY_SECONDS
+            if self.expiration is not None:
+                wait = max(
+                    1.0, (self.expiration - REFRESH_BEFORE - datetime.now(timezone.utc)).total_seconds()
+                )
+            if self._stop.wait(wait):
+                return
+            try:
+                self.refresh()
+            except Exception as exc:  # any failure: retry soon; the job keeps its current ones meanwhile
+                self._log("job", "could not refresh the job's credentials; retrying", error=str(exc))
+                self.expiration = None
+
+    def _write(self, path: Path, text: str, mode: int) -> None:
+        """Atomically (the job's SDK may read it at any moment), root's, readable by the job's group."""
+        handle, temporary = tempfile.mkstemp(dir=self._directory, prefix=".tmp-")
+        try:
+            with os.fdopen(handle, "w") as out:
+                out.write(text)
+            Path(temporary).chmod(mode)
+            if self._launch.user is not None:
+                os.chown(temporary, os.getuid(), self._launch.user.gid)
+            Path(temporary).replace(path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise

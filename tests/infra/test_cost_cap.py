@@ -1,0 +1,192 @@
+"""The cost cap outside the instance: the capacity function reads the current job's ledger and, at or over
+`maxCostUsd`, scales the group to zero and publishes one line, against moto. Its calls are recorded as the
+function role's, so the session's IAM check (tests/iam) holds them to the role the program declares."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import boto3
+import pytest
+
+from demo.stack import STAND_IN_AMI
+from infra.capacity_fallback import handler
+from infra.capacity_fallback.handler import CAP_STOP, STAY, CostCap, Settings, estimated_cost
+from tests.iam.plugin import record_as
+from tests.iam.principals import CAPACITY_FALLBACK
+
+REGION = "us-east-1"
+STACK = "trainstack-test"
+GROUP = f"{STACK}-gpu"
+BUCKET = f"{STACK}-data"
+JOB = "charlm-1a2b3c4d"
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+
+
+def _iso(moment: datetime) -> str:
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+def ledger(total: float, *, running_since: datetime | None = None, price: float = 1.0) -> dict[str, Any]:
+    lives: list[dict[str, Any]] = []
+    if running_since is not None:
+        lives.append(
+            {
+                "life_id": f"i-0123@{_iso(running_since)}",
+                "outcome": "running",
+                "started_at": _iso(running_since),
+                "heartbeat_at": _iso(running_since),
+                "priced_at": _iso(running_since),
+                "price_usd_per_hour": price,
+                "storage_usd_per_hour": 0.0,
+            }
+        )
+    return {"status": "running", "total_cost_usd": total, "lives": lives}
+
+
+@dataclass
+class World:
+    autoscaling: Any
+    s3: Any
+    sqs: Any
+    queue_url: str
+    cap: CostCap
+    function: dict[str, Any]
+
+    def put(self, key: str, value: dict[str, Any]) -> None:
+        self.s3.put_object(Bucket=BUCKET, Key=key, Body=json.dumps(value).encode())
+
+    def tick(self, now: datetime = NOW, *, fallback_minutes: int = 0) -> dict[str, str]:
+        settings = Settings(group_name=GROUP, fallback_minutes=fallback_minutes, spot_on_demand_percentage=0)
+        return handler.run(
+            {}, self.function["autoscaling"], settings, now, cost_cap=self.cap, **self._clients()
+        )
+
+    def _clients(self) -> dict[str, Any]:
+        return {"s3": self.function["s3"], "sns": self.function["sns"]}
+
+    def desired(self) -> int:
+        groups = self.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[GROUP])
+        return int(groups["AutoScalingGroups"][0]["DesiredCapacity"])
+
+    def lines(self) -> list[str]:
+        found = self.sqs.receive_message(QueueUrl=self.queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=0)
+        return [json.loads(m["Body"])["Message"] for m in found.get("Messages", [])]
+
+
+@pytest.fixture()
+def world(aws: Any) -> Iterator[World]:
+    ec2 = boto3.client("ec2", region_name=REGION)
+    autoscaling = boto3.client("autoscaling", region_name=REGION)
+    template = ec2.create_launch_template(
+        LaunchTemplateName=GROUP, LaunchTemplateData={"ImageId": STAND_IN_AMI}
+    )
+    subnets = ",".join(s["SubnetId"] for s in ec2.describe_subnets()["Subnets"][:2])
+    autoscaling.create_auto_scaling_group(
+        AutoScalingGroupName=GROUP,
+        MinSize=0,
+        MaxSize=1,
+        DesiredCapacity=1,
+        VPCZoneIdentifier=subnets,
+        LaunchTemplate={"LaunchTemplateId": template["LaunchTemplate"]["LaunchTemplateId"], "Version": "1"},
+    )
+    s3 = boto3.client("s3", region_name=REGION)
+    s3.create_bucket(Bucket=BUCKET)
+    sns = boto3.client("sns", region_name=REGION)
+    topic = sns.create_topic(Name=f"{STACK}-alerts")["TopicArn"]
+    sqs = boto3.client("sqs", region_name=REGION)
+    queue_url = sqs.create_queue(QueueName="alerts")["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"][
+        "QueueArn"
+    ]
+    sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=queue_arn)
+    function = {
+        service: record_as(boto3.client(service, region_name=REGION), CAPACITY_FALLBACK)
+        for service in ("autoscaling", "s3", "sns")
+    }
+    yield World(
+        autoscaling, s3, sqs, queue_url, CostCap(max_cost_usd=25.0, bucket=BUCKET, topic_arn=topic), function
+    )
+
+
+def test_at_the_cap_the_group_goes_to_zero_and_the_topic_gets_one_line(world: World) -> None:
+    world.put("state/current-job.json", {"job_id": JOB, "since": _iso(NOW)})
+    world.put(f"jobs/{JOB}/state/ledger.json", ledger(25.0))
+    result = world.tick()
+    assert result["action"] == CAP_STOP and result["job_id"] == JOB
+    assert world.desired() == 0
+    (line,) = world.lines()
+    assert f"job {JOB} reached 25.00 USD of its 25 USD cap" in line and "trainstack:maxCostUsd" in line
+    # Five minutes later: the group is at zero already, so nothing is done and nothing is said again.
+    assert world.tick(NOW + timedelta(minutes=5))["action"] == STAY
+    assert world.lines() == []
+
+
+def test_under_the_cap_nothing_happens(world: World) -> None:
+    world.put("state/current-job.json", {"job_id": JOB})
+    world.put(f"jobs/{JOB}/state/ledger.json", ledger(24.99))
+    assert world.tick()["action"] == STAY
+    assert world.desired() == 1 and world.lines() == []
+
+
+def test_a_ledger_its_agent_stopped_updating_still_counts_up(world: World) -> None:
+    """A wedged agent (or one a job starved) leaves the ledger at 20 USD; its open life at 2 USD/h since
+    three hours ago is 26 USD now."""
+    world.put("state/current-job.json", {"job_id": JOB})
+    world.put(
+        f"jobs/{JOB}/state/ledger.json", ledger(20.0, running_since=NOW - timedelta(hours=3), price=2.0)
+    )
+    assert world.tick()["action"] == CAP_STOP
+    assert world.desired() == 0
+
+
+def test_no_current_job_yet_is_not_an_error(world: World) -> None:
+    assert world.tick()["action"] == STAY
+    world.put("state/current-job.json", {"job_id": JOB})
+    assert world.tick()["action"] == STAY  # the job has no ledger yet
+    assert world.desired() == 1
+
+
+def test_a_pointer_naming_no_job_id_is_never_turned_into_a_key(world: World) -> None:
+    world.put("state/current-job.json", {"job_id": "../../code/x"})
+    assert world.tick()["action"] == STAY
+
+
+def test_the_legacy_job_reads_the_stacks_own_ledger(world: World) -> None:
+    world.put("state/current-job.json", {"job_id": "legacy"})
+    world.put("state/ledger.json", ledger(30.0))
+    assert world.tick()["action"] == CAP_STOP
+
+
+def test_the_handler_reads_the_cap_from_its_environment(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {
+        "GROUP_NAME": GROUP,
+        "FALLBACK_MINUTES": "0",
+        "SPOT_ON_DEMAND_PERCENTAGE": "0",
+        "MAX_COST_USD": "25",
+        "BUCKET": BUCKET,
+        "TOPIC_ARN": world.cap.topic_arn,
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(handler.boto3, "client", lambda service: world.function[service])
+    world.put("state/current-job.json", {"job_id": JOB})
+    world.put(f"jobs/{JOB}/state/ledger.json", ledger(100.0))
+    assert (
+        handler.handler({"source": "aws.events", "detail-type": "Scheduled Event"}, None)["action"]
+        == CAP_STOP
+    )
+    assert CostCap.from_env({"GROUP_NAME": GROUP}) is None
+
+
+def test_estimated_cost_adds_only_open_priced_lives() -> None:
+    raw = ledger(10.0, running_since=NOW - timedelta(hours=2), price=1.5)
+    raw["lives"].append({**raw["lives"][0], "outcome": "completed"})
+    raw["lives"].append({**raw["lives"][0], "price_usd_per_hour": None})
+    assert estimated_cost(raw, NOW) == pytest.approx(13.0)
+    assert estimated_cost({"total_cost_usd": 4.0}, NOW) == 4.0
