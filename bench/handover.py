@@ -107,6 +107,7 @@ FIGURES: dict[str, tuple[tuple[str, str], ...]] = {
         ("notice_to_first_step_s", "spot notice → cold replacement's first trained step (local part)"),
         ("notice_to_release_s", "  notice → instance 1 released the lease (stop step confirmed)"),
         ("notice_to_holder_gone_s", "  notice → instance 1's agent exited (instance gone)"),
+        ("release_to_first_step_s", "  lease released → replacement's first step (exit, boot, start)"),
         ("boot_to_first_step_s", "  replacement boot → first step (bundle, agent, data, restore, trainer)"),
         ("boot_to_data_s", "    boot → dataset synced"),
         ("boot_to_trainer_start_s", "    boot → trainer starting (checkpoint restored)"),
@@ -187,10 +188,12 @@ def cold_figures(result: RebalanceResult, notice_at: float, boot_at: float) -> d
     holder = result.life(HOLDER)
     gone = holder.exited_at if holder is not None and holder.exited_at else None
     starting = _time(_find(result, STANDBY, TRAINER_STARTING))
+    released = _time(_find(result, HOLDER, LEASE_RELEASED))
     return {
         "notice_to_first_step_s": _since(first.time if first else None, notice_at),
-        "notice_to_release_s": _since(_time(_find(result, HOLDER, LEASE_RELEASED)), notice_at),
+        "notice_to_release_s": _since(released, notice_at),
         "notice_to_holder_gone_s": _since(gone, notice_at),
+        "release_to_first_step_s": _since(first.time if first else None, released),
         "boot_to_first_step_s": _since(first.time if first else None, boot_at),
         "boot_to_data_s": _since(_time(_find_any(result, STANDBY, DATA_READY)), boot_at),
         "boot_to_trainer_start_s": _since(starting, boot_at),
@@ -304,18 +307,18 @@ def summarize(trials: Sequence[Trial]) -> dict[str, dict[str, Spread]]:
     return summary
 
 
-def warm_over_cold(trials: Sequence[Trial]) -> tuple[Spread | None, list[float]]:
-    """(a)/(b): warm over cold notice → first step, paired by round (a load drift skews one pair, not the
+def warm_over_cold(
+    trials: Sequence[Trial], figure: str = "notice_to_first_step_s"
+) -> tuple[Spread | None, list[float]]:
+    """(a)/(b): warm over cold `figure` (notice → first step; or lease released → first step, which leaves
+    out instance 1's own stop, the same work in both), paired by round (a load drift skews one pair, not the
     figure); the median of the per-round ratios, and those ratios."""
 
     def by_round(scenario: str) -> dict[int, float]:
         return {
             t.round: v
             for t in trials
-            if t.scenario == scenario
-            and t.ok
-            and t.round > 0
-            and (v := t.figures.get(HEADLINE[scenario])) is not None
+            if t.scenario == scenario and t.ok and t.round > 0 and (v := t.figures.get(figure)) is not None
         }
 
     warm, cold = by_round("warm"), by_round("cold")
@@ -590,11 +593,14 @@ class Report:
     def as_dict(self) -> dict[str, Any]:
         summary = summarize(self.trials)
         ratio, ratios = warm_over_cold(self.trials)
+        after, afters = warm_over_cold(self.trials, "release_to_first_step_s")
         return {
             **asdict(self),
             "summary": {s: {k: asdict(v) for k, v in figs.items()} for s, figs in summary.items()},
             "warm_over_cold": asdict(ratio) if ratio else None,
             "warm_over_cold_per_round": ratios,
+            "warm_over_cold_after_release": asdict(after) if after else None,
+            "warm_over_cold_after_release_per_round": afters,
         }
 
 
@@ -617,12 +623,16 @@ def print_report(report: Report, console: Console) -> None:
                 str(found.n if found else 0),
             )
     console.print(table)
-    ratio, ratios = warm_over_cold(report.trials)
-    if ratio is not None:
-        console.print(
-            f"(a)/(b) warm over cold, notice → first step: median of per-round ratios {ratio.median:.3f} "
-            f"(range {ratio.low:.3f}–{ratio.high:.3f}; rounds {', '.join(f'{r:.3f}' for r in ratios)})"
-        )
+    for figure, what in (
+        ("notice_to_first_step_s", "notice → first step"),
+        ("release_to_first_step_s", "lease released → first step"),
+    ):
+        ratio, ratios = warm_over_cold(report.trials, figure)
+        if ratio is not None:
+            console.print(
+                f"(a)/(b) warm over cold, {what}: median of per-round ratios {ratio.median:.3f} "
+                f"(range {ratio.low:.3f}–{ratio.high:.3f}; rounds {', '.join(f'{r:.3f}' for r in ratios)})"
+            )
     loads = [x for t in report.trials for x in (t.load_before, t.load_after)]
     counted = [t for t in report.trials if t.round > 0]
     console.print(

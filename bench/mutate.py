@@ -187,9 +187,11 @@ def results(tree: Path) -> dict[str, str]:
 
 
 def refresh_tests(tree: Path) -> None:
-    """The checkout's tests/ as they are now, into an earlier run's copy (new tests get mutmut's stats)."""
+    """The checkout's mutant-killing tests (tests/**/test_mutants_*.py) as they are now, into an earlier
+    run's copy (new tests get mutmut's stats). Only those: other tests may have moved on with sources the
+    copy does not have."""
     listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "tests"],
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "tests/**/test_mutants_*.py"],
         cwd=ROOT,
         check=True,
         capture_output=True,
@@ -207,7 +209,8 @@ def run_target(name: str, target: Target, workdir: Path, children: int, again: b
     if again and (tree / "mutants").is_dir():
         # The same mutants as last time; only the survivors run again, against the tests as they are now.
         refresh_tests(tree)
-        survivors = [key for key, status in results(tree).items() if status not in KILLED]
+        # Not "not checked": a run stopped early leaves those for a plain `mutmut run` in the same folder.
+        survivors = [k for k, status in results(tree).items() if status not in {*KILLED, "not checked"}]
         print(
             f"    again: the {len(survivors)} survivors of the last run, with the current tests", flush=True
         )

@@ -125,6 +125,8 @@ class Supervisor:
             paths.scratch / "python",
             self.log.event,
             should_abort=self.stops.is_set,
+            # The job's user owns its venv and runs pip: a requirement's install code never runs as root.
+            launch=self.launch,
         )
         # `python` in the job's command means the job's interpreter: the AMI's PyTorch env or its venv.
         command = [python if arg in ("python", "python3") else arg for arg in spec.command]

@@ -114,6 +114,7 @@ def test_cold_figures_split_the_notice_into_instance_1_going_and_the_replacement
         "notice_to_first_step_s": 11.0,
         "notice_to_release_s": 3.0,
         "notice_to_holder_gone_s": 4.0,
+        "release_to_first_step_s": 8.0,  # released at 23 s, first step at 31 s
         "boot_to_first_step_s": 6.0,
         "boot_to_data_s": 2.0,  # "dataset synced", not the "syncing dataset" before it
         "boot_to_trainer_start_s": 3.0,
@@ -179,6 +180,11 @@ def test_summary_uses_counted_trials_only_and_pairs_the_ratio_by_round() -> None
     assert ratio is not None
     assert (ratio.median, ratio.low, ratio.high, ratio.n) == (pytest.approx(0.35), 0.2, 0.5, 2)
     assert warm_over_cold([t for t in trials if t.scenario != "cold"]) == (None, [])
+    trials += [
+        _trial("warm", 4, notice_to_first_step_s=6.0, release_to_first_step_s=2.0),
+        _trial("cold", 4, notice_to_first_step_s=12.0, release_to_first_step_s=8.0),
+    ]
+    assert warm_over_cold(trials, "release_to_first_step_s")[1] == [0.25]  # only round 4 has both
 
 
 def test_the_schedule_rotates_the_order_and_starts_with_an_untimed_trial() -> None:

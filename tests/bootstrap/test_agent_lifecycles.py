@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from bootstrap.lifecycle import InstanceLife, LifeResult
+from bootstrap.trainer import TrainerPaths
 from demo.imds import ImdsSimulator
 from demo.stack import LocalStack
 from tests.bootstrap.conftest import upload_dataset
@@ -121,7 +122,7 @@ def test_rebalance_recommendation_takes_an_early_checkpoint_without_stopping(
     assert not running.done(), "the early checkpoint must not stop the trainer"
     wait_for_step(life, early["step"] + 1)  # and training went on past it
     # The fake trainer's `complete_on_stop`: its stop file, touched here, makes it finish (exit 0).
-    (Path(str(life.config.scratch_dir)) / "STOP").touch()
+    TrainerPaths(Path(str(life.config.scratch_dir))).stop_file.touch()
     assert running.result(timeout=60).outcome == "completed"
 
 
@@ -132,7 +133,9 @@ def test_crash_loop_stops_after_max_consecutive_failures_and_scales_to_zero(
     outcomes = [
         make_life(fake={"crash_at_step": step}, max_consecutive_failures=3).run() for step in (2, 3, 4)
     ]
-    assert [r.exit_code for r in outcomes] == [1, 1, 0], "systemd restarts failed lives until the guard trips"
+    assert [r.exit_code for r in outcomes] == [1, 1, 0], (
+        f"systemd restarts failed lives until the guard trips: {[r.outcome for r in outcomes]}"
+    )
     assert outcomes[-1].outcome == "gave_up"
     assert stack.group()["DesiredCapacity"] == 0
     (alert,) = stack.alerts()

@@ -96,7 +96,8 @@ def test_user_data_freezes_upgrades_and_holds_driver_and_kernel_before_starting_
     assert "apt-mark hold" in prepare and "'nvidia-*'" in prepare and "'linux-image-*'" in prepare
     assert 'Unattended-Upgrade "0"' in files["/etc/apt/apt.conf.d/99trainstack-no-periodic"]
     install = files["/usr/local/sbin/trainstack-install-agent"]
-    assert "sha256sum --check" in install and "--constraint" in install
+    assert "sha256sum --check" in install and "requirements-instance.lock.txt" in install
+    assert "--require-hashes --only-binary=:all:" in install  # pinned boot: test_install_agent.py runs it
     assert "systemctl enable --now trainstack-agent.service" in install
     unit = files["/etc/systemd/system/trainstack-agent.service"]
     assert "Restart=on-failure" in unit and "OnFailure=trainstack-giveup.service" in unit

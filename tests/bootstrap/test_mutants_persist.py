@@ -464,3 +464,76 @@ def test_an_s3_manifest_that_is_not_a_manifest_is_skipped_for_the_older_step(
     assert replacement.restore() == 2
     assert (tmp_path / "replacement" / "step-2" / "state.bin").read_bytes() == data[2]
     assert events.messages("skipping an S3 checkpoint without a manifest")
+
+
+class Unavailable:
+    """S3 refusing the first `failures` writes (an outage), then answering."""
+
+    def __init__(self, client: Any, failures: int) -> None:
+        self._client = client
+        self.failures = failures
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def put_object(self, **kwargs: Any) -> Any:
+        if self.failures:
+            self.failures -= 1
+            response: Any = {
+                "Error": {"Code": "ServiceUnavailable"},
+                "ResponseMetadata": {"HTTPStatusCode": 503},
+            }
+            raise ClientError(response, "PutObject")
+        return self._client.put_object(**kwargs)
+
+
+def test_background_uploads_retry_through_an_outage_and_say_so_once(s3: Any, tmp_path: Path) -> None:
+    local = tmp_path / "a"
+    events = Events()
+    owner = persister(Unavailable(s3, failures=2), local, events)
+    owner.start()
+    commit_step(local, 3)
+    deadline = time.monotonic() + 30  # two backoffs (1 s, 2 s) on a loaded 2-core machine
+    while owner.confirmed_step != 3:
+        assert time.monotonic() < deadline, "the upload was not retried once S3 came back"
+        time.sleep(0.05)
+    result = owner.finish(soon())
+    owner.close()
+    assert result.confirmed
+    failed = [
+        f for _, m, f in events.records if m == "checkpoint upload failed; retrying (the local copy is kept)"
+    ]
+    assert len(failed) == 1 and "ServiceUnavailable" in failed[0]["error"]
+    assert persister(s3, tmp_path / "replacement").restore() == 3
+
+
+class NoDeletes:
+    """S3 where this role may write but not delete (a tightened bucket policy)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def delete_objects(self, **kwargs: Any) -> Any:
+        response: Any = {"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}
+        raise ClientError(response, "DeleteObjects")
+
+
+def test_pruning_that_fails_is_reported_and_never_costs_a_confirmed_step(s3: Any, tmp_path: Path) -> None:
+    local = tmp_path / "a"
+    events = Events()
+    owner = persister(NoDeletes(s3), local, events, keep=1)
+    owner.start()
+    for step in (1, 2):
+        commit_step(local, step)
+        deadline = time.monotonic() + 20
+        while owner.confirmed_step != step:
+            assert time.monotonic() < deadline, f"step {step} not confirmed"
+            time.sleep(0.02)
+    assert owner.finish(soon()).confirmed
+    owner.close()
+    assert remote_steps(s3) == {1, 2}, "nothing deleted"
+    failed = [f for _, m, f in events.records if m == "pruning old S3 checkpoints failed"]
+    assert failed and "AccessDenied" in failed[0]["error"]

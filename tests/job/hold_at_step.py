@@ -26,10 +26,15 @@ HOLD_LIMIT_SECONDS = 120.0
 def hold_at(step_to_hold: int) -> None:
     report = Job.report_progress
 
+    held: list[int] = []
+
     def report_then_hold(self: Job, step: int, total_steps: int | None = None, **metrics: Any) -> None:
         report(self, step, total_steps, **metrics)
-        if step < step_to_hold or self.should_stop():
+        if step < step_to_hold or held:
             return
+        # Said even when the stop is already here: the runner may have seen this step's progress and sent
+        # it before this line runs; the job answers it at this step either way.
+        held.append(step)
         print(f"test hold: at step {step} until the stop arrives", flush=True)
         deadline = time.monotonic() + HOLD_LIMIT_SECONDS
         while not self.should_stop() and time.monotonic() < deadline:
