@@ -53,3 +53,11 @@ class Fleet:
             InstanceId=instance_id, ShouldDecrementDesiredCapacity=decrement
         )
         return decrement
+
+    def instance_gone(self, instance_id: str) -> bool:
+        """Whether the group no longer has this instance (terminated, or past its drain hook): a lease it
+        holds is a dead instance's. Draining (`Terminating:Wait`) is not gone: it may still confirm and
+        release. Unknown is not gone either: only a definite answer shortens the wait."""
+        found = self._autoscaling.describe_auto_scaling_instances(InstanceIds=[instance_id])
+        states = [i.get("LifecycleState", "") for i in found.get("AutoScalingInstances", [])]
+        return not states or all(s in ("Terminated", "Terminating:Proceed") for s in states)

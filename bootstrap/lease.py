@@ -223,14 +223,17 @@ class JobLease(_Record):
         holder = state.holder if state.released_at is None else f"{state.holder} (released)"
         return LeaseLostError(holder, state.token, self.uri)
 
-    def _free(self, state: LeaseState | None, now: float) -> bool:
-        """May this life take the lease as it is now?"""
+    def _free(self, state: LeaseState | None, now: float, gone: str | None = None) -> bool:
+        """May this life take the lease as it is now? `gone`: a life id whose instance is known to be gone
+        (the group no longer has it), whose lease need not wait for the stale limit."""
         if state is None or not state.live(now, self.stale_seconds):
+            return True
+        if gone is not None and state.life_id == gone:
             return True
         # An earlier agent on this instance holds it: that agent died (one agent per instance).
         return state.holder == self.holder and state.life_id != self.life_id
 
-    def try_acquire(self, now: float, *, floor: int = 0) -> int | None:
+    def try_acquire(self, now: float, *, floor: int = 0, gone: str | None = None) -> int | None:
         """The token this life now holds, or None while a live holder has the lease.
 
         Acquiring writes the previous token + 1 (at least `floor` + 1: pass the token `latest.json` carries,
@@ -249,7 +252,7 @@ class JobLease(_Record):
                 # Already this life's: a repeated call, or a put that got in although its answer was lost.
                 self.held_token = state.token
                 return state.token
-            if not self._free(state, now):
+            if not self._free(state, now, gone):
                 return None
             token = max(state.token if state is not None else 0, floor) + 1
             acquired = LeaseState(

@@ -406,6 +406,7 @@ class InstanceLife:
             instance_id=self.identity.instance_id,
             life_id=life_id,
             stale_seconds=self._stale_seconds,
+            instance_gone=self.fleet.instance_gone,
         )
         role = self._writer.take(floor=self._persister_for(paths).latest_token() or 0)
         if role is Role.STANDBY:

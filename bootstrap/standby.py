@@ -56,8 +56,12 @@ class OneWriter:
         instance_id: str,
         life_id: str,
         stale_seconds: float,
+        instance_gone: Callable[[str], bool] | None = None,
     ) -> None:
         state = config.prefixes.state
+        # Whether the group no longer has an instance (bootstrap/fleet.py): a holder whose instance is gone
+        # is dead now, not after the stale limit.
+        self._instance_gone = instance_gone
         self.log = log
         self.instance_id = instance_id
         self.lease = JobLease(
@@ -87,10 +91,27 @@ class OneWriter:
     def holding(self) -> bool:
         return self.role is Role.HOLDER
 
+    def _acquire(self, now: float, floor: int) -> int | None:
+        """The lease if it is free, or if its holder's instance has left the group (it died silently)."""
+        token = self.lease.try_acquire(now, floor=floor)
+        if token is not None or self._instance_gone is None:
+            return token
+        state = self.lease.read()
+        if state is None or state.holder == self.instance_id:
+            return None
+        try:
+            gone = self._instance_gone(state.holder)
+        except Exception:  # unknown is not gone: the stale limit still decides
+            return None
+        if not gone:
+            return None
+        self.log.event("lease", "the lease's holder has left the group: taking over now", holder=state.holder)
+        return self.lease.try_acquire(now, floor=floor, gone=state.life_id)
+
     def take(self, floor: int) -> Role:
         """Holder if the lease is free (`floor`: the token latest.json carries), else standby or surplus."""
         now = time.time()
-        token = self.lease.try_acquire(now, floor=floor)
+        token = self._acquire(now, floor)
         if token is not None:
             self.role = Role.HOLDER
             replaced = self.lease.replaced
@@ -138,6 +159,7 @@ class OneWriter:
         """As the standby: the token once the lease is free; None when a stop (`stopping(timeout)` waits
         and says whether one came), the job's end or another standby's claim ended the wait."""
         next_beat = time.monotonic() + STANDBY_BEAT_SECONDS
+        next_gone_check = time.monotonic() + STANDBY_BEAT_SECONDS
         while not stopping(STANDBY_POLL_SECONDS):
             try:
                 if time.monotonic() >= next_beat:
@@ -148,7 +170,15 @@ class OneWriter:
                     if not self.standby.heartbeat(time.time()):
                         self.log.event("standby", "another instance took over as standby; leaving")
                         return None
-                token = self.lease.try_acquire(time.time(), floor=floor)
+                beat = time.monotonic() >= next_gone_check
+                if beat:
+                    next_gone_check = time.monotonic() + STANDBY_BEAT_SECONDS
+                # Asking the group costs an API call: once per beat, the lease itself every poll.
+                token = (
+                    self._acquire(time.time(), floor)
+                    if beat
+                    else self.lease.try_acquire(time.time(), floor=floor)
+                )
             except Exception as exc:  # S3 hiccup: keep waiting; the holder's lease cannot expire unseen
                 self._wait_errors += 1
                 if self._wait_errors == 1:

@@ -4,6 +4,7 @@ holder that lost its lease finds out. Times are injected (epoch seconds): no tes
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -13,8 +14,11 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
+from bootstrap.agent_config import AgentConfig, Prefixes
+from bootstrap.eventlog import EventLog
 from bootstrap.lease import JobLease, LeaseLostError, LeaseState, StandbyRecord
 from bootstrap.ledger import _is_conflict
+from bootstrap.standby import OneWriter, Role
 from tests.conftest import MotoServer
 
 BUCKET = "trainstack-lease"
@@ -342,3 +346,23 @@ def test_of_three_standbys_claiming_at_once_exactly_one_waits(s3: Any) -> None:
     assert claimed.count(True) == 1, claimed
     assert racing.conflicts == 2
     assert stored(s3, STANDBY_KEY)["instance_id"] == f"i-{claimed.index(True)}"
+
+
+def test_a_holder_whose_instance_left_the_group_is_taken_over_before_the_stale_limit(s3: Any) -> None:
+    """A live-looking lease whose instance the group no longer has (killed without a word): the standby
+    need not wait the stale limit; a holder still in the group (draining its notice) is waited for."""
+    config = AgentConfig(
+        region="us-east-1", bucket=BUCKET, group_name="g", topic_arn="arn:aws:sns:us-east-1:1:t",
+        log_group="/l", prefixes=Prefixes(state=LEASE_KEY.rsplit("/", 1)[0] + "/"),
+    )  # fmt: skip
+    holder = JobLease(s3, BUCKET, LEASE_KEY, holder="i-dead", life_id="i-dead@1")
+    assert holder.try_acquire(T0) == 1
+    in_group = {"i-dead": True}
+    writer = OneWriter(
+        s3, config, EventLog(stream=io.StringIO()), instance_id="i-new", life_id="i-new@2",
+        stale_seconds=STALE, instance_gone=lambda instance: not in_group[instance],
+    )  # fmt: skip
+    assert writer.take(floor=0) is not Role.HOLDER, "a holder still in the group is waited for"
+    in_group["i-dead"] = False
+    assert writer._acquire(T0 + 2, floor=0) == 2
+    assert writer.dead_holder() == "i-dead@1", "its life is closed as interrupted at its heartbeat"

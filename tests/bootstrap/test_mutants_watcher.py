@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -137,12 +138,17 @@ def test_stop_ends_the_thread_promptly() -> None:
 def test_a_watcher_stuck_on_imds_never_holds_up_the_agents_exit() -> None:
     """The interpreter exits without waiting for daemon threads only: a hung IMDS read must not keep an
     agent that is done (or dying) alive."""
+    release = threading.Event()
 
     class Hung(ScriptedImds):
         def get(self, path: str) -> str | None:
-            time.sleep(30)
+            release.wait(30)
             return None
 
     spot, _, _ = watcher(Hung())
     spot.start()
-    assert spot._thread.daemon
+    try:
+        assert spot._thread.daemon
+    finally:
+        release.set()
+        spot.stop()
