@@ -366,11 +366,11 @@ class CheckpointPersister:
             try:
                 self.persist_newest(deadline=None, background=True)
                 backoff = self._poll_seconds
-            except LeaseLostError:
-                return  # another life writes the job's checkpoints now: nothing left to do here, ever
                 if self._failing_since is not None:
                     self._log.event("checkpoint", "S3 uploads work again", confirmed_step=self.confirmed_step)
                     self._failing_since = None
+            except LeaseLostError:
+                return  # another life writes the job's checkpoints now: nothing left to do here, ever
             except UploadAbandonedError:
                 backoff = self._poll_seconds
             except Exception as exc:  # S3 down: keep the local copy, retry with backoff, never crash the job

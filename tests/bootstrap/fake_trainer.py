@@ -76,6 +76,8 @@ def main() -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def save(step: int) -> None:
+        if (root / f"step-{step}" / "manifest.json").is_file():
+            return  # committed already (a periodic checkpoint at the very step the stop came)
         staging = root / f".step-{step}.tmp"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
