@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 PIP    := $(BIN)/pip --disable-pip-version-check --no-input
-# make test: one pytest worker per core plus one (tests/conftest.py); about 4 minutes on 2 cores.
+# make test: one pytest worker per core plus one (tests/conftest.py); about 5 minutes on 2 cores.
 # Serial: PYTEST_ARGS=-n0
 PYTEST_ARGS ?= -n auto --dist worksteal
 # pip's progress: one line per package it fetches; errors still go to stderr, and a failed step fails make.

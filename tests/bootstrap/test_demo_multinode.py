@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.iam.plugin import recording_env
+
 REPO = Path(__file__).resolve().parents[2]
 
 CHECKS = (
@@ -33,7 +35,8 @@ def test_two_nodes_lose_no_step_to_a_spot_notice_and_take_the_replacement_back(t
         capture_output=True,
         text=True,
         timeout=280,
-        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"},
+        # The IAM recording folder (tests/iam): the nodes' agents record their calls for the session's check.
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", **recording_env()},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
