@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rich.console import Console
+from rich.markup import escape
 
 from bootstrap.cloud_init import AGENT_CONFIG_PATH
 
@@ -37,6 +39,30 @@ class AgentRun:
 
     def wait(self, timeout: float) -> int:
         return self.process.wait(timeout=timeout)
+
+
+@dataclass(frozen=True)
+class AgentEcho:
+    """Prints each agent event and trainer line as it arrives, stamped with the seconds since the story
+    began: the same live output for every demo story."""
+
+    console: Console
+    started: float
+
+    def event(self, run: AgentRun, event: dict[str, Any]) -> None:
+        extra = {k: v for k, v in event.items() if k not in ("time", "stage", "message", "argv", "metrics")}
+        details = escape(", ".join(f"{k}={v}" for k, v in extra.items()))
+        elapsed = time.time() - self.started
+        self.console.print(
+            f"[dim]{elapsed:6.1f}s[/] [bold cyan]{run.name}[/] [magenta]{event['stage']:<12}[/] "
+            f"{escape(str(event['message']))}" + (f" [dim]({details})[/]" if details else ""),
+            highlight=False,
+        )
+
+    def trainer(self, run: AgentRun, line: str) -> None:
+        self.console.print(
+            f"[dim]{time.time() - self.started:6.1f}s {run.name} trainer  {escape(line)}[/]", highlight=False
+        )
 
 
 def agent_config_from_user_data(user_data: str, scratch_dir: Path, poll_seconds: float) -> dict[str, Any]:

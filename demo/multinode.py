@@ -19,11 +19,10 @@ from typing import Any
 
 import yaml
 from rich.console import Console
-from rich.markup import escape
 
 from bootstrap.cloud_init import render_user_data
 from demo.imds import ImdsSimulator, SimulatedInstance
-from demo.instance import AgentRun, agent_config_from_user_data, boot_agent, install_bundle
+from demo.instance import AgentEcho, AgentRun, agent_config_from_user_data, boot_agent, install_bundle
 from demo.run import (
     INTERRUPT_AT_FRACTION,
     ISOLATED_ENV,
@@ -237,24 +236,10 @@ class MultiNodeDemo:
         self.workdir = workdir
         self.console = console
         self.result = MultiNodeResult(started=time.time(), workdir=workdir)
+        self._echo = AgentEcho(console, self.result.started)
         self._nodes: list[_Node] = []
 
     # -- output -------------------------------------------------------------------------------------
-
-    def _elapsed(self) -> str:
-        return f"{time.time() - self.result.started:6.1f}s"
-
-    def _echo(self, run: AgentRun, event: dict[str, Any]) -> None:
-        extra = {k: v for k, v in event.items() if k not in ("time", "stage", "message", "argv", "metrics")}
-        details = escape(", ".join(f"{k}={v}" for k, v in extra.items()))
-        self.console.print(
-            f"[dim]{self._elapsed()}[/] [bold cyan]{run.name}[/] [magenta]{event['stage']:<12}[/] "
-            f"{escape(str(event['message']))}" + (f" [dim]({details})[/]" if details else ""),
-            highlight=False,
-        )
-
-    def _echo_trainer(self, run: AgentRun, line: str) -> None:
-        self.console.print(f"[dim]{self._elapsed()} {run.name} trainer  {escape(line)}[/]", highlight=False)
 
     # -- the story ----------------------------------------------------------------------------------
 
@@ -343,7 +328,7 @@ class MultiNodeDemo:
             f"[bold]{name}[/] boots as {instance_id} (IMDS {imds.endpoint}, local-ipv4 127.0.0.1): "
             f"bundle verified and unpacked to {code_root}"
         )
-        run = boot_agent(name, code_root, config, env, self._echo, self._echo_trainer)
+        run = boot_agent(name, code_root, config, env, self._echo.event, self._echo.trainer)
         self.result.nodes.append(life)
         self._nodes.append(_Node(life, imds, root / "scratch", run))
 

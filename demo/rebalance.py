@@ -28,11 +28,10 @@ from typing import Any
 
 import yaml
 from rich.console import Console
-from rich.markup import escape
 
 from bootstrap.cloud_init import render_user_data
 from demo.imds import ImdsSimulator, SimulatedInstance
-from demo.instance import AgentRun, agent_config_from_user_data, boot_agent, install_bundle
+from demo.instance import AgentEcho, AgentRun, agent_config_from_user_data, boot_agent, install_bundle
 from demo.multinode import _kill_tree
 from demo.run import ISOLATED_ENV, JOB_CONFIG, REPO, _upload_tree, _validate_user_data
 from demo.stack import LocalStack, create_stack
@@ -242,26 +241,12 @@ class RebalanceDemo:
         self.workdir = workdir
         self.console = console
         self.result = RebalanceResult(started=time.time(), workdir=workdir)
+        self._echo = AgentEcho(console, self.result.started)
         self._instances: list[_Instance] = []
         self._lease_key = ""
         self._lease_polled = 0.0
 
     # -- output -------------------------------------------------------------------------------------
-
-    def _elapsed(self) -> str:
-        return f"{time.time() - self.result.started:6.1f}s"
-
-    def _echo(self, run: AgentRun, event: dict[str, Any]) -> None:
-        extra = {k: v for k, v in event.items() if k not in ("time", "stage", "message", "argv", "metrics")}
-        details = escape(", ".join(f"{k}={v}" for k, v in extra.items()))
-        self.console.print(
-            f"[dim]{self._elapsed()}[/] [bold cyan]{run.name}[/] [magenta]{event['stage']:<12}[/] "
-            f"{escape(str(event['message']))}" + (f" [dim]({details})[/]" if details else ""),
-            highlight=False,
-        )
-
-    def _echo_trainer(self, run: AgentRun, line: str) -> None:
-        self.console.print(f"[dim]{self._elapsed()} {run.name} trainer  {escape(line)}[/]", highlight=False)
 
     # -- the story ----------------------------------------------------------------------------------
 
@@ -360,7 +345,7 @@ class RebalanceDemo:
             f"[bold]{name}[/] boots as {instance_id} ({instance_type}, {az}; IMDS {imds.endpoint}): "
             f"bundle verified and unpacked to {code_root}"
         )
-        run = boot_agent(name, code_root, config, env, self._echo, self._echo_trainer)
+        run = boot_agent(name, code_root, config, env, self._echo.event, self._echo.trainer)
         self.result.lives.append(life)
         self._instances.append(_Instance(life, imds, run))
 

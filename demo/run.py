@@ -14,12 +14,11 @@ from typing import Any
 
 import yaml
 from rich.console import Console
-from rich.markup import escape
 
 from bootstrap.cloud_init import render_user_data
 from bootstrap.job import JobSpec, load_job_spec
 from demo.imds import ImdsSimulator, SimulatedInstance
-from demo.instance import AgentRun, agent_config_from_user_data, boot_agent, install_bundle
+from demo.instance import AgentEcho, AgentRun, agent_config_from_user_data, boot_agent, install_bundle
 from demo.stack import LocalStack, create_stack, end_state
 from infra.bundle import build_bundle
 from training.sample_data import write_dataset
@@ -125,25 +124,11 @@ class Demo:
         self.workdir = workdir
         self.console = console
         self.result = DemoResult(started=time.time(), workdir=workdir)
+        self._echo = AgentEcho(console, self.result.started)
         # A user's job, validated as `pulumi preview` does; its folder is bundled as on a real stack.
         self.job: JobSpec | None = load_job_spec(job_file) if job_file is not None else None
         self.job_dir = (job_file.parent / self.job.workdir).resolve() if job_file and self.job else None
         self.result.job_name = self.job.name if self.job else None
-
-    def _echo(self, run: AgentRun, event: dict[str, Any]) -> None:
-        extra = {k: v for k, v in event.items() if k not in ("time", "stage", "message", "argv", "metrics")}
-        details = escape(", ".join(f"{k}={v}" for k, v in extra.items()))
-        elapsed = time.time() - self.result.started
-        self.console.print(
-            f"[dim]{elapsed:6.1f}s[/] [bold cyan]{run.name}[/] [magenta]{event['stage']:<12}[/] "
-            f"{escape(str(event['message']))}" + (f" [dim]({details})[/]" if details else ""),
-            highlight=False,
-        )
-
-    def _echo_trainer(self, run: AgentRun, line: str) -> None:
-        self.console.print(
-            f"[dim]{time.time() - self.result.started:6.1f}s {run.name} trainer  {line}[/]", highlight=False
-        )
 
     def _watch(self, run: AgentRun, scratch: Path, interrupt: ImdsSimulator | None, stack: LocalStack) -> int:
         """Sample progress until the agent exits; inject the spot notice mid-training when asked to."""
@@ -257,7 +242,7 @@ class Demo:
         )
         config = agent_config_from_user_data(user_data, scratch / "scratch", poll_seconds=1.0)
         self.console.print(f"[bold]{name}[/] boots: bundle verified and unpacked to {code_root}")
-        run = boot_agent(name, code_root, config, env, self._echo, self._echo_trainer)
+        run = boot_agent(name, code_root, config, env, self._echo.event, self._echo.trainer)
         code = self._watch(run, scratch / "scratch", interrupt, stack)
         time.sleep(0.3)  # let the output pump drain the last lines
         profile = run.find("device profile")
