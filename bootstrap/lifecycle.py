@@ -76,6 +76,11 @@ class InstanceLife:
         tick_seconds: float = 0.5,
         job_root: Path | None = None,
     ) -> None:
+        # The stack's view (where the current-job pointer lives) and, from here on, the configured job's own
+        # prefixes: whatever runs before the life is bound (the give-up path, the storage cost) already reads
+        # and writes that job's objects, not the legacy top-level ones.
+        self._stack_config = config
+        config = _for_job(config, config.job_id)
         self.config = config
         self.user_job = JobSpec.from_mapping(config.user_job, "user_job") if config.user_job else None
         self.log = log or EventLog()
@@ -308,7 +313,7 @@ class InstanceLife:
 
     def _bind_job(self) -> None:
         """Serve the stack's current job: this config's, or one still running, with its own code."""
-        binding = bind_job(self.clients.s3, self.config, utc_now())
+        binding = bind_job(self.clients.s3, self._stack_config, utc_now())
         if binding.pinned is not None:
             self.log.event(
                 "job",
@@ -319,7 +324,7 @@ class InstanceLife:
             )
             self._stop_background()
             self.boot.close_logs()
-            self.run_pinned(self.clients.s3, self.config, binding.pinned)
+            self.run_pinned(self.clients.s3, self._stack_config, binding.pinned)
             return
         self.log.event(
             "job",
@@ -327,13 +332,7 @@ class InstanceLife:
             job_id=binding.job_id,
             **({"previous_job": binding.switched_from} if binding.switched_from else {}),
         )
-        prefixes = replace(
-            self.config.prefixes,
-            checkpoints=binding.prefixes.checkpoints,
-            results=binding.prefixes.results,
-            state=binding.prefixes.state,
-        )
-        self._assemble(replace(self.config, prefixes=prefixes, job_id=binding.job_id))
+        self._assemble(_for_job(self._stack_config, binding.job_id))
 
     def _release_lease(self) -> None:
         if self._writer is not None and self._writer.holding:
@@ -603,3 +602,10 @@ class InstanceLife:
             follower=self._generations.follower if self._generations is not None else False,
         )
         return self.outcomes.finish(outcome, life)
+
+
+def _for_job(config: AgentConfig, job_id: str) -> AgentConfig:
+    """The agent config with `job_id`'s checkpoints/, results/ and state/ (trainstack_job/jobs.py)."""
+    job = JobPrefixes.of(job_id)
+    prefixes = replace(config.prefixes, checkpoints=job.checkpoints, results=job.results, state=job.state)
+    return replace(config, prefixes=prefixes, job_id=job_id)

@@ -74,6 +74,17 @@ def test_give_up_after_systemd_start_limit_notifies_and_scales_to_zero(
     assert "keeps failing" in stack.alerts()[0]["Subject"]
 
 
+def test_giving_up_on_a_job_marks_that_jobs_ledger_not_the_stacks_top_level(
+    make_life: MakeLife, stack: LocalStack
+) -> None:
+    """systemd's give-up runs before any life could bind: it still writes the configured job's ledger
+    (jobs/<id>/state/), so `trainstack status --job` says failed and no legacy ledger appears."""
+    assert make_life(job_id="resnet-11111111").give_up().exit_code == 0
+    ledger = stack.read_json("jobs/resnet-11111111/state/ledger.json")
+    assert ledger is not None and ledger["status"] == "failed"
+    assert stack.read_json("state/ledger.json") is None
+
+
 def test_spot_interruption_exits_with_a_confirmed_checkpoint_and_the_replacement_resumes_at_that_step(
     make_life: MakeLife, stack: LocalStack, imds: ImdsSimulator, capsys: pytest.CaptureFixture[str]
 ) -> None:
