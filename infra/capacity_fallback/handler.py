@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -37,6 +37,7 @@ _MAX_PAGES = 10
 _ACTIVE_STATES = ("Pending", "Pending:Wait", "Pending:Proceed", "InService")
 _LAUNCH_FAILED = ("Failed", "Cancelled")
 CAP_STOP = "stop_at_cost_cap"
+CAP_UNREADABLE = "cost_cap_unreadable"
 LEGACY_JOB_ID = "legacy"
 _JOB_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
@@ -199,13 +200,19 @@ def distribution_update(description: Mapping[str, Any], on_demand_percentage: in
     }
 
 
-def estimated_cost(ledger: Mapping[str, Any], now: datetime) -> float:
+def estimated_cost(
+    ledger: Mapping[str, Any], now: datetime, in_group: Collection[str] | None = None
+) -> float:
     """The job's cost now: the ledger's total, plus each running life's hourly price since the agent last
     priced it. A ledger whose agent stopped updating it (wedged, or its instance's job hostile) still
-    counts up, at the prices the agent recorded, for as long as the life is open."""
+    counts up, at the prices the agent recorded, for as long as the life is open — and its instance is
+    still in the group (`in_group`): a life whose instance died without a word stays `running` in the
+    ledger until the next life closes it, but bills nothing more, so it must not trip the cap."""
     total = float(ledger.get("total_cost_usd") or 0.0)
     for life in ledger.get("lives") or []:
         if life.get("outcome") != "running" or life.get("price_usd_per_hour") is None:
+            continue
+        if in_group is not None and life.get("instance_id") and life["instance_id"] not in in_group:
             continue
         since = life.get("priced_at") or life.get("heartbeat_at") or life.get("started_at")
         if not since:
@@ -249,7 +256,8 @@ def enforce_cost_cap(
     ledger = read_json(s3, cap.bucket, cap.ledger_key(job_id))
     if ledger is None:
         return None
-    cost = estimated_cost(ledger, now)
+    instances = {str(i.get("InstanceId")) for i in description.get("Instances", [])}
+    cost = estimated_cost(ledger, now, instances)
     if cost < cap.max_cost_usd:
         return None
     autoscaling.set_desired_capacity(AutoScalingGroupName=group_name, DesiredCapacity=0, HonorCooldown=False)
@@ -284,9 +292,26 @@ def run(
         return _log({"action": STAY, "reason": "group not found", "group": settings.group_name})
     description = groups["AutoScalingGroups"][0]
     if cost_cap is not None:
-        stopped = enforce_cost_cap(cost_cap, description, s3, autoscaling, sns, settings.group_name, now)
-        if stopped is not None:
-            return _log(stopped)
+        try:
+            stopped = enforce_cost_cap(cost_cap, description, s3, autoscaling, sns, settings.group_name, now)
+        except Exception as exc:
+            # Loud, but never at the fallback's expense: S3 answers a missing object with AccessDenied to a
+            # role that may not list the bucket (a new job before its first instance), and a spot drought
+            # then must still reach on-demand. The agent's own cap still holds on the instance.
+            LOG.error(
+                json.dumps(
+                    {
+                        "action": CAP_UNREADABLE,
+                        "reason": f"cannot read the current job's ledger for the cost cap: {exc}"[:300],
+                        "fix": "check this function's s3:GetObject on state/current-job.json and "
+                        "jobs/*/state/ledger.json; the spot fallback goes on",
+                        "group": settings.group_name,
+                    }
+                )
+            )
+        else:
+            if stopped is not None:
+                return _log(stopped)
     decision = decide(read_group(description), _recent_launches(autoscaling, settings, now), now, settings)
     if decision.action != STAY:
         percentage = ON_DEMAND_ONLY if decision.action == FALL_BACK else settings.spot_on_demand_percentage

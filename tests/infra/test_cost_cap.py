@@ -12,6 +12,7 @@ from typing import Any
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
 
 from demo.stack import STAND_IN_AMI
 from infra.capacity_fallback import handler
@@ -151,6 +152,31 @@ def test_no_current_job_yet_is_not_an_error(world: World) -> None:
     assert world.desired() == 1
 
 
+def test_a_ledger_the_function_cannot_read_never_stops_the_spot_fallback(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On AWS a role without s3:ListBucket reads a missing object as AccessDenied (a new job before its
+    first instance wrote anything): the cap check says so loudly, and the fallback decision still runs."""
+
+    class Refusing:
+        exceptions = world.function["s3"].exceptions
+
+        def get_object(self, **_: Any) -> Any:
+            raise ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "GetObject")
+
+    settings = Settings(group_name=GROUP, fallback_minutes=0, spot_on_demand_percentage=0)
+    with caplog.at_level("ERROR"):
+        result = handler.run(
+            {}, world.function["autoscaling"], settings, NOW, cost_cap=world.cap, s3=Refusing(),
+            sns=world.function["sns"],
+        )  # fmt: skip
+    assert result["action"] == STAY and "group not found" not in result["reason"]
+    assert any(
+        "cost_cap_unreadable" in r.getMessage() and "AccessDenied" in r.getMessage() for r in caplog.records
+    )
+    assert world.desired() == 1
+
+
 def test_a_pointer_naming_no_job_id_is_never_turned_into_a_key(world: World) -> None:
     world.put("state/current-job.json", {"job_id": "../../code/x"})
     assert world.tick()["action"] == STAY
@@ -190,3 +216,7 @@ def test_estimated_cost_adds_only_open_priced_lives() -> None:
     raw["lives"].append({**raw["lives"][0], "price_usd_per_hour": None})
     assert estimated_cost(raw, NOW) == pytest.approx(13.0)
     assert estimated_cost({"total_cost_usd": 4.0}, NOW) == 4.0
+    # An open life whose instance the group no longer has died without a word: it bills nothing more.
+    gone = {**raw["lives"][0], "instance_id": "i-0gone"}
+    assert estimated_cost({"total_cost_usd": 10.0, "lives": [gone]}, NOW, {"i-0alive"}) == 10.0
+    assert estimated_cost({"total_cost_usd": 10.0, "lives": [gone]}, NOW, {"i-0gone"}) == pytest.approx(13.0)
