@@ -220,8 +220,10 @@ class Redactor:
     """Masks the job's secret values in lines the agent ships (the job's output, a failure's last lines)."""
 
     def __init__(self, values: Iterable[str] = ()) -> None:
+        # The job's output is shipped line by line: a multi-line value (a PEM key) is masked line by line.
+        pieces = {piece.strip("\r") for v in values for piece in (v, *v.splitlines())}
         # Longest first, so a value containing another is masked whole.
-        self._values = sorted({v for v in values if len(v) >= _MIN_REDACTED}, key=len, reverse=True)
+        self._values = sorted({v for v in pieces if len(v) >= _MIN_REDACTED}, key=len, reverse=True)
 
     def __bool__(self) -> bool:
         return bool(self._values)

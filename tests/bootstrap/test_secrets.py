@@ -412,3 +412,19 @@ def test_no_secrets_no_calls(tmp_path: Path) -> None:
     supervisor, _ = _supervisor(tmp_path, user_job=None, job={"train": {"steps": 1}})
     supervisor._secret_clients = refuse
     assert supervisor.job_secrets() == {}
+
+
+def test_redactor_masks_each_line_of_a_multi_line_value() -> None:
+    # The job's output reaches the redactor one line at a time: a PEM key printed whole must not leak.
+    key = "\n".join(
+        [
+            "-----BEGIN PRIVATE KEY-----",
+            "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC",
+            "BKcwggSjAgEAAoIBAQC7",
+            "-----END PRIVATE KEY-----",
+        ]
+    )
+    redact = Redactor([key])
+    for line in key.splitlines():
+        assert redact(line) == MASK
+    assert redact("step 10 loss 0.5") == "step 10 loss 0.5"
