@@ -55,12 +55,10 @@ from demo.rebalance import (
     LEASE_ACQUIRED,
     LEASE_RELEASED,
     LEASE_TAKEN_OVER,
-    POLL_S,
     REBALANCE_AFTER_STEP,
     STANDBY,
     STANDBY_READY,
     STANDBY_WAITING,
-    STORY_TIMEOUT_S,
     AgentEvent,
     RebalanceDemo,
     RebalanceResult,
@@ -369,19 +367,6 @@ class _NoticeStory(RebalanceDemo):
 
     def _event(self, stack: LocalStack, boot: tuple[LocalStack, str, str, str]) -> None:
         raise NotImplementedError
-
-    def _watch(self, stack: LocalStack, boot: tuple[LocalStack, str, str, str]) -> None:
-        deadline = time.monotonic() + STORY_TIMEOUT_S
-        while any(i.life.exit_code is None for i in self._instances):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the agents did not all finish within {STORY_TIMEOUT_S}s")
-            for instance in self._instances:
-                self._read_steps(instance)
-                if instance.life.exit_code is None and instance.run.process.poll() is not None:
-                    self._exited(instance, stack)
-            self._poll_lease(stack)
-            self._event(stack, boot)
-            time.sleep(POLL_S)
 
 
 class WarmNoticeStory(_NoticeStory):

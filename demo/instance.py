@@ -6,12 +6,13 @@ import hashlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,3 +134,38 @@ def boot_agent(
 
     threading.Thread(target=pump, name=f"{name}-output", daemon=True).start()
     return run
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (agent → launcher → ranks), from /proc; empty where there is none."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name (field 2) may hold spaces: the parent pid is the 2nd field after its ')'.
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(run: AgentRun) -> None:
+    """A hung agent's trainer would outlive it and keep a core busy: kill what it started, then it."""
+    for pid in [*descendants(run.process.pid), run.process.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+    run.process.wait()
+
+
+def kill_running(runs: Iterable[AgentRun]) -> None:
+    """A story that failed: every agent still running is killed, with what it started."""
+    for run in runs:
+        if run.process.poll() is None:
+            kill_tree(run)

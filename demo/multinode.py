@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,14 @@ from rich.console import Console
 
 from bootstrap.cloud_init import render_user_data
 from demo.imds import ImdsSimulator, SimulatedInstance
-from demo.instance import AgentEcho, AgentRun, agent_config_from_user_data, boot_agent, install_bundle
+from demo.instance import (
+    AgentEcho,
+    AgentRun,
+    agent_config_from_user_data,
+    boot_agent,
+    install_bundle,
+    kill_running,
+)
 from demo.run import (
     INTERRUPT_AT_FRACTION,
     ISOLATED_ENV,
@@ -192,34 +198,6 @@ def _progress(scratch: Path) -> tuple[int, int, int | None] | None:
         return None
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (agent → launcher → ranks), from /proc; empty where there is none."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            # The command name (field 2) may hold spaces: the parent pid is the 2nd field after its ')'.
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill_tree(run: AgentRun) -> None:
-    """A hung agent's trainer would outlive it and keep a core busy: kill what it started, then it."""
-    for pid in [*_descendants(run.process.pid), run.process.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            continue
-    run.process.wait()
-
-
 def _collapse(values: list[tuple[float, int]]) -> list[tuple[float, int]]:
     """Each change of value once, with the time it was first seen."""
     changes: list[tuple[float, int]] = []
@@ -279,9 +257,7 @@ class MultiNodeDemo:
                 self._boot(f"node-{number}", instance_id, stack, user_data, bundle_key, bundle.sha256)
             self._watch(stack, user_data, bundle_key, bundle.sha256)
         except BaseException:
-            for node in self._nodes:
-                if node.run.process.poll() is None:
-                    _kill_tree(node.run)
+            kill_running(node.run for node in self._nodes)
             raise
         finally:
             for node in self._nodes:

@@ -31,8 +31,14 @@ from rich.console import Console
 
 from bootstrap.cloud_init import render_user_data
 from demo.imds import ImdsSimulator, SimulatedInstance
-from demo.instance import AgentEcho, AgentRun, agent_config_from_user_data, boot_agent, install_bundle
-from demo.multinode import _kill_tree
+from demo.instance import (
+    AgentEcho,
+    AgentRun,
+    agent_config_from_user_data,
+    boot_agent,
+    install_bundle,
+    kill_running,
+)
 from demo.run import ISOLATED_ENV, JOB_CONFIG, REPO, _upload_tree, _validate_user_data
 from demo.stack import LocalStack, create_stack
 from infra.bundle import build_bundle
@@ -298,9 +304,7 @@ class RebalanceDemo:
             self._boot(HOLDER, first, "g6.xlarge", "us-east-1a", *boot)
             self._watch(stack, boot)
         except BaseException:
-            for instance in self._instances:
-                if instance.run.process.poll() is None:
-                    _kill_tree(instance.run)
+            kill_running(instance.run for instance in self._instances)
             raise
         finally:
             for instance in self._instances:
@@ -350,9 +354,7 @@ class RebalanceDemo:
         self._instances.append(_Instance(life, imds, run))
 
     def _watch(self, stack: LocalStack, boot: tuple[LocalStack, str, str, str]) -> None:
-        """Until every agent has exited: read each trainer's steps and the lease; the recommendation once
-        instance 1 trains, and the replacement the group launches for it at once."""
-        result = self.result
+        """Until every agent has exited: read each trainer's steps and the lease, then `_event` each round."""
         deadline = time.monotonic() + STORY_TIMEOUT_S
         while any(i.life.exit_code is None for i in self._instances):
             if time.monotonic() > deadline:
@@ -362,16 +364,21 @@ class RebalanceDemo:
                 if instance.life.exit_code is None and instance.run.process.poll() is not None:
                     self._exited(instance, stack)
             self._poll_lease(stack)
-            holder = self._instances[0]
-            trained = [s.step for s in result.steps if s.instance == HOLDER]
-            if (
-                not result.rebalance_at
-                and holder.life.exit_code is None
-                and trained
-                and max(trained) >= REBALANCE_AFTER_STEP
-            ):
-                self._rebalance(holder, stack, boot)
+            self._event(stack, boot)
             time.sleep(POLL_S)
+
+    def _event(self, stack: LocalStack, boot: tuple[LocalStack, str, str, str]) -> None:
+        """The recommendation once instance 1 trains, and the replacement the group launches for it."""
+        result = self.result
+        holder = self._instances[0]
+        trained = [s.step for s in result.steps if s.instance == HOLDER]
+        if (
+            not result.rebalance_at
+            and holder.life.exit_code is None
+            and trained
+            and max(trained) >= REBALANCE_AFTER_STEP
+        ):
+            self._rebalance(holder, stack, boot)
 
     def _read_steps(self, instance: _Instance) -> None:
         """The trainer lines that arrived since the last read: each trained step, with its arrival time."""

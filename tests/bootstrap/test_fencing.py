@@ -23,6 +23,7 @@ from botocore.exceptions import ClientError
 from bootstrap.lease import JobLease, LeaseLostError
 from bootstrap.ledger import _is_conflict
 from bootstrap.persist import CheckpointPersister, Fence
+from tests.checkpoints import commit_step
 from tests.conftest import MotoServer
 
 BUCKET = "trainstack-fence"
@@ -68,17 +69,6 @@ def s3(aws: MotoServer) -> Any:
     client = boto3.client("s3", region_name="us-east-1")
     client.create_bucket(Bucket=BUCKET)
     return client
-
-
-def commit_step(root: Path, step: int, size: int = 1000) -> None:
-    """A committed checkpoint as any job writes it: files, manifest last, renamed into place."""
-    staging = root / f".step-{step}.tmp"
-    staging.mkdir(parents=True)
-    data = os.urandom(size)
-    (staging / "state.bin").write_bytes(data)
-    files = {"state.bin": {"sha256": hashlib.sha256(data).hexdigest(), "size": size}}
-    (staging / "manifest.json").write_text(json.dumps({"step": step, "epoch": 0, "files": files}))
-    staging.rename(root / f"step-{step}")
 
 
 def persister(

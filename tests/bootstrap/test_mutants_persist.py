@@ -20,6 +20,7 @@ from botocore.exceptions import ClientError
 
 from bootstrap.lease import LeaseLostError
 from bootstrap.persist import CheckpointPersister, PersistResult, UploadAbandonedError
+from tests import checkpoints
 from tests.conftest import MotoServer
 
 BUCKET = "trainstack-persist"
@@ -97,15 +98,8 @@ def s3(aws: MotoServer) -> Any:
 
 
 def commit_step(root: Path, step: int, size: int = 1000) -> bytes:
-    """A committed checkpoint as any job writes it; returns its data."""
-    staging = root / f".step-{step}.tmp"
-    staging.mkdir(parents=True)
-    data = os.urandom(size)
-    (staging / "state.bin").write_bytes(data)
-    files = {"state.bin": {"sha256": hashlib.sha256(data).hexdigest(), "size": size}}
-    (staging / "manifest.json").write_text(json.dumps({"step": step, "epoch": 1, "files": files}))
-    staging.rename(root / f"step-{step}")
-    return data
+    """A committed checkpoint as any job writes it, at epoch 1; returns its data."""
+    return checkpoints.commit_step(root, step, size, epoch=1)
 
 
 def persister(s3: Any, root: Path, events: Events | None = None, keep: int = 3) -> CheckpointPersister:

@@ -7,10 +7,8 @@ or, where the promise spans both, the agent run as its own process and killed.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -33,6 +31,7 @@ from bootstrap.lifecycle import AwsClients, InstanceLife, LifeResult
 from bootstrap.persist import CheckpointPersister
 from demo.imds import ImdsSimulator, SimulatedInstance
 from demo.stack import LocalStack, create_stack
+from tests.checkpoints import commit_step
 from tests.conftest import MotoServer
 from tests.faults.proxy import Blackhole, Cut, Pass, S3FaultProxy, Slow
 
@@ -174,17 +173,6 @@ def latest_history(s3: Any, bucket: str) -> list[int]:
         body = s3.get_object(Bucket=bucket, Key=version["Key"], VersionId=version["VersionId"])["Body"].read()
         steps.append(int(json.loads(body)["step"]))
     return steps
-
-
-def commit_step(root: Path, step: int, size: int = 1000) -> None:
-    """A committed checkpoint as any job writes it: files, manifest last, renamed into place."""
-    staging = root / f".step-{step}.tmp"
-    staging.mkdir(parents=True)
-    data = os.urandom(size)
-    (staging / "state.bin").write_bytes(data)
-    files = {"state.bin": {"sha256": hashlib.sha256(data).hexdigest(), "size": size}}
-    (staging / "manifest.json").write_text(json.dumps({"step": step, "epoch": 0, "files": files}))
-    staging.rename(root / f"step-{step}")
 
 
 def persister(stack: LocalStack, root: Path, client: Any | None = None) -> CheckpointPersister:
