@@ -179,7 +179,12 @@ class Supervisor:
             env = credentials.start()
         except Exception as exc:  # the job runs without AWS credentials rather than not at all
             self.log.event(
-                "job", "could not take the job role; the job gets no AWS credentials", error=str(exc)
+                "job",
+                "could not take the job role; the job gets no AWS credentials",
+                role=role,
+                error=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+                fix="the instance role needs sts:AssumeRole on this role and its trust policy must name the "
+                "instance role: run pulumi up to restore both (infra/identity.py declares them)",
             )
             return {}
         if stream is not None:
