@@ -240,7 +240,7 @@ class Demo:
             sha256,
             self.workdir / name / "opt-trainstack",
         )
-        config = agent_config_from_user_data(user_data, scratch / "scratch", poll_seconds=1.0)
+        config = agent_config_from_user_data(user_data, scratch / "scratch", poll_seconds=0.25)
         self.console.print(f"[bold]{name}[/] boots: bundle verified and unpacked to {code_root}")
         run = boot_agent(name, code_root, config, env, self._echo.event, self._echo.trainer)
         code = self._watch(run, scratch / "scratch", interrupt, stack)
