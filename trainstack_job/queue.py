@@ -22,7 +22,7 @@ from typing import Any
 from trainstack_job.jobs import JobIdError, JobPrefixes, check_job_id
 
 QUEUE_PREFIX = "queue/"
-# Under a job's state/ prefix: written by `trainstack cancel ID`; the job checkpoints, stops and is `cancelled`
+# Under a job's state/ prefix, written by `trainstack cancel ID`: the job checkpoints, stops, is `cancelled`
 # (a queued job is skipped). {"requested_at": ISO, "by": "..."}.
 CANCEL_REQUEST = "cancel.json"
 # Who submitted a job (the record's `source`).
