@@ -27,6 +27,7 @@ job runs as the agent's own user, exactly as before, and the agent says so once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -332,8 +333,10 @@ class JobCredentials:
         directory: Path,
         launch: JobLaunch,
         log: Callable[..., None],
+        retry_seconds: float = RETRY_SECONDS,
     ) -> None:
         self._sts = sts
+        self._retry_seconds = retry_seconds
         self._role_arn = role_arn
         self._policy = json.dumps(policy, separators=(",", ":"))
         self._session_name = re.sub(r"[^\w+=,.@-]", "-", session_name)[:64]
@@ -403,8 +406,10 @@ class JobCredentials:
         self._stop.set()
 
     def _run(self) -> None:
+        # Nothing may end this thread but stop(): a job whose credentials are no longer refreshed fails an
+        # hour later with an expiry error that names nothing the user did.
         while True:
-            wait = RETRY_SECONDS
+            wait = self._retry_seconds
             if self.expiration is not None:
                 wait = max(
                     1.0, (self.expiration - REFRESH_BEFORE - datetime.now(timezone.utc)).total_seconds()
@@ -414,8 +419,10 @@ class JobCredentials:
             try:
                 self.refresh()
             except Exception as exc:  # any failure: retry soon; the job keeps its current ones meanwhile
-                self._log("job", "could not refresh the job's credentials; retrying", error=str(exc))
                 self.expiration = None
+                # A log that cannot be written (disk full, a closed stream) must not end the refreshes.
+                with contextlib.suppress(Exception):
+                    self._log("job", "could not refresh the job's credentials; retrying", error=str(exc))
 
     def _write(self, path: Path, text: str, mode: int) -> None:
         """Atomically (the job's SDK may read it at any moment), root's, readable by the job's group."""

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -393,3 +394,53 @@ def test_the_sandbox_fails_closed_without_a_firewall(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "neither iptables nor nft" in result.stdout
+
+
+def test_the_refresh_outlives_a_failing_sts_and_a_log_that_raises(tmp_path: Path) -> None:
+    """STS refusing a refresh (throttled, a network fault) while the agent's log cannot be written: the
+    refresh thread keeps trying and the job's credentials file is renewed on the next success."""
+    answers: list[Any] = [RuntimeError("Throttling: Rate exceeded"), RuntimeError("connection reset")]
+
+    class FlakySts:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def assume_role(self, **_: Any) -> dict[str, Any]:
+            self.calls += 1
+            if self.calls > 1 and answers:
+                raise answers.pop(0)
+            return {
+                "Credentials": {
+                    "AccessKeyId": f"ASIA{self.calls:016d}",
+                    "SecretAccessKey": "s",
+                    "SessionToken": "t",
+                    # Already inside the refresh window: the thread refreshes at once (after 1 s).
+                    "Expiration": datetime.now(timezone.utc) + jobuser.REFRESH_BEFORE,
+                }
+            }
+
+    def broken_log(*_: Any, **__: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    launch, _ = _target()
+    sts = FlakySts()
+    credentials = JobCredentials(
+        sts,
+        role_arn=ROLE,
+        policy={"Version": "2012-10-17", "Statement": []},
+        session_name="job",
+        region="us-east-1",
+        directory=tmp_path / "credentials",
+        launch=launch,
+        log=broken_log,
+        retry_seconds=0.05,
+    )
+    credentials.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sts.calls < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sts.calls >= 4, "the refresh thread stopped after a failed refresh"
+        assert json.loads(credentials.credentials_file.read_text())["AccessKeyId"] != f"ASIA{1:016d}"
+    finally:
+        credentials.stop()
