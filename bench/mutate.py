@@ -9,12 +9,15 @@ $TMPDIR/trainstack-mutate), never in the checkout itself, so colleagues' test ru
     python -m bench.mutate persist lease          # some targets
     python -m bench.mutate --changed-since origin/main   # the targets whose modules changed (CI)
     python -m bench.mutate --again persist        # the last run's survivors against the current tests
+    python -m bench.mutate --source HEAD ledger   # the sources as committed, not others' edits in progress
+    python -m bench.mutate --only '*__mutmut_*[13579]' persist   # a deterministic sample: odd-numbered
     python -m bench.mutate --list
 
-Per target it prints killed / total and the survivors (with their diffs, also saved in
+Per target it prints killed / checked and the survivors (with their diffs, also saved in
 `<workdir>/<target>/survivors.txt`); it exits 1 when a target scores under `--min-score` (90 %).
 A mutant counts as killed when a selected test fails or times out with it; one no selected test reaches
-counts as surviving. Scores and the equivalent survivors are recorded in bench/RESULTS.md.
+counts as surviving. Mutants left out by `--only` (or by a run stopped early) are "not checked": reported
+as such, never counted as killed. Scores and the equivalent survivors are recorded in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # Copied into mutmut's mutants/ folder whole, so every import of the project comes from the private copy.
 PACKAGES = ("bootstrap", "infra", "training", "trainstack", "trainstack_job", "demo")
 KILLED = {"killed", "timeout"}
+UNCHECKED = "not checked"
+# mutmut's own per-mutant limit, in CPU seconds: (the mutant's tests' clean time + 1) × this × 2, for a mutant
+# that spins (a retry loop without its sleep); pytest's --timeout (wall time, below) ends one that waits.
+# mutmut's default, 15: at 5 a failing test's report and the session's end (the moto server, the IAM check)
+# passed the limit, and a mutant the tests fail counted as a timeout instead of killed.
+TIMEOUT_MULTIPLIER = 15.0
 
 
 @dataclass(frozen=True)
@@ -68,15 +77,41 @@ TARGETS: dict[str, Target] = {
     "ledger": Target(
         ("bootstrap/ledger.py",),
         (
+            "tests/bootstrap/test_mutants_ledger.py",
             "tests/bootstrap/test_agent_parts.py",
             "tests/bootstrap/test_ledger_handover.py",
             "tests/bootstrap/test_multinode_ledger.py",
             "tests/bootstrap/test_outcomes.py",
-            "tests/bootstrap/test_mutants_ledger.py",
+            # The multi-node ledger calls (the rest of that file runs agents and trainers).
+            "tests/bootstrap/test_multinode_faults.py::"
+            "test_silent_lives_are_closed_by_the_survivor_once_at_their_last_heartbeat",
         ),
     ),
-    # The cost cap and `trainstack stop` as each life reads them (the agent's own tests start trainers).
-    "costcap": Target(("bootstrap/jobstate.py",), ("tests/bootstrap/test_mutants_ledger.py",)),
+    # The cost cap on the instance (`trainstack stop` and the cap as each life reads them; the agent's own
+    # tests start trainers) and from outside it (the capacity Lambda, whose spot fallback shares the file).
+    "costcap": Target(
+        ("bootstrap/jobstate.py", "infra/capacity_fallback/handler.py"),
+        (
+            "tests/bootstrap/test_mutants_jobstate.py",
+            "tests/infra/test_cost_cap.py",
+            "tests/infra/test_mutants_costcap.py",
+            # The fallback's decisions against moto's group (not the Pulumi program's preview tests).
+            *(
+                f"tests/infra/test_capacity.py::{name}"
+                for name in (
+                    "test_no_launch_for_fifteen_minutes_while_wanted_switches_to_on_demand",
+                    "test_on_demand_instance_runs_its_life_then_spot_is_tried_first",
+                    "test_group_scaled_to_zero_returns_to_spot",
+                    "test_zero_minutes_never_falls_back",
+                    "test_an_old_drought_does_not_count_after_a_pause",
+                    "test_a_group_with_its_instance_is_left_alone",
+                    "test_never_touches_another_group",
+                    "test_handler_reads_its_settings_from_the_environment",
+                    "test_the_update_names_no_launch_template_so_aws_checks_no_launch_permissions",
+                )
+            ),
+        ),
+    ),
     "watcher": Target(
         ("bootstrap/watcher.py",),
         ("tests/bootstrap/test_imds_and_watcher.py", "tests/bootstrap/test_mutants_watcher.py"),
@@ -94,6 +129,10 @@ TARGETS: dict[str, Target] = {
             "tests/policy/test_rule_variants.py",
             "tests/policy/test_capacity_rules.py",
             "tests/policy/test_multinode_rules.py",
+            "tests/policy/test_kms_all_keys.py",
+            "tests/policy/test_effective_permissions.py",
+            # Not test_pack_process.py: the pack it starts as a process imports the mutants outside
+            # mutmut's folder, where mutmut cannot find its settings.
             "tests/policy/test_mutants_policy.py",
         ),
     ),
@@ -110,46 +149,77 @@ TARGETS: dict[str, Target] = {
 }
 
 
-def private_copy(destination: Path) -> None:
-    """The working tree as it is now (tracked and untracked files git does not ignore) under `destination`."""
+def mutant_tests() -> list[str]:
+    """The checkout's mutant-killing tests (tests/**/test_mutants_*.py) as they are now."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "tests/**/test_mutants_*.py"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    return [name for name in filter(None, listed.split("\0")) if (ROOT / name).is_file()]
+
+
+def private_copy(destination: Path, source: str | None = None) -> None:
+    """The working tree as it is now (tracked and untracked files git does not ignore) under `destination`;
+    with `source` (a git ref), the files as committed there plus the working tree's mutant-killing tests:
+    colleagues' uncommitted edits elsewhere in a shared checkout cannot break the copy's imports."""
+    shutil.rmtree(destination, ignore_errors=True)
+    destination.mkdir(parents=True)
+    if source is not None:
+        archive = subprocess.run(["git", "archive", source], cwd=ROOT, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(destination)], input=archive, check=True)
+        for name in mutant_tests():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, destination / name)
+        return
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
         check=True,
         capture_output=True,
     ).stdout.decode()
-    shutil.rmtree(destination, ignore_errors=True)
     for name in filter(None, listed.split("\0")):
-        source = ROOT / name
-        if not source.is_file():  # deleted in the working tree, or a submodule
+        source_file = ROOT / name
+        if not source_file.is_file():  # deleted in the working tree, or a submodule
             continue
         target = destination / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, target)
+        shutil.copy2(source_file, target)
 
 
 def toml_list(values: list[str]) -> str:
     return "[" + ", ".join(json.dumps(v) for v in values) + "]"
 
 
+SETTINGS_MARK = "\n# bench/mutate.py: mutmut's settings for this target\n"
+
+
 def configure(tree: Path, target: Target) -> list[str]:
-    """mutmut's settings for `target`, appended to the copy's pyproject.toml; returns the tests selected."""
+    """mutmut's settings for `target` in the copy's pyproject.toml (replacing the ones an earlier run wrote);
+    returns the tests selected."""
     tests = [t for t in target.tests if (tree / t.split("::")[0]).exists()]
     settings = {
         "source_paths": list(PACKAGES),
+        # The project's top-level files (Pulumi.yaml and its stack file, which the program's tests read
+        # from the working directory): mutmut runs the tests in mutants/.
+        "also_copy": sorted(p.name for p in tree.iterdir() if p.is_file()),
         "only_mutate": list(target.modules),
         "pytest_add_cli_args_test_selection": tests,
         # One process per mutant run: no xdist workers, no cache written into the copy. mutmut's own time
         # limit counts CPU seconds, which a mutant that makes a test wait never spends: 60 s of wall time
         # per test (the selected tests take a few seconds at most on a loaded 2-core machine).
         "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--timeout=60"],
+        "timeout_multiplier": TIMEOUT_MULTIPLIER,
         "use_git_change_detection": False,
     }
-    lines = ["", "[tool.mutmut]"]
+    lines = ["[tool.mutmut]"]
     for key, value in settings.items():
         lines.append(f"{key} = {toml_list(value) if isinstance(value, list) else json.dumps(value)}")
-    with (tree / "pyproject.toml").open("a") as file:
-        file.write("\n".join(lines) + "\n")
+    pyproject = tree / "pyproject.toml"
+    # (A copy configured before the mark was written ends with the bare table.)
+    project = pyproject.read_text().split(SETTINGS_MARK)[0].split("\n\n[tool.mutmut]\n")[0]
+    pyproject.write_text(project + SETTINGS_MARK + "\n".join(lines) + "\n")
     return tests
 
 
@@ -177,7 +247,7 @@ def mutmut(tree: Path, *args: str, capture: bool = False) -> str:
 
 
 def results(tree: Path) -> dict[str, str]:
-    """Each mutant's status in the run under `tree`."""
+    """Each mutant's status in mutmut's last run under `tree`."""
     statuses = {}
     for line in mutmut(tree, "results", "--all", "true", capture=True).splitlines():
         key, _, status = line.strip().rpartition(": ")
@@ -186,38 +256,60 @@ def results(tree: Path) -> dict[str, str]:
     return statuses
 
 
+def recorded(tree: Path) -> dict[str, str]:
+    """Each mutant's status over every run under `tree`: the first run's, each `--again` run's for the
+    survivors it ran (bench/mutate.py keeps them in `results.json`: mutmut forgets its results when the
+    selected tests change, and `--again` selects the test files written since)."""
+    merged = tree / "results.json"
+    if merged.is_file():
+        return dict(json.loads(merged.read_text()))
+    return results(tree)
+
+
 def refresh_tests(tree: Path) -> None:
-    """The checkout's mutant-killing tests (tests/**/test_mutants_*.py) as they are now, into an earlier
-    run's copy (new tests get mutmut's stats). Only those: other tests may have moved on with sources the
-    copy does not have."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "tests/**/test_mutants_*.py"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    ).stdout.decode()
-    for name in filter(None, listed.split("\0")):
-        if (ROOT / name).is_file():
-            for base in (tree, tree / "mutants"):
-                (base / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(ROOT / name, base / name)
+    """The checkout's mutant-killing tests as they are now, into an earlier run's copy (new tests get
+    mutmut's stats). Only those: other tests may have moved on with sources the copy does not have."""
+    for name in mutant_tests():
+        for base in (tree, tree / "mutants"):
+            (base / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, base / name)
 
 
-def run_target(name: str, target: Target, workdir: Path, children: int, again: bool) -> Score:
+def run_target(
+    name: str,
+    target: Target,
+    workdir: Path,
+    children: int,
+    *,
+    again: bool = False,
+    source: str | None = None,
+    only: tuple[str, ...] = (),
+) -> Score:
     tree = workdir / name
     print(f"==> {name}: {', '.join(target.modules)} in {tree}", flush=True)
     if again and (tree / "mutants").is_dir():
-        # The same mutants as last time; only the survivors run again, against the tests as they are now.
-        refresh_tests(tree)
+        # The same mutants as last time; only the survivors run again, against the tests as they are now
+        # (the target's test files written since the last run are selected too).
+        before = recorded(tree)
         # Not "not checked": a run stopped early leaves those for a plain `mutmut run` in the same folder.
-        survivors = [k for k, status in results(tree).items() if status not in {*KILLED, "not checked"}]
+        survivors = [k for k, status in before.items() if status not in {*KILLED, UNCHECKED}]
         print(
             f"    again: the {len(survivors)} survivors of the last run, with the current tests", flush=True
         )
+        refresh_tests(tree)
+        tests = configure(tree, target)
+        print(f"    tests: {' '.join(tests)}", flush=True)
         if survivors:
             mutmut(tree, "run", "--max-children", str(children), *survivors)
+        after = results(tree)
+        rerun = set(survivors)
+        merged = {
+            key: after[key] if key in rerun and after.get(key, UNCHECKED) != UNCHECKED else status
+            for key, status in before.items()
+        }
+        (tree / "results.json").write_text(json.dumps(merged, indent=1, sort_keys=True))
     else:
-        private_copy(tree)
+        private_copy(tree, source)
         tests = configure(tree, target)
         # mutmut's first run in a fresh folder fails to import the `tests` package of its own copy (its
         # import caches see mutants/ empty); a run over a mutants/ already holding the sources does not.
@@ -225,15 +317,18 @@ def run_target(name: str, target: Target, workdir: Path, children: int, again: b
         for package in (*PACKAGES, "tests"):
             shutil.copytree(tree / package, tree / "mutants" / package, copy_function=shutil.copy2)
         print(f"    tests: {' '.join(tests)}", flush=True)
-        mutmut(tree, "run", "--max-children", str(children))
+        if only:
+            print(f"    only the mutants named by {' '.join(only)}", flush=True)
+        mutmut(tree, "run", "--max-children", str(children), *only)
     statuses: dict[str, int] = {}
     survivors = []
-    for key, status in results(tree).items():
+    for key, status in recorded(tree).items():
         statuses[status] = statuses.get(status, 0) + 1
-        if status not in KILLED:
+        if status not in {*KILLED, UNCHECKED}:
             survivors.append(key)
     killed = sum(n for status, n in statuses.items() if status in KILLED)
-    score = Score(name, killed, sum(statuses.values()), statuses, survivors)
+    checked = sum(n for status, n in statuses.items() if status != UNCHECKED)
+    score = Score(name, killed, checked, statuses, survivors)
     diffs = subprocess.run(
         [sys.executable, "-c", SHOW_DIFFS, *survivors],
         cwd=tree,
@@ -264,7 +359,11 @@ def changed_targets(since: str) -> list[str]:
     )
     if "bench/mutate.py" in changed:  # the targets or the way they run changed: every score may have
         return list(TARGETS)
-    return [name for name, target in TARGETS.items() if changed & set(target.modules + target.tests)]
+    return [
+        name
+        for name, target in TARGETS.items()
+        if changed & {*target.modules, *(test.split("::")[0] for test in target.tests)}
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,6 +377,20 @@ def main(argv: list[str] | None = None) -> int:
         "--again",
         action="store_true",
         help="rerun only the last run's survivors (same mutants) against the current tests",
+    )
+    parser.add_argument(
+        "--source",
+        metavar="REF",
+        help="mutate the files as committed at REF (plus the checkout's tests/**/test_mutants_*.py), "
+        "not the working tree",
+    )
+    parser.add_argument(
+        "--only",
+        metavar="PATTERN",
+        action="append",
+        default=[],
+        help="only the mutants whose names match (fnmatch; repeatable): a deterministic sample, e.g. "
+        "'*__mutmut_*[13579]' (odd-numbered) or 'bootstrap.persist.xǁCheckpointPersisterǁ_upload*'",
     )
     parser.add_argument("--list", action="store_true", help="print the targets and exit")
     args = parser.parse_args(argv)
@@ -298,8 +411,19 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir.resolve()
     if workdir == ROOT or ROOT in workdir.parents:
         parser.error("--workdir must be outside the checkout: mutmut rewrites the files it mutates")
-    scores = [run_target(name, TARGETS[name], workdir, args.max_children, args.again) for name in names]
-    print("\n==> mutation scores (killed / total; a timeout counts as killed)")
+    scores = [
+        run_target(
+            name,
+            TARGETS[name],
+            workdir,
+            args.max_children,
+            again=args.again,
+            source=args.source,
+            only=tuple(args.only),
+        )
+        for name in names
+    ]
+    print("\n==> mutation scores (killed / checked; a timeout counts as killed; not checked: left out)")
     for score in scores:
         detail = ", ".join(f"{status} {n}" for status, n in sorted(score.statuses.items()))
         print(f"    {score.name:8} {score.killed:4} / {score.total:<4} {score.percent:5.1f} %  ({detail})")

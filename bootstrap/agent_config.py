@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from trainstack_job.contract import BucketPrefix
+from trainstack_job.datasets import DatasetError, check_dataset_name, check_version
 from trainstack_job.jobs import JOBS_PREFIX, LEGACY_JOB_ID, JobIdError, check_job_id
 
 DEFAULT_PATH = Path("/etc/trainstack/agent.yaml")
@@ -78,6 +79,8 @@ class AgentConfig:
     user_job: dict[str, Any] | None = None
     # The job this config defines (infra/jobdef.py): its id, fixed by `pulumi up`, and its readable name.
     # "legacy" = a config from before jobs: the stack's top-level checkpoints/, results/, state/.
+    # "" = the config defines no job: the agent runs what the stack's queue holds (docs/internals.md,
+    # "The job queue"), and with nothing queued scales the group to zero.
     job_id: str = LEGACY_JOB_ID
     job_name: str = ""
     # A job id (or "legacy") whose newest checkpoint a new job's first life starts from (fine-tuning).
@@ -90,6 +93,12 @@ class AgentConfig:
     # hands the job those narrower credentials (bootstrap/jobuser.py). None = the job gets no AWS credentials
     # of its own (and, running as the agent's own user off an instance, inherits the agent's environment).
     job_role_arn: str | None = None
+    # The dataset the job trains on ("" = the stack's default under data/; else datasets/<name>/) and the
+    # version it was submitted with ("" = the version current when it starts); trainstack_job/datasets.py.
+    dataset: str = ""
+    dataset_version: str = ""
+    # Resume the job's checkpoints even on another version of its dataset than they were trained on.
+    allow_data_change: bool = False
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(asdict(self), sort_keys=False)
@@ -175,6 +184,13 @@ class AgentConfig:
             problems.append(f"'job_role_arn' must be an IAM role ARN or null, got {role!r}")
         if raw.get("lifecycle_hook") is not None and not isinstance(raw["lifecycle_hook"], str):
             problems.append("'lifecycle_hook' must be the group's termination hook name or null")
+        for key, check in (("dataset", check_dataset_name), ("dataset_version", check_version)):
+            try:
+                check(raw.get(key, ""), f"'{key}'")
+            except DatasetError as exc:
+                problems.append(str(exc))
+        if "allow_data_change" in raw and not isinstance(raw["allow_data_change"], bool):
+            problems.append("'allow_data_change' must be true or false")
         if problems:
             raise AgentConfigError(f"{source}: " + "; ".join(problems))
         values = {k: v for k, v in raw.items() if k != "prefixes"}
@@ -206,7 +222,7 @@ def _check_job_id(value: Any, key: str, problems: list[str]) -> None:
 
 def _check_job_fields(raw: dict[str, Any], problems: list[str]) -> None:
     """The job's identity as infra wrote it; a bad one would put the job's objects under a wrong prefix."""
-    if "job_id" in raw:
+    if "job_id" in raw and raw["job_id"] != "":
         _check_job_id(raw["job_id"], "job_id", problems)
     if raw.get("resume_from") is not None:
         _check_job_id(raw["resume_from"], "resume_from", problems)

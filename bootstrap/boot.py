@@ -170,10 +170,10 @@ class Boot:
     def wait_for_dataset(
         self, dataset: DataSync, job: JobState, stops: StopRequests, poll_seconds: float
     ) -> bool:
-        """True once `data/` holds a dataset; False after `data_wait_minutes` without one or on a stop."""
+        """True once the job's dataset is there; False after `data_wait_minutes` without one or on a stop."""
         if dataset.present():
             return True
-        source = f"s3://{self.config.bucket}/{self.config.prefixes.data}"
+        source = dataset.source  # the job's dataset: data/, or datasets/<name>/
         minutes = self.config.data_wait_minutes
         # Not "running": `trainstack data push` must not take this wait for a training run to protect.
         job.record(lambda ledger: ledger.set_status(JobStatus.WAITING_FOR_DATA))

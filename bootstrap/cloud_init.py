@@ -94,8 +94,8 @@ def render_user_data(agent_config: AgentConfig, *, bundle_key: str, bundle_sha25
     size = len(text.encode())
     if size > USER_DATA_LIMIT_BYTES:
         raise UserDataError(
-            f"user-data is {size} bytes, over EC2's {USER_DATA_LIMIT_BYTES}: shrink the trainer config "
-            "named by "
-            "trainstack:trainingConfig (it is embedded in the agent config)"
+            f"user-data is {size} bytes, over EC2's {USER_DATA_LIMIT_BYTES}: keep jobs out of the agent "
+            "config (job, user_job) and submit them to the stack's queue (`trainstack run`, or "
+            "trainstack:job / trainingConfig through `pulumi up`)"
         )
     return text

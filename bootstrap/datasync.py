@@ -1,7 +1,10 @@
-"""Dataset sync S3 → scratch with the fastest tool present; skipped when the local copy already matches.
+"""Dataset sync S3 → scratch with the fastest tool present; skipped when the local copy already matches; and
+the dataset version a job trains on (its ledger's `dataset`), checked against its checkpoints.
 
-Hidden keys (a component starting with '.', or `__MACOSX`) are never downloaded; the disk space is checked
-before the first byte; a sync can be aborted (spot notice) within about a second.
+A dataset pushed with `trainstack data push` is synced as its manifest lists it (trainstack_job/datasets.py),
+so the files are exactly one version's; one uploaded without a manifest (`aws s3 sync` to `data/`) is synced
+as listed and has no version. Hidden keys (a component starting with '.', or `__MACOSX`) are never downloaded;
+the disk space is checked before the first byte; a sync can be aborted (spot notice) within about a second.
 """
 
 from __future__ import annotations
@@ -23,12 +26,25 @@ from pathlib import Path
 from typing import IO, Any
 
 from boto3.s3.transfer import TransferConfig, create_transfer_manager
+from botocore.exceptions import ClientError
 from s3transfer.futures import TransferFuture
 from s3transfer.subscribers import BaseSubscriber
 
-from bootstrap.eventlog import EventLog
+from bootstrap.agent_config import AgentConfig
+from bootstrap.eventlog import EventLog, iso, utc_now
+from bootstrap.jobstate import JobState
+from bootstrap.ledger import JobLedger
 from training.dataset_layout import is_hidden
-from trainstack_job.contract import SYNC_MANIFEST
+from trainstack_job.contract import LATEST, SYNC_MANIFEST
+from trainstack_job.datasets import (
+    DatasetError,
+    DatasetPlace,
+    label,
+    parse_manifest,
+    push_command,
+    same_version,
+    short,
+)
 
 MANIFEST_NAME = SYNC_MANIFEST
 TOOLS = ("s5cmd", "aws", "boto3")
@@ -42,6 +58,12 @@ TERMINATE_GRACE_SECONDS = 0.5
 ABORT_CLEANUP_SECONDS = 0.5
 # aws s3 sync's filters (relative to the source, `*` crosses '/'): the same keys as `is_hidden`.
 AWS_CLI_HIDDEN = (".*", "*/.*", "__MACOSX/*", "*/__MACOSX/*")
+# Objects that differ from the manifest are a push in progress (files first, manifest last): wait this long
+# for its manifest before the life fails, asking again every SETTLE_POLL_SECONDS.
+SETTLE_SECONDS = 300.0
+SETTLE_POLL_SECONDS = 5.0
+# The job's ledger key for the dataset version it trains on (docs/internals.md, the ledger).
+LEDGER_KEY = "dataset"
 
 
 class SyncAborted(Exception):  # noqa: N818 - the name the agent and docs use
@@ -52,6 +74,24 @@ class DiskSpaceError(RuntimeError):
     """The dataset does not fit on the scratch filesystem: permanent for this instance size."""
 
 
+class DatasetVersionError(RuntimeError):
+    """The job's checkpoints were trained on another version of its dataset: permanent until the user pushes
+    that version back or allows the change. `fix` is what the alert tells the user to do."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.fix = fix
+
+
+@dataclass(frozen=True)
+class RemoteDataset:
+    """What a sync downloads: one version's files, `{relative key: [size, etag]}`; version "" = none (the
+    prefix has no manifest)."""
+
+    version: str
+    files: dict[str, list[Any]]
+
+
 @dataclass(frozen=True)
 class SyncReport:
     tool: str
@@ -59,6 +99,8 @@ class SyncReport:
     bytes: int
     seconds: float
     skipped: bool
+    version: str = ""
+    dataset: str = ""
 
     @property
     def mb_per_s(self) -> float:
@@ -110,19 +152,130 @@ def choose_tool() -> str:
 
 
 class DataSync:
-    """Mirrors `s3://<bucket>/<prefix>` into a local directory."""
+    """Mirrors one version of a dataset (`s3://<bucket>/<prefix>` as its manifest lists it) into a local
+    directory; without `manifest_key` (or before the first `trainstack data push`), the prefix as listed."""
 
-    def __init__(self, s3: Any, bucket: str, prefix: str, region: str, log: EventLog) -> None:
+    def __init__(
+        self,
+        s3: Any,
+        bucket: str,
+        prefix: str,
+        region: str,
+        log: EventLog,
+        *,
+        manifest_key: str | None = None,
+        dataset: str = "",
+        settle_seconds: float = SETTLE_SECONDS,
+        settle_poll_seconds: float = SETTLE_POLL_SECONDS,
+    ) -> None:
         self._s3 = s3
         self._bucket = bucket
         self._prefix = prefix
         self._region = region
         self._log = log
+        self._manifest_key = manifest_key
+        self._dataset = dataset
+        self._settle_seconds = settle_seconds
+        self._settle_poll_seconds = settle_poll_seconds
+
+    @classmethod
+    def for_dataset(cls, s3: Any, stack_config: AgentConfig, dataset: str, log: EventLog) -> DataSync:
+        """The sync of dataset `dataset` ("" = the stack's default, under `data/`); `stack_config`: the
+        stack's prefixes (its state/, where every manifest is), not a job's."""
+        prefixes = stack_config.prefixes
+        where = DatasetPlace.of(dataset, data_prefix=prefixes.data, state_prefix=prefixes.state)
+        return cls(
+            s3,
+            stack_config.bucket,
+            where.prefix,
+            stack_config.region,
+            log,
+            manifest_key=where.manifest_key,
+            dataset=dataset,
+        )
+
+    @property
+    def source(self) -> str:
+        return f"s3://{self._bucket}/{self._prefix}"
 
     def present(self) -> bool:
-        """Whether the prefix holds anything at all: one cheap request, not a full listing."""
+        """Whether a version has been pushed (its manifest exists), or, for the default dataset, whether the
+        prefix holds anything at all (uploaded without a manifest): one cheap request each."""
+        if self._manifest_key is not None:
+            try:
+                self._s3.head_object(Bucket=self._bucket, Key=self._manifest_key)
+                return True
+            except ClientError as exc:
+                if not _missing(exc):
+                    raise
+            if self._dataset:
+                return False
         page = self._s3.list_objects_v2(Bucket=self._bucket, Prefix=self._prefix, MaxKeys=1)
         return bool(page.get("KeyCount", 0))
+
+    def _manifest_files(self) -> tuple[str, dict[str, list[Any]]] | None:
+        """(version, {relative key: [size, etag]}) of the current manifest; None when there is none."""
+        if self._manifest_key is None:
+            return None
+        try:
+            body = self._s3.get_object(Bucket=self._bucket, Key=self._manifest_key)["Body"].read()
+        except ClientError as exc:
+            if _missing(exc):
+                return None
+            raise
+        where = DatasetPlace(self._dataset, self._prefix, self._manifest_key)
+        try:
+            manifest = parse_manifest(body, where, f"s3://{self._bucket}/{self._manifest_key}")
+        except DatasetError as exc:
+            raise RuntimeError(str(exc)) from None
+        return manifest.version, {
+            path: [entry.size, entry.etag] for path, entry in manifest.files.items() if not is_hidden(path)
+        }
+
+    def remote(self, abort: Callable[[], bool] = lambda: False) -> RemoteDataset:
+        """The version to sync: the manifest's files, once every one of them is in S3 as the manifest lists
+        it (a push in progress is waited for, up to `settle_seconds`); without a manifest, the listing."""
+        deadline = time.monotonic() + self._settle_seconds
+        waiting = False
+        while True:
+            current = self._manifest_files()
+            listing = self.listing()
+            if current is None:
+                if self._dataset:
+                    raise RuntimeError(
+                        f"{label(self._dataset)} has no manifest in s3://{self._bucket}/"
+                        f"{self._manifest_key}: push it with `{push_command(self._dataset)}`"
+                    )
+                return RemoteDataset("", listing)
+            version, files = current
+            differ = [
+                path
+                for path, (size, etag) in files.items()
+                if path not in listing or listing[path][0] != size or (etag and listing[path][1] != etag)
+            ]
+            if not differ:
+                return RemoteDataset(version, {path: listing[path] for path in files})
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"{self.source}{differ[0]} (and {len(differ) - 1} more) is not the file version "
+                    f"{short(version)}'s manifest s3://{self._bucket}/{self._manifest_key} lists, for "
+                    f"{self._settle_seconds:g} s: a push that stopped half-way, or files changed by hand; "
+                    f"run `{push_command(self._dataset)}` again"
+                )
+            if not waiting:
+                waiting = True
+                self._log.event(
+                    "data",
+                    "dataset files differ from its manifest (a push in progress?): waiting for it",
+                    source=self.source,
+                    files=len(differ),
+                    seconds=self._settle_seconds,
+                )
+            until = min(deadline, time.monotonic() + self._settle_poll_seconds)
+            while time.monotonic() < until:
+                if abort():
+                    raise SyncAborted(f"waiting for {self.source} aborted on request")
+                time.sleep(min(ABORT_POLL_SECONDS, max(0.0, until - time.monotonic())))
 
     def listing(self) -> dict[str, list[Any]]:
         """`{relative key: [size, etag]}` under the prefix, hidden keys left out: the manifest compared to
@@ -164,26 +317,43 @@ class DataSync:
         }
 
     def sync(
-        self, destination: Path, tool: str | None = None, should_abort: Callable[[], bool] | None = None
+        self,
+        destination: Path,
+        tool: str | None = None,
+        should_abort: Callable[[], bool] | None = None,
+        check_version: Callable[[str], None] | None = None,
     ) -> SyncReport:
-        """Mirror the prefix into `destination`. `should_abort` is asked at least every 0.2 s while the sync
-        runs; once it returns True the transfer is stopped (the tool terminated, pending downloads
+        """Mirror the dataset's current version into `destination`. `check_version(version)` runs before the
+        first byte (it may raise DatasetVersionError). `should_abort` is asked at least every 0.2 s while
+        the sync runs; once it returns True the transfer is stopped (the tool terminated, pending downloads
         cancelled) and SyncAborted raised within about a second. DiskSpaceError when the files to download
         do not fit, before the first byte, or when the disk fills up during the sync."""
         abort = should_abort or (lambda: False)
         if abort():
             raise SyncAborted(f"sync to {destination} aborted before it started")
         destination.mkdir(parents=True, exist_ok=True)
-        manifest = self.listing()
+        remote = self.remote(abort)
+        manifest, version = remote.files, remote.version
         total_bytes = sum(size for size, _ in manifest.values())
-        source = f"s3://{self._bucket}/{self._prefix}"
+        source = self.source
         if not manifest:
-            raise RuntimeError(f"{source} is empty: upload the dataset with `trainstack data push ./dataset`")
+            command = push_command(self._dataset).replace("DIR", "./dataset")
+            raise RuntimeError(f"{source} is empty: upload the dataset with `{command}`")
+        if check_version is not None:
+            check_version(version)
         fetch = self._to_fetch(destination, manifest)
         if not fetch:
             self._prune(destination, manifest)
-            report = SyncReport("none", len(manifest), total_bytes, 0.0, skipped=True)
-            self._log.event("data", "dataset already in sync; skipped", source=source, files=len(manifest))
+            report = SyncReport(
+                "none", len(manifest), total_bytes, 0.0, skipped=True, version=version, dataset=self._dataset
+            )
+            self._log.event(
+                "data",
+                "dataset already in sync; skipped",
+                source=source,
+                files=len(manifest),
+                version=short(version),
+            )
             return report
         needed = sum(size for size, _ in fetch.values())
         if needed > shutil.disk_usage(destination).free:
@@ -197,6 +367,7 @@ class DataSync:
             tool=chosen,
             files=len(fetch),
             bytes=needed,
+            version=short(version),
         )
         started = time.monotonic()
         try:
@@ -217,7 +388,15 @@ class DataSync:
             if exc.errno == errno.ENOSPC:
                 raise disk_space_error(destination, needed, during=True) from None
             raise
-        report = SyncReport(chosen, len(fetch), needed, time.monotonic() - started, skipped=False)
+        report = SyncReport(
+            chosen,
+            len(fetch),
+            needed,
+            time.monotonic() - started,
+            skipped=False,
+            version=version,
+            dataset=self._dataset,
+        )
         wrong = [key for key, (size, _) in manifest.items() if self._local_size(destination / key) != size]
         if wrong:
             raise RuntimeError(f"{chosen} left {len(wrong)} file(s) of {source} missing, e.g. {wrong[0]}")
@@ -235,6 +414,7 @@ class DataSync:
             seconds=round(report.seconds, 2),
             mb_per_s=round(report.mb_per_s, 1),
             files_per_s=round(report.files_per_s, 1),
+            version=short(version),
         )
         return report
 
@@ -359,6 +539,92 @@ class DataSync:
             manager.shutdown()
             raise
         manager.shutdown()
+
+
+class JobDataset:
+    """The dataset version a job trains on: recorded in its ledger (`dataset`) by every life that synced it,
+    and checked before a sync, so a job's checkpoints are only resumed on the version they were trained on."""
+
+    def __init__(self, s3: Any, config: AgentConfig, job: JobState, log: EventLog) -> None:
+        self._s3 = s3
+        self._config = config
+        self._job = job
+        self._log = log
+
+    def recorded(self) -> str:
+        """The version the job last synced, else the one it was submitted with ("" = neither)."""
+        entry = self._job.ledger.data.get(LEDGER_KEY)
+        if isinstance(entry, dict) and entry.get("name", "") == self._config.dataset:
+            return str(entry.get("version") or "")
+        return self._config.dataset_version
+
+    def _has_checkpoint(self) -> bool:
+        key = self._config.prefixes.checkpoints + LATEST
+        try:
+            self._s3.head_object(Bucket=self._config.bucket, Key=key)
+        except ClientError as exc:
+            if _missing(exc):
+                return False
+            raise
+        return True
+
+    def check(self, version: str) -> None:
+        """Raise DatasetVersionError when the job has checkpoints trained on another version than `version`
+        (the one about to be synced), unless the job allows the change."""
+        expected = self.recorded()
+        if not version or not expected or same_version(expected, version):
+            return
+        config = self._config
+        what = label(config.dataset)
+        if not self._has_checkpoint():
+            self._log.event(
+                "data",
+                f"{what} changed since the job was submitted; no checkpoint yet: it starts on this version",
+                was=short(expected),
+                version=short(version),
+            )
+            return
+        if config.allow_data_change:
+            self._log.event(
+                "data",
+                f"{what} changed under the job's checkpoints; resuming them anyway (allow_data_change)",
+                was=short(expected),
+                version=short(version),
+            )
+            return
+        fix = (
+            f"push version {short(expected)} back (`{push_command(config.dataset)}` with its files), or "
+            "resubmit the job with `allow_data_change: true` in its agent config"
+        )
+        raise DatasetVersionError(
+            f"job {config.job_id}: its checkpoints were trained on {what} version {short(expected)}, but "
+            f"s3://{config.bucket} now holds version {short(version)}; {fix}",
+            fix,
+        )
+
+    def record(self, report: SyncReport) -> None:
+        """The version this life synced, in the job's ledger (best effort: a failed write is logged)."""
+        if not report.version:
+            return
+        entry: dict[str, Any] = {
+            "name": report.dataset,
+            "version": report.version,
+            "synced_at": iso(utc_now()),
+        }
+
+        def change(ledger: JobLedger) -> None:
+            before = ledger.data.get(LEDGER_KEY)
+            if isinstance(before, dict) and before.get("version") not in (None, report.version):
+                entry["previous_version"] = before["version"]
+            elif isinstance(before, dict) and before.get("previous_version"):
+                entry["previous_version"] = before["previous_version"]
+            ledger.data[LEDGER_KEY] = entry
+
+        self._job.record(change)
+
+
+def _missing(exc: ClientError) -> bool:
+    return str(exc.response.get("Error", {}).get("Code", "")) in {"NoSuchKey", "404", "NotFound"}
 
 
 def _cancel(futures: Iterable[TransferFuture]) -> None:

@@ -4,23 +4,32 @@ A generation ends for everyone when any node stops (its notice stops all ranks a
 checkpoint): the others then join the next generation and go on with the nodes that remain; a node that
 arrives while a generation trains is absorbed by torch's own restart. Global rank 0's node owns the job's
 results and its completion.
+
+A node can also vanish without a word (killed, powered off, frozen; docs/multi-node.md, "Faults without a
+word"). Every node watches the others' heartbeats at each state poll: one that stops changing for
+`silent_after` is taken for gone, its life closed as interrupted, and a generation it was in is ended here.
+A generation that trained and ended without a stop (that, or a peer's sockets closing under the ranks) is
+lost, not failed: the survivors restore the newest confirmed checkpoint and regroup within their lives.
 """
 
 from __future__ import annotations
 
 import functools
 import socket
+import threading
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
 
 from bootstrap.agent_config import AgentConfig
 from bootstrap.errors import one_line
-from bootstrap.eventlog import EventLog
+from bootstrap.eventlog import EventLog, iso, utc_now
 from bootstrap.imds import ImdsClient, ImdsUnavailableError, InstanceIdentity
 from bootstrap.jobstate import JobState
 from bootstrap.ledger import JobLedger
 from bootstrap.multinode import RENDEZVOUS_ATTEMPTS, NodeGroup, wait_until_confirmed
+from bootstrap.outcomes import LifeEnd
 from bootstrap.persist import CheckpointPersister, PersistResult
 from bootstrap.rendezvous import Membership, Rendezvous
 from bootstrap.stops import StopRequests
@@ -28,6 +37,17 @@ from bootstrap.supervisor import Supervisor, TrainerExit
 from bootstrap.trainer import TrainerPaths, TrainerProcess
 from training.launch import LISTEN_FD_ENV
 from trainstack_job.contract import ExitCode, JobStatus, NodeExit
+
+# A node whose heartbeat (its node file, rewritten at every state poll) has not changed for this many polls,
+# plus a margin for one slow S3 write, vanished: killed, powered off or frozen. Judged on this node's own
+# clock (how long the value stayed the same), never by comparing two instances' clocks.
+SILENT_POLLS = 4
+SILENT_MARGIN_SECONDS = 3.0
+# Generations lost in a row (a peer vanished, the store lost, a rank killed) with no newer confirmed
+# checkpoint to resume from between them, before the life gives up: the same crash again is not bad luck.
+LOST_GENERATIONS = 3
+# What a rank of the built-in trainer exits with when retrying cannot help (docs/job-contract.md).
+_PERMANENT = (ExitCode.CONFIG_ERROR, ExitCode.DATA_ERROR)
 
 
 def node_group(
@@ -87,6 +107,17 @@ class Generations:
         # Set when this node's generation completed but global rank 0 (and the results) ran elsewhere.
         self.follower = False
         self._left = False
+        # The peer watch (state poller thread): each other node's last heartbeat value and when (this node's
+        # monotonic clock) it last changed; the silences already acted on; the trainer of the generation
+        # running here, which a vanished member's silence ends, and that member.
+        self.silent_after = SILENT_POLLS * poll_seconds + SILENT_MARGIN_SECONDS
+        self._beats: dict[str, tuple[float, float]] = {}
+        self._watched_at: float | None = None
+        self._watch_failing = False
+        self._silenced: set[tuple[str, float]] = set()
+        self._lock = threading.Lock()
+        self._running: TrainerProcess | None = None
+        self._lost_member: str | None = None
 
     @classmethod
     def for_node(
@@ -108,9 +139,66 @@ class Generations:
         return cls(config, log, stops, job, supervisor, nodes, poll_seconds=poll_seconds)
 
     def heartbeat(self) -> None:
-        """This node's heartbeat in the rendezvous (the state poller's), until it left."""
+        """This node's heartbeat in the rendezvous (the state poller's), until it left, and the other nodes'
+        heartbeats watched."""
         if not self._left:
             self.nodes.heartbeat()
+            try:
+                self._watch_peers()
+            except Exception as exc:  # this poll's ledger heartbeat must still go out; the next poll looks
+                if not self._watch_failing:
+                    what = "cannot read the other nodes' heartbeats; will retry"
+                    self.log.event("rendezvous", what, error=one_line(exc))
+                self._watch_failing = True
+            else:
+                self._watch_failing = False
+
+    def _watch_peers(self) -> None:
+        """A node whose heartbeat stopped changing for `silent_after` vanished without a word (a host that
+        loses power sends nothing, and a frozen one keeps its sockets open, so no collective fails): its
+        life is closed as interrupted at its last heartbeat, and if it is a member of the generation that
+        trains here, that generation is ended so the survivors regroup."""
+        nodes = self.nodes.rendezvous.other_nodes()
+        now = time.monotonic()
+        # This node could not look for a while (S3 unreachable for it, or for everyone): what it saw before
+        # says nothing about the silence since, so every clock starts again rather than take all for dead.
+        blind = self._watched_at is not None and now - self._watched_at > self.silent_after / 2
+        self._watched_at = now
+        for gone in set(self._beats) - set(nodes):
+            del self._beats[gone]  # it left (its file deleted): nothing to watch
+        for instance_id, node in nodes.items():
+            beat = float(node["heartbeat_at"])
+            seen = self._beats.get(instance_id)
+            if seen is None or seen[0] != beat or blind:
+                self._beats[instance_id] = (beat, now)
+            elif now - seen[1] >= self.silent_after and (instance_id, beat) not in self._silenced:
+                self._silenced.add((instance_id, beat))
+                self._peer_vanished(instance_id, node, now - seen[1])
+
+    def _peer_vanished(self, instance_id: str, node: dict[str, Any], silent: float) -> None:
+        generation = node.get("generation")
+        with self._lock:
+            trainer = self._running
+            member = trainer is not None and generation == self.nodes.last_generation
+            if member and trainer is not None:
+                self._lost_member = instance_id
+                # Its ranks wait in a collective (or on its store) for a peer that never answers: only
+                # ending them frees this node; the newest confirmed checkpoint is restored before the next
+                # generation. Under the lock: the next generation's start (the same process object) waits
+                # until this one is gone, so the kill can only ever hit the generation it is meant for.
+                trainer.kill()
+        self.log.event(
+            "rendezvous",
+            "a node stopped beating; taken for vanished"
+            + ("; ending this generation to regroup without it" if member else ""),
+            level="warning",
+            node=instance_id,
+            last_heartbeat=iso(datetime.fromtimestamp(float(node["heartbeat_at"]), timezone.utc)),
+            silent_s=round(silent, 1),
+            generation=generation,
+        )
+        me = self.nodes.rendezvous.instance_id
+        self.job.record(lambda ledger: ledger.close_silent_node(instance_id, me))
 
     def leave(self) -> None:
         """Take this node out of the rendezvous (its node file), so no one joins it as host; once."""
@@ -131,6 +219,8 @@ class Generations:
         that remain; a node that arrives while a generation trains is absorbed by torch's own restart."""
         nodes = self.nodes
         failed_rendezvous = 0
+        # Generations lost in a row, and the step the last loss resumed from (progress between losses resets).
+        lost_in_a_row, resumed_after_loss = 0, None
         while True:
             try:
                 membership = nodes.join()
@@ -155,13 +245,33 @@ class Generations:
             finally:
                 # The generation is over here whichever way it ended: no socket outlives it, and no later
                 # start can pass on an fd number the agent may have reused for something else.
+                with self._lock:
+                    self._running, lost_member, self._lost_member = None, self._lost_member, None
                 nodes.end_generation()
                 trainer.update_env({LISTEN_FD_ENV: ""})
             ended = nodes.node_exit()
+            if (
+                isinstance(code, int)
+                and code < 0
+                and lost_member is None
+                and ended is not None
+                and ended.exit_code in (ExitCode.COMPLETED, ExitCode.STOPPED)
+            ):
+                # The launcher wrote what its ranks did, then a signal ended it: the record is the truth.
+                self.log.event(
+                    "rendezvous",
+                    "the launcher was ended by a signal after its ranks ended; going by their record",
+                    level="warning",
+                    signal=-code,
+                    exit_code=ended.exit_code,
+                )
+                code = ended.exit_code
             if code == ExitCode.COMPLETED:
                 # Global rank 0's node owns the results and the job's completion; the others end quietly
                 # once it has said so (a scale-in it caused may already be stopping them: still completed).
                 self.follower = ended is not None and not ended.rank0_here
+                if not self.follower:
+                    self._close_silent_lives()
                 if not self.follower or self.stops.reason is not None or self._job_completed_elsewhere():
                     return code
                 self.log.event(
@@ -182,6 +292,33 @@ class Generations:
                     return code
                 continue
             failed_rendezvous = 0
+            lost = _lost(code, ended, lost_member)
+            if lost is not None:
+                # Nobody stopped it: a node vanished (killed, powered off, frozen) and took the ranks' peers
+                # or the store with it. Not a failure of this life: the survivors regroup, each from the
+                # newest checkpoint confirmed in S3, so a silent death costs at most the work since then.
+                restored = self._catch_up(persister, None)
+                if restored is not None and (resumed_after_loss is None or restored > resumed_after_loss):
+                    lost_in_a_row = 0
+                lost_in_a_row += 1
+                resumed_after_loss = restored
+                self.log.event(
+                    "rendezvous",
+                    "generation lost without a stop; regrouping from the newest confirmed checkpoint"
+                    if lost_in_a_row < LOST_GENERATIONS
+                    else "generation lost again with no newer confirmed checkpoint; giving up this life",
+                    level="warning",
+                    generation=generation.number,
+                    ended_by=lost,
+                    **({"vanished": lost_member} if lost_member else {}),
+                    exit_code=code if isinstance(code, int) else str(code),
+                    resume_step=restored,
+                    lost_in_a_row=lost_in_a_row,
+                )
+                if lost_in_a_row >= LOST_GENERATIONS:
+                    return code
+                continue
+            lost_in_a_row = 0
             if code != ExitCode.STOPPED:
                 return code
             why = self._job_wide_stop()
@@ -209,7 +346,21 @@ class Generations:
             **({"repaired": membership.repaired} if membership.repaired else {}),
         )
         trainer.start()
+        with self._lock:
+            self._running = trainer
         return trainer
+
+    def _close_silent_lives(self) -> None:
+        """The job completed here: every other life still running whose heartbeat stopped is closed as
+        interrupted at that heartbeat (live followers beat and end their own lives completed)."""
+        me = self.nodes.rendezvous.instance_id
+        closed: list[str] = []
+
+        def change(ledger: JobLedger) -> None:
+            closed[:] = ledger.close_silent_lives(utc_now(), self.silent_after, me)
+
+        if self.job.record(change) and closed:
+            self.log.event("rendezvous", "lives of silent nodes closed as interrupted", nodes=closed)
 
     def _catch_up(self, persister: CheckpointPersister, ended: NodeExit | None) -> int | None:
         """Before the next generation: the job's newest checkpoint on this node too. The step every rank
@@ -272,6 +423,17 @@ class Generations:
             return PersistResult(ended.stopped_step, persisted.confirmed_step)
         confirmed = wait_until_confirmed(persister.read_latest, ended.stopped_step, deadline)
         return PersistResult(ended.stopped_step, confirmed)
+
+
+def _lost(code: TrainerExit, ended: NodeExit | None, lost_member: str | None) -> str | None:
+    """What lost the generation when it ended without a stop after training (None: it was not lost)."""
+    if isinstance(code, LifeEnd) or code in (ExitCode.COMPLETED, ExitCode.STOPPED, *_PERMANENT):
+        return None
+    if lost_member is not None:
+        return f"node {lost_member} stopped beating"
+    if ended is None or not ended.trained or ended.exit_code in _PERMANENT:
+        return None
+    return ended.ended_by or f"this node's ranks failed (exit {code}): a peer or its store gone, most likely"
 
 
 def _in_generation(number: int) -> Callable[[JobLedger], None]:

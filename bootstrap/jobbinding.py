@@ -1,32 +1,89 @@
-"""Which job this instance life serves (docs/internals.md, "Jobs, the lease and the standby").
+"""Which job this instance life serves: the stack's current job while it runs, else the head of the queue
+(docs/internals.md, "Jobs, the lease and the standby" and "The job queue").
 
-The stack keeps one pointer, `state/current-job.json`, moved only by conditional writes. A life binds to
-the job its agent config defines unless another job is still running: then that job goes on, with the code
-it started with (bootstrap/pinned.py), so a `pulumi up` mid-job never boots new code onto an old job's
-checkpoint. A job that ended makes way for the next definition, which starts at step 0 under its own prefix.
+The stack keeps one pointer, `state/current-job.json`, moved only by conditional writes, so racing lives
+agree on one job. A life serves the current job while it runs, with the code it started with (bootstrap/
+pinned.py), so a `pulumi up` or a `trainstack run` mid-job never boots new code onto an old job's
+checkpoint. Once it ended, the oldest queued job (trainstack_job/queue.py) that has not ended and was not
+cancelled becomes current and runs from its record. An agent config that still defines a job submits it to
+the queue first, exactly once.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import shutil
+from dataclasses import asdict, dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from botocore.exceptions import ClientError
 
-from bootstrap.agent_config import AgentConfig
-from bootstrap.eventlog import iso
-from trainstack_job.contract import LEDGER, JobStatus
+from bootstrap.agent_config import AgentConfig, AgentConfigError
+from bootstrap.eventlog import EventLog, iso
+from bootstrap.ledger import JobLedger, LedgerStore
+from trainstack_job.contract import CONTROL, LEDGER, JobStatus
 from trainstack_job.jobs import CURRENT_JOB, LEGACY_JOB_ID, JobPrefixes
-
-# A job in one of these states is over: the next definition may take the stack.
-ENDED = frozenset(
-    {JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.COST_CAP, JobStatus.NO_DATA}
+from trainstack_job.queue import (
+    QUEUE_PREFIX,
+    SOURCE_PULUMI,
+    QueueEntry,
+    QueueError,
+    cancel_key,
+    job_record,
+    parse_entry,
+    queue_entry,
+    queue_key,
 )
-# The job-record fields that define a job; a pinned life takes them over the stack's agent config.
-JOB_FIELDS = ("job_id", "job_name", "resume_from", "job", "user_job", "bundle_key", "bundle_sha256")
+
+# A job in one of these states is over: the queue moves on to the next job.
+ENDED = frozenset(
+    {
+        JobStatus.COMPLETED,
+        JobStatus.FAILED,
+        JobStatus.STOPPED,
+        JobStatus.COST_CAP,
+        JobStatus.NO_DATA,
+        JobStatus.CANCELLED,
+    }
+)
+# Ends that `trainstack resume` continues: a new boot serves the current job again after one of these (unless
+# a stop or cancel request is still in force); a life that goes on to the next job on the same instance
+# does not.
+RESUMABLE = frozenset({JobStatus.STOPPED, JobStatus.COST_CAP, JobStatus.NO_DATA})
+# The job-record fields that define a job; a job's life takes them over the stack's agent config.
+JOB_FIELDS = (
+    "job_id",
+    "job_name",
+    "resume_from",
+    "job",
+    "user_job",
+    "bundle_key",
+    "bundle_sha256",
+    "dataset",
+    "dataset_version",
+    "allow_data_change",
+)
+# What a job's fields are when its record leaves them out (never the previous job's).
+_FIELD_DEFAULTS: dict[str, Any] = {
+    "job_name": "",
+    "resume_from": None,
+    "job": {},
+    "user_job": None,
+    "bundle_key": "",
+    "bundle_sha256": "",
+    "dataset": "",
+    "dataset_version": "",
+    "allow_data_change": False,
+}
+# Stack settings a record may set for its own job (`trainstack run`): its cost cap and instance count.
+OVERRIDE_FIELDS = ("max_cost_usd", "instance_count")
 _ATTEMPTS = 10
+# In the instance's scratch folder: the job whose checkpoints/, output/ and control/ files are there.
+SCRATCH_OWNER = ".trainstack-job"
+# What a job leaves on the instance's scratch disk besides the dataset (bootstrap/trainer.py TrainerPaths).
+_JOB_LOCAL = ("checkpoints", "output", "control", "job.yaml")
 
 
 class JobBindingError(RuntimeError):
@@ -35,12 +92,14 @@ class JobBindingError(RuntimeError):
 
 @dataclass(frozen=True)
 class JobBinding:
-    """The job this life serves; `pinned` is that job's record when its code is not this agent's."""
+    """The job this life serves; `pinned` is that job's record when its code is not this agent's, `config`
+    the agent config it runs with (the stack's with the job's record over it)."""
 
     job_id: str
     prefixes: JobPrefixes
     pinned: dict[str, Any] | None = None
     switched_from: str | None = None
+    config: AgentConfig | None = None
 
 
 def _code(exc: ClientError) -> str:
@@ -56,13 +115,55 @@ def _conflict(exc: ClientError) -> bool:
     return _code(exc) in {"PreconditionFailed", "ConditionalRequestConflict"} or status in {409, 412}
 
 
-class JobDirectory:
-    """The stack's jobs in S3: the current-job pointer, each job's record and ledger status."""
+def record_fields(config: AgentConfig, record: dict[str, Any]) -> dict[str, Any]:
+    """The agent config as a mapping with the job's record over it: every job field from the record (its
+    default where the record has none) and the stack settings the record overrides."""
+    merged = asdict(config)
+    agent = record.get("agent") if isinstance(record.get("agent"), dict) else {}
+    assert isinstance(agent, dict)
+    for name in JOB_FIELDS:
+        merged[name] = agent.get(name, _FIELD_DEFAULTS.get(name, merged[name]))
+    for name in OVERRIDE_FIELDS:
+        if agent.get(name) is not None:
+            merged[name] = agent[name]
+    # "" (no parent job) and null mean the same in a record; the agent config only knows null.
+    merged["resume_from"] = merged["resume_from"] or None
+    return merged
 
-    def __init__(self, s3: Any, config: AgentConfig) -> None:
+
+def same_code(config: AgentConfig, record: dict[str, Any]) -> bool:
+    """Whether the record's code bundle is the one this agent runs (then the job runs in this process)."""
+    key, sha = str(record.get("bundle_key") or ""), str(record.get("bundle_sha256") or "")
+    if not key and not sha:
+        return True  # a record that names no bundle runs with whatever code the agent has
+    if sha and config.bundle_sha256:
+        return sha == config.bundle_sha256
+    return (key, sha) == (config.bundle_key, config.bundle_sha256)
+
+
+class JobDirectory:
+    """The stack's jobs in S3: the current-job pointer, the queue, each job's record and ledger status.
+
+    One per life: queue entries are written once, so each is read once and kept (by ETag); a job's ended
+    status is kept too. Problems with one job (a corrupt entry or record, too many instances) are one
+    logged line and never block the others."""
+
+    def __init__(
+        self, s3: Any, config: AgentConfig, log: EventLog | None = None, *, group_max: int | None = None
+    ) -> None:
         self._s3 = s3
+        self.config = config
+        # The most instances the stack's group may hold (its MaxSize, what `trainstack run` checks too);
+        # unknown: the stack's instance count.
+        self.group_max = group_max or config.instance_count
         self.bucket = config.bucket
         self.pointer_key = config.prefixes.state + CURRENT_JOB
+        self.log = log or EventLog()
+        self._entries: dict[str, tuple[str, QueueEntry | None]] = {}
+        # Jobs whose end is final (not resumable): their status never changes again.
+        self._ended: dict[str, str] = {}
+
+    # -- objects ------------------------------------------------------------------------------------
 
     def _get_json(self, key: str) -> tuple[dict[str, Any] | None, str | None]:
         try:
@@ -77,24 +178,53 @@ class JobDirectory:
             value = None
         return (value if isinstance(value, dict) else None), str(response["ETag"])
 
+    def _put_once(self, key: str, value: dict[str, Any]) -> bool:
+        """Write `key` unless it exists (If-None-Match); False when it did."""
+        try:
+            self._s3.put_object(
+                Bucket=self.bucket,
+                Key=key,
+                Body=json.dumps(value, indent=2, default=str).encode(),
+                ContentType="application/json",
+                IfNoneMatch="*",
+            )
+        except ClientError as exc:
+            if _conflict(exc):
+                return False
+            raise
+        return True
+
     def current(self) -> tuple[str | None, str | None]:
         """(job id, ETag) of the pointer; (None, None) when the stack has none yet."""
         value, etag = self._get_json(self.pointer_key)
         if etag is not None and (value is None or not isinstance(value.get("job_id"), str)):
             raise JobBindingError(
                 f's3://{self.bucket}/{self.pointer_key} is not a job pointer ({{"job_id": ...}}): '
-                "delete it and the next life points it at the stack's job"
+                "delete it and the next life points it at the oldest queued job"
             )
         return (str(value["job_id"]) if value else None), etag
 
     def status(self, job_id: str) -> str | None:
         """The job's ledger status; None when the job has no ledger (it never started a life)."""
+        if job_id in self._ended:
+            return self._ended[job_id]
         value, _ = self._get_json(JobPrefixes.of(job_id).state + LEDGER)
-        return str(value.get("status")) if value else None
+        status = str(value.get("status")) if value else None
+        if status is not None and status in ENDED and status not in RESUMABLE:
+            self._ended[job_id] = status
+        return status
 
     def record(self, job_id: str) -> dict[str, Any] | None:
         key = JobPrefixes.of(job_id).record
         return self._get_json(key)[0] if key else None
+
+    def cancel_requested(self, job_id: str) -> bool:
+        """`trainstack cancel ID` wrote the job's cancel request (its content does not matter)."""
+        return self._get_json(cancel_key(job_id))[1] is not None
+
+    def stop_requested(self, job_id: str) -> bool:
+        value, _ = self._get_json(JobPrefixes.of(job_id).state + CONTROL)
+        return value is not None and value.get("action") == "stop"
 
     def point_at(self, job_id: str, etag: str | None, previous: str | None, now: datetime) -> bool:
         """Move the pointer to `job_id` unless someone moved it since `etag` was read (then False)."""
@@ -114,74 +244,247 @@ class JobDirectory:
             raise
         return True
 
-    def write_record(self, config: AgentConfig, now: datetime) -> bool:
-        """The job's record, written once by its first life: what the job is and the code it runs."""
-        key = JobPrefixes.of(config.job_id).record
-        if not key:
-            return False
+    def submit(self, config: AgentConfig, now: datetime) -> bool:
+        """Queue the job an agent config defines (the stack's default job): its record, then its entry, each
+        written once, so however many lives boot with this config the job is queued exactly once. True when
+        this call queued it."""
+        prefixes = JobPrefixes.of(config.job_id)
         agent = {name: getattr(config, name) for name in JOB_FIELDS}
-        record = {
-            "job_id": config.job_id,
-            "name": config.job_name or config.job_id,
-            "created_at": iso(now),
-            "bundle_key": config.bundle_key,
-            "bundle_sha256": config.bundle_sha256,
-            "resume_from": config.resume_from,
-            "agent": agent,
-        }
+        record = job_record(
+            job_id=config.job_id,
+            name=config.job_name or config.job_id,
+            agent=agent,
+            submitted_at=iso(now),
+            source=SOURCE_PULUMI,
+        )
+        self._put_once(prefixes.record, record)
+        return self._put_once(queue_key(config.job_id), queue_entry(config.job_id, iso(now)))
+
+    # -- the job's ledger, for jobs that never start a life here ------------------------------------
+
+    def _end_unstarted(self, job_id: str, status: JobStatus, reason: str) -> None:
+        """Mark a job that will not run (cancelled before it ran, refused): `trainstack jobs` shows why."""
+
+        def end(ledger: JobLedger) -> None:
+            if ledger.status not in ENDED or ledger.status in RESUMABLE:
+                ledger.set_status(status)
+                ledger.data["reason"] = reason
+
+        store = LedgerStore(self._s3, self.bucket, JobPrefixes.of(job_id).state + LEDGER)
         try:
-            self._s3.put_object(
-                Bucket=self.bucket,
-                Key=key,
-                Body=json.dumps(record, indent=2, default=str).encode(),
-                ContentType="application/json",
-                IfNoneMatch="*",
-            )
+            store.update(end)
+        except ValueError as exc:  # a ledger that is not JSON: this life still skips the job
+            self.log.event("queue", f"{store.uri} is not JSON ({exc}); job {job_id} skipped", level="error")
+        self._ended[job_id] = status.value
+
+    def refuse(self, job_id: str, reason: str) -> None:
+        """A job that cannot run on this stack fails with a one-line reason; the queue moves on."""
+        self.log.event("queue", f"job {job_id} refused: {reason}", job_id=job_id, level="error")
+        self._end_unstarted(job_id, JobStatus.FAILED, reason)
+
+    # -- the queue ----------------------------------------------------------------------------------
+
+    def entries(self) -> list[QueueEntry]:
+        """Every readable queue entry in queue order (--now first, then FIFO); an unreadable one is logged
+        once, naming its key, and left out."""
+        found: list[QueueEntry] = []
+        paginator = self._s3.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=QUEUE_PREFIX):
+            for item in page.get("Contents", []):
+                key, etag = str(item["Key"]), str(item.get("ETag", ""))
+                if not key.endswith(".json"):
+                    continue
+                cached = self._entries.get(key)
+                if cached is None or cached[0] != etag:
+                    there, entry = self._read_entry(key)
+                    if not there:
+                        continue  # deleted since the listing
+                    cached = self._entries[key] = (etag, entry)
+                if cached[1] is not None:
+                    found.append(cached[1])
+        found.sort(key=lambda entry: entry.order)
+        return found
+
+    def _read_entry(self, key: str) -> tuple[bool, QueueEntry | None]:
+        """(whether the object is there, the entry or None when it is not one)."""
+        try:
+            body = self._s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         except ClientError as exc:
-            if _conflict(exc):
-                return False  # written by an earlier life: the first record stands
+            if _missing(exc):
+                return False, None
             raise
-        return True
+        try:
+            return True, parse_entry(key, body)
+        except QueueError as exc:
+            self.log.event("queue", f"s3://{self.bucket}/{exc}", key=key, level="error")
+            return True, None
+
+    def _runnable(self, job_id: str) -> bool:
+        """Not ended; a cancel request on a job that is not running (queued, yielded, stopped) marks it
+        `cancelled` and skips it."""
+        status = self.status(job_id)
+        if status in ENDED and status not in RESUMABLE:
+            return False
+        if self.cancel_requested(job_id):
+            self.log.event("queue", f"job {job_id} was cancelled before it ran: skipped", job_id=job_id)
+            self._end_unstarted(job_id, JobStatus.CANCELLED, "cancelled while it waited in the queue")
+            return False
+        return status not in ENDED
+
+    def head(self) -> JobBinding | None:
+        """The oldest queued job that may run now (--now entries first), checked: its record readable and
+        its instance count within the stack's; a job that fails the check is refused and skipped."""
+        for entry in self.entries():
+            if not self._runnable(entry.job_id):
+                continue
+            binding = self.binding(entry.job_id)
+            if binding is not None:
+                return binding
+        return None
+
+    def next_job(self) -> str | None:
+        """The job the queue gives this instance next (what a job's end asks before scaling to zero)."""
+        following = self.head()
+        return following.job_id if following is not None else None
+
+    def yield_to(self, running: str) -> str | None:
+        """A `--now` job waiting while `running` runs: the running job checkpoints and yields to it."""
+        for entry in self.entries():
+            if not entry.now:
+                return None  # --now entries come first: none is waiting
+            if entry.job_id == running or not self._runnable(entry.job_id):
+                continue
+            if self.binding(entry.job_id) is not None:
+                return entry.job_id
+        return None
+
+    # -- one job, ready to run ----------------------------------------------------------------------
+
+    def binding(self, job_id: str, switched_from: str | None = None) -> JobBinding | None:
+        """How this agent runs `job_id` from its record: here, or with its own pinned code. None (the job
+        refused, logged) when its record is missing or unreadable or it asks for more instances than the
+        stack's group holds."""
+        if job_id == LEGACY_JOB_ID:
+            return JobBinding(job_id, JobPrefixes.of(job_id), switched_from=switched_from)
+        key = JobPrefixes.of(job_id).record
+        record = self.record(job_id)
+        if record is None or not isinstance(record.get("agent"), dict):
+            self.refuse(
+                job_id,
+                f"s3://{self.bucket}/{key} is missing or not a job record: submit the job again with "
+                "`trainstack run`",
+            )
+            return None
+        try:
+            config = AgentConfig.from_mapping(
+                record_fields(self.config, record), source=f"s3://{self.bucket}/{key}"
+            )
+        except AgentConfigError as exc:
+            self.refuse(job_id, f"{exc}; submit the job again with `trainstack run`")
+            return None
+        if config.job_id != job_id:
+            self.refuse(job_id, f"s3://{self.bucket}/{key} names job {config.job_id}; submit the job again")
+            return None
+        if config.instance_count > self.group_max:
+            self.refuse(
+                job_id,
+                f"it asks for {config.instance_count} instances and the group allows at most "
+                f"{self.group_max}: submit it with fewer, or raise trainstack:instanceCount and run "
+                "pulumi up",
+            )
+            return None
+        pinned = None if same_code(self.config, record) else record
+        return JobBinding(job_id, JobPrefixes.of(job_id), pinned, switched_from, config)
+
+    def serving(self, current: str, *, fresh: bool) -> JobBinding | None:
+        """The current job, if it goes on: it has not ended, or (`fresh`: a new boot, `trainstack resume`)
+        it ended in a resumable way with no stop or cancel request in force. None: move on to the queue."""
+        status = self.status(current)
+        if current == LEGACY_JOB_ID:
+            if status is None:
+                return None  # a pointer at a legacy job without a ledger: nothing to continue
+            if status not in ENDED or (fresh and self.config.job_id == LEGACY_JOB_ID):
+                # A config from before jobs runs the legacy job as it always did (resume included).
+                return self.binding(current)
+            return None
+        if status in ENDED:
+            resumed = (
+                fresh
+                and status in RESUMABLE
+                and not self.stop_requested(current)
+                and not self.cancel_requested(current)
+            )
+            if not resumed:
+                return None
+        if self.record(current) is None:
+            return None  # gone (deleted by hand): the queue moves on
+        return self.binding(current)
 
 
-def bind_job(s3: Any, config: AgentConfig, now: datetime) -> JobBinding:
-    """Resolve the job this life serves, moving the stack's pointer when the config's job may start."""
-    jobs = JobDirectory(s3, config)
+def claim_scratch(scratch: Path, job_id: str, log: EventLog) -> None:
+    """Make this instance's scratch folder `job_id`'s: another job's local checkpoints, results and signal
+    files go (they would be restored, and uploaded, as this job's); the synced dataset stays. A folder
+    without an owner (an agent from before the queue) is kept as it is."""
+    owner_file = scratch / SCRATCH_OWNER
+    try:
+        owner = owner_file.read_text().strip()
+    except OSError:
+        owner = ""
+    if owner and owner != job_id:
+        for name in _JOB_LOCAL:
+            path = scratch / name
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        log.event(
+            "job", "scratch cleared of the previous job's local files; the dataset stays", previous=owner
+        )
+    owner_file.write_text(job_id + "\n")
+
+
+def bind_job(
+    s3: Any,
+    config: AgentConfig,
+    now: datetime,
+    *,
+    after: str | None = None,
+    log: EventLog | None = None,
+    group_max: int | None = None,
+) -> JobBinding | None:
+    """Resolve the job this life serves, moving the stack's pointer to the queue's head when the current job
+    has ended; None when no job runs and none is queued. `after`: the job this instance's previous life
+    just ended (or yielded), so that this life goes on to the next one instead of resuming it."""
+    jobs = JobDirectory(s3, config, log, group_max=group_max)
     mine = config.job_id
-    # The record first: a job the pointer names always has one, so a racing life never mistakes a job
-    # that is starting for one that is gone.
-    if mine != LEGACY_JOB_ID:
-        jobs.write_record(config, now)
+    # The record and entry first: a job the pointer names always has a record, so a racing life never
+    # mistakes a job that is starting for one that is gone.
+    if mine not in ("", LEGACY_JOB_ID):
+        jobs.submit(config, now)
     for _ in range(_ATTEMPTS):
         current, etag = jobs.current()
         if current is None:
             # A stack from before jobs: its objects are the legacy job's, which goes on until it ends.
             legacy = jobs.status(LEGACY_JOB_ID)
-            target = LEGACY_JOB_ID if legacy is not None and legacy not in ENDED else mine
-            if jobs.point_at(target, None, None, now):
-                return JobBinding(target, JobPrefixes.of(target))
-            continue
-        if current == mine:
-            return JobBinding(mine, JobPrefixes.of(mine))
-        status = jobs.status(current)
-        record = jobs.record(current) if current != LEGACY_JOB_ID else None
-        gone = current != LEGACY_JOB_ID and record is None
-        if status in ENDED or gone or (current == LEGACY_JOB_ID and status is None):
-            if jobs.point_at(mine, etag, current, now):
-                return JobBinding(mine, JobPrefixes.of(mine), switched_from=current)
-            continue
-        # Another job is running or starting: it goes on with its own code; this definition waits.
-        if current == LEGACY_JOB_ID:
-            return JobBinding(current, JobPrefixes.of(current))
-        assert record is not None
-        if not isinstance(record.get("agent"), dict):
-            raise JobBindingError(
-                f"job {current} is {status or 'starting'} but "
-                f"s3://{jobs.bucket}/{JobPrefixes.of(current).record} is unreadable: "
-                "stop it with `trainstack stop`, then `trainstack resume` "
-                f"starts {mine}"
+            if (legacy is not None and legacy not in ENDED) or (mine == LEGACY_JOB_ID and after is None):
+                if jobs.point_at(LEGACY_JOB_ID, None, None, now):
+                    return jobs.binding(LEGACY_JOB_ID)
+                continue
+        elif current != after:
+            going_on = jobs.serving(current, fresh=after is None)
+            if going_on is not None:
+                return going_on
+        target = jobs.head()
+        if target is None:
+            return None
+        if target.job_id == current or jobs.point_at(target.job_id, etag, current, now):
+            return JobBinding(
+                target.job_id,
+                target.prefixes,
+                target.pinned,
+                current if current != target.job_id else None,
+                target.config,
             )
-        return JobBinding(current, JobPrefixes.of(current), pinned=record)
     raise JobBindingError(
         f"s3://{jobs.bucket}/{jobs.pointer_key}: moved by another instance {_ATTEMPTS} times in a row; "
         "the next life tries again"

@@ -1,6 +1,6 @@
 """The job's state in S3 as one life reads and writes it: the ledger (this life's record, its heartbeat and
-cost), progress.json, control.json, and the stop every node of the job follows (`trainstack stop`, the cost
-cap).
+cost), progress.json, control.json, cancel.json, and the stop every node of the job follows (`trainstack
+stop`, `trainstack cancel`, the cost cap, a `--now` job the job yields to).
 
 All of it runs off the stop path: on the state poller's thread with bounded AWS calls, before training or
 after the checkpoint is persisted. An S3 outage delays these, never a spot stop.
@@ -25,13 +25,15 @@ from bootstrap.pricing import LifeQuote
 from bootstrap.statestore import StateStore
 from bootstrap.watchdog import read_progress
 from trainstack_job.contract import LEDGER, PROGRESS
+from trainstack_job.queue import CANCEL_REQUEST
 
 PROGRESS_UPLOAD_SECONDS = 15.0
 
 
 @dataclass(frozen=True)
 class JobWideStop:
-    """A stop every node of the job follows: `control` (`trainstack stop`) or `cost_cap`."""
+    """A stop every node of the job follows: `control` (`trainstack stop`), `cancel` (`trainstack cancel`),
+    `cost_cap`, or `yield` (a `--now` job waits for this instance; fields name it)."""
 
     reason: str
     fields: dict[str, Any] = field(default_factory=dict)
@@ -50,6 +52,9 @@ class JobState:
         self.progress_file: Path | None = None
         self.identity: InstanceIdentity | None = None
         self._state_errors = 0
+        # The `--now` job this job should yield to, if any (bootstrap/jobbinding.py JobDirectory.yield_to);
+        # None: this job never yields (the legacy job, a multi-node job, tests without a queue).
+        self.yield_to: Callable[[], str | None] | None = None
 
     @property
     def ledger(self) -> JobLedger:
@@ -75,17 +80,30 @@ class JobState:
         return self.ledger_store.update(lambda ledger: ledger.update_cost(utc_now(), quote))
 
     def job_wide_stop(self, cost_usd: Callable[[], float]) -> JobWideStop | None:
-        """The stop every node of the job follows, or None: `trainstack stop` (control.json), else the cost
-        cap reached by the job's total, which `cost_usd` gives (asked only when there is a cap and no
-        control stop). Raises what S3 raises: each caller knows what a failed read means for it."""
+        """The stop every node of the job follows, or None: `trainstack stop` (control.json), else
+        `trainstack cancel` (cancel.json), else the cost cap reached by the job's total, which `cost_usd`
+        gives (asked only when there is a cap and no control stop), else a `--now` job to yield to. Raises
+        what S3 raises: each caller knows what a failed read means for it."""
         if self.state.stop_requested():
             return JobWideStop("control")
+        if self._cancel_requested():
+            return JobWideStop("cancel")
         cap = self._max_cost_usd
         if cap is not None:
             total = cost_usd()
             if total >= cap:
                 return JobWideStop("cost_cap", {"cost_usd": total, "cap_usd": cap})
+        if self.yield_to is not None:
+            now_job = self.yield_to()
+            if now_job is not None:
+                return JobWideStop("yield", {"to": now_job})
         return None
+
+    def _cancel_requested(self) -> bool:
+        try:
+            return self.state.read(CANCEL_REQUEST) is not None
+        except ValueError:  # not JSON: whoever wrote the request still meant it
+            return True
 
     def upload_progress(self) -> None:
         if self.progress_file is None or self.identity is None:

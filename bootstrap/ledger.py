@@ -24,7 +24,14 @@ from trainstack_job.contract import JobStatus, LifeOutcome
 # The ledger is plain JSON: statuses and outcomes are stored as their string values, and these sets (of
 # str enums) match those strings.
 TERMINAL_STATUSES = frozenset(
-    {JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.COST_CAP, JobStatus.NO_DATA}
+    {
+        JobStatus.COMPLETED,
+        JobStatus.FAILED,
+        JobStatus.STOPPED,
+        JobStatus.COST_CAP,
+        JobStatus.NO_DATA,
+        JobStatus.CANCELLED,
+    }
 )
 FAILED_OUTCOMES = frozenset({LifeOutcome.FAILED, LifeOutcome.STALLED})
 # A life that ended because the instance went away: counted as an interruption, never as a failure.
@@ -158,6 +165,9 @@ class JobLedger:
             if self.status == JobStatus.FAILED:
                 self.data["consecutive_failures"] = 0
             self.data["status"] = JobStatus.RUNNING.value
+        elif self.status == JobStatus.QUEUED:
+            # A job that yielded to a `--now` job runs again.
+            self.data["status"] = JobStatus.RUNNING.value
         started = iso(now)
         life: dict[str, Any] = {
             "life_id": f"{identity.instance_id}@{started}",
@@ -191,6 +201,31 @@ class JobLedger:
         self.data["interruptions"] += 1
         self._price_life(life, life["ended_at"])
         self._close_standby(life, life["ended_at"])
+
+    def close_silent_node(self, instance_id: str, closed_by: str) -> bool:
+        """Another node of a multi-node job stopped beating in the rendezvous (bootstrap/generations.py): its
+        running life is closed as interrupted at its last heartbeat, by the survivor that saw it; True when
+        one was. If it was only frozen and speaks again, its own end replaces this one (counted once)."""
+        closed = False
+        for life in self.data["lives"]:
+            if life["instance_id"] == instance_id and life["outcome"] == LifeOutcome.RUNNING:
+                self._close_vanished(life, closed_by)
+                closed = True
+        return closed
+
+    def close_silent_lives(self, now: datetime, silent_after_seconds: float, closed_by: str) -> list[str]:
+        """When a multi-node job completes: every other instance's life still running whose heartbeat is
+        older than `silent_after_seconds` is closed as interrupted at that heartbeat (a live node's follower
+        beats every poll and ends its own life). Returns their instance ids."""
+        closed = []
+        for life in self.data["lives"]:
+            if life["outcome"] != LifeOutcome.RUNNING or life["instance_id"] == closed_by:
+                continue
+            beating = life.get("heartbeat_at") or life["started_at"]
+            if (now - _parse(beating)).total_seconds() >= silent_after_seconds:
+                self._close_vanished(life, closed_by)
+                closed.append(str(life["instance_id"]))
+        return closed
 
     def close_dead_holder(self, life_id: str, closed_by: str) -> bool:
         """The lease's holder whose lease expired (it never released it): its instance is gone. Its life,

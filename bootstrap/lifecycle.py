@@ -23,14 +23,14 @@ from typing import Any
 
 from bootstrap.agent_config import AgentConfig
 from bootstrap.boot import AwsClients, Boot
-from bootstrap.datasync import DataSync, DiskSpaceError, SyncAborted
+from bootstrap.datasync import DatasetVersionError, DataSync, DiskSpaceError, JobDataset, SyncAborted
 from bootstrap.eventlog import EventLog, utc_now
 from bootstrap.fleet import Fleet
 from bootstrap.generations import Generations
 from bootstrap.gpumetrics import GpuMetricPublisher
 from bootstrap.imds import ImdsClient, InstanceIdentity
 from bootstrap.job import BUNDLE_JOB_DIR, JobSpec, JobSpecError
-from bootstrap.jobbinding import bind_job
+from bootstrap.jobbinding import JobBinding, JobDirectory, bind_job, claim_scratch
 from bootstrap.jobstate import JobState
 from bootstrap.lease import LeaseLostError
 from bootstrap.ledger import TERMINAL_STATUSES, JobLedger
@@ -38,7 +38,7 @@ from bootstrap.notify import Notifier
 from bootstrap.outcomes import Failure, LifeEnd, LifeFacts, LifeResult, Outcomes
 from bootstrap.persist import CheckpointPersister, UploadAbandonedError
 from bootstrap.pinned import run_pinned
-from bootstrap.pricing import PriceLookup
+from bootstrap.pricing import BucketUsage, PriceLookup
 from bootstrap.scratch import prepare_scratch
 from bootstrap.standby import HANDOVER_POLL_SECONDS, OneWriter, Role, wait_warm
 from bootstrap.stops import STOP_OUTCOMES, StopRequests
@@ -46,7 +46,7 @@ from bootstrap.supervisor import Supervisor
 from bootstrap.trainer import CODE_ROOT, TrainerPaths, TrainerProcess
 from bootstrap.watcher import RebalanceRecommendation, SpotWatcher
 from trainstack_job.contract import RESUME_COMMAND
-from trainstack_job.jobs import JobPrefixes
+from trainstack_job.jobs import LEGACY_JOB_ID, JobPrefixes
 
 __all__ = ["AwsClients", "InstanceLife", "LifeResult"]
 
@@ -75,12 +75,30 @@ class InstanceLife:
         state_poll_seconds: float = 10.0,
         tick_seconds: float = 0.5,
         job_root: Path | None = None,
+        after: str | None = None,
     ) -> None:
+        # How to build the next life on this instance (`successor`): the same collaborators; a log made here
+        # is made afresh, so the ended life's shippers are not fed any more.
+        self._init_args: dict[str, Any] = {
+            "log": log,
+            "clients": clients,
+            "imds": imds,
+            "trainer_command": trainer_command,
+            "price_lookup": price_lookup,
+            "identity_wait_seconds": identity_wait_seconds,
+            "release_wait_seconds": release_wait_seconds,
+            "state_poll_seconds": state_poll_seconds,
+            "tick_seconds": tick_seconds,
+            "job_root": job_root,
+        }
+        # The job this instance's previous life just ended or yielded: this life goes on to the next one.
+        self._after = after
         # The stack's view (where the current-job pointer lives) and, from here on, the configured job's own
         # prefixes: whatever runs before the life is bound (the give-up path, the storage cost) already reads
-        # and writes that job's objects, not the legacy top-level ones.
+        # and writes that job's objects, not the legacy top-level ones. A config that defines no job ("")
+        # has none before it binds.
         self._stack_config = config
-        config = _for_job(config, config.job_id)
+        config = _for_job(config, config.job_id or LEGACY_JOB_ID)
         self.config = config
         self.user_job = JobSpec.from_mapping(config.user_job, "user_job") if config.user_job else None
         self.log = log or EventLog()
@@ -141,6 +159,7 @@ class InstanceLife:
             self.imds,
             builtin_trainer=self.user_job is None,
             release_wait_seconds=self._release_wait_seconds,
+            next_job=self._queued_next,
         )
         if getattr(self, "_identity", None) is not None:
             self.job.identity = self._identity
@@ -185,7 +204,8 @@ class InstanceLife:
         self._start_watching()
         try:
             result = self._run_life(identity)
-            if result.exit_code == 0:
+            # With a next queued job the instance stays: the agent goes on to it (bootstrap/agent.py).
+            if result.exit_code == 0 and result.next_job is None:
                 self._leave_job()
                 self.outcomes.release_instance(identity)
         finally:
@@ -198,10 +218,47 @@ class InstanceLife:
         """Last resort when systemd's start limit is hit: record, notify, scale to zero."""
         identity = self.identity = self.boot.identify()
         self.boot.ship_logs(identity)
+        has_job = True
+        if not self._stack_config.job_id:
+            # A config that defines no job: the failing agent was serving the stack's current job.
+            current = self._current_job_quietly()
+            has_job = current is not None
+            if current is not None:
+                self._assemble(_for_job(self._stack_config, current))
         try:
-            return self.outcomes.gave_up_on_starting(identity)
+            return self.outcomes.gave_up_on_starting(identity, has_job=has_job)
         finally:
             self.boot.close_logs()
+
+    def _current_job_quietly(self) -> str | None:
+        try:
+            return JobDirectory(self.clients.s3, self._stack_config, self.log).current()[0]
+        except Exception as exc:  # giving up must scale to zero whatever S3 says
+            self.log.event("job", "cannot read the stack's current job", error=f"{type(exc).__name__}: {exc}")
+            return None
+
+    def successor(self) -> InstanceLife:
+        """The next life on this instance, after this one's job ended (or yielded) with another queued: the
+        same agent config and collaborators, bound afresh. Scratch disk and the synced dataset stay."""
+        return InstanceLife(self._stack_config, after=self.config.job_id, **self._init_args)
+
+    def _queued_next(self) -> str | None:
+        """The queued job this instance takes once its job has ended (asked by the outcome handlers)."""
+        return self._queue().next_job()
+
+    def _queue(self) -> JobDirectory:
+        """The stack's jobs and queue, checked against what the group allows."""
+        return JobDirectory(self.clients.s3, self._stack_config, self.log, group_max=self._group_max_size())
+
+    def _group_max_size(self) -> int | None:
+        try:
+            groups = self.clients.autoscaling.describe_auto_scaling_groups(
+                AutoScalingGroupNames=[self._stack_config.group_name]
+            )
+        except Exception:  # unknown: the stack's instance count stands in
+            return None
+        found = groups.get("AutoScalingGroups", [])
+        return int(found[0]["MaxSize"]) if found else None
 
     def _leave_job(self) -> None:
         if self._generations is not None:
@@ -274,7 +331,8 @@ class InstanceLife:
         )
         if self.boot.group_scaled_to_zero():
             return LifeResult(LifeEnd.SKIPPED)
-        self._bind_job()
+        if not self._bind_job():
+            return self.outcomes.nothing_queued()
         self._life_started = utc_now()
         # Other lives may run beside this one (the other nodes of a multi-node job; a single-node job's
         # holder while this instance is its standby): only silent ones are closed.
@@ -311,28 +369,61 @@ class InstanceLife:
         """A life (or lease, or standby) silent this long is dead: three missed polls and half a minute."""
         return 3 * self._state_poll_seconds + 30
 
-    def _bind_job(self) -> None:
-        """Serve the stack's current job: this config's, or one still running, with its own code."""
-        binding = bind_job(self.clients.s3, self._stack_config, utc_now())
+    def _bind_job(self) -> bool:
+        """Serve the stack's current job while it runs, else the head of its queue (bootstrap/jobbinding.py),
+        here or with the job's own code. False: no job runs and none is queued."""
+        binding = bind_job(
+            self.clients.s3,
+            self._stack_config,
+            utc_now(),
+            after=self._after,
+            log=self.log,
+            group_max=self._group_max_size(),
+        )
+        if binding is None:
+            return False
         if binding.pinned is not None:
             self.log.event(
                 "job",
-                "another job of this stack is still running: continuing it with the code it started with",
+                "another job of this stack is still running: continuing it with the code it started with"
+                if binding.switched_from is None
+                else "the next queued job runs with the code it was submitted with",
                 job_id=binding.job_id,
-                defined_job=self.config.job_id,
+                defined_job=self._stack_config.job_id,
                 bundle=binding.pinned.get("bundle_key"),
             )
             self._stop_background()
             self.boot.close_logs()
             self.run_pinned(self.clients.s3, self._stack_config, binding.pinned)
-            return
+            return True
         self.log.event(
             "job",
             "job bound",
             job_id=binding.job_id,
             **({"previous_job": binding.switched_from} if binding.switched_from else {}),
         )
-        self._assemble(_for_job(self._stack_config, binding.job_id))
+        self._serve(binding)
+        return True
+
+    def _serve(self, binding: JobBinding) -> None:
+        """Rebuild the life for the bound job: its record's definition (a user's job or the trainer, its
+        cost cap and instance count) and its own prefixes, log streams and queue hooks."""
+        config = _for_job(binding.config or self._stack_config, binding.job_id)
+        self.user_job = JobSpec.from_mapping(config.user_job, "user_job") if config.user_job else None
+        self.multi_node = config.instance_count > 1 and self.user_job is None
+        before = self.boot.config
+        self.boot.config = config
+        if config.job_id != before.job_id and self.identity is not None:
+            self.boot.ship_logs(self.identity)  # `trainstack logs --job` finds the job's own stream
+        if config.prefixes.checkpoints != before.prefixes.checkpoints:
+            # The storage cost counts the bound job's own checkpoints (and the dataset), as Boot's did.
+            usage = [config.prefixes.checkpoints, config.prefixes.data]
+            self.cost_meter.bucket_usage = BucketUsage(self.clients.s3, config.bucket, usage)
+        self._assemble(config)
+        if binding.job_id != LEGACY_JOB_ID and not self.multi_node:
+            # A `--now` job asks this job to checkpoint and make way (docs/internals.md, "The job queue").
+            queue = self._queue()
+            self.job.yield_to = lambda: queue.yield_to(binding.job_id)
 
     def _release_lease(self) -> None:
         if self._writer is not None and self._writer.holding:
@@ -361,20 +452,26 @@ class InstanceLife:
         if gpu_count is None:
             return LifeEnd.REPLACE
         scratch = prepare_scratch(self.config.scratch_dir, self.log)
+        claim_scratch(scratch, self.config.job_id, self.log)
         paths = self._paths = TrainerPaths(scratch=scratch)
         if not self.multi_node and self._take_role(paths) is Role.SURPLUS:
             return LifeEnd.SURPLUS
         if self.user_job is not None and not self.user_job.data_sync:
             return self._train(paths, gpu_count)
-        dataset = DataSync(
-            self.clients.s3, self.config.bucket, self.config.prefixes.data, self.config.region, self.log
-        )
+        dataset = DataSync.for_dataset(self.clients.s3, self._stack_config, self.config.dataset, self.log)
         self.phase = "data-wait"
         if not self.boot.wait_for_dataset(dataset, self.job, self.stops, self._state_poll_seconds):
             return self.stops.stopped_before_training() if self.stops.is_set() else LifeEnd.NO_DATA
         self.phase = "data-sync"
+        version = JobDataset(self.clients.s3, self.config, self.job, self.log)
         try:
-            dataset.sync(scratch / "data", should_abort=self.stops.is_set)
+            synced = dataset.sync(
+                scratch / "data", should_abort=self.stops.is_set, check_version=version.check
+            )
+        except DatasetVersionError as exc:
+            # Every instance finds the same checkpoints and the same version: only the user can settle it.
+            self.log.event("failed", "dataset version differs from the job's checkpoints", error=str(exc))
+            return Failure(LifeEnd.FAILED, str(exc), list(self.log.tail), fix=exc.fix, permanent=True)
         except SyncAborted:
             self.log.event("data", "dataset sync aborted by the stop", reason=self.stops.reason)
             return self.stops.stopped_before_training()
@@ -389,6 +486,7 @@ class InstanceLife:
                 f"run pulumi up, then {RESUME_COMMAND}",
                 permanent=True,
             )
+        version.record(synced)
         return self._train(paths, gpu_count)
 
     # -- one writer per job (bootstrap/standby.py) --------------------------------------------------

@@ -7,8 +7,10 @@ The agent on every node restores, syncs and supervises as for one node; what is 
   generation ends here (`end_generation`), so every start of the trainer in it gets the socket;
 - training/launch.py writes what its ranks did into the node exit file (trainstack_job.contract.NodeExit):
   the agent reads the step they stopped at (to confirm that step in S3 before an interrupted node goes),
-  whether global rank 0 ran here (that node owns the job's results and its completion) and whether the
-  rendezvous itself failed (then the next generation is tried, nothing is counted as a failure).
+  whether global rank 0 ran here (that node owns the job's results and its completion), whether the
+  rendezvous itself failed (then the next generation is tried, nothing is counted as a failure) and whether
+  this node's ranks ran in it (`trained`: a generation that trained and then ended without a stop was lost
+  to a vanished node, and is regrouped from the newest confirmed checkpoint: bootstrap/generations.py).
 """
 
 from __future__ import annotations

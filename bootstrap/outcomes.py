@@ -2,13 +2,19 @@
 the job's status, the one notification and the scale to zero, the results upload, the instance's release.
 
 Every life ends with an outcome that says what happened (completed, preempted, stopped, cost_cap, failed,
-stalled, no_data…), written to the ledger with conditional writes so no update is lost.
+stalled, no_data, cancelled, yielded…), written to the ledger with conditional writes so no update is lost.
+
+A job that ends (completed, failed for good, cancelled, cost cap) with another job in the stack's queue does
+not scale the group to zero: the result names that job (`LifeResult.next_job`) and the agent goes on to it on
+this instance (bootstrap/agent.py). Only with the queue empty, or on `trainstack stop`, does the group go to
+zero (docs/internals.md, "The job queue").
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
@@ -21,10 +27,11 @@ from bootstrap.eventlog import EventLog, iso, utc_now
 from bootstrap.fleet import Fleet
 from bootstrap.imds import ImdsClient, ImdsUnavailableError, InstanceIdentity
 from bootstrap.jobstate import JobState
-from bootstrap.ledger import FAILED_OUTCOMES, JobLedger
+from bootstrap.ledger import FAILED_OUTCOMES, TERMINAL_STATUSES, JobLedger
 from bootstrap.notify import Notifier, format_duration, format_metrics
 from bootstrap.results import upload_results
 from trainstack_job.contract import RESUME_COMMAND, JobStatus, LifeOutcome
+from trainstack_job.jobs import LEGACY_JOB_ID
 
 
 class LifeEnd(str, Enum):
@@ -46,12 +53,15 @@ class LifeEnd(str, Enum):
     SUPERSEDED = LifeOutcome.SUPERSEDED.value
     SURPLUS = LifeOutcome.SURPLUS.value
     STANDBY_ENDED = LifeOutcome.STANDBY_ENDED.value
+    CANCELLED = LifeOutcome.CANCELLED.value
+    YIELDED = LifeOutcome.YIELDED.value
     # Not in the ledger's words:
     KILLED = "killed"  # the trainer missed the stop deadline and was killed; classified as a failure
     REPLACE = "replace"  # the GPU is broken beyond the one repair: the instance is to be replaced
     REPLACED = "replaced"  # …and was: marked unhealthy, the group launches another
     SKIPPED = "skipped"  # the group was already at zero: the job is over, nothing to do
     GAVE_UP = "gave_up"  # the job was given up (failed for good): notified and scaled to zero
+    NO_JOB = "no_job"  # no job running and none queued: the group scaled to zero without a ledger life
 
     def ledger_outcome(self) -> LifeOutcome:
         """The ledger's outcome for this end (ValueError for the ends the ledger does not record)."""
@@ -77,6 +87,9 @@ FINAL_ENDS = frozenset(
         LifeEnd.REPLACED,
         LifeEnd.SKIPPED,
         LifeEnd.GAVE_UP,
+        LifeEnd.CANCELLED,
+        LifeEnd.YIELDED,
+        LifeEnd.NO_JOB,
     }
 )
 
@@ -84,6 +97,8 @@ FINAL_ENDS = frozenset(
 @dataclass(frozen=True)
 class LifeResult:
     outcome: LifeEnd
+    # The queued job this instance takes next, without a reboot (the group was not scaled to zero).
+    next_job: str | None = None
 
     @property
     def exit_code(self) -> int:
@@ -129,6 +144,7 @@ class Outcomes:
         *,
         builtin_trainer: bool,
         release_wait_seconds: float,
+        next_job: Callable[[], str | None] | None = None,
     ) -> None:
         self.config = config
         self.log = log
@@ -140,6 +156,8 @@ class Outcomes:
         # The built-in trainer always writes model.pt and metrics.json; a user's job writes what it writes.
         self._builtin_trainer = builtin_trainer
         self._release_wait_seconds = release_wait_seconds
+        # The head of the stack's queue once this job has ended (None: no queue, the group goes to zero).
+        self._next_job = next_job
 
     def finish(self, outcome: LifeEnd | Failure, life: LifeFacts) -> LifeResult:
         if isinstance(outcome, Failure):
@@ -166,6 +184,10 @@ class Outcomes:
             return self.replace_unhealthy_instance(life)
         if outcome in (LifeEnd.HANDED_OVER, LifeEnd.SUPERSEDED, LifeEnd.SURPLUS, LifeEnd.STANDBY_ENDED):
             return self.one_writer_end(outcome, life)
+        if outcome == LifeEnd.CANCELLED:
+            return self.cancelled()
+        if outcome == LifeEnd.YIELDED:
+            return self.yielded(life)
         raise AssertionError(f"unknown outcome {outcome}")
 
     def completed(self, life: LifeFacts) -> LifeResult:
@@ -174,7 +196,8 @@ class Outcomes:
             # scaled the group to zero and sent the one notification.
             self.job.record(lambda ledger: ledger.end_life(LifeOutcome.COMPLETED, utc_now()))
             self.log.event("end", "completed; the node that ran rank 0 uploaded the results")
-            return LifeResult(LifeEnd.COMPLETED)
+            # Every node goes on to the next queued job, as the node that ran rank 0 does.
+            return LifeResult(LifeEnd.COMPLETED, next_job=self.queued_next())
         results = self.config.prefixes.results
         output = life.output_dir
         assert output is not None
@@ -212,8 +235,13 @@ class Outcomes:
             *format_metrics(metrics),
             f"Artifacts: s3://{self.config.bucket}/{results}",
             f"Fetch them with: trainstack results pull --job {self.config.job_id}",
-            f"The group {self.config.group_name} has been scaled to zero; nothing bills any more.",
         ]
+        following = self.queued_next()
+        if following is not None:
+            self.notify_next(following, "training completed", lines)
+            self.log.event("end", "completed", cost_usd=ledger.total_cost_usd, metrics=metrics)
+            return LifeResult(LifeEnd.COMPLETED, next_job=following)
+        lines.append(f"The group {self.config.group_name} has been scaled to zero; nothing bills any more.")
         self.notify_and_scale_to_zero("training completed", lines)
         self.log.event("end", "completed; scaled to zero", cost_usd=ledger.total_cost_usd, metrics=metrics)
         return LifeResult(LifeEnd.COMPLETED)
@@ -255,35 +283,41 @@ class Outcomes:
             return LifeResult(failure.outcome)
         if verdict.get("already"):
             self.log.event("end", "the job had already been given up by another node", reason=failure.reason)
-            return LifeResult(LifeEnd.GAVE_UP)
+            return LifeResult(LifeEnd.GAVE_UP, next_job=self.queued_next())
         if failure.permanent:
-            subject = f"training failed: {failure.reason}; group scaled to zero"
+            subject = f"training failed: {failure.reason}"
             why = f"This failure is permanent ({failure.reason}): another instance cannot fix it."
         elif repeated:
-            subject = "training failed twice at the same step; group scaled to zero"
+            subject = "training failed twice at the same step"
             why = f"The job failed the same way twice in a row ({failure.reason} at the same step)."
         else:
-            subject = f"training failed {failures} times in a row; group scaled to zero"
+            subject = f"training failed {failures} times in a row"
             why = f"The job failed {failures} times in a row (trainstack:maxConsecutiveFailures = {limit})."
-        self.notify_and_scale_to_zero(
-            subject,
-            [
-                why,
-                f"Last failure on {life.identity.instance_id if life.identity else '?'}: {failure.reason}",
-                "The group has been scaled to zero so that nothing bills. Last log lines:",
-                *[f"  {line}" for line in failure.lines[-25:]],
-                f"Fix: {failure.fix}"
-                if failure.fix
-                else f"Fix the cause, then start again: {RESUME_COMMAND}",
-            ],
-        )
+        following = self.queued_next()
+        lines = [
+            why,
+            f"Last failure on {life.identity.instance_id if life.identity else '?'}: {failure.reason}",
+            "The group has been scaled to zero so that nothing bills. Last log lines:"
+            if following is None
+            else "Last log lines:",
+            *[f"  {line}" for line in failure.lines[-25:]],
+            f"Fix: {failure.fix}" if failure.fix else f"Fix the cause, then start again: {RESUME_COMMAND}",
+        ]
+        if following is not None:
+            self.notify_next(following, subject, lines)
+            self.log.event("end", subject, reason=failure.reason, consecutive_failures=failures)
+            return LifeResult(LifeEnd.GAVE_UP, next_job=following)
+        subject += "; group scaled to zero"
+        self.notify_and_scale_to_zero(subject, lines)
         self.log.event("end", subject, reason=failure.reason, consecutive_failures=failures)
         return LifeResult(LifeEnd.GAVE_UP)
 
-    def gave_up_on_starting(self, identity: InstanceIdentity) -> LifeResult:
-        """systemd's start limit was hit (`--give-up`): the job failed; notify and scale to zero."""
+    def gave_up_on_starting(self, identity: InstanceIdentity, *, has_job: bool = True) -> LifeResult:
+        """systemd's start limit was hit (`--give-up`): the job failed; notify and scale to zero.
+        `has_job`: False when the agent config defines no job and none is current (no ledger to mark)."""
         try:
-            self.job.record(lambda ledger: ledger.set_status(JobStatus.FAILED))
+            if has_job:
+                self.job.record(lambda ledger: ledger.set_status(JobStatus.FAILED))
         finally:
             self.notify_and_scale_to_zero(
                 "the agent keeps failing; group scaled to zero",
@@ -343,19 +377,100 @@ class Outcomes:
 
     def cost_cap_reached(self) -> LifeResult:
         if not self.end_job(LifeOutcome.COST_CAP, JobStatus.COST_CAP):
-            return LifeResult(LifeEnd.COST_CAP)
+            return LifeResult(LifeEnd.COST_CAP, next_job=self.queued_next())
         total = self.job.ledger.total_cost_usd
-        self.notify_and_scale_to_zero(
-            "cost cap reached; group scaled to zero",
-            [
-                f"The job's estimated cost ${total:.4f} reached the cap "
-                f"trainstack:maxCostUsd = ${self.config.max_cost_usd}.",
-                f"The latest checkpoint is kept in s3://{self.config.bucket}/{self.config.prefixes.checkpoints}.",
-                f"Raise trainstack:maxCostUsd, run pulumi up, then continue from it with: {RESUME_COMMAND}",
-            ],
-        )
+        lines = [
+            f"The job's estimated cost ${total:.4f} reached the cap "
+            f"trainstack:maxCostUsd = ${self.config.max_cost_usd}.",
+            f"The latest checkpoint is kept in s3://{self.config.bucket}/{self.config.prefixes.checkpoints}.",
+            f"Raise trainstack:maxCostUsd, run pulumi up, then continue from it with: {RESUME_COMMAND}",
+        ]
+        following = self.queued_next()
+        if following is not None:
+            self.notify_next(following, "cost cap reached", lines)
+            self.log.event("end", "cost cap reached", cost_usd=total, next_job=following)
+            return LifeResult(LifeEnd.COST_CAP, next_job=following)
+        self.notify_and_scale_to_zero("cost cap reached; group scaled to zero", lines)
         self.log.event("end", "cost cap reached; scaled to zero", cost_usd=self.job.ledger.total_cost_usd)
         return LifeResult(LifeEnd.COST_CAP)
+
+    def cancelled(self) -> LifeResult:
+        """`trainstack cancel`: the job stopped with its checkpoint confirmed (or before it trained) and is
+        over; the next queued job runs here, or the group goes to zero."""
+        if not self.end_job(LifeOutcome.CANCELLED, JobStatus.CANCELLED):
+            return LifeResult(LifeEnd.CANCELLED, next_job=self.queued_next())
+        lines = [
+            "The job was cancelled (`trainstack cancel`); its newest confirmed checkpoint is kept in "
+            f"s3://{self.config.bucket}/{self.config.prefixes.checkpoints}.",
+        ]
+        following = self.queued_next()
+        if following is not None:
+            self.notify_next(following, "cancelled", lines)
+            self.log.event("end", "cancelled", next_job=following)
+            return LifeResult(LifeEnd.CANCELLED, next_job=following)
+        self.notify_and_scale_to_zero("cancelled; group scaled to zero", lines)
+        self.log.event("end", "cancelled; scaled to zero")
+        return LifeResult(LifeEnd.CANCELLED)
+
+    def yielded(self, life: LifeFacts) -> LifeResult:
+        """A `--now` job asked for this instance: this job stopped at a confirmed checkpoint and waits in the
+        queue again (status `queued`), to resume from that checkpoint after it. No notification: it is not
+        over."""
+
+        def wait_again(ledger: JobLedger) -> None:
+            ledger.end_life(LifeOutcome.YIELDED, utc_now(), phase=life.phase)
+            ledger.set_status(JobStatus.QUEUED)
+
+        self.job.record(wait_again)
+        # The head is the `--now` job; if that one went away meanwhile, it is this job again. Unreadable:
+        # the next life binds again and finds whichever it is.
+        following = self.queued_next() or self.config.job_id
+        self.log.event(
+            "end",
+            "yielded to a --now job: back in the queue, resumes from its confirmed checkpoint",
+            next_job=following,
+        )
+        return LifeResult(LifeEnd.YIELDED, next_job=following)
+
+    def nothing_queued(self) -> LifeResult:
+        """No job running and none queued: nothing bills for nothing. No ledger is touched (no job)."""
+        self.log.event("queue", "no job is running and the queue holds none: scaling the group to zero")
+        try:
+            self.fleet.scale_to_zero()
+        except Exception as exc:
+            self.log.event(
+                "fleet",
+                "scale to zero FAILED: set the group's desired capacity to 0 by hand",
+                group=self.config.group_name,
+                error=one_line(exc),
+            )
+            raise
+        self.log.event("fleet", "group desired capacity set to 0", group=self.config.group_name)
+        return LifeResult(LifeEnd.NO_JOB)
+
+    def queued_next(self) -> str | None:
+        """The queued job this instance takes next; None (the group goes to zero) when there is none or the
+        queue cannot be read: an unreadable queue must never keep a GPU billing."""
+        if self._next_job is None:
+            return None
+        try:
+            return self._next_job()
+        except Exception as exc:
+            self.log.event("queue", "cannot read the job queue; scaling to zero", error=one_line(exc))
+            return None
+
+    def _subject(self, subject: str) -> str:
+        """Every notification names its job (the legacy job's keep their old subjects)."""
+        job = self.config.job_id
+        return subject if job == LEGACY_JOB_ID else f"job {job}: {subject}"
+
+    def notify_next(self, following: str, subject: str, lines: list[str]) -> None:
+        """The job ended and the queue holds `following`: say so; the group stays up for it."""
+        self.log.event("queue", "the next queued job runs on this instance", next_job=following)
+        self.notifier.publish(
+            self._subject(f"{subject}; next: {following}"),
+            [*lines, f"The next queued job, {following}, runs on this instance now (no reboot)."],
+        )
 
     def replace_unhealthy_instance(self, life: LifeFacts) -> LifeResult:
         identity = life.identity
@@ -400,7 +515,18 @@ class Outcomes:
                 self.log.event("fleet", "could not leave the group", error=one_line(exc), level="warning")
             else:
                 self.log.event("fleet", "left the group", decrement=decrement, group=self.config.group_name)
+        if outcome is LifeEnd.STANDBY_ENDED and self._job_over():
+            # The job ended (or yielded) while this instance waited warm: it stays in the group, so it goes
+            # on with the queue like the holder (there, the next job's standby), never idling billed.
+            return LifeResult(outcome, next_job=self.queued_next())
         return LifeResult(outcome)
+
+    def _job_over(self) -> bool:
+        try:
+            status = self.job.ledger_store.load().status
+        except Exception:  # unknown: the agent exits as before and the next boot binds afresh
+            return False
+        return status in TERMINAL_STATUSES or status == JobStatus.QUEUED
 
     def notify_and_scale_to_zero(self, subject: str, lines: list[str]) -> None:
         # Scale to zero first: a notification that cannot be sent must never keep the group billing.
@@ -413,10 +539,10 @@ class Outcomes:
                 group=self.config.group_name,
                 error=one_line(exc),
             )
-            self.notifier.publish(subject + " (scale to zero FAILED)", lines)
+            self.notifier.publish(self._subject(subject) + " (scale to zero FAILED)", lines)
             raise
         self.log.event("fleet", "group desired capacity set to 0", group=self.config.group_name)
-        self.notifier.publish(subject, lines)
+        self.notifier.publish(self._subject(subject), lines)
 
     def release_instance(self, identity: InstanceIdentity) -> None:
         """Complete the group's drain hook once the instance is terminating, so it stops billing at once

@@ -2,6 +2,7 @@
 
 A replacement launched after a `pulumi up` that changed the job carries the new code in its user-data; the
 job that is still running must not be continued by it (docs/internals.md, "Binding a life to its job").
+The same holds for the next queued job on an instance that is up: it runs the code it was submitted with.
 The job's record names its bundle; the agent unpacks it beside its own code (as install-agent.sh does,
 `<install root>/<sha256>/`) and replaces itself with the same entry point run from there, with the job's
 fields over this instance's agent config.
@@ -17,17 +18,18 @@ import sys
 import tarfile
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import MISSING, asdict, is_dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
 
 from bootstrap.agent_config import AgentConfig
-from bootstrap.jobbinding import JOB_FIELDS
+from bootstrap.jobbinding import OVERRIDE_FIELDS, record_fields
 from bootstrap.trainer import CODE_ROOT
 
-# Set for the re-executed agent: it must serve that job with its own code, never hop again.
+# Set for the re-executed agent to the job it runs: it must serve that job with its own code, never hop again
+# for the same job (a hop loop); going on to another queued job with that job's code is allowed.
 PINNED_ENV = "TRAINSTACK_PINNED_JOB"
 
 
@@ -36,13 +38,30 @@ class PinnedCodeError(RuntimeError):
 
 
 def pinned_config(config: AgentConfig, record: dict[str, Any]) -> dict[str, Any]:
-    """This instance's agent config (stack, bucket, group…) with the running job's definition over it."""
-    merged = asdict(config)
-    agent = record.get("agent") or {}
-    for name in JOB_FIELDS:
-        if name in agent:
-            merged[name] = agent[name]
-    return merged
+    """This instance's agent config (stack, bucket, group…) with the running job's definition over it.
+
+    The stack settings a record overrides (its cost cap, instance count) stay the stack's here: the
+    re-executed agent reads the record again when it binds, and must not pass them on to the next job."""
+    merged = record_fields(config, record)
+    for name in OVERRIDE_FIELDS:
+        merged[name] = getattr(config, name)
+    # The job's code may be older than this agent and refuse keys it does not know (exit 2, never
+    # restarted): a key at its default says nothing the older code's own default would not.
+    return {name: value for name, value in merged.items() if not _at_default(name, value)}
+
+
+def _at_default(name: str, value: Any) -> bool:
+    field = AgentConfig.__dataclass_fields__.get(name)
+    if field is None:
+        return False
+    if field.default is not MISSING:
+        return bool(value == field.default)
+    if field.default_factory is not MISSING:
+        default = field.default_factory()
+        if is_dataclass(default) and not isinstance(default, type):
+            return bool(value == asdict(default))
+        return bool(value == default)
+    return False  # required: always written
 
 
 def unpack_bundle(s3: Any, bucket: str, record: dict[str, Any], install_root: Path) -> Path:
@@ -92,9 +111,10 @@ def run_pinned(
     s3: Any, config: AgentConfig, record: dict[str, Any], *, install_root: Path | None = None
 ) -> NoReturn:
     """Replace this agent with the running job's own code (never returns; raises if it cannot)."""
-    if os.environ.get(PINNED_ENV):
+    if os.environ.get(PINNED_ENV) == str(record.get("job_id")):
         raise PinnedCodeError(
-            f"job {record.get('job_id')}: already running its pinned code, yet asked to hop again"
+            f"job {record.get('job_id')}: already running its pinned code, yet asked to hop again; "
+            "its record's bundle_key/bundle_sha256 must name the bundle it runs from"
         )
     root = install_root or default_install_root()
     code = unpack_bundle(s3, config.bucket, record, root)

@@ -18,7 +18,9 @@ Why S3, and why generations (docs/multi-node.md):
 - A node that arrives while a generation trains joins it as a client (newer than anything it ran, host
   alive); torch's own elastic restart absorbs it into a new round of that generation.
 - Liveness is a heartbeat in each node's own file. Clock skew between instances only shifts heartbeat ages:
-  EC2 instances keep NTP time (Amazon Time Sync), and `stale_seconds` is tens of seconds.
+  EC2 instances keep NTP time (Amazon Time Sync), and `stale_seconds` is tens of seconds. The survivors'
+  watch for a node that vanished mid-generation (bootstrap/generations.py) compares no clocks at all: it
+  reads every other node's file (`other_nodes`) and times how long its heartbeat stays unchanged.
 
 Keys under the job's state prefix:
 - `nodes/<instance_id>.json`: {"instance_id", "address", "heartbeat_at" (epoch s), "generation" (the one
@@ -288,6 +290,21 @@ class Rendezvous:
             for item in page.get("Contents", []):
                 if item["Key"].endswith(".json"):
                     yield item["Key"]
+
+    def other_nodes(self) -> dict[str, dict[str, Any]]:
+        """Every other node's file as it is, fresh or not, by instance id: what the peer watch compares from
+        one poll to the next (bootstrap/generations.py). Malformed files are left out."""
+        prefix = f"{self.prefix}{NODES}"
+        found: dict[str, dict[str, Any]] = {}
+        for key in self._node_keys():
+            instance_id = key[len(prefix) : -len(".json")]
+            if instance_id == self.instance_id:
+                continue
+            raw, _ = self._get(key)
+            node = _node_file(raw, instance_id)
+            if node is not None:
+                found[instance_id] = node
+        return found
 
     def live_nodes(self) -> dict[str, dict[str, Any]]:
         """Every node whose heartbeat is fresh, by instance id (one list and one get per node file: the

@@ -28,6 +28,9 @@ STOP_OUTCOMES = {
     # One writer per job (bootstrap/standby.py): a ready standby continues, or a newer holder took over.
     "handover": LifeEnd.HANDED_OVER,
     "lease_lost": LifeEnd.SUPERSEDED,
+    # The job queue (bootstrap/jobbinding.py): `trainstack cancel`, or a `--now` job asking for the instance.
+    "cancel": LifeEnd.CANCELLED,
+    "yield": LifeEnd.YIELDED,
 }
 
 

@@ -4,6 +4,10 @@
 
 `python -m demo --rebalance`: a rebalance recommendation, the group's replacement waits as the job's warm
 standby and takes over at a step boundary, one writer at a time (demo/rebalance.py).
+
+`python -m demo --queue`: jobs submitted with `trainstack run` to a stack that stays up: two examples, each
+interrupted by a spot notice and resumed, the second run after the first on the same instance without a
+reboot, a third cancelled before it runs, the group at zero at the end (demo/queue.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ if TYPE_CHECKING:
 DEFAULT_WORKDIR = Path(".demo/end-to-end")
 MULTI_NODE_WORKDIR = Path(".demo/multi-node")
 REBALANCE_WORKDIR = Path(".demo/rebalance")
+QUEUE_WORKDIR = Path(".demo/queue")
 # Piped or logged (CI), rich would assume 80 columns: tables get this width instead, and lines never wrap.
 PIPED_WIDTH = 160
 
@@ -43,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         "--workdir",
         type=Path,
         help=f"the demo's own folder, emptied at each run (default {DEFAULT_WORKDIR}; "
-        f"{MULTI_NODE_WORKDIR} with --nodes 2, {REBALANCE_WORKDIR} with --rebalance)",
+        f"{MULTI_NODE_WORKDIR} with --nodes 2, {REBALANCE_WORKDIR} with --rebalance, {QUEUE_WORKDIR} with "
+        "--queue)",
     )
     parser.add_argument(
         "--job",
@@ -62,14 +68,24 @@ def main(argv: list[str] | None = None) -> int:
         help="a rebalance recommendation instead of a spot notice: the group's replacement waits as the "
         "job's warm standby and takes over at a step boundary (built-in trainer, one node)",
     )
+    parser.add_argument(
+        "--queue",
+        action="store_true",
+        help="jobs submitted with `trainstack run` to a stack that stays up: two examples, each through a "
+        "spot notice, the second on the same instance after the first without a reboot, a third cancelled",
+    )
     args = parser.parse_args(argv)
     console = demo_console()
-    refused = _refuse_nodes(args.nodes, args.job) or _refuse_rebalance(args.rebalance, args.nodes, args.job)
+    refused = (
+        _refuse_nodes(args.nodes, args.job)
+        or _refuse_rebalance(args.rebalance, args.nodes, args.job)
+        or _refuse_queue(args.queue, args.nodes, args.job, args.rebalance)
+    )
     if refused:
         console.print(f"[bold red]error:[/] {escape(refused)}", highlight=False)
         return 2
     multi_node = args.nodes > 1
-    job_file = args.job / "job.yaml" if args.job is not None and args.job.is_dir() else args.job
+    job_file = job_file_of(args.job) if args.job is not None else None
     if job_file is not None:
         from bootstrap.job import JobSpecError, load_job_spec
 
@@ -90,11 +106,33 @@ def main(argv: list[str] | None = None) -> int:
     from demo.run import Demo
 
     default_workdir = (
-        REBALANCE_WORKDIR if args.rebalance else MULTI_NODE_WORKDIR if multi_node else DEFAULT_WORKDIR
+        QUEUE_WORKDIR
+        if args.queue
+        else REBALANCE_WORKDIR
+        if args.rebalance
+        else MULTI_NODE_WORKDIR
+        if multi_node
+        else DEFAULT_WORKDIR
     )
     workdir = (args.workdir or default_workdir).resolve()
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
+    if args.queue:
+        from demo.queue import QueueDemo
+        from demo.report_queue import report as queue_report
+
+        console.rule(
+            "trainstack local queue demo: jobs submitted with `trainstack run` to a stack that stays up, "
+            "embedded S3/KMS/SNS/Auto Scaling (moto) + a simulated IMDS"
+        )
+        try:
+            with moto_server() as endpoint:
+                os.environ["AWS_ENDPOINT_URL"] = endpoint
+                queued = QueueDemo(workdir, console).run()
+        except Exception as exc:
+            console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
+            return 1
+        return _verdict(queue_report(queued, console), console)
     if args.rebalance:
         from demo.rebalance import RebalanceDemo
         from demo.report_rebalance import report as rebalance_report
@@ -142,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     return _verdict(checks(result), console)
 
 
+def job_file_of(job: Path) -> Path:
+    """`--job`: a job file, or a folder holding job.yaml (`--job examples/charlm`)."""
+    return job / "job.yaml" if job.is_dir() else job
+
+
 def _refuse_nodes(nodes: int, job: Path | None) -> str | None:
     """Why `--nodes` cannot run as asked (one line), or None."""
     if nodes < 1:
@@ -162,6 +205,18 @@ def _refuse_rebalance(rebalance: bool, nodes: int, job: Path | None) -> str | No
         return "--rebalance is the single-node story (lease and warm standby); leave out --nodes"
     if job is not None:
         return "--rebalance runs the built-in trainer (its gated start is the warm standby the story shows)"
+    return None
+
+
+def _refuse_queue(queue: bool, nodes: int, job: Path | None, rebalance: bool) -> str | None:
+    """Why `--queue` cannot run as asked (one line), or None."""
+    if not queue:
+        return None
+    if job is not None or nodes > 1 or rebalance:
+        return (
+            "--queue submits its own jobs (two examples and the built-in trainer) on one node: leave out "
+            "--job, --nodes and --rebalance"
+        )
     return None
 
 

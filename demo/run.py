@@ -184,14 +184,11 @@ class Demo:
         bundle = build_bundle(REPO, job_dir=self.job_dir)
         result.bundle_key = bundle.key()
         stack.client("s3").put_object(Bucket=stack.bucket, Key=result.bundle_key, Body=bundle.data)
-        job = yaml.safe_load(JOB_CONFIG.read_text())
-        user_job = self.job.to_mapping() if self.job else None
-        config = stack.agent_config(job=job, user_job=user_job, stall_minutes=5.0)
         if self.job is not None:
             self.console.print(
                 f"[bold]job[/] {self.job.name}: {' '.join(self.job.command)} (in {self.job_dir})"
             )
-        user_data = render_user_data(config, bundle_key=result.bundle_key, bundle_sha256=bundle.sha256)
+        user_data = self.user_data(stack, result.bundle_key, bundle.sha256)
         user_data_path = self.workdir / "user-data.yaml"
         user_data_path.write_text(user_data)
         result.user_data_bytes = len(user_data.encode())
@@ -222,6 +219,13 @@ class Demo:
         result.metrics, result.artifacts, result.ledger = end.metrics, end.artifacts, end.ledger
         result.desired_capacity, result.alerts = end.desired_capacity, end.alerts
         return result
+
+    def user_data(self, stack: LocalStack, bundle_key: str, bundle_sha256: str) -> str:
+        """What `pulumi up` renders for this story's job: the built-in trainer's, or the `--job` given."""
+        job = yaml.safe_load(JOB_CONFIG.read_text())
+        user_job = self.job.to_mapping() if self.job else None
+        config = stack.agent_config(job=job, user_job=user_job, stall_minutes=5.0)
+        return render_user_data(config, bundle_key=bundle_key, bundle_sha256=bundle_sha256)
 
     def _life(
         self,

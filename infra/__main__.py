@@ -15,15 +15,16 @@ from bootstrap.agent_config import Prefixes  # noqa: E402
 from infra.bundle import build_bundle  # noqa: E402
 from infra.capacity import CapacityFallback, CapacityFallbackArgs, declared  # noqa: E402
 from infra.config import load_stack_config  # noqa: E402
+from infra.defaultjob import DefaultJob, DefaultJobArgs, submit_stack_job  # noqa: E402
 from infra.drill import Drill, DrillArgs  # noqa: E402
 from infra.fleet import Fleet, FleetArgs, resolve_image  # noqa: E402
 from infra.identity import Identity, IdentityArgs  # noqa: E402
-from infra.jobdef import define_stack_job  # noqa: E402
 from infra.network import Network, NetworkArgs  # noqa: E402
 from infra.observability import Observability, ObservabilityArgs  # noqa: E402
 from infra.placement import lookup_zones  # noqa: E402
 from infra.storage import Storage, StorageArgs  # noqa: E402
-from infra.wheels import INSTANCE_LOCK, INSTANCE_WHEELS_DIR, VendoredWheels, vendored_wheels  # noqa: E402
+from infra.vendored_wheels import VendoredWheels  # noqa: E402
+from infra.wheels import INSTANCE_LOCK, INSTANCE_WHEELS_DIR, vendored_wheels  # noqa: E402
 from trainstack_job.contract import StackOutput  # noqa: E402
 
 config = load_stack_config()
@@ -31,7 +32,10 @@ account_id = aws.get_caller_identity().account_id
 partition = aws.get_partition().partition
 zones = lookup_zones(config.instance_types, config.region)
 image = resolve_image(config)
-job = define_stack_job(config)
+# The stack's default job (trainstack:job / trainingConfig): submitted to the queue below, never in user-data.
+job = submit_stack_job(config)
+# The agent's own code, no job's: a job's code travels in the job's own bundle.
+agent_bundle = build_bundle()
 prefixes = Prefixes()
 tags = {"trainstack:project": config.project, "trainstack:stack": config.stack}
 
@@ -117,7 +121,7 @@ fleet = Fleet(
     FleetArgs(
         config=config,
         image=image,
-        bundle=build_bundle(job_dir=config.user_job_dir),
+        bundle=agent_bundle,
         bucket_name=storage.bucket.bucket,
         kms_key_arn=storage.key.arn,
         topic_arn=observability.topic.arn,
@@ -127,7 +131,18 @@ fleet = Fleet(
         security_group_id=network.security_group.id,
         subnet_ids=network.subnet_ids,
         tags=tags,
-        job=job,
+    ),
+)
+DefaultJob(
+    "default-job",
+    DefaultJobArgs(
+        submission=job,
+        bucket_name=storage.bucket.bucket,
+        kms_key_arn=storage.key.arn,
+        code_prefix=prefixes.code,
+        agent_bundle=agent_bundle,
+        agent_bundle_object=fleet.bundle_object,
+        tags=tags,
     ),
 )
 # The same function enforces the cost cap from outside the instance: declared when either is on.

@@ -10,19 +10,16 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pulumi
 import yaml
 
 from bootstrap.job import JobSpec, JobSpecError, load_job_spec
-from bootstrap.secrets import find_secret_values, parse_secrets
-from bootstrap.trainer import TrainerPaths
 from infra import wheels as vendored
 from infra.bundle import BundleError, job_files
 from infra.efa import EfaTableError, all_support_efa, efa_interfaces, unknown_efa_types
 from infra.jobdef import define_job
-from training.config import ConfigError, apply_overrides, build_config
+from infra.submission import training_config_problems
 from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, check_job_id
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -116,8 +113,26 @@ _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[A-Za-z]{2,}$")
 _PRICE = re.compile(r"^\d+(\.\d+)?$")
 
 
-class StackConfigError(pulumi.RunError):
-    """The stack config is invalid; the message lists every bad key, why, and a valid example."""
+if TYPE_CHECKING:
+    from pulumi import RunError as _ConfigRunError
+else:
+    try:
+        # Under `pulumi up`/`preview` the engine prints a RunError's message without a stack trace.
+        from pulumi import RunError as _ConfigRunError
+    except ImportError:  # the ops CLI's base install (boto3, pyyaml, rich) reads the config without Pulumi
+        _ConfigRunError = RuntimeError
+
+
+class StackConfigError(_ConfigRunError):
+    """The stack config is invalid; the message lists every bad key, why, and a valid example.
+
+    `problems` holds the same lines one by one (`trainstack:<key>: <why> (e.g. ...)`), for the CLI to print
+    each on its own line with the file it read.
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
 
 
 @dataclass(frozen=True)
@@ -216,16 +231,49 @@ class _Problems:
 
 def load_stack_config() -> StackConfig:
     """Read the running stack's config (raw strings, as the Pulumi engine passes them) and validate it."""
-    raw: dict[str, str] = {}
-    prefix = f"{NAMESPACE}:"
-    for key, value in {**pulumi.runtime.get_config_env(), **pulumi.runtime.config.CONFIG.get()}.items():
-        if key.startswith(prefix):
-            raw[key[len(prefix) :]] = value
+    import pulumi  # only the program needs the engine; the CLI reads the schema through read_stack_config
+
+    values = {**pulumi.runtime.get_config_env(), **pulumi.runtime.config.CONFIG.get()}
     region = pulumi.Config("aws").get("region") or ""
-    return parse_stack_config(raw, region=region, project=pulumi.get_project(), stack=pulumi.get_stack())
+    return parse_stack_config(
+        _own_keys(values), region=region, project=pulumi.get_project(), stack=pulumi.get_stack()
+    )
 
 
-def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, stack: str) -> StackConfig:
+def read_stack_config(
+    values: Mapping[str, Any], *, project: str, stack: str, require_region: bool = True
+) -> StackConfig:
+    """The same schema without Pulumi's engine (the CLI has none): `values` are a stack's config as its
+    `Pulumi.<stack>.yaml` or `pulumi config --json` holds them (`aws:region`, `trainstack:instanceCount`...),
+    over Pulumi.yaml's defaults; every key is parsed and checked exactly as `pulumi preview` does.
+
+    `require_region=False`: a missing `aws:region` is no problem here (the CLI's `--region` may stand for it);
+    `StackConfig.region` is then "".
+    """
+    region = values.get("aws:region")
+    if region is not None and not isinstance(region, str):
+        problem = (
+            f"aws:region: must be a string, got {region!r} (e.g. `pulumi config set aws:region us-east-1`)"
+        )
+        raise StackConfigError(f"stack '{stack}' config has 1 problem:\n  - {problem}", [problem])
+    return parse_stack_config(
+        _own_keys(values), region=region or "", project=project, stack=stack, require_region=require_region
+    )
+
+
+def _own_keys(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The `trainstack:` keys without their namespace; a key set to null counts as not set."""
+    prefix = f"{NAMESPACE}:"
+    return {
+        key[len(prefix) :]: value
+        for key, value in values.items()
+        if key.startswith(prefix) and value is not None
+    }
+
+
+def parse_stack_config(
+    raw: Mapping[str, Any], *, region: str, project: str, stack: str, require_region: bool = True
+) -> StackConfig:
     """Validate raw values (strings, or already typed); raise one message listing every problem."""
     problems = _Problems()
     for key in raw:
@@ -236,7 +284,7 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
                 f"{NAMESPACE}:{key}: unknown key, {hint} "
                 f"(remove it with `pulumi config rm {NAMESPACE}:{key}`)"
             )
-    if not region:
+    if not region and require_region:
         problems.lines.append("aws:region: required (e.g. `pulumi config set aws:region us-east-1`)")
 
     def value(key: str, parse: Callable[[Any], Any], example: str) -> Any:
@@ -392,7 +440,9 @@ def parse_stack_config(raw: Mapping[str, Any], *, region: str, project: str, sta
     if problems.lines:
         count = len(problems.lines)
         header = f"stack '{stack}' config has {count} problem{'s' if count > 1 else ''}:"
-        raise StackConfigError("\n".join([header, *(f"  - {line}" for line in problems.lines)]))
+        raise StackConfigError(
+            "\n".join([header, *(f"  - {line}" for line in problems.lines)]), problems.lines
+        )
     return StackConfig(
         project=project,
         stack=stack,
@@ -715,18 +765,10 @@ def _load_training_config(path_text: str, problems: _Problems) -> tuple[Path, di
     if not isinstance(job, dict):
         problems.add("trainingConfig", f"{path} must hold a YAML mapping (the trainer's config)", example)
         return path, {}
-    # The trainer's own validator (no torch import), so a typo fails `pulumi preview`, not a GPU instance.
     shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
-    # `secrets:` is the agent's section (bootstrap/secrets.py), never the trainer's: checked here, then left
-    # out of what the trainer validates. No value in the file may look like a credential (it is user data).
-    trainer_sections = {k: v for k, v in job.items() if k != "secrets"}
-    where = f"{NAMESPACE}:trainingConfig: {shown}"
-    problems.lines.extend(parse_secrets(job.get("secrets"), f"{where}: secrets")[1])
-    problems.lines.extend(find_secret_values(trainer_sections, where))
-    try:
-        build_config(apply_overrides(trainer_sections, _instance_overrides()))
-    except ConfigError as exc:
-        problems.lines.extend(f"{where}: {problem}" for problem in exc.problems)
+    # The same checks as `trainstack run --config` (the agent's `secrets:`, no credential-looking value, the
+    # trainer's own validator without torch), so a typo fails `pulumi preview`, not a GPU instance.
+    problems.lines.extend(training_config_problems(job, f"{NAMESPACE}:trainingConfig: {shown}"))
     return path, job
 
 
@@ -748,11 +790,3 @@ def _load_user_job(path_text: str, problems: _Problems) -> tuple[JobSpec | None,
         problems.lines.append(str(exc))
         return None, None
     return spec, workdir
-
-
-def _instance_overrides() -> list[str]:
-    """What the agent sets on the instance, with placeholder paths: the file's own values for these keys never
-    reach the trainer, so preview neither checks them nor needs the folders to exist."""
-    paths = TrainerPaths(scratch=Path("/scratch"))
-    # The agent also passes the instance's GPU count (bootstrap/trainer.py: default_trainer_command).
-    return [*paths.overrides(), "train.processes=1"]

@@ -1,4 +1,7 @@
-"""Fleet: the code bundle in S3, the launch template (DLAMI, IMDSv2, encrypted root) and the spot group."""
+"""Fleet: the agent's code bundle in S3, the launch template (DLAMI, IMDSv2, encrypted root), the spot group.
+
+The launch template carries the agent's bootstrap only, never a job: jobs are submitted to the stack's queue
+(infra/defaultjob.py, `trainstack run`), so a new job never rolls a template version."""
 
 from __future__ import annotations
 
@@ -13,11 +16,12 @@ from bootstrap.cloud_init import UserDataError, render_user_data
 from infra.bundle import CodeBundle
 from infra.config import NAMESPACE, StackConfig, StackConfigError
 from infra.efa import EfaTableError, efa_interfaces
-from infra.jobdef import JobDefinition, define_stack_job
 
 # The agent completes this hook once its last upload is confirmed, so a scale-in never cuts one short.
 LIFECYCLE_HOOK_NAME = "trainstack-drain"
 LIFECYCLE_HEARTBEAT_SECONDS = 600
+# The agent config's job id when it defines no job: the agent takes the queue's head.
+NO_JOB = ""
 
 
 @dataclass(frozen=True)
@@ -72,8 +76,6 @@ class FleetArgs:
     security_group_id: pulumi.Input[str]
     subnet_ids: list[pulumi.Output[str]]
     tags: dict[str, str] = field(default_factory=dict)
-    # The stack's job (infra/jobdef.py); None = defined here from `config`.
-    job: JobDefinition | None = None
     # The role the agent narrows to the job's own credentials (infra/identity.py); None = the job gets none.
     job_role_arn: str | None = None
 
@@ -93,10 +95,10 @@ class Fleet(pulumi.ComponentResource):
         self._child = pulumi.ResourceOptions(parent=self)
         config = args.config
         bundle_key = args.bundle.key()
-        job = args.job or define_stack_job(config)
-        # Content-addressed: a code change is a new key, hence new user-data and a new template version.
-        # Retained when a later `pulumi up` replaces it: a job started on this code keeps it, and a
-        # replacement instance of that job boots it again (docs/internals.md, "Binding a life to its job").
+        # The agent's own code (no job's): content-addressed, so a change of trainstack's code is a new key,
+        # hence new user-data and a new template version; a job's code never is. Retained when a later
+        # `pulumi up` replaces it: a job started on this code keeps it, and the built-in trainer's jobs name
+        # it in their records (docs/internals.md, "Binding a life to its job").
         self.bundle_object = aws.s3.BucketObjectv2(
             f"{name}-bundle",
             bucket=args.bucket_name,
@@ -116,7 +118,6 @@ class Fleet(pulumi.ComponentResource):
                     bucket=values[0],
                     topic_arn=values[1],
                     log_group=args.log_group_name,
-                    job=job,
                     bundle=args.bundle,
                     job_role_arn=args.job_role_arn,
                 ),
@@ -132,7 +133,6 @@ class Fleet(pulumi.ComponentResource):
                 "group_name": self.group.name,
                 "launch_template_id": self.launch_template.id,
                 "bundle_key": self.bundle_object.key,
-                "job_id": job.job_id,
             }
         )
 
@@ -293,11 +293,11 @@ class Fleet(pulumi.ComponentResource):
 
 
 def _user_data(config: AgentConfig, bundle_key: str, bundle_sha256: str) -> str:
-    """The base64 user-data; a trainer config too big for EC2's 16 KB is a config error, not a crash."""
+    """The base64 user-data; over EC2's 16 KB is a stack error naming the cause, not a crash."""
     try:
         text = render_user_data(config, bundle_key=bundle_key, bundle_sha256=bundle_sha256)
     except UserDataError as exc:
-        raise StackConfigError(f"{NAMESPACE}:trainingConfig: {exc}") from exc
+        raise StackConfigError(f"{NAMESPACE}: launch template user-data: {exc}") from exc
     return base64.b64encode(text.encode()).decode()
 
 
@@ -307,15 +307,15 @@ def agent_config(
     bucket: str,
     topic_arn: str,
     log_group: str,
-    job: JobDefinition | None = None,
     bundle: CodeBundle | None = None,
     job_role_arn: str | None = None,
 ) -> AgentConfig:
     """The agent's config for this stack: the one `bootstrap/` definition, filled from the stack's.
 
-    `job` defaults to the job `config` defines; without `bundle` the config names no bundle (tests, by hand).
+    It defines no job (`job_id: ""`, no `job`/`user_job`): the agent takes its jobs from the stack's queue,
+    the stack's default job included (infra/defaultjob.py). Without `bundle` the config names no bundle
+    (tests, by hand).
     """
-    job = job or define_stack_job(config)
     return AgentConfig(
         region=config.region,
         bucket=bucket,
@@ -332,11 +332,11 @@ def agent_config(
         root_volume_gb=config.root_volume_size_gb,
         efa=config.efa,
         lifecycle_hook=LIFECYCLE_HOOK_NAME,
-        job=config.job,
-        user_job=config.user_job.to_mapping() if config.user_job else None,
-        job_id=job.job_id,
-        job_name=job.name,
-        resume_from=job.resume_from,
+        job={},
+        user_job=None,
+        job_id=NO_JOB,
+        job_name="",
+        resume_from=None,
         bundle_key=bundle.key() if bundle else "",
         bundle_sha256=bundle.sha256 if bundle else "",
         job_role_arn=job_role_arn,

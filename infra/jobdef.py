@@ -1,5 +1,6 @@
-"""The stack's job: its id, fixed when `pulumi up` defines it (docs/internals.md, "Jobs, the lease and the
-standby").
+"""A job's definition and id (docs/internals.md, "Jobs, the lease and the standby"), fixed when it is
+submitted: the stack's default job by `pulumi up` (infra/defaultjob.py), any other by `trainstack run`
+(infra/submission.py, which may add the submission time to make each run a job of its own).
 
 A job is its definition: what it runs (the trainer config or a user's job spec), the job's own code and where
 it starts from (`trainstack:resumeFrom`). Equal definitions give equal ids on any machine and in any run: only

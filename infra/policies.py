@@ -8,6 +8,8 @@ from typing import Any
 
 from bootstrap.agent_config import Prefixes
 from bootstrap.secrets import SECRETS_ROOT
+from trainstack_job.datasets import DATASETS_PREFIX
+from trainstack_job.queue import QUEUE_PREFIX
 
 Document = dict[str, Any]
 
@@ -234,8 +236,9 @@ def instance_policy(
     """What an instance may do: this bucket's prefixes, this key, this topic, this log group, this group,
     and (with `job_role_arn`) take the stack's job role to hand its job narrower credentials."""
     prefixes = prefixes or Prefixes()
-    # code/: the bundle this config names, and a running job's pinned bundle from an earlier `pulumi up`.
-    read_prefixes = [prefixes.data, prefixes.code]
+    # code/: the bundle this config names, and a running job's pinned bundle from an earlier `pulumi up`;
+    # datasets/: the named datasets a job may train on (their manifests are under state/).
+    read_prefixes = [prefixes.data, prefixes.code, DATASETS_PREFIX]
     # jobs/: every job's own objects (an instance may continue another job, or start from one's checkpoint);
     # checkpoints/, results/, state/: the legacy job's, and state/ the stack's current-job pointer.
     write_prefixes = [prefixes.jobs, prefixes.checkpoints, prefixes.results, prefixes.state]
@@ -265,6 +268,22 @@ def instance_policy(
             "Effect": "Allow",
             "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
             "Resource": [f"{bucket_arn}/{p}*" for p in write_prefixes],
+        },
+        {
+            # The job queue (bootstrap/jobbinding.py): the agent lists and reads the entries to take the next
+            # job, and writes (once, If-None-Match) the entry of the job its own agent config defines.
+            # Nothing on an instance deletes an entry.
+            "Sid": "ListTheJobQueue",
+            "Effect": "Allow",
+            "Action": "s3:ListBucket",
+            "Resource": bucket_arn,
+            "Condition": {"StringLike": {"s3:prefix": [f"{QUEUE_PREFIX}*"]}},
+        },
+        {
+            "Sid": "ReadAndSubmitQueueEntries",
+            "Effect": "Allow",
+            "Action": ["s3:GetObject", "s3:PutObject"],
+            "Resource": f"{bucket_arn}/{QUEUE_PREFIX}*",
         },
         {
             "Sid": "UseStackKey",

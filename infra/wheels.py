@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import pulumi
-import pulumi_aws as aws
 
 from bootstrap.bootlock import LockEntry, LockError, canonical, parse_lock
 from bootstrap.job import VENDORED_WHEELS_DIR
@@ -76,30 +72,3 @@ def vendored_wheels(lock: Path, wheels_dir: Path) -> list[VendoredWheel]:
             f"{wheels_dir} lacks a wheel matching {lock.name}'s hashes for {', '.join(missing)}"
         )
     return found
-
-
-class VendoredWheels(pulumi.ComponentResource):
-    """The locked wheels as objects of the stack's bucket, under WHEELS_PREFIX."""
-
-    def __init__(
-        self,
-        name: str,
-        bucket: pulumi.Input[str],
-        wheels: Sequence[VendoredWheel],
-        tags: dict[str, str],
-        opts: pulumi.ResourceOptions | None = None,
-    ) -> None:
-        super().__init__("trainstack:wheels:VendoredWheels", name, None, opts)
-        keys = []
-        for wheel in wheels:
-            key = f"{WHEELS_PREFIX}{wheel.path.name}"
-            aws.s3.BucketObjectv2(
-                f"{name}-{wheel.path.name}",
-                bucket=bucket,
-                key=key,
-                source=pulumi.FileAsset(str(wheel.path)),
-                tags=tags,
-                opts=pulumi.ResourceOptions(parent=self),
-            )
-            keys.append(key)
-        self.register_outputs({"keys": keys})

@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from training.stop import StopRequest
+from training.stop import STOP_SIGNALS, StopRequest
 from trainstack_job.contract import ExitCode, JobEnv
 
 if TYPE_CHECKING:
@@ -162,15 +163,28 @@ def _checked_config(path: str, overrides: list[str]) -> Config:
     return config
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, process_exit: bool = False) -> int:
+    """`process_exit`: this call is the process's whole work (`python -m training`, every rank and launcher):
+    from its end on, stop signals stay blocked until the process exits instead of going back to their
+    default action."""
     # First thing: from here on SIGTERM/SIGINT only raise a flag, so a stop at any moment of start-up (config,
     # slow imports, restore) ends in the Trainer's clean exit 75, never a traceback or death by signal.
     stop = StopRequest()
     stop.install()
     started = time.monotonic()
+    from training.launch import rank_started
+
+    rank_started()  # under the launcher: this rank ran, so its generation trained whatever ends it
     try:
         return _main(argv, stop, started)
     finally:
+        if process_exit:
+            # Stops are idempotent: this process has ended its work, and a stop arriving now (a second
+            # notice, another node's stop reaching a rank that already stopped at the common step) has
+            # nothing left to stop. The default action would turn its exit 75 into death by signal (-15)
+            # and fail the whole group: blocked before the handler goes, such a stop stays pending until
+            # the process has exited, so no moment is left uncovered.
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         stop.uninstall()
 
 
@@ -257,4 +271,4 @@ def _run(
 if __name__ == "__main__":
     from training.launch import rank_exit
 
-    sys.exit(rank_exit(main()))
+    sys.exit(rank_exit(main(process_exit=True)))

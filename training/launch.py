@@ -19,7 +19,10 @@ The engine's defaults clash with that contract, so they are set through its API:
 
 Rank records are keyed by global rank, which on another node is not 0..processes-1, and a membership
 change starts a new round with new ranks: the rendezvous handler is wrapped (`_TrackedRendezvous`) so the
-launcher knows when a round forms and sets the previous round's records aside.
+launcher knows when a round forms and sets the previous round's records aside. Each rank also marks that it
+started (`rank_started`): a generation whose ranks ran here is reported as trained however it ends (the
+store lost, a rank killed), never as a rendezvous that never formed (docs/multi-node.md, "Faults without a
+word").
 """
 
 from __future__ import annotations
@@ -63,6 +66,12 @@ JOIN_TIMEOUT_SECONDS = 900.0
 # Once the minimum of nodes is there, how long the rendezvous still admits more before it forms: nodes the
 # agent started together join the same round instead of forcing a restart a moment later.
 LAST_CALL_SECONDS = 3.0
+# How long one operation on the rendezvous store may wait (torch's default is 60 s). Every node that a round
+# counted writes its rank information the moment the round closes, so normal operation waits milliseconds; a
+# node that quits between being counted and writing it (a stop while joining) would otherwise hold the others
+# for the whole 60 s before they can regroup. The engine's own waits (the join window, the exit barrier) have
+# their own timeouts and are not shortened by this.
+STORE_READ_TIMEOUT_SECONDS = 10
 # Multi-node, the store host only: the file descriptor of a listening TCP socket on the endpoint's port, which
 # the rendezvous store serves on. Whoever chose the endpoint bound port 0 and kept the socket listening, so
 # the port is never free between being published and being served (a port probed free, closed and bound
@@ -90,6 +99,14 @@ class _LastStep:
 def note_step(step: int) -> None:
     """The Trainer's current step, recorded by `rank_exit` so the launcher can report where ranks stopped."""
     _LastStep.step = int(step)
+
+
+def rank_started() -> None:
+    """Under this launcher, a rank says it started: its node's generation trained, however it ends (a rank
+    killed, the store lost), and is never reported as a rendezvous that never formed."""
+    directory = os.environ.get(RANK_STATUS_DIR)
+    if directory:
+        (Path(directory) / f"started-{os.environ.get('RANK', '0')}").touch()
 
 
 def rank_exit(code: int) -> int:
@@ -249,11 +266,20 @@ class _Rounds:
     def __init__(self, status_dir: Path) -> None:
         self.status_dir = status_dir
         self.joining = True  # before or inside a rendezvous: no rank of this node runs
+        self.trained = False  # a rank of this node started in some round of this launch
         self.stop_signal: int | None = None
         self.current = _Round()
         self.previous: _Round | None = None  # the last round whose ranks ran, before a membership change
 
+    def ranks_started(self) -> bool:
+        """Whether a rank of this node ever started in this launch (rank_started's markers, kept here)."""
+        for path in self.status_dir.glob("started-*"):
+            path.unlink(missing_ok=True)
+            self.trained = True
+        return self.trained
+
     def entering(self) -> None:
+        self.ranks_started()
         if self.stop_signal is not None:
             # A stop forwarded to the ranks raced a membership change: do not start another round.
             raise _StopBeforeRanks
@@ -311,7 +337,7 @@ def _handler_on_listener(params: RendezvousParameters, listen_fd: int) -> Rendez
         int(port),
         is_master=True,
         multi_tenant=True,
-        timeout=timedelta(seconds=params.get_as_int("read_timeout", 60) or 60),
+        timeout=timedelta(seconds=params.get_as_int("read_timeout", STORE_READ_TIMEOUT_SECONDS) or 60),
         master_listen_fd=listen_fd,
     )
     return create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
@@ -416,6 +442,7 @@ def _launch_config(processes: int, nodes: NodeRendezvous | None, run_id: str) ->
             # torch reads these as whole seconds.
             "join_timeout": max(1, math.ceil(nodes.join_timeout)),
             "last_call_timeout": max(1, math.ceil(nodes.last_call_timeout)),
+            "read_timeout": STORE_READ_TIMEOUT_SECONDS,
         },
         local_addr=nodes.local_addr,
         **common,
@@ -538,6 +565,7 @@ def launch(
         except _StopBeforeRanks:
             # Raised by `forward` in the rendezvous (or, rarely, while the lines above handled its end).
             pass
+        rounds.ranks_started()  # read before the folder goes
         if rounds.current.group_rank is not None:
             rounds.current.records = _recorded(Path(status_dir))
     return _finish(rounds, failures, processes, nodes, rendezvous_error, crashed)
@@ -566,10 +594,13 @@ def _finish(
     else:
         code = int(ExitCode.STOPPED) if rounds.stop_signal is not None else int(ExitCode.FAILED)
     rendezvous_failed = False
+    # Ranks of this node ran in the generation: whatever ended it (a rank killed, the store lost, a timeout)
+    # it trained, and is never reported as never formed.
+    trained = rounds.ranks_started() or bool(codes) or rounds.previous is not None
     if rendezvous_error is not None:
-        # Exit 1, but the agent retries in a new generation instead of counting a failure, unless a rank
-        # of this node failed first.
-        rendezvous_failed = not any(c not in (ExitCode.COMPLETED, ExitCode.STOPPED) for c in codes.values())
+        # Exit 1, but the agent retries in a new generation instead of counting a failure, unless ranks of
+        # this node ran (then the generation was lost, which the agent handles as such).
+        rendezvous_failed = not trained
         code = int(ExitCode.FAILED)
         where = (
             f"{nodes.run_id} at {nodes.endpoint} ({nodes.min_nodes}:{nodes.max_nodes} nodes, join timeout "
@@ -594,5 +625,7 @@ def _finish(
             rank0_here=last is not None and last.group_rank == 0,
             rendezvous_failed=rendezvous_failed,
             world_size=max(sizes) if sizes else None,
+            trained=trained,
+            ended_by=rendezvous_error,
         ).write(nodes.exit_file)
     return code

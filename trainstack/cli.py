@@ -10,13 +10,17 @@ from pathlib import Path
 from botocore.exceptions import BotoCoreError, ClientError
 
 from trainstack import (
+    cancel,
     control,
+    datapush,
+    datasets,
     doctor,
     drill,
     estimate,
     jobs,
     logs,
     prices,
+    run,
     secrets,
     session,
     status,
@@ -26,6 +30,7 @@ from trainstack.aws import Clients, explain
 from trainstack.errors import CliError
 from trainstack.output import print_error
 from trainstack.stack import Stack
+from trainstack.sweep import DEFAULT_METRIC
 
 # Commands that run before `pulumi up` read only the stack config; the rest need its outputs.
 _CONFIG_ONLY = {"doctor", "prices", "estimate"}
@@ -57,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="trainstack",
-        description="Check, watch, feed and stop a trainstack spot-GPU training environment.",
+        description="Run jobs on a trainstack spot-GPU training environment; check, watch, feed and stop it.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     both = [common, json_flag]
@@ -73,11 +78,78 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "status", parents=[*both, job_flag], help="group, the job's progress, latest checkpoint and cost"
     )
-    commands.add_parser(
+    jobs_parser = commands.add_parser(
         "jobs",
         parents=both,
-        help="every job in the stack's bucket: status, step, cost, age, which is current",
+        help="every job of the stack: queued (with its place), running, ended; step, cost, age",
     )
+    jobs_parser.add_argument(
+        "--sweep", metavar="NAME", help="a sweep's jobs side by side, best final metric first"
+    )
+    jobs_parser.add_argument(
+        "--metric",
+        default=DEFAULT_METRIC,
+        metavar="KEY",
+        help=f"dotted key of each job's results/metrics.json to rank a sweep by (default {DEFAULT_METRIC}, "
+        "the built-in trainer's validation accuracy)",
+    )
+    jobs_parser.add_argument(
+        "--lower-is-better", action="store_true", help="rank the sweep by the lowest --metric (e.g. a loss)"
+    )
+    run_parser = commands.add_parser(
+        "run",
+        parents=both,
+        help="submit a job to the running stack (no `pulumi up`) and follow it",
+        description="Validates the job here (every problem, one line each), uploads its code bundle "
+        "(content-addressed: once per code), writes its record and queue entry to the stack's bucket, scales "
+        "the group up if it is at zero, then follows the job: a status line and its logs until it ends "
+        "(exit 0 when it completed). Ctrl-C stops following, never the job. Never changes the launch "
+        "template or Pulumi state.",
+    )
+    run_parser.add_argument(
+        "job_file", nargs="?", type=Path, metavar="JOB.yaml", help="a user's job file (docs/job-contract.md)"
+    )
+    run_parser.add_argument(
+        "--config", type=Path, metavar="TRAINING.yaml", help="run the built-in trainer with this config"
+    )
+    run_parser.add_argument(
+        "--name", metavar="NAME", help="the job's name (default: the job file's, else the config's file name)"
+    )
+    run_parser.add_argument(
+        "--detach", action="store_true", help="print the job id and return (--json implies it)"
+    )
+    run_parser.add_argument(
+        "--now",
+        action="store_true",
+        help="ahead of the queue: a live instance runs it after its current job checkpoints and yields",
+    )
+    run_parser.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="queue one job per point of the grid (repeatable): dotted trainer-config keys "
+        "(train.lr=0.1,0.03) or, for a user's job, environment variables (LR=0.1,0.03)",
+    )
+    run_parser.add_argument(
+        "--data",
+        metavar="DATASET",
+        help="a dataset pushed with `trainstack data push DIR --name DATASET`: the job trains on its current "
+        "version (default: the default dataset, the version current when the job starts)",
+    )
+    run_parser.add_argument(
+        "--instances",
+        type=int,
+        metavar="N",
+        help="instances the built-in trainer's job trains on (default: trainstack:instanceCount; at most the "
+        "group's maximum)",
+    )
+    cancel_parser = commands.add_parser(
+        "cancel",
+        parents=both,
+        help="cancel a job: a queued one never runs, a running one checkpoints then stops",
+    )
+    cancel_parser.add_argument("job_id", metavar="ID", help="the job's id (`trainstack jobs` lists them)")
     logs_parser = commands.add_parser("logs", parents=[*both, job_flag], help="the job's CloudWatch logs")
     logs_parser.add_argument(
         "-f", "--follow", action="store_true", help="keep printing new events until Ctrl-C"
@@ -89,20 +161,40 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream", metavar="PREFIX", help="only the job's streams starting with PREFIX (e.g. an instance id)"
     )
 
-    data = commands.add_parser("data", help="the training dataset in the stack's bucket")
+    data = commands.add_parser("data", help="the stack's datasets: push a folder as a new version, list them")
     data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     push = data_commands.add_parser(
-        "push", parents=both, help="upload an ImageFolder dataset (train/ and val/)"
+        "push",
+        parents=both,
+        help="upload a folder of any files as a dataset's next version (only what changed is sent)",
+        description="Sends the files of DIR whose size or sha256 differ from the dataset's current "
+        "manifest, then writes the new manifest: the dataset's version is the hash of its files. Checked as "
+        "an ImageFolder (DIR/train/<class>/<image>, DIR/val/<class>/<image>) only when the built-in trainer "
+        "reads it.",
+    )
+    push.add_argument("dir", type=Path, metavar="DIR", help="the folder whose files make the dataset")
+    push.add_argument(
+        "--name",
+        default="",
+        metavar="DATASET",
+        help="a named dataset under datasets/DATASET/ (default: the stack's dataset under data/)",
     )
     push.add_argument(
-        "dir",
-        type=Path,
-        metavar="DIR",
-        help="the dataset folder: DIR/train/<class>/<image> and DIR/val/<class>/<image>, same classes",
+        "--delete", action="store_true", help="remove the dataset's objects for files DIR no longer has"
     )
-    push.add_argument("--force", action="store_true", help="replace the dataset even while training runs")
     push.add_argument(
-        "--delete", action="store_true", help="remove objects under data/ that DIR does not have"
+        "--dry-run", action="store_true", help="say what would be uploaded and deleted; change nothing"
+    )
+    push.add_argument("--force", action="store_true", help="push even while a job trains on this dataset")
+    push.add_argument(
+        "--layout",
+        choices=datapush.LAYOUTS,
+        default="auto",
+        help="check DIR as an ImageFolder: auto (when the built-in trainer reads the dataset), "
+        "image-folder (always) or any (never)",
+    )
+    data_commands.add_parser(
+        "list", parents=both, help="the stack's datasets: version, files, size, when pushed"
     )
 
     results = commands.add_parser("results", help="the trained model, metrics and plots")
@@ -222,7 +314,18 @@ def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
     if command == "status":
         return status.run(clients, stack, as_json=as_json, job_id=args.job)
     if command == "jobs":
-        return jobs.run(clients, stack, as_json=as_json)
+        return jobs.run(
+            clients,
+            stack,
+            as_json=as_json,
+            sweep=args.sweep,
+            metric=args.metric,
+            higher_is_better=not args.lower_is_better,
+        )
+    if command == "run":
+        return run.run(clients, stack, args.prepared, as_json=as_json)
+    if command == "cancel":
+        return cancel.run(clients, stack, args.job_id, as_json=as_json)
     if command == "logs":
         return logs.run(
             clients,
@@ -233,9 +336,19 @@ def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
             as_json=as_json,
             job_id=args.job,
         )
+    if command == "data" and args.data_command == "list":
+        return datasets.run_list(clients, stack, as_json=as_json)
     if command == "data":
-        return transfer.run_push(
-            clients, stack, args.dir, force=args.force, delete=args.delete, as_json=as_json
+        return datapush.run_push(
+            clients,
+            stack,
+            args.dir,
+            name=args.name,
+            delete=args.delete,
+            dry_run=args.dry_run,
+            force=args.force,
+            layout=args.layout,
+            as_json=as_json,
         )
     if command == "results":
         return transfer.run_pull(clients, stack, args.dir, as_json=as_json, job_id=args.job)
@@ -265,13 +378,31 @@ def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
     raise CliError(f"unknown command {command!r}: see `trainstack --help`")
 
 
+def _run_request(args: argparse.Namespace) -> run.RunRequest:
+    return run.RunRequest(
+        job_file=args.job_file,
+        config_file=args.config,
+        name=args.name,
+        detach=args.detach or bool(args.json),
+        now=args.now,
+        sweeps=tuple(args.sweep),
+        dataset=args.data,
+        instances=args.instances,
+    )
+
+
 def main(argv: Sequence[str] | None = None, *, clients: Clients | None = None) -> int:
     """Entry point; `clients` lets tests hand in a factory with stubbed services."""
     args = build_parser().parse_args(argv)
     stack = Stack(args.stack, project_dir=args.cwd, outputs_file=args.outputs)
     try:
+        if args.command == "run":
+            # The job is checked before the stack's outputs or AWS are read: a typo needs neither.
+            args.prepared = run.read_job(_run_request(args))
         factory = clients or Clients(None)
         return dispatch(args, stack, factory.with_region(_region(args, stack)))
+    except run.InvalidJobError as invalid:
+        return run.report_invalid(invalid)
     except CliError as error:
         print_error(str(error))
     except (BotoCoreError, ClientError) as error:

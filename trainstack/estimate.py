@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
 
-import yaml
 from rich.table import Table
 
 from trainstack.aws import Clients
 from trainstack.errors import CliError
 from trainstack.output import console, format_usd, print_json
 from trainstack.prices import SpotPrice, collect
-from trainstack.stack import NAMESPACE, Stack, run_pulumi
+from trainstack.stack import NAMESPACE, Stack
 
 HOURS_KEY = f"{NAMESPACE}:expectedHours"
 CAP_KEY = f"{NAMESPACE}:maxCostUsd"
@@ -85,72 +81,14 @@ def _job(price: float | None, instance_count: int, hours: float | None) -> float
     return price * instance_count * hours
 
 
-def job_settings(stack: Stack) -> tuple[float | None, float | None]:
-    """(expectedHours, maxCostUsd) from Pulumi.<stack>.yaml over Pulumi.yaml's defaults; empty = None."""
-    values: dict[str, Any] = {}
-    project_file = stack.project_dir / "Pulumi.yaml"
-    if project_file.is_file():
-        schema = _yaml(project_file).get("config") or {}
-        for key in ("expectedHours", "maxCostUsd"):
-            entry = schema.get(key) if isinstance(schema, dict) else None
-            if isinstance(entry, dict) and "default" in entry:
-                values[f"{NAMESPACE}:{key}"] = entry["default"]
-    stack_file = stack.project_dir / f"Pulumi.{stack.name}.yaml"
-    if stack_file.is_file():
-        raw = _yaml(stack_file).get("config") or {}
-        source = str(stack_file)
-    else:
-        raw = _pulumi_config(stack)
-        source = f"pulumi config (stack {stack.name})"
-    if isinstance(raw, Mapping):
-        values.update({key if ":" in key else f"{NAMESPACE}:{key}": value for key, value in raw.items()})
-    return (
-        _amount(values.get(HOURS_KEY), HOURS_KEY, source, "24"),
-        _amount(values.get(CAP_KEY), CAP_KEY, source, "25"),
-    )
-
-
-def _yaml(path: Path) -> dict[str, Any]:
-    try:
-        document = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError:
-        raise CliError(f"{path}: not valid YAML; fix the syntax and retry") from None
-    return document if isinstance(document, dict) else {}
-
-
-def _pulumi_config(stack: Stack) -> dict[str, Any]:
-    result = run_pulumi(["config", "--json", "--stack", stack.name], stack.project_dir)
-    if result.returncode != 0:
-        return {}
-    try:
-        document = json.loads(result.stdout)
-    except json.JSONDecodeError:
-        return {}
-    return {k: v.get("value") for k, v in document.items() if isinstance(v, dict)}
-
-
-def _amount(raw: Any, key: str, source: str, example: str) -> float | None:
-    if raw is None or (isinstance(raw, str) and not raw.strip()):
-        return None
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        value = -1.0
-    if isinstance(raw, bool) or value <= 0:
-        raise CliError(
-            f"{source}: {key} must be a positive number, got {raw!r}: `pulumi config set {key} {example}`"
-        )
-    return value
-
-
 def build(clients: Clients, stack: Stack, *, hours: float | None) -> Estimate:
     config = stack.config
     region = clients.region or config.region
     if not region:
         raise CliError("no AWS region: `pulumi config set aws:region us-east-1`, or pass --region")
-    expected_hours, max_cost = job_settings(stack)
-    if hours is not None:
-        expected_hours = hours
+    # Read through the program's schema (trainstack/stack.py): the cap is the one the agent enforces.
+    expected_hours = config.expected_hours if hours is None else hours
+    max_cost = config.max_cost_usd
     types = list(config.instance_types)
     rows, notes = collect(clients, types, region, days=1)
     if expected_hours is None:

@@ -1,20 +1,41 @@
-"""`trainstack jobs`: every job in the stack's bucket, its status, progress and cost, and which is current."""
+"""`trainstack jobs`: every job of the stack — queued (with its place), running, ended — with its steps, cost
+and age, and which is current; `--sweep NAME` compares a sweep's jobs by their final metric."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from trainstack.aws import Clients
+from trainstack.errors import CliError
 from trainstack.output import console, format_duration, format_usd, parse_time, print_json
 from trainstack.stack import Stack, StackOutputs
 from trainstack.state import current_job_id, job_exists, read_json
-from trainstack_job.contract import LEDGER, PROGRESS, StackOutput
+from trainstack.sweep import DEFAULT_METRIC, metric_value, rank
+from trainstack_job.contract import LEDGER, PROGRESS, JobStatus, StackOutput
 from trainstack_job.jobs import JOBS_PREFIX, LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
+from trainstack_job.queue import CANCEL_REQUEST, QueueEntry, QueueError, list_entries
 
 NOT_STARTED = "not started"
+# Also what the CLI calls a job no instance has taken yet: waiting in the queue, or withdrawn from it.
+QUEUED = JobStatus.QUEUED.value
+CANCELLED = JobStatus.CANCELLED.value
+# A job in one of these is over: it will not train again (a queued job withdrawn included).
+ENDED = frozenset(
+    {
+        CANCELLED,
+        JobStatus.COMPLETED.value,
+        JobStatus.FAILED.value,
+        JobStatus.STOPPED.value,
+        JobStatus.COST_CAP.value,
+        JobStatus.NO_DATA.value,
+    }
+)
+METRICS = "metrics.json"
 
 
 def job_ids(clients: Clients, bucket: str) -> list[str]:
@@ -31,48 +52,179 @@ def job_ids(clients: Clients, bucket: str) -> list[str]:
     return found
 
 
-def _row(clients: Clients, bucket: str, job: JobPrefixes, *, current: str, now: datetime) -> dict[str, Any]:
+def read_queue(clients: Clients, bucket: str) -> list[QueueEntry]:
+    """The queue's entries in the order the agent takes them."""
+    try:
+        return list_entries(clients.s3(), bucket)
+    except QueueError as error:
+        raise CliError(f"s3://{bucket}: {error}") from None
+
+
+def job_status(ledger: Mapping[str, Any] | None, cancel: Mapping[str, Any] | None, queued: bool) -> str:
+    """What a job is (trainstack_job/queue.py): its ledger's status once an instance took it; before that
+    cancelled (a cancel request), queued (an entry), or not started. A job that yielded to a `--now` job is
+    `queued` in its ledger: a cancel request withdraws it too."""
+    status = (ledger or {}).get("status")
+    if cancel is not None and status in (None, QUEUED):
+        return CANCELLED
+    if status:
+        return str(status)
+    return QUEUED if queued else NOT_STARTED
+
+
+def _row(
+    clients: Clients, bucket: str, job: JobPrefixes, *, current: str, queued: bool, now: datetime
+) -> dict[str, Any]:
     record = read_json(clients, bucket, job.record) if job.record else None
-    ledger = read_json(clients, bucket, job.state + LEDGER) or {}
+    ledger = read_json(clients, bucket, job.state + LEDGER)
     progress = read_json(clients, bucket, job.state + PROGRESS) or {}
-    lives = [life for life in ledger.get("lives", []) if isinstance(life, dict)]
-    # The record says when the job was defined on an instance; the legacy job has none, its first life does.
+    cancel = read_json(clients, bucket, job.state + CANCEL_REQUEST) if job.record else None
+    lives = [life for life in (ledger or {}).get("lives", []) if isinstance(life, dict)]
+    # The record says when the job was submitted; the legacy job has none, its first life does.
     created = (record or {}).get("created_at") or (lives[0].get("started_at") if lives else None)
     moment = parse_time(created)
-    cost = ledger.get("total_cost_usd")
+    cost = (ledger or {}).get("total_cost_usd")
+    sweep = (record or {}).get("sweep")
     return {
         "job_id": job.job_id,
         "name": (record or {}).get("name") or (job.job_id if job.job_id == LEGACY_JOB_ID else None),
-        "status": str(ledger.get("status") or NOT_STARTED),
+        "status": job_status(ledger, cancel, queued),
+        "started": ledger is not None,
+        "queue_position": None,
         "step": progress.get("step"),
         "total_steps": progress.get("total_steps"),
         "cost_usd": float(cost) if isinstance(cost, int | float) else None,
         "created_at": created,
         "age_s": None if moment is None else max(0.0, (now - moment).total_seconds()),
         "resume_from": (record or {}).get("resume_from"),
+        "sweep": sweep if isinstance(sweep, dict) else None,
+        "cancel_requested": cancel is not None,
         "current": job.job_id == current,
     }
 
 
 def collect(clients: Clients, outputs: StackOutputs, now: datetime | None = None) -> dict[str, Any]:
-    """Every job under jobs/, the legacy job if the bucket holds one, and the stack's defined job even
-    before an instance has started it."""
+    """Every job under jobs/ or in the queue, the legacy job if the bucket holds one, and the stack's defined
+    job even before an instance has started it. Waiting jobs carry their place in the queue (1 = next)."""
     now = now or datetime.now(timezone.utc)
     bucket = outputs.bucket
+    entries = read_queue(clients, bucket)
     ids = job_ids(clients, bucket)
+    ids += [entry.job_id for entry in entries if entry.job_id not in ids]
     if job_exists(clients, outputs, JobPrefixes.of(LEGACY_JOB_ID)):
         ids.append(LEGACY_JOB_ID)
     defined = outputs.values.get(StackOutput.JOB_ID.value)
     if defined and defined not in ids:
         ids.append(str(defined))
     current = current_job_id(clients, outputs)
-    rows = [_row(clients, bucket, JobPrefixes.of(i), current=current, now=now) for i in ids]
-    # Oldest first, so the newest job (usually the current one) is the last line above the prompt.
-    rows.sort(key=lambda row: (row["created_at"] is None, str(row["created_at"] or ""), row["job_id"]))
-    return {"bucket": bucket, "current": current, "defined": defined, "jobs": rows}
+    in_queue = {entry.job_id for entry in entries}
+    rows = {
+        i: _row(clients, bucket, JobPrefixes.of(i), current=current, queued=i in in_queue, now=now)
+        for i in ids
+    }
+    waiting = [entry.job_id for entry in entries if rows[entry.job_id]["status"] == QUEUED]
+    for position, job_id in enumerate(waiting, start=1):
+        rows[job_id]["queue_position"] = position
+    # Oldest first, so the newest job (usually the last queued) is the last line above the prompt.
+    ordered = sorted(
+        rows.values(),
+        key=lambda row: (row["created_at"] is None, str(row["created_at"] or ""), row["job_id"]),
+    )
+    return {"bucket": bucket, "current": current, "defined": defined, "jobs": ordered}
 
 
-def run(clients: Clients, stack: Stack, *, as_json: bool) -> int:
+def describe(
+    clients: Clients, outputs: StackOutputs, job_id: str, now: datetime | None = None
+) -> dict[str, Any]:
+    """One job's row as `trainstack jobs` shows it, its queue position included when it waits (the queue is
+    read only then: following a running job costs no listing)."""
+    now = now or datetime.now(timezone.utc)
+    bucket = outputs.bucket
+    job = JobPrefixes.of(job_id)
+    row = _row(clients, bucket, job, current="", queued=job_id != LEGACY_JOB_ID, now=now)
+    if row["status"] != QUEUED:
+        return row
+    ids = [entry.job_id for entry in read_queue(clients, bucket)]
+    if job_id not in ids:
+        row["status"] = row["status"] if row["started"] else NOT_STARTED
+        return row
+    ahead = [i for i in ids[: ids.index(job_id)] if still_waiting(clients, bucket, i)]
+    row["queue_position"] = len(ahead) + 1
+    return row
+
+
+def still_waiting(clients: Clients, bucket: str, job_id: str) -> bool:
+    """A queued job no instance has taken and nobody cancelled."""
+    job = JobPrefixes.of(job_id)
+    ledger = read_json(clients, bucket, job.state + LEDGER)
+    cancel = read_json(clients, bucket, job.state + CANCEL_REQUEST)
+    return job_status(ledger, cancel, True) == QUEUED
+
+
+def queue_note(clients: Clients, outputs: StackOutputs, job_id: str) -> tuple[str, str] | None:
+    """(status, line) that `status` and `logs` show for a job no instance has taken yet: queued with its
+    place, or cancelled before it ran. None for any other job."""
+    if job_id == LEGACY_JOB_ID:
+        return None
+    row = describe(clients, outputs, job_id)
+    if row["status"] == CANCELLED and row["step"] is None:
+        return CANCELLED, f"job {job_id} was cancelled before an instance took it: it never ran"
+    if row["status"] != QUEUED:
+        return None
+    return QUEUED, (
+        f"job {job_id} is queued, position {row['queue_position']}: it starts when the jobs ahead of it end "
+        f"(`trainstack jobs` lists the queue; `trainstack cancel {job_id}` withdraws it)"
+    )
+
+
+def sweep_report(
+    clients: Clients, outputs: StackOutputs, name: str, *, metric: str, higher_is_better: bool
+) -> dict[str, Any]:
+    """The jobs of sweep `name` side by side with `metric` from their results/metrics.json, best first."""
+    report = collect(clients, outputs)
+    rows = [row for row in report["jobs"] if (row["sweep"] or {}).get("name") == name]
+    if not rows:
+        names = sorted({str(row["sweep"]["name"]) for row in report["jobs"] if row["sweep"]})
+        known = f"sweeps in this stack: {', '.join(names)}" if names else "this stack has no sweep yet"
+        raise CliError(f"--sweep {name}: no job of that sweep ({known}); `trainstack run --sweep` starts one")
+    for row in rows:
+        metrics = read_json(clients, outputs.bucket, JobPrefixes.of(row["job_id"]).results + METRICS)
+        row["point"] = dict((row["sweep"] or {}).get("point") or {})
+        row["metric"] = metric_value(metrics, metric)
+    return {
+        "sweep": name,
+        "metric": metric,
+        "higher_is_better": higher_is_better,
+        "jobs": rank(rows, higher_is_better=higher_is_better),
+    }
+
+
+def _steps(row: Mapping[str, Any]) -> str:
+    step, total = row["step"], row["total_steps"]
+    return "-" if step is None else (f"{step}/{total}" if total else str(step))
+
+
+def _status(row: Mapping[str, Any]) -> str:
+    if row["queue_position"] is not None:
+        return f"{QUEUED} #{row['queue_position']}"
+    if row["cancel_requested"] and row["status"] not in ENDED:
+        return f"{row['status']} (cancelling)"
+    return str(row["status"])
+
+
+def run(
+    clients: Clients,
+    stack: Stack,
+    *,
+    as_json: bool,
+    sweep: str | None = None,
+    metric: str = DEFAULT_METRIC,
+    higher_is_better: bool = True,
+) -> int:
+    if sweep is not None:
+        return _run_sweep(
+            clients, stack, sweep, metric=metric, higher_is_better=higher_is_better, as_json=as_json
+        )
     report = collect(clients, stack.outputs)
     if as_json:
         print_json(report)
@@ -80,21 +232,54 @@ def run(clients: Clients, stack: Stack, *, as_json: bool) -> int:
     out = console()
     if not report["jobs"]:
         out.print(
-            f"no jobs yet in s3://{report['bucket']}/{JOBS_PREFIX}: `pulumi up` defines one", markup=False
+            f"no jobs yet in s3://{report['bucket']}/{JOBS_PREFIX}: `trainstack run JOB.yaml` submits one",
+            markup=False,
         )
         return 0
     table = Table("", "job", "status", "step", "cost", "age")
     for row in report["jobs"]:
-        step, total = row["step"], row["total_steps"]
-        progress = "-" if step is None else (f"{step}/{total}" if total else str(step))
         table.add_row(
             "*" if row["current"] else "",
-            row["job_id"],
-            row["status"],
-            progress,
+            escape(row["job_id"]),
+            _status(row),
+            _steps(row),
             format_usd(row["cost_usd"]),
             format_duration(row["age_s"]),
         )
     out.print(table)
-    out.print(f"* current job; the stack defines {report['defined'] or '-'}", markup=False)
+    out.print(
+        f"* current job; queued #1 runs next; the stack's default job is {report['defined'] or '-'}",
+        markup=False,
+    )
+    return 0
+
+
+def _run_sweep(
+    clients: Clients, stack: Stack, name: str, *, metric: str, higher_is_better: bool, as_json: bool
+) -> int:
+    report = sweep_report(clients, stack.outputs, name, metric=metric, higher_is_better=higher_is_better)
+    if as_json:
+        print_json(report)
+        return 0
+    keys = list(dict.fromkeys(key for row in report["jobs"] for key in row["point"]))
+    table = Table("#", "job", *keys, metric, "status", "step", "cost")
+    for place, row in enumerate(report["jobs"], start=1):
+        value = row["metric"]
+        table.add_row(
+            str(place) if value is not None else "-",
+            escape(row["job_id"]),
+            *(escape(str(row["point"].get(key, "-"))) for key in keys),
+            "-" if value is None else f"{value:.4g}",
+            _status(row),
+            _steps(row),
+            format_usd(row["cost_usd"]),
+        )
+    out = console()
+    out.print(table)
+    order = "higher" if higher_is_better else "lower"
+    out.print(
+        f"sweep {name}: best first by {metric} from each job's results/{METRICS} ({order} is better; "
+        "jobs without it yet last)",
+        markup=False,
+    )
     return 0

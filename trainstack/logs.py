@@ -16,6 +16,7 @@ from botocore.exceptions import ClientError
 
 from trainstack.aws import Clients, error_code
 from trainstack.errors import CliError
+from trainstack.jobs import queue_note
 from trainstack.stack import Stack
 from trainstack.state import resolve_job
 from trainstack_job.contract import StackOutput
@@ -147,6 +148,10 @@ def run(
     start = datetime.now(timezone.utc) - parse_since(since)
     outputs = stack.outputs
     job = resolve_job(clients, outputs, job_id)
+    waiting = queue_note(clients, outputs, job.job_id)
+    if waiting is not None:
+        # On stderr: a queued job has no log lines yet, and stdout stays the events alone (`--json`, pipes).
+        sys.stderr.write(f"trainstack: {waiting[1]}\n")
     reader = LogReader(clients, outputs.text(StackOutput.LOG_GROUP_NAME), start, stream_prefix(job, stream))
     if not follow_:
         print_events(reader.read(), as_json=as_json)

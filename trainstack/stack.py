@@ -9,12 +9,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from trainstack.errors import CliError
 from trainstack_job.contract import StackOutput
+
+if TYPE_CHECKING:
+    from infra.config import StackConfig as ProgramConfig
 
 NAMESPACE = "trainstack"
 PULUMI_INSTALL = "https://www.pulumi.com/docs/iac/download-install/"
@@ -31,7 +34,8 @@ def run_pulumi(argv: Sequence[str], cwd: Path) -> subprocess.CompletedProcess[st
 
 @dataclass(frozen=True)
 class StackConfig:
-    """The config keys the CLI needs; defaults come from Pulumi.yaml's schema, as for the Pulumi program."""
+    """The stack's config as the Pulumi program reads it (infra/config.py's schema, Pulumi.yaml's defaults),
+    and the file it was read from; the fields are what the CLI's commands use, `settings` is everything."""
 
     stack: str
     source: str
@@ -42,69 +46,43 @@ class StackConfig:
     on_demand_percentage_above_base: int
     ami_parameter: str
     ami_id: str
+    expected_hours: float | None = None
+    max_cost_usd: float | None = None
+    # The program's own typed config; None only for a config built by hand (tests).
+    settings: ProgramConfig | None = None
 
     @property
     def uses_on_demand(self) -> bool:
         return self.on_demand_base_capacity > 0 or self.on_demand_percentage_above_base > 0
 
     @classmethod
-    def from_values(cls, stack: str, values: Mapping[str, Any], source: str) -> StackConfig:
-        """Validate namespaced values (`trainstack:instanceCount`...); every error names its key and file."""
+    def from_values(
+        cls, stack: str, values: Mapping[str, Any], source: str, *, project: str = NAMESPACE
+    ) -> StackConfig:
+        """Parse namespaced values (`trainstack:instanceCount`...) with the program's schema; each problem is
+        one line naming the file and the key, as `pulumi preview` words it."""
+        # Imported here: the schema pulls in the Pulumi SDK, which commands reading only outputs never need.
+        from infra.config import StackConfigError, read_stack_config
 
-        def get(key: str) -> Any:
-            if values.get(key) is None:
-                raise CliError(
-                    f"{source}: no value for {key} and no default in Pulumi.yaml: "
-                    f"`pulumi config set {key} VALUE`, or run trainstack from the project directory (--cwd)"
-                )
-            return values[key]
-
-        types = get(f"{NAMESPACE}:instanceTypes")
-        if isinstance(types, str):
-            # `pulumi config --json` may hand an array back as its JSON text.
-            try:
-                types = json.loads(types)
-            except json.JSONDecodeError:
-                types = None
-        if not isinstance(types, list) or not types or not all(isinstance(t, str) and t for t in types):
-            raise CliError(
-                f"{source}: {NAMESPACE}:instanceTypes must be a non-empty list of instance types, "
-                f"e.g. `pulumi config set --path '{NAMESPACE}:instanceTypes[0]' g6.xlarge`"
-            )
-        region = values.get("aws:region")
-        if region is not None and not isinstance(region, str):
-            raise CliError(f"{source}: aws:region must be a string: `pulumi config set aws:region us-east-1`")
+        try:
+            # aws:region may be missing here: `--region` stands for it (`trainstack doctor` says so).
+            settings = read_stack_config(values, project=project, stack=stack, require_region=False)
+        except StackConfigError as error:
+            raise CliError("\n".join(f"{source}: {problem}" for problem in error.problems)) from None
         return cls(
             stack=stack,
             source=source,
-            region=region or None,
-            instance_types=tuple(types),
-            instance_count=_integer(
-                get(f"{NAMESPACE}:instanceCount"), f"{NAMESPACE}:instanceCount", source, minimum=1
-            ),
-            on_demand_base_capacity=_integer(
-                get(f"{NAMESPACE}:onDemandBaseCapacity"), f"{NAMESPACE}:onDemandBaseCapacity", source
-            ),
-            on_demand_percentage_above_base=_integer(
-                get(f"{NAMESPACE}:onDemandPercentageAboveBase"),
-                f"{NAMESPACE}:onDemandPercentageAboveBase",
-                source,
-            ),
-            ami_parameter=str(get(f"{NAMESPACE}:amiParameter")),
-            ami_id=str(get(f"{NAMESPACE}:amiId")),
+            region=settings.region or None,
+            instance_types=settings.instance_types,
+            instance_count=settings.instance_count,
+            on_demand_base_capacity=settings.on_demand_base_capacity,
+            on_demand_percentage_above_base=settings.on_demand_percentage_above_base,
+            ami_parameter=settings.ami_parameter,
+            ami_id=settings.ami_id,
+            expected_hours=settings.expected_hours,
+            max_cost_usd=settings.max_cost_usd,
+            settings=settings,
         )
-
-
-def _integer(raw: Any, key: str, source: str, *, minimum: int = 0) -> int:
-    try:
-        number = int(raw)
-    except (TypeError, ValueError):
-        number = minimum - 1
-    if isinstance(raw, bool) or number < minimum:
-        raise CliError(
-            f"{source}: {key} must be an integer ≥ {minimum}, got {raw!r}: `pulumi config set {key} N`"
-        )
-    return number
 
 
 @dataclass(frozen=True)
@@ -195,8 +173,10 @@ class Stack:
             raw = document.get("config") or {}
             if not isinstance(raw, dict):
                 raise CliError(f"{stack_file}: 'config' must be a mapping of key: value")
-            values.update({self._namespaced(k): v for k, v in raw.items()})
-            return StackConfig.from_values(self.name, values, str(stack_file))
+            # A secret (`pulumi config set --secret`) is ciphertext here: the CLI never decrypts one, so it is
+            # left to `pulumi preview` and read here as not set.
+            values.update({self._namespaced(k): v for k, v in raw.items() if not _is_secret(v)})
+            return StackConfig.from_values(self.name, values, str(stack_file), project=self._project_name)
         if shutil.which("pulumi") is None:
             raise CliError(
                 f"no stack config: {stack_file} does not exist; create it with "
@@ -207,9 +187,10 @@ class Stack:
         if result.returncode != 0:
             raise CliError(f"`pulumi config --json --stack {self.name}` failed: {_first_line(result.stderr)}")
         for key, entry in _load_json(result.stdout, "pulumi config --json").items():
-            if isinstance(entry, dict):
+            if isinstance(entry, dict) and not entry.get("secret"):
                 values[self._namespaced(key)] = entry.get("objectValue", entry.get("value"))
-        return StackConfig.from_values(self.name, values, f"pulumi config (stack {self.name})")
+        source = f"pulumi config (stack {self.name})"
+        return StackConfig.from_values(self.name, values, source, project=self._project_name)
 
     @cached_property
     def outputs(self) -> StackOutputs:
@@ -234,15 +215,25 @@ class Stack:
             raise CliError(f"{source} has no outputs yet: run `pulumi up` first")
         return StackOutputs(values, source)
 
-    def _project_defaults(self) -> dict[str, Any]:
-        """Defaults from Pulumi.yaml's typed config schema, so the CLI and the program agree on them."""
+    @cached_property
+    def _project(self) -> dict[str, Any]:
         project_file = self.project_dir / "Pulumi.yaml"
         if not project_file.is_file():
             raise CliError(
                 f"no Pulumi.yaml in {self.project_dir.resolve()}: run trainstack in the project directory "
                 "or pass --cwd DIR"
             )
-        schema = _load_yaml(project_file).get("config") or {}
+        return _load_yaml(project_file)
+
+    @property
+    def _project_name(self) -> str:
+        """The project's name (physical names start with it), as the program gets it from Pulumi.yaml."""
+        name = self._project.get("name")
+        return name if isinstance(name, str) and name else NAMESPACE
+
+    def _project_defaults(self) -> dict[str, Any]:
+        """Defaults from Pulumi.yaml's typed config schema, as the Pulumi engine hands them to the program."""
+        schema = self._project.get("config") or {}
         defaults: dict[str, Any] = {}
         if isinstance(schema, dict):
             for key, entry in schema.items():
@@ -256,6 +247,11 @@ class Stack:
     @staticmethod
     def _namespaced(key: str) -> str:
         return key if ":" in key else f"{NAMESPACE}:{key}"
+
+
+def _is_secret(value: Any) -> bool:
+    """A stack file's encrypted value: `{secure: <ciphertext>}`."""
+    return isinstance(value, dict) and set(value) == {"secure"}
 
 
 def _load_yaml(path: Path) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from trainstack.aws import Clients
+from trainstack.jobs import queue_note
 from trainstack.output import console, format_duration, format_usd, parse_time, print_json
 from trainstack.stack import Stack
 from trainstack.state import JobState, read_group, read_job, resolve_job
@@ -111,13 +112,17 @@ def collect(
         progress["age_s"] = _seconds_since(_progress_time(progress), now)
         progress["remaining_s"] = cost.remaining_s
     ledger = job.ledger or {}
+    # A job no instance has taken yet (no ledger) or one that yielded to a `--now` job: the queue says whether
+    # it waits, and where, or was withdrawn.
+    untaken = job.status in ("not started", JobStatus.QUEUED)
+    waiting = queue_note(clients, outputs, job.job_id) if untaken else None
     return {
         "stack": stack.name,
         "region": clients.region,
         "job": job.job_id,
         "group": group.to_json(),
-        "status": job.status,
-        "next_step": NEXT_STEP.get(job.status),
+        "status": waiting[0] if waiting else job.status,
+        "next_step": waiting[1] if waiting else NEXT_STEP.get(job.status),
         "stop_requested": job.control is not None,
         "dashboard_url": outputs.values.get(StackOutput.DASHBOARD_URL.value),
         "progress": progress,

@@ -1,14 +1,11 @@
-"""`trainstack data push` / `results pull`: dataset up, trained model down, unchanged files skipped."""
+"""`trainstack results pull`: the trained model down, unchanged files skipped; and the transfer manager set-up
+and progress bar `trainstack data push` (trainstack/datapush.py) shares."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,86 +20,17 @@ from rich.progress import (
 )
 from s3transfer.subscribers import BaseSubscriber
 
-from training.dataset_layout import is_hidden
 from trainstack.aws import Clients
 from trainstack.errors import CliError
+from trainstack.jobs import queue_note
 from trainstack.output import console, print_json
 from trainstack.stack import Stack
-from trainstack.state import encryption_args, read_group, read_job, read_json, resolve_job, training_runs
-from trainstack_job.contract import DATA_MANIFEST, StackOutput
+from trainstack.state import read_job, resolve_job
 
-# torchvision.datasets.folder.IMG_EXTENSIONS: what ImageFolder will load. Copied because the CLI is
-# installed without torch; tests/cli check the two stay equal.
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-SPLITS = ("train", "val")
 TRANSFER_CONFIG = TransferConfig(
     multipart_threshold=64 * 1024 * 1024, multipart_chunksize=64 * 1024 * 1024, max_concurrency=16
 )
 _HASH_CHUNK = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class LocalFile:
-    relative: str  # posix path under the dataset root: train/cat/1.jpg
-    path: Path
-    size: int
-    sha256: str
-
-
-def validate_image_folder(root: Path) -> list[str]:
-    """The class names, if `root` holds train/<class>/<image> and val/<class>/<image>, same classes."""
-    layout = f"expected {root}/train/<class>/<image> and {root}/val/<class>/<image>"
-    if not root.is_dir():
-        raise CliError(f"dataset {root}: not a directory; {layout}")
-    classes: dict[str, set[str]] = {}
-    for split in SPLITS:
-        folder = root / split
-        if not folder.is_dir():
-            raise CliError(f"dataset {root}: no {split}/ folder; {layout}")
-        names = {p.name for p in folder.iterdir() if p.is_dir() and not is_hidden(p.name)}
-        if not names:
-            raise CliError(f"dataset {folder}: no class folders; {layout}")
-        for name in sorted(names):
-            if not any(
-                _is_image(p) and not is_hidden(p.relative_to(folder)) for p in (folder / name).rglob("*")
-            ):
-                raise CliError(
-                    f"dataset {folder / name}: no image files ({', '.join(IMG_EXTENSIONS)}); "
-                    "add images or remove the empty class folder"
-                )
-        classes[split] = names
-    if classes["train"] != classes["val"]:
-        only_train = sorted(classes["train"] - classes["val"])
-        only_val = sorted(classes["val"] - classes["train"])
-        raise CliError(
-            f"dataset {root}: train/ and val/ must have the same class folders "
-            f"(only in train/: {', '.join(only_train) or '-'}; only in val/: {', '.join(only_val) or '-'})"
-        )
-    return sorted(classes["train"])
-
-
-def _is_image(path: Path) -> bool:
-    return path.is_file() and path.suffix.lower() in IMG_EXTENSIONS
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for chunk in iter(lambda: stream.read(_HASH_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def scan_dataset(root: Path) -> list[LocalFile]:
-    """Every file of train/ and val/, without hidden ones (.DS_Store, .ipynb_checkpoints/, __MACOSX/): the
-    instance would not download them, nor the trainer read them."""
-    files = []
-    for split in SPLITS:
-        for path in sorted((root / split).rglob("*")):
-            relative = path.relative_to(root)
-            if path.is_file() and not is_hidden(relative):
-                files.append(LocalFile(relative.as_posix(), path, path.stat().st_size, _sha256(path)))
-    return files
 
 
 def list_objects(clients: Clients, bucket: str, prefix: str) -> dict[str, dict[str, Any]]:
@@ -113,7 +41,7 @@ def list_objects(clients: Clients, bucket: str, prefix: str) -> dict[str, dict[s
     return objects
 
 
-class _ProgressSubscriber(BaseSubscriber):
+class ProgressSubscriber(BaseSubscriber):
     """Feeds transferred bytes into the progress bar (called from the transfer threads)."""
 
     def __init__(self, advance: Callable[[int], None]) -> None:
@@ -124,7 +52,7 @@ class _ProgressSubscriber(BaseSubscriber):
 
 
 @contextmanager
-def _progress(label: str, total: int, *, quiet: bool) -> Iterator[Callable[[int], None]]:
+def progress_bar(label: str, total: int, *, quiet: bool) -> Iterator[Callable[[int], None]]:
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -137,94 +65,6 @@ def _progress(label: str, total: int, *, quiet: bool) -> Iterator[Callable[[int]
         yield lambda n: bar.update(task, advance=n)
 
 
-def push(
-    clients: Clients, stack: Stack, root: Path, *, force: bool, delete: bool, quiet: bool
-) -> dict[str, Any]:
-    classes = validate_image_folder(root)
-    outputs = stack.outputs
-    bucket, prefix = outputs.bucket, outputs.prefix(StackOutput.DATA_PREFIX)
-    group = read_group(clients, outputs.group_name)
-    # The dataset is the stack's: what matters is whether the stack's current job is training on it.
-    job = read_job(clients, outputs)
-    if training_runs(group, job) and not force:
-        raise CliError(
-            f"training is running on {group.in_service} instance(s) of {group.name} (job {job.job_id}): "
-            "replacing its dataset "
-            "mid-run would mix two datasets; run `trainstack stop` first, or pass --force"
-        )
-    manifest_key = outputs.prefix(StackOutput.STATE_PREFIX) + DATA_MANIFEST
-    manifest = (read_json(clients, bucket, manifest_key) or {}).get("files", {})
-    remote = list_objects(clients, bucket, prefix)
-    files = scan_dataset(root)
-
-    def unchanged(file: LocalFile) -> bool:
-        # S3 ETags are not content hashes under SSE-KMS: compare our recorded sha256, and the ETag only
-        # to prove the object was not replaced since we recorded it.
-        key = prefix + file.relative
-        known, current = manifest.get(key), remote.get(key)
-        return bool(
-            known
-            and current
-            and known.get("sha256") == file.sha256
-            and known.get("etag") == current["ETag"]
-            and current["Size"] == file.size
-        )
-
-    to_upload = [f for f in files if not unchanged(f)]
-    extra = encryption_args(outputs)
-    total = sum(f.size for f in to_upload)
-    with (
-        _progress(f"push → s3://{bucket}/{prefix}", total, quiet=quiet) as advance,
-        create_transfer_manager(clients.s3(), TRANSFER_CONFIG) as manager,
-    ):
-        futures = [
-            manager.upload(
-                str(f.path),
-                bucket,
-                prefix + f.relative,
-                extra_args=extra,
-                subscribers=[_ProgressSubscriber(advance)],
-            )
-            for f in to_upload
-        ]
-        for future in futures:
-            future.result()
-    local_keys = {prefix + f.relative for f in files}
-    stale = sorted(set(remote) - local_keys) if delete else []
-    s3 = clients.s3()
-    for start in range(0, len(stale), 1000):
-        s3.delete_objects(
-            Bucket=bucket,
-            Delete={"Objects": [{"Key": k} for k in stale[start : start + 1000]], "Quiet": True},
-        )
-    etags = {k: v["ETag"] for k, v in list_objects(clients, bucket, prefix).items()}
-    new_manifest = {
-        "files": {
-            prefix + f.relative: {"size": f.size, "sha256": f.sha256, "etag": etags.get(prefix + f.relative)}
-            for f in files
-        },
-        "classes": classes,
-        "pushed_at": datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
-    s3.put_object(
-        Bucket=bucket,
-        Key=manifest_key,
-        Body=json.dumps(new_manifest, indent=1).encode(),
-        ContentType="application/json",
-        **extra,
-    )
-    return {
-        "destination": f"s3://{bucket}/{prefix}",
-        "classes": classes,
-        "files": len(files),
-        "uploaded": len(to_upload),
-        "uploaded_bytes": total,
-        "unchanged": len(files) - len(to_upload),
-        "deleted": len(stale),
-        "left_in_bucket": len(set(remote) - local_keys) - len(stale),
-    }
-
-
 def pull(
     clients: Clients, stack: Stack, destination: Path, *, quiet: bool, job_id: str | None = None
 ) -> dict[str, Any]:
@@ -234,7 +74,9 @@ def pull(
     bucket, prefix = outputs.bucket, job.results
     objects = list_objects(clients, bucket, prefix)
     if not objects:
-        status = read_job(clients, outputs, job).status
+        # A job no instance has taken yet says so (queued, or cancelled before it ran), not "not started".
+        waiting = queue_note(clients, outputs, job.job_id)
+        status = waiting[0] if waiting else read_job(clients, outputs, job).status
         raise CliError(
             f"no results yet in s3://{bucket}/{prefix} (job {job.job_id}: training is {status}): they "
             f"appear when it completes; see `trainstack status --job {job.job_id}`, or `trainstack jobs` "
@@ -260,14 +102,14 @@ def pull(
     to_fetch = [(k, t, i) for k, t, i in plan if not unchanged(t, i)]
     total = sum(i["Size"] for _, _, i in to_fetch)
     with (
-        _progress(f"pull ← s3://{bucket}/{prefix}", total, quiet=quiet) as advance,
+        progress_bar(f"pull ← s3://{bucket}/{prefix}", total, quiet=quiet) as advance,
         create_transfer_manager(clients.s3(), TRANSFER_CONFIG) as manager,
     ):
         futures = []
         for key, target, _ in to_fetch:
             target.parent.mkdir(parents=True, exist_ok=True)
             futures.append(
-                manager.download(bucket, key, str(target), subscribers=[_ProgressSubscriber(advance)])
+                manager.download(bucket, key, str(target), subscribers=[ProgressSubscriber(advance)])
             )
         for future in futures:
             future.result()
@@ -283,26 +125,6 @@ def pull(
         "downloaded_bytes": total,
         "unchanged": len(plan) - len(to_fetch),
     }
-
-
-def run_push(clients: Clients, stack: Stack, root: Path, *, force: bool, delete: bool, as_json: bool) -> int:
-    summary = push(clients, stack, root, force=force, delete=delete, quiet=as_json)
-    if as_json:
-        print_json(summary)
-    else:
-        extra = (
-            f", {summary['left_in_bucket']} extra object(s) kept (--delete removes them)"
-            if summary["left_in_bucket"]
-            else ""
-        )
-        console().print(
-            f"{summary['uploaded']} file(s) uploaded ({summary['uploaded_bytes']:,} bytes), "
-            f"{summary['unchanged']} unchanged, {summary['deleted']} deleted{extra} "
-            f"→ {summary['destination']} "
-            f"({len(summary['classes'])} classes)",
-            markup=False,
-        )
-    return 0
 
 
 def run_pull(

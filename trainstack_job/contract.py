@@ -101,6 +101,10 @@ class JobStatus(str, Enum):
     STOPPED = "stopped"
     COST_CAP = "cost_cap"
     NO_DATA = "no_data"
+    # The job queue (docs/internals.md, "The job queue"): `trainstack cancel` ended it (a queued job is
+    # skipped, a running one checkpoints first); a job that yielded to a `--now` job waits to resume.
+    CANCELLED = "cancelled"
+    QUEUED = "queued"
 
 
 class LifeOutcome(str, Enum):
@@ -121,6 +125,10 @@ class LifeOutcome(str, Enum):
     SUPERSEDED = "superseded"  # lost the job's lease to a newer holder: stopped writing at once
     SURPLUS = "surplus"  # found a holder and a standby already: left without training
     STANDBY_ENDED = "standby_ended"  # a standby whose wait ended (the job ended, its own notice) untaken
+    # The job queue: stopped with a confirmed checkpoint on `trainstack cancel`, or to let a `--now` job run
+    # on this instance (the job stays queued and resumes from that checkpoint; neither is a failure).
+    CANCELLED = "cancelled"
+    YIELDED = "yielded"
 
 
 class StackOutput(str, Enum):
@@ -163,6 +171,10 @@ class NodeExit:
     rank0_here: bool = False  # global rank 0 ran on this node: it owns the job's results and completion
     rendezvous_failed: bool = False  # the generation never formed: not a failure of the job
     world_size: int | None = None
+    # Ranks of this node ran in the generation: however it ended, it trained (never "never formed").
+    trained: bool = False
+    # What ended the generation outside the ranks (the rendezvous store lost, a timeout), or None.
+    ended_by: str | None = None
     # Global rank -> its real exit code: written for people reading the file; the agent acts on the
     # node's summary above, so `read` leaves it out.
     ranks: dict[int, int] = field(default_factory=dict)
@@ -180,6 +192,8 @@ class NodeExit:
             "rank0_here": self.rank0_here,
             "rendezvous_failed": self.rendezvous_failed,
             "world_size": self.world_size,
+            "trained": self.trained,
+            "ended_by": self.ended_by,
         }
         write_atomic(path, json.dumps(body).encode())
 
@@ -203,4 +217,6 @@ class NodeExit:
             rank0_here=raw.get("rank0_here") is True,
             rendezvous_failed=raw.get("rendezvous_failed") is True,
             world_size=number("world_size"),
+            trained=raw.get("trained") is True,
+            ended_by=raw["ended_by"] if isinstance(raw.get("ended_by"), str) else None,
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +15,14 @@ from tests.iam.plugin import recording_env
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_demo(tmp_path: Path, *extra: str) -> str:
+def run_demo(tmp_path: Path, *extra: str, timeout: float = 240) -> str:
     """Run `python -m demo` piped, as in CI, with one torch thread (tests/conftest.py); its whole output."""
     result = subprocess.run(
         [sys.executable, "-m", "demo", "--workdir", str(tmp_path / "demo"), *extra],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
         # The IAM recording folder (tests/iam) too: the demo's agents inherit it and record their calls.
         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", **recording_env()},
     )
@@ -69,39 +71,48 @@ def test_a_bad_job_file_is_refused_before_anything_starts(tmp_path: Path) -> Non
     assert "job error:" in result.stdout and "command:" in result.stdout and "Traceback" not in result.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("example", "steps", "own_result"),
-    [("charlm", "200", "sample.txt"), ("lightning-mnist-like", "120", "model.pt")],
-)
-def test_each_example_survives_a_spot_notice_under_the_real_agent(
-    tmp_path: Path, example: str, steps: str, own_result: str
+@pytest.mark.parametrize("example", ["charlm", "lightning-mnist-like"])
+def test_the_demo_takes_each_example_by_a_relative_folder_and_its_user_data_fits(
+    tmp_path: Path, example: str
 ) -> None:
-    """The example as shipped, shortened through its job file only: resumed from the confirmed checkpoint,
-    0 steps lost, results in S3.
+    """`python -m demo --job examples/<name>` (the README's line) finds the job file in the folder, bundles
+    the example's own workdir and renders user-data that EC2 accepts (under 16 KB with the job in it).
 
-    This is also the demo taking a user's job (a folder named by a relative path, as in the README) and
-    keeping the same promise, with the job's own result file among the artifacts: it replaces a separate
-    run of tests/bootstrap/user_job through the demo, which proved a subset of this (the same checks, its
-    result.json listed), with a job built on the same trainstack_job helper as charlm."""
-    import os
-    import shutil
+    Each example's run under the real agent through a spot notice (resumed from the confirmed checkpoint,
+    0 steps lost, its own result file in S3) is tests/bootstrap/test_demo_queue.py's story, where both run as
+    queued jobs: one story instead of two of this file's (71 s of the suite)."""
+    from rich.console import Console
 
-    import yaml
+    from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES
+    from demo.__main__ import job_file_of
+    from demo.instance import agent_config_from_user_data
+    from demo.run import Demo
+    from demo.stack import LocalStack
 
-    job_dir = tmp_path / example
-    shutil.copytree(
-        REPO / "examples" / example, job_dir, ignore=shutil.ignore_patterns("checkpoints", "output")
+    folder = Path(os.path.relpath(REPO / "examples" / example))
+    demo = Demo(tmp_path, Console(file=io.StringIO()), job_file_of(folder))
+    assert demo.job is not None and demo.job.name == example and demo.result.job_name == example
+    assert demo.job_dir == (REPO / "examples" / example).resolve()
+    # The stack's names only: building the agent config makes no AWS call.
+    stack = LocalStack(
+        "trainstack-demo",
+        "us-east-1",
+        "trainstack-demo-data",
+        "arn:aws:kms:us-east-1:123456789012:key/demo",
+        "arn:aws:sns:us-east-1:123456789012:trainstack-demo-alerts",
+        "trainstack-demo-gpu",
+        "/trainstack/trainstack-demo",
+        "http://127.0.0.1/queue",
     )
-    spec = yaml.safe_load((job_dir / "job.yaml").read_text())
-    command = list(spec["command"])
-    command[command.index("--steps") + 1] = steps
-    spec["command"] = command
-    (job_dir / "job.yaml").write_text(yaml.safe_dump(spec))
-    output = run_demo(tmp_path, "--job", os.path.relpath(job_dir, REPO))
-    for check in ("steps lost = 0", "instance 2 resumed at the checkpoint step", "results in S3"):
-        assert f"PASS {check}" in output, output[-4000:]
-    assert "FAIL" not in output and f"s3://trainstack-demo-data/results/{own_result}" in output
-    if example == "lightning-mnist-like":
-        # Lightning itself, not only the step count, says the second life loaded the confirmed checkpoint.
-        assert "Restored all states from the checkpoint at" in output, output[-4000:]
+    user_data = demo.user_data(stack, "code/" + "0" * 64 + "/bundle.tar.gz", "0" * 64)
+    assert user_data.startswith("#cloud-config") and len(user_data.encode()) < USER_DATA_LIMIT_BYTES
+    rendered = agent_config_from_user_data(user_data, tmp_path / "scratch", poll_seconds=0.25)
+    assert rendered["user_job"]["command"] == list(demo.job.command)
+
+
+def test_queue_refuses_the_options_of_other_stories(capsys: pytest.CaptureFixture[str]) -> None:
+    from demo.__main__ import main
+
+    assert main(["--queue", "--job", str(REPO / "examples" / "charlm")]) == 2
+    out = capsys.readouterr().out
+    assert "error:" in out and "--queue submits its own jobs" in out and "leave out --job" in out

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from bootstrap.agent_config import AgentConfig
-from bootstrap.jobbinding import JobBindingError, bind_job
+from bootstrap.jobbinding import JobBinding, JobBindingError, bind_job
 from bootstrap.pinned import PinnedCodeError, pinned_config, reexec_argv, unpack_bundle
 from demo.stack import LocalStack, create_stack
 
@@ -29,14 +29,22 @@ def stack(aws: Any) -> LocalStack:
 
 
 def _config(stack: LocalStack, job_id: str, **more: Any) -> AgentConfig:
+    """An agent config defining `job_id`, rendered with that job's own code bundle."""
     return stack.agent_config(
         job_id=job_id,
         job_name=job_id.rsplit("-", 1)[0],
         bundle_key=f"code/{job_id}/bundle.tar.gz",
-        bundle_sha256="0" * 64,
+        bundle_sha256=hashlib.sha256(job_id.encode()).hexdigest(),
         job={"train": {"epochs": 1}, "model": job_id},
         **more,
     )
+
+
+def _bind(s3: Any, config: AgentConfig) -> JobBinding:
+    """The binding of a life whose config defines a job (so there always is one)."""
+    binding = bind_job(s3, config, NOW)
+    assert binding is not None
+    return binding
 
 
 def _put(stack: LocalStack, key: str, value: dict[str, Any]) -> None:
@@ -51,7 +59,7 @@ def _get(stack: LocalStack, key: str) -> dict[str, Any]:
 
 def test_first_job_becomes_current_and_records_its_definition(stack: LocalStack) -> None:
     s3 = stack.client("s3")
-    binding = bind_job(s3, _config(stack, "resnet-11111111"), NOW)
+    binding = _bind(s3, _config(stack, "resnet-11111111"))
     assert (binding.job_id, binding.pinned) == ("resnet-11111111", None)
     assert binding.prefixes.checkpoints == "jobs/resnet-11111111/checkpoints/"
     assert _get(stack, "state/current-job.json")["job_id"] == "resnet-11111111"
@@ -59,25 +67,29 @@ def test_first_job_becomes_current_and_records_its_definition(stack: LocalStack)
     assert record["bundle_key"] == "code/resnet-11111111/bundle.tar.gz"
     assert record["agent"]["job"]["model"] == "resnet-11111111"
     # The same definition again (a replacement, a resume): the same job.
-    assert bind_job(s3, _config(stack, "resnet-11111111"), NOW).job_id == "resnet-11111111"
+    assert _bind(s3, _config(stack, "resnet-11111111")).job_id == "resnet-11111111"
 
 
 def test_a_new_definition_waits_for_the_running_job_and_takes_over_once_it_ended(stack: LocalStack) -> None:
     s3 = stack.client("s3")
-    bind_job(s3, _config(stack, "resnet-11111111"), NOW)
+    _bind(s3, _config(stack, "resnet-11111111"))
     _put(stack, "jobs/resnet-11111111/state/ledger.json", {"status": "running", "lives": []})
     # A replacement launched after a `pulumi up` that defined another job: the running job goes on, with
     # the code and definition it started with.
-    binding = bind_job(s3, _config(stack, "vit-22222222"), NOW)
+    binding = _bind(s3, _config(stack, "vit-22222222"))
     assert binding.job_id == "resnet-11111111"
     assert binding.pinned is not None and binding.pinned["bundle_key"] == "code/resnet-11111111/bundle.tar.gz"
     merged = pinned_config(_config(stack, "vit-22222222"), binding.pinned)
     assert (merged["job_id"], merged["job"]["model"]) == ("resnet-11111111", "resnet-11111111")
     assert merged["bucket"] == stack.bucket
+    # The job's code may predate keys this agent knows: those at their defaults are left out, so an older
+    # agent's config loader (which refuses unknown keys) reads what it wrote, and the defaults stay its own.
+    assert "dataset_version" not in merged and "allow_data_change" not in merged
+    assert AgentConfig.from_mapping(merged).job_id == "resnet-11111111"
     assert _get(stack, "state/current-job.json")["job_id"] == "resnet-11111111"
     # Once it completed, the next definition is the stack's job: under its own prefix, from step 0.
     _put(stack, "jobs/resnet-11111111/state/ledger.json", {"status": "completed", "lives": []})
-    binding = bind_job(s3, _config(stack, "vit-22222222"), NOW)
+    binding = _bind(s3, _config(stack, "vit-22222222"))
     assert (binding.job_id, binding.pinned, binding.switched_from) == (
         "vit-22222222",
         None,
@@ -91,10 +103,26 @@ def test_a_new_definition_waits_for_the_running_job_and_takes_over_once_it_ended
     }
 
 
+def test_a_stopped_job_is_resumed_by_a_new_boot_once_its_stop_request_is_withdrawn(stack: LocalStack) -> None:
+    """`trainstack stop` then `trainstack run`: the next queued job runs; `trainstack resume` (the stop
+    request deleted): the stopped job goes on. A life that just ended it on this instance moves on."""
+    s3 = stack.client("s3")
+    _bind(s3, _config(stack, "resnet-11111111"))
+    _put(stack, "jobs/resnet-11111111/state/ledger.json", {"status": "stopped", "lives": []})
+    _put(stack, "jobs/resnet-11111111/state/control.json", {"action": "stop"})
+    defines_none = stack.agent_config(job_id="")
+    assert bind_job(s3, defines_none, NOW) is None, "a stopped job, nothing else queued: no job"
+    s3.delete_object(Bucket=stack.bucket, Key="jobs/resnet-11111111/state/control.json")
+    resumed = bind_job(s3, defines_none, NOW)
+    assert resumed is not None and (resumed.job_id, resumed.switched_from) == ("resnet-11111111", None)
+    assert resumed.config is not None and resumed.config.job["model"] == "resnet-11111111"
+    assert bind_job(s3, defines_none, NOW, after="resnet-11111111") is None
+
+
 def test_a_running_stack_from_before_jobs_keeps_its_objects_as_the_legacy_job(stack: LocalStack) -> None:
     s3 = stack.client("s3")
     _put(stack, "state/ledger.json", {"status": "running", "lives": []})
-    binding = bind_job(s3, _config(stack, "resnet-11111111"), NOW)
+    binding = _bind(s3, _config(stack, "resnet-11111111"))
     assert binding.job_id == "legacy"
     assert (binding.prefixes.checkpoints, binding.prefixes.results, binding.prefixes.state) == (
         "checkpoints/",
@@ -103,7 +131,7 @@ def test_a_running_stack_from_before_jobs_keeps_its_objects_as_the_legacy_job(st
     )
     # Once the legacy job ended, the defined job takes the stack.
     _put(stack, "state/ledger.json", {"status": "completed", "lives": []})
-    assert bind_job(s3, _config(stack, "resnet-11111111"), NOW).job_id == "resnet-11111111"
+    assert _bind(s3, _config(stack, "resnet-11111111")).job_id == "resnet-11111111"
 
 
 def test_two_definitions_booting_at_once_agree_on_one_job(stack: LocalStack) -> None:
@@ -113,7 +141,7 @@ def test_two_definitions_booting_at_once_agree_on_one_job(stack: LocalStack) -> 
     def boot(job_id: str) -> None:
         s3 = stack.client("s3")
         barrier.wait()
-        results[job_id] = bind_job(s3, _config(stack, job_id), NOW).job_id
+        results[job_id] = _bind(s3, _config(stack, job_id)).job_id
 
     threads = [threading.Thread(target=boot, args=(j,)) for j in ("resnet-11111111", "vit-22222222")]
     for thread in threads:
@@ -127,7 +155,7 @@ def test_two_definitions_booting_at_once_agree_on_one_job(stack: LocalStack) -> 
 def test_an_unreadable_pointer_is_one_line_naming_it(stack: LocalStack) -> None:
     stack.client("s3").put_object(Bucket=stack.bucket, Key="state/current-job.json", Body=b"[]")
     with pytest.raises(JobBindingError, match=r"state/current-job.json is not a job pointer.*delete it"):
-        bind_job(stack.client("s3"), _config(stack, "resnet-11111111"), NOW)
+        _bind(stack.client("s3"), _config(stack, "resnet-11111111"))
 
 
 def _bundle(files: dict[str, str]) -> bytes:

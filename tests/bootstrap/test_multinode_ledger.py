@@ -81,6 +81,28 @@ def test_the_job_cost_sums_every_nodes_life() -> None:
     assert total == pytest.approx(1.0, abs=0.01)
 
 
+def test_silent_lives_are_closed_by_the_survivor_once_at_their_last_heartbeat() -> None:
+    ledger = JobLedger()
+    for index, instance_id in enumerate(("i-a", "i-b", "i-c")):
+        ledger = JobLedger(ledger.data)
+        identity = InstanceIdentity(instance_id, "g6.xlarge", "us-east-1a", "us-east-1", "spot")
+        ledger.begin_life(identity, 1.0, T0 + timedelta(seconds=index), stale_after_seconds=60)
+    # i-b beat at +30 s, then went silent; i-c beats on (+119 s); i-a is the survivor.
+    ledger.data["lives"][1]["heartbeat_at"] = (T0 + timedelta(seconds=30)).isoformat()
+    ledger.data["lives"][2]["heartbeat_at"] = (T0 + timedelta(seconds=119)).isoformat()
+    assert ledger.close_silent_node("i-b", "i-a") is True
+    assert ledger.close_silent_node("i-b", "i-a") is False, "closed once"
+    life = ledger.lives[1]
+    assert life["outcome"] == "interrupted" and life["closed_by"] == "i-a"
+    assert life["ended_at"] == (T0 + timedelta(seconds=30)).isoformat()
+    assert life["cost_usd"] == pytest.approx(29 / 3600, abs=1e-6), "billed to its last heartbeat"
+    # At completion: only lives whose heartbeat stopped are closed; a live follower ends its own.
+    assert ledger.close_silent_lives(T0 + timedelta(seconds=120), 10.0, "i-a") == []
+    assert ledger.close_silent_lives(T0 + timedelta(seconds=130), 10.0, "i-a") == ["i-c"]
+    assert [x["outcome"] for x in ledger.lives] == ["running", "interrupted", "interrupted"]
+    assert ledger.interruptions == 2
+
+
 def test_the_node_exit_record_is_read_truthfully_or_not_at_all(tmp_path: Path) -> None:
     path = tmp_path / "node-exit.json"
     assert NodeExit.read(path) is None
@@ -91,7 +113,9 @@ def test_the_node_exit_record_is_read_truthfully_or_not_at_all(tmp_path: Path) -
         ' "world_size": 2, "ranks": {"1": 75}}'
     )
     assert NodeExit.read(path) == NodeExit(75, 12, False, False, 2)
-    path.write_text('{"exit_code": true, "stopped_step": "12", "rank0_here": 1}')
+    path.write_text('{"exit_code": 1, "trained": true, "ended_by": "DistNetworkError: store gone"}')
+    assert NodeExit.read(path) == NodeExit(1, trained=True, ended_by="DistNetworkError: store gone")
+    path.write_text('{"exit_code": true, "stopped_step": "12", "rank0_here": 1, "trained": 1, "ended_by": 3}')
     assert NodeExit.read(path) == NodeExit(None, None, False, False, None)
 
 

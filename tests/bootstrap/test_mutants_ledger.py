@@ -1,30 +1,434 @@
-"""The job-wide stops a life reads from S3 (bootstrap/jobstate.py) against the moto server: `trainstack stop`
-first, then the cost cap, crossed by the ledger's job total (what every earlier life cost) even before this
-life's trainer has started; the state poller reports each S3 outage once and keeps polling. No agent, no
-trainer: the poller runs on a thread with an injected heartbeat."""
+"""The job ledger (bootstrap/ledger.py): the promises `make mutate` found untested. What a life's record
+says when it opens and when the next life closes it (crashed here, vanished elsewhere, a lease holder that
+died), what every life cost (legacy lives, price notes, standby waits, hand-overs), the counters a crash
+loop and the interruption rate read, and the store's conditional write: two writers never lose each
+other's change. Mostly in memory; the store against the moto server with S3's other answers injected."""
 
 from __future__ import annotations
 
-import io
 import json
-import threading
-import time
-from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
 
-from bootstrap.agent_config import AgentConfig
-from bootstrap.eventlog import EventLog
 from bootstrap.imds import InstanceIdentity
-from bootstrap.jobstate import JobState, JobWideStop
+from bootstrap.ledger import JobLedger, LedgerStore, _is_conflict
 from bootstrap.pricing import LifeQuote
 from tests.conftest import MotoServer
+from trainstack_job.contract import JobStatus, LifeOutcome
 
-BUCKET = "trainstack-jobstate"
+T0 = datetime(2030, 1, 1, tzinfo=timezone.utc)
+BUCKET = "trainstack-ledger-mutants"
+KEY = "jobs/demo-1a2b3c4d/state/ledger.json"
+URI = f"s3://{BUCKET}/{KEY}"
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def iso_at(seconds: float) -> str:
+    """A moment as the ledger writes it (UTC, milliseconds, `Z`)."""
+    return at(seconds).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def node(instance_id: str = "i-a", lifecycle: str = "spot") -> InstanceIdentity:
+    return InstanceIdentity(instance_id, "g5.xlarge", "us-east-1a", "us-east-1", lifecycle)
+
+
+def life_of(ledger: JobLedger, instance_id: str) -> dict[str, Any]:
+    return next(x for x in ledger.lives if x["instance_id"] == instance_id)
+
+
+def opened(instance_id: str, seconds: float, price: float | None = 1.0, **data: Any) -> JobLedger:
+    """A ledger with one life of `instance_id` opened at T0 + seconds (on top of `data`, if given)."""
+    ledger = JobLedger(data or None)
+    ledger.begin_life(node(instance_id), price, at(seconds))
+    return ledger
+
+
+# -- a new ledger and a new life ---------------------------------------------------------------------
+
+
+def test_a_new_ledger_is_a_running_job_with_nothing_spent_and_no_life() -> None:
+    ledger = JobLedger()
+    assert ledger.data == {
+        "status": "running",
+        "lives": [],
+        "interruptions": 0,
+        "consecutive_failures": 0,
+        "total_cost_usd": 0.0,
+    }
+    assert ledger.current_life() is None and ledger.previous_life() is None
+    ledger.begin_life(node(), 1.0, T0)
+    assert JobLedger(ledger.data, life_id="i-x@never").current_life() is None, "a life id not in the ledger"
+
+
+@pytest.mark.parametrize("lifecycle, option", [("spot", "spot"), ("on-demand", "on-demand")])
+def test_a_life_opens_with_every_field_an_operator_and_the_cost_cap_read(lifecycle: str, option: str) -> None:
+    ledger = JobLedger()
+    life_id = ledger.begin_life(node("i-a", lifecycle), 0.75, at(0))
+    assert life_id == f"i-a@{iso_at(0)}"
+    assert ledger.current_life() == {
+        "life_id": life_id,
+        "instance_id": "i-a",
+        "instance_type": "g5.xlarge",
+        "az": "us-east-1a",
+        "lifecycle": lifecycle,
+        "started_at": iso_at(0),
+        "heartbeat_at": iso_at(0),
+        "ended_at": None,
+        "purchase_option": option,
+        "price_source": None,
+        "price_usd_per_hour": 0.75,
+        "storage_usd_per_hour": 0.0,
+        "instance_cost_usd": 0.0,
+        "storage_cost_usd": 0.0,
+        "cost_usd": 0.0,
+        "priced_at": iso_at(0),
+        "outcome": "running",
+    }
+    assert ledger.data["updated_at"] == iso_at(0) and ledger.total_cost_usd == 0.0
+
+
+def test_the_life_before_is_the_last_one_for_a_reader_that_is_no_life() -> None:
+    ledger = JobLedger()
+    for index, instance_id in enumerate(("i-a", "i-b", "i-c")):
+        ledger = JobLedger(ledger.data)
+        ledger.begin_life(node(instance_id), 1.0, at(index * 120))
+        ledger.end_life(LifeOutcome.PREEMPTED, at(index * 120 + 60))
+    reader = JobLedger(ledger.data)  # the CLI, the capacity function: no life of their own
+    previous = reader.previous_life()
+    assert previous is not None and previous["instance_id"] == "i-c"
+
+
+def test_a_queued_job_runs_again_when_its_next_life_begins() -> None:
+    """A job that yielded its instance to a `--now` job waits as queued; its next life resumes it."""
+    ledger = opened("i-a", 0, status=JobStatus.QUEUED.value)
+    assert ledger.data["status"] == "running" and ledger.status == "running"
+
+
+def test_a_store_never_read_reports_an_empty_running_ledger(aws: MotoServer) -> None:
+    """What the agent reports from when S3 was unreachable from the start."""
+    store = LedgerStore(boto3.client("s3", region_name="us-east-1"), BUCKET, KEY)
+    assert store.last.status == "running" and store.last.total_cost_usd == 0.0 and store.last.lives == []
+
+
+# -- closing the lives the next life finds still running ---------------------------------------------
+
+
+def test_a_crashed_agents_life_here_fails_at_its_last_heartbeat_and_counts_one_more_failure() -> None:
+    ledger = opened("i-a", 0, consecutive_failures=2)
+    ledger.update_cost(at(3600))  # its last heartbeat, one hour in
+    ledger = JobLedger(ledger.data)
+    ledger.begin_life(node("i-a"), 1.0, at(7200))  # systemd restarted the agent on the same instance
+    crashed = ledger.lives[0]
+    assert crashed["outcome"] == "failed" and crashed["ended_at"] == iso_at(3600)
+    assert crashed["cost_usd"] == pytest.approx(1.0), "billed to its last heartbeat, not to now"
+    assert ledger.consecutive_failures == 3
+
+
+def test_a_crashed_life_with_no_heartbeat_on_record_ends_when_the_next_life_starts() -> None:
+    ledger = opened("i-a", 0)
+    del ledger.data["lives"][0]["heartbeat_at"]  # a ledger from before heartbeats
+    ledger = JobLedger(ledger.data)
+    ledger.begin_life(node("i-a"), 1.0, at(1800))
+    assert ledger.lives[0]["ended_at"] == iso_at(1800) and ledger.lives[0]["outcome"] == "failed"
+
+
+def test_a_vanished_life_with_no_heartbeat_on_record_is_interrupted_at_its_start() -> None:
+    ledger = opened("i-a", 0)
+    del ledger.data["lives"][0]["heartbeat_at"]
+    ledger = JobLedger(ledger.data)
+    ledger.begin_life(node("i-b"), 1.0, at(1800), stale_after_seconds=60)
+    vanished = ledger.lives[0]
+    assert vanished["outcome"] == "interrupted" and vanished["ended_at"] == iso_at(0)
+    assert vanished["closed_by"] == "i-b" and vanished["cost_usd"] == 0.0
+    assert ledger.interruptions == 1
+
+
+def test_a_life_silent_for_exactly_the_stale_limit_is_dead_as_the_lease_judges_it() -> None:
+    """The lease takes a holder silent for `stale` seconds as dead (`now - heartbeat < stale` is live); the
+    ledger closes the same life at the same moment, never a poll later."""
+    ledger = opened("i-a", 0)
+    ledger = JobLedger(ledger.data)
+    ledger.begin_life(node("i-b"), 1.0, at(59.999), stale_after_seconds=60)
+    assert ledger.lives[0]["outcome"] == "running", "still beating: runs beside the new life"
+    ledger = JobLedger(ledger.data)
+    ledger.begin_life(node("i-c"), 1.0, at(60), stale_after_seconds=60)
+    assert life_of(ledger, "i-a")["outcome"] == "interrupted"
+
+
+def test_a_crashed_standbys_wait_is_settled_when_the_next_life_closes_it() -> None:
+    ledger = opened("i-a", 0)
+    ledger.mark_standby(at(0))
+    ledger.update_cost(at(1800))
+    ledger = JobLedger(ledger.data)
+    ledger.begin_life(node("i-a"), 1.0, at(3600))
+    crashed = ledger.lives[0]
+    assert "standby_cost_from_usd" not in crashed, "no wait left open"
+    assert crashed["standby_seconds"] == 1800.0 and crashed["standby_cost_usd"] == pytest.approx(0.5)
+
+
+def test_a_dead_lease_holders_life_is_closed_once_as_interrupted_at_its_last_heartbeat() -> None:
+    ledger = opened("i-a", 0)
+    life_id = ledger.lives[0]["life_id"]
+    ledger.update_cost(at(600))
+    ledger = JobLedger(ledger.data)
+    assert ledger.close_dead_holder("i-x@never", "i-b") is False
+    assert ledger.close_dead_holder(life_id, "i-b") is True
+    closed = ledger.lives[0]
+    assert (closed["outcome"], closed["ended_at"], closed["closed_by"]) == ("interrupted", iso_at(600), "i-b")
+    assert closed["cost_usd"] == round(600 / 3600, 6)
+    assert ledger.interruptions == 1
+    assert ledger.close_dead_holder(life_id, "i-b") is False, "closed once"
+    assert ledger.interruptions == 1
+
+
+# -- what each life cost -----------------------------------------------------------------------------
+
+
+def legacy_life(instance_id: str, started: float, price: float | None) -> dict[str, Any]:
+    """A life written before per-option pricing: one price, no `priced_at`."""
+    return {
+        "life_id": f"{instance_id}@{iso_at(started)}", "instance_id": instance_id, "lifecycle": "spot",
+        "started_at": iso_at(started), "heartbeat_at": iso_at(started + 5400), "ended_at": None,
+        "price_usd_per_hour": price, "cost_usd": 0.25, "outcome": "running",
+    }  # fmt: skip
+
+
+def test_a_legacy_life_is_billed_time_times_its_one_price_as_it_was_then() -> None:
+    ledger = JobLedger({"lives": [legacy_life("i-old", 0, 0.123456789), legacy_life("i-free", 0, None)]})
+    ledger.begin_life(node("i-new"), 1.0, at(7200))
+    assert life_of(ledger, "i-old")["cost_usd"] == round(1.5 * 0.123456789, 6) == 0.185185
+    assert life_of(ledger, "i-free")["cost_usd"] == 0.25, "no price: left as it was"
+    assert ledger.total_cost_usd == pytest.approx(0.185185 + 0.25)
+
+
+def test_figures_are_kept_to_the_stated_precision_and_the_total_is_their_sum() -> None:
+    """Components to 9 decimals (sums of many heartbeats stay exact), costs and totals to a millionth of a
+    dollar, standby seconds to the millisecond its timestamps carry."""
+    ledger = opened("i-a", 0, price=1 / 3)
+    ledger.mark_standby(at(0))
+    ledger.update_cost(at(3600))
+    life = ledger.lives[0]
+    assert life["instance_cost_usd"] == round(1 / 3, 9)
+    assert life["cost_usd"] == round(1 / 3, 6) == ledger.total_cost_usd == ledger.standby_cost_usd
+    quote = LifeQuote("spot", "meter", 0.5, 2 / 3, 1 / 7)
+    ledger.update_cost(at(7200), quote)
+    assert life["instance_cost_usd"] == round(2 / 3, 9)
+    assert life["storage_cost_usd"] == 0.0 and life["storage_usd_per_hour"] == 1 / 7
+    ledger.update_cost(at(10800.333))
+    storage = round(1 / 7 * 3600.333 / 3600, 9)
+    assert life["storage_cost_usd"] == storage
+    instance = round(2 / 3 + 0.5 * 3600.333 / 3600, 9)
+    assert life["cost_usd"] == round(instance + storage, 6) == ledger.total_cost_usd
+    ledger.end_standby(at(10800.333))
+    assert life["standby_seconds"] == 10800.333
+    assert life["standby_cost_usd"] == round(instance + storage, 6) == ledger.standby_cost_usd
+
+
+def test_a_price_note_is_kept_while_the_quotes_carry_it_and_dropped_after() -> None:
+    ledger = opened("i-a", 0)
+    ledger.update_cost(at(60), LifeQuote("spot", "history", 0.5, None, 0.0, "no price history: cap price"))
+    assert ledger.lives[0]["price_note"] == "no price history: cap price"
+    ledger.update_cost(at(120), LifeQuote("spot", "history", 0.5, None, 0.0))
+    assert "price_note" not in ledger.lives[0]
+
+
+def test_a_reader_that_is_no_life_refreshes_the_jobs_total() -> None:
+    ledger = opened("i-a", 0)
+    ledger.update_cost(at(3600))
+    reader = JobLedger(ledger.data)
+    assert reader.update_cost(at(7200)) == pytest.approx(1.0), "no life of its own to bill"
+    assert reader.data["updated_at"] == iso_at(7200)
+
+
+# -- the warm standby's cost ---------------------------------------------------------------------------
+
+
+def test_a_standby_costs_only_what_accrued_while_it_waited_and_waits_once() -> None:
+    ledger = opened("i-a", 0, price=1.0)
+    ledger.update_cost(at(3600))  # one hour preparing: not waiting yet
+    ledger.mark_standby(at(3600))
+    ledger.mark_standby(at(5400))  # marked again: the first mark counts
+    assert ledger.lives[0]["standby_since"] == iso_at(3600)
+    ledger.end_standby(at(7200))
+    assert ledger.lives[0]["standby_cost_usd"] == pytest.approx(1.0)
+    assert ledger.lives[0]["standby_seconds"] == 3600.0
+    assert ledger.standby_cost_usd == pytest.approx(1.0)
+    ledger.mark_standby(at(9000))  # a life waits once: it took the lease, or it left
+    ledger.end_standby(at(10800))
+    assert ledger.lives[0]["standby_cost_usd"] == pytest.approx(1.0) == ledger.standby_cost_usd
+
+
+def test_a_wait_that_ends_as_it_starts_cost_nothing_and_took_no_time() -> None:
+    ledger = opened("i-a", 0, price=None)  # no price known: nothing billed
+    ledger.mark_standby(at(10))
+    ledger.end_standby(at(10))
+    assert ledger.lives[0]["standby_seconds"] == 0.0 and ledger.lives[0]["standby_cost_usd"] == 0.0
+    ledger.mark_standby(at(20))
+    ledger.end_standby(at(80))
+    assert ledger.lives[0]["standby_cost_usd"] == 0.0, "a life with no price waits for free"
+
+
+def test_an_ended_life_is_never_marked_waiting() -> None:
+    ledger = opened("i-a", 0)
+    ledger.end_life(LifeOutcome.SURPLUS, at(60))
+    ledger.mark_standby(at(70))
+    assert "standby_since" not in ledger.lives[0] and ledger.standby_cost_usd == 0.0
+
+
+def test_the_standby_total_adds_every_open_wait_and_hand_overs_count_only_hand_overs() -> None:
+    a = opened("i-a", -1800, price=1.0)
+    life_a = a.lives[0]["life_id"]
+    a.mark_standby(at(0))  # half an hour preparing (0.50 USD) before it waits
+    b = JobLedger(a.data)
+    life_b = b.begin_life(node("i-b"), 2.0, at(0), stale_after_seconds=60)
+    b.mark_standby(at(0))
+    assert b.data["standby_cost_usd"] == 0.0, "two waits that just began cost nothing yet"
+    a = JobLedger(b.data, life_a)
+    a.update_cost(at(1800))
+    b = JobLedger(a.data, life_b)
+    b.update_cost(at(1800))
+    assert b.data["standby_cost_usd"] == pytest.approx(0.5 + 1.0), "both open waits, each from its mark"
+    assert b.handovers == 0
+    b.end_life(LifeOutcome.HANDED_OVER, at(1800))
+    assert b.handovers == 1 and b.data["handovers"] == 1
+
+
+def test_an_early_call_is_a_programming_error_that_says_which_call() -> None:
+    ledger = JobLedger()
+    with pytest.raises(RuntimeError, match=r"^mark_standby\(\) before begin_life\(\)$"):
+        ledger.mark_standby(T0)
+    with pytest.raises(RuntimeError, match=r"^end_standby\(\) before begin_life\(\)$"):
+        ledger.end_standby(T0)
+    with pytest.raises(RuntimeError, match=r"^end_life\(\) before begin_life\(\)$"):
+        ledger.end_life(LifeOutcome.COMPLETED, T0)
+
+
+# -- the counters ------------------------------------------------------------------------------------
+
+
+def test_interruptions_add_up_over_lives() -> None:
+    ledger = opened("i-a", 0, interruptions=2)
+    ledger.end_life(LifeOutcome.PREEMPTED, at(60))
+    assert ledger.interruptions == 3
+
+
+def test_the_first_crash_of_a_multinode_generation_counts_once_and_its_other_nodes_add_nothing() -> None:
+    ledger = JobLedger()
+    ids = []
+    for index, instance_id in enumerate(("i-a", "i-b")):
+        ledger = JobLedger(ledger.data)
+        ids.append(ledger.begin_life(node(instance_id), 1.0, at(index), stale_after_seconds=60))
+        ledger.set_generation(4)
+    first = JobLedger(ledger.data, ids[0])
+    first.end_life(LifeOutcome.FAILED, at(30))
+    assert first.consecutive_failures == 1, "the generation's first crash is a failure"
+    second = JobLedger(first.data, ids[1])
+    second.end_life(LifeOutcome.STALLED, at(31))
+    assert second.consecutive_failures == 1, "the same crash seen by the other node"
+
+
+def test_spot_interruptions_count_spot_lives_that_ended_interrupted_over_their_hours() -> None:
+    """The observed interruption rate: spot lives only, a running life to its last heartbeat."""
+    ledger = JobLedger()
+    ends = [
+        ("i-1", "spot", LifeOutcome.PREEMPTED),
+        ("i-2", "spot", LifeOutcome.INTERRUPTED),
+        ("i-3", "spot", LifeOutcome.COMPLETED),
+        ("i-4", "on-demand", LifeOutcome.PREEMPTED),
+        ("i-6", "spot", LifeOutcome.FAILED),
+    ]
+    for index, (instance_id, lifecycle, outcome) in enumerate(ends):
+        ledger = JobLedger(ledger.data)
+        ledger.begin_life(node(instance_id, lifecycle), 1.0, at(index * 7200))
+        ledger.end_life(outcome, at(index * 7200 + 3600))
+    ledger = JobLedger(ledger.data)
+    ledger.begin_life(node("i-5"), 1.0, at(40000))
+    ledger.update_cost(at(40000 + 1800))
+    assert ledger.spot_interruptions() == (2, pytest.approx(4.5))
+    assert JobLedger().spot_interruptions() == (0, 0.0)
+
+
+@pytest.mark.parametrize("status", [JobStatus.COST_CAP, "completed"])
+def test_a_status_is_stored_as_its_value(status: JobStatus | str) -> None:
+    ledger = JobLedger()
+    ledger.set_status(status)  # type: ignore[arg-type]
+    assert ledger.data["status"] == JobStatus(status).value and json.loads(json.dumps(ledger.data))
+    with pytest.raises(ValueError):
+        ledger.set_status("finished")  # type: ignore[arg-type]
+
+
+# -- S3's answers --------------------------------------------------------------------------------------
+
+
+def s3_error(operation: str, code: str | None, status: int | None) -> ClientError:
+    response: dict[str, Any] = {}
+    if code is not None:
+        response["Error"] = {"Code": code, "Message": f"injected {code}"}
+    if status is not None:
+        response["ResponseMetadata"] = {"HTTPStatusCode": status}
+    return ClientError(response, operation)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "code, status, conflict",
+    [
+        ("PreconditionFailed", 412, True),
+        ("ConditionalRequestConflict", 409, True),
+        ("PreconditionFailed", None, True),
+        ("ConditionalRequestConflict", None, True),
+        (None, 412, True),
+        (None, 409, True),
+        ("SomethingElse", 409, True),
+        ("NoSuchKey", 404, False),
+        ("InternalError", 500, False),
+        ("SlowDown", 503, False),
+        (None, None, False),
+        (None, 500, False),
+    ],
+)
+def test_a_conflict_is_s3s_every_answer_to_a_lost_conditional_write(
+    code: str | None, status: int | None, conflict: bool
+) -> None:
+    assert _is_conflict(s3_error("PutObject", code, status)) is conflict
+
+
+class Interleaved:
+    """The moto client with another writer: after this client's read number `after_read`, `write` runs
+    (another life's change lands between the read and the conditional write); `fail` injects answers."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.reads = 0
+        self.puts = 0
+        self.between: dict[int, Any] = {}
+        self.fail_get: ClientError | None = None
+        self.fail_put: ClientError | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def get_object(self, **kwargs: Any) -> Any:
+        if self.fail_get is not None:
+            raise self.fail_get
+        response = self._client.get_object(**kwargs)
+        self.reads += 1
+        if self.reads in self.between:
+            self.between[self.reads]()
+        return response
+
+    def put_object(self, **kwargs: Any) -> Any:
+        self.puts += 1
+        if self.fail_put is not None:
+            raise self.fail_put
+        return self._client.put_object(**kwargs)
 
 
 @pytest.fixture()
@@ -34,192 +438,93 @@ def s3(aws: MotoServer) -> Any:
     return client
 
 
-class Lines:
-    """The agent's event log, kept as parsed lines."""
-
-    def __init__(self) -> None:
-        self.log = EventLog(io.StringIO())
-        self.events: list[dict[str, Any]] = []
-        self.log.add_sink(lambda line: self.events.append(json.loads(line)))
-
-    def messages(self, containing: str) -> list[str]:
-        return [e["message"] for e in self.events if containing in e["message"]]
+def stored(s3: Any) -> dict[str, Any]:
+    return dict(json.loads(s3.get_object(Bucket=BUCKET, Key=KEY)["Body"].read()))
 
 
-def job_state(s3: Any, lines: Lines, cap: float | None) -> JobState:
-    config = AgentConfig(
-        region="us-east-1",
-        bucket=BUCKET,
-        group_name="g",
-        topic_arn="arn:aws:sns:us-east-1:123456789012:t",
-        log_group="l",
-        max_cost_usd=cap,
-    )
-    return JobState(s3, config, lines.log)
+def count(field: str) -> Any:
+    def change(ledger: JobLedger) -> None:
+        ledger.data[field] = ledger.data.get(field, 0) + 1
+
+    return change
 
 
-def request_stop(s3: Any, state: JobState) -> None:
-    state.state.write("control.json", {"action": "stop"})
+def test_two_writers_never_lose_each_others_change(s3: Any) -> None:
+    """The other writer (this life's poller, or an old life draining) lands between this writer's read and
+    its write: the conditional write is refused, the change is applied again on the newest copy."""
+    LedgerStore(s3, BUCKET, KEY).update(count("interruptions"))
+    racing = Interleaved(s3)
+    racing.between[1] = lambda: LedgerStore(s3, BUCKET, KEY).update(count("handovers"))
+    LedgerStore(racing, BUCKET, KEY).update(count("interruptions"))
+    assert (stored(s3)["interruptions"], stored(s3)["handovers"]) == (2, 1)
+    assert racing.puts == 2, "the first write was refused and retried"
 
 
-class Costs:
-    """The job's total as the heartbeat returns it; counts how often it was asked."""
+def test_two_writers_creating_the_ledger_at_once_both_land(s3: Any) -> None:
+    racing = Interleaved(s3)
+    first = LedgerStore(racing, BUCKET, KEY)
+    # The ledger does not exist for this writer's first read; another life creates it before the write.
+    original = racing.get_object
 
-    def __init__(self, total: float) -> None:
-        self.total = total
-        self.asked = 0
+    def absent_then_created(**kwargs: Any) -> Any:
+        if racing.reads == 0:
+            racing.reads = 1
+            LedgerStore(s3, BUCKET, KEY).update(count("handovers"))
+            raise s3.exceptions.NoSuchKey({"Error": {"Code": "NoSuchKey"}}, "GetObject")
+        return original(**kwargs)
 
-    def __call__(self) -> float:
-        self.asked += 1
-        return self.total
-
-
-def test_without_a_cap_the_cost_is_never_a_stop_nor_asked(s3: Any) -> None:
-    costs = Costs(1e9)
-    assert job_state(s3, Lines(), cap=None).job_wide_stop(costs) is None
-    assert costs.asked == 0
-
-
-@pytest.mark.parametrize(
-    ("total", "stops"), [(0.0, False), (9.99, False), (10.0, True), (10.01, True), (250.0, True)]
-)
-def test_the_cost_cap_stops_the_job_once_its_total_reaches_the_cap(
-    s3: Any, total: float, stops: bool
-) -> None:
-    wide = job_state(s3, Lines(), cap=10.0).job_wide_stop(Costs(total))
-    if stops:
-        assert wide == JobWideStop("cost_cap", {"cost_usd": total, "cap_usd": 10.0})
-    else:
-        assert wide is None
+    racing.get_object = absent_then_created  # type: ignore[method-assign]
+    first.update(count("interruptions"))
+    assert (stored(s3)["interruptions"], stored(s3)["handovers"]) == (1, 1)
 
 
-def test_trainstack_stop_comes_first_and_waits_on_no_cost(s3: Any) -> None:
-    state = job_state(s3, Lines(), cap=10.0)
-    state.state.write("control.json", {"action": "resume"})  # anything else is no stop
-    assert state.job_wide_stop(Costs(0.0)) is None
-    request_stop(s3, state)
-    costs = Costs(99.0)
-    assert state.job_wide_stop(costs) == JobWideStop("control")
-    assert costs.asked == 0
+def test_a_write_s3_keeps_refusing_gives_up_naming_the_ledger(s3: Any) -> None:
+    racing = Interleaved(s3)
+    racing.fail_put = s3_error("PutObject", "PreconditionFailed", 412)
+    with pytest.raises(RuntimeError) as gave_up:
+        LedgerStore(racing, BUCKET, KEY, attempts=3).update(count("interruptions"))
+    assert str(gave_up.value) == f"{URI}: 3 concurrent writers in a row; will retry"
+    assert racing.puts == 3
 
 
-def run_poller(
-    state: JobState, beat: Callable[[], float], until: Callable[[list[tuple[str, dict[str, Any]]]], bool]
-) -> list[tuple[str, dict[str, Any]]]:
-    """The state poller on its thread, every 20 ms, until `until(stops)` (at most 20 s)."""
-    stops: list[tuple[str, dict[str, Any]]] = []
-    done = threading.Event()
-    poller = threading.Thread(
-        target=state.poll, args=(done, 0.02, beat, lambda reason, **fields: stops.append((reason, fields)))
-    )
-    poller.start()
-    deadline = time.monotonic() + 20
-    try:
-        while not until(stops):
-            assert time.monotonic() < deadline, "the poller never got there"
-            time.sleep(0.02)
-    finally:
-        done.set()
-        poller.join(10)
-    return stops
+@pytest.mark.parametrize("code", ["NoSuchKey", "404"])
+def test_a_ledger_not_found_is_a_new_job(s3: Any, code: str) -> None:
+    racing = Interleaved(s3)
+    racing.fail_get = s3_error("GetObject", code, 404)
+    assert LedgerStore(racing, BUCKET, KEY).read() == (None, None)
 
 
-def test_a_ledger_total_over_the_cap_stops_the_job_at_the_first_poll_with_one_heartbeat_a_poll(
-    s3: Any,
-) -> None:
-    """Earlier lives already spent the cap: the first poll stops the job (before any trainer starts)."""
-    state = job_state(s3, Lines(), cap=5.0)
-    beats = Costs(7.5)
-    stops = run_poller(state, beats, until=lambda stops: bool(stops))
-    assert stops[0] == ("cost_cap", {"cost_usd": 7.5, "cap_usd": 5.0})
-    assert beats.asked <= len(stops) + 1, "one heartbeat per poll, shared by the cap check"
+@pytest.mark.parametrize("code", [None, "AccessDenied", "InternalError"])
+def test_a_ledger_that_cannot_be_read_is_raised_never_taken_for_a_new_job(s3: Any, code: str | None) -> None:
+    """Starting over from an empty ledger would reset the crash counter and forget what the job cost."""
+    racing = Interleaved(s3)
+    racing.fail_get = s3_error("GetObject", code, 403 if code == "AccessDenied" else 500)
+    with pytest.raises(ClientError):
+        LedgerStore(racing, BUCKET, KEY).update(count("interruptions"))
+    assert racing.puts == 0
 
 
-def test_the_poller_says_once_that_s3_is_unreachable_and_once_that_it_is_back(s3: Any) -> None:
-    lines = Lines()
-    state = job_state(s3, lines, cap=5.0)
-    failing = {"left": 3}
-
-    def beat() -> float:
-        if failing["left"]:
-            failing["left"] -= 1
-            raise ConnectionError("S3 unreachable")
-        return 1.0
-
-    run_poller(state, beat, until=lambda _: bool(lines.messages("reachable again")))
-    assert len(lines.messages("cannot read or write job state; will retry")) == 1
-    back = [e for e in lines.events if "reachable again" in e["message"]]
-    assert len(back) == 1 and back[0]["failed_polls"] == 3
+@pytest.mark.parametrize("body", [b'"text"', b"[1, 2]", b"7"])
+def test_a_ledger_that_is_not_an_object_is_replaced_by_a_fresh_one(s3: Any, body: bytes) -> None:
+    s3.put_object(Bucket=BUCKET, Key=KEY, Body=body)
+    store = LedgerStore(s3, BUCKET, KEY)
+    assert store.load().lives == []
+    store.update(count("interruptions"))
+    assert stored(s3)["interruptions"] == 1
 
 
-def test_a_ledger_change_s3_refuses_is_reported_not_raised(s3: Any) -> None:
-    lines = Lines()
-    state = job_state(s3, lines, cap=None)
-    s3.delete_bucket(Bucket=BUCKET)
-    assert state.record(lambda ledger: None) is False
-    said = [e for e in lines.events if e["message"].startswith("ledger not updated")]
-    assert len(said) == 1 and said[0]["stage"] == "state"
-    assert said[0]["ledger"] == f"s3://{BUCKET}/state/ledger.json" and "NoSuchBucket" in said[0]["error"]
+def test_the_ledger_is_stored_as_json_and_says_what_it_cannot_encode_as_text(s3: Any) -> None:
+    store = LedgerStore(s3, BUCKET, KEY)
+    store.begin_life(node(), 1.0, T0)
+    store.update(lambda ledger: ledger.end_life(LifeOutcome.FAILED, at(60), log=Path("/var/log/job.log")))
+    assert s3.head_object(Bucket=BUCKET, Key=KEY)["ContentType"] == "application/json"
+    assert stored(s3)["lives"][0]["log"] == "/var/log/job.log"
 
 
-def identity(instance_id: str = "i-0abc") -> InstanceIdentity:
-    return InstanceIdentity(instance_id, "g5.xlarge", "us-east-1a", "us-east-1", "spot")
-
-
-def quote(cost: float) -> LifeQuote:
-    return LifeQuote("spot", "test", 0.5, cost, 0.0)
-
-
-def ledger_in_s3(s3: Any) -> dict[str, Any]:
-    return dict(json.loads(s3.get_object(Bucket=BUCKET, Key="state/ledger.json")["Body"].read()))
-
-
-def test_a_heartbeat_bills_this_life_and_returns_the_jobs_total_what_the_cap_reads(s3: Any) -> None:
-    earlier = job_state(s3, Lines(), cap=10.0)
-    earlier.ledger_store.begin_life(identity("i-old"), 0.5, datetime(2030, 1, 1, tzinfo=timezone.utc))
-    assert earlier.heartbeat(quote(3.0)) == pytest.approx(3.0)
-    state = job_state(s3, Lines(), cap=10.0)
-    state.ledger_store.begin_life(identity(), 0.5, datetime(2030, 1, 1, 1, tzinfo=timezone.utc))
-    total = state.heartbeat(quote(2.5))
-    assert total == pytest.approx(5.5), "this life's cost plus every earlier life's"
-    saved = ledger_in_s3(s3)
-    assert saved["total_cost_usd"] == pytest.approx(5.5)
-    assert {life["instance_id"]: life["cost_usd"] for life in saved["lives"]} == pytest.approx(
-        {"i-old": 3.0, "i-0abc": 2.5}
-    )
-    assert state.ledger.total_cost_usd == pytest.approx(5.5)
-
-
-def test_a_recorded_change_lands_in_the_ledger(s3: Any) -> None:
-    state = job_state(s3, Lines(), cap=None)
-
-    def interrupted(ledger: Any) -> None:
-        ledger.data["interruptions"] = 2
-
-    assert state.record(interrupted) is True
-    assert ledger_in_s3(s3)["interruptions"] == 2
-
-
-def test_progress_goes_to_s3_with_the_instance_that_made_it(s3: Any, tmp_path: Path) -> None:
-    lines = Lines()
-    state = job_state(s3, lines, cap=None)
-    state.upload_progress()  # before training: nothing to say, nothing written
-    state.progress_file = tmp_path / "progress.json"
-    state.identity = identity()
-    state.upload_progress()  # the trainer has not written it yet
-    assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix="state/progress.json")
-    state.progress_file.write_text(json.dumps({"step": 40, "epoch": 1}))
-    state.upload_progress()
-    saved = json.loads(s3.get_object(Bucket=BUCKET, Key="state/progress.json")["Body"].read())
-    assert saved == {
-        "step": 40,
-        "epoch": 1,
-        "instance_id": "i-0abc",
-        "instance_type": "g5.xlarge",
-        "az": "us-east-1a",
-    }
-    s3.delete_object(Bucket=BUCKET, Key="state/progress.json")
-    s3.delete_bucket(Bucket=BUCKET)
-    state.upload_progress_quietly()  # S3 refuses: said, not raised
-    failed = [e for e in lines.events if e["message"] == "progress upload failed"]
-    assert len(failed) == 1 and failed[0]["stage"] == "state" and "NoSuchBucket" in failed[0]["error"]
+def test_a_life_reloaded_from_the_store_is_still_this_life(s3: Any) -> None:
+    store = LedgerStore(s3, BUCKET, KEY)
+    store.begin_life(node("i-a"), 1.0, T0)
+    life_id = store.life_id
+    LedgerStore(s3, BUCKET, KEY).begin_life(node("i-b"), 1.0, at(1), stale_after_seconds=60)
+    current = store.load().current_life()
+    assert current is not None and current["life_id"] == life_id and current["instance_id"] == "i-a"

@@ -307,6 +307,22 @@ def test_live_nodes_lists_only_fresh_heartbeats(node: NodeFactory, clock: Clock)
     }
 
 
+def test_other_nodes_gives_every_other_valid_node_file_fresh_or_not(
+    s3: Any, node: NodeFactory, clock: Clock
+) -> None:
+    """What the survivors' watch compares from poll to poll (bootstrap/generations.py): stale files too (a
+    silent node is what it looks for), never this node's own, never a file that is not a node file."""
+    a, b, c = node("i-a"), node("i-b"), node("i-c")
+    for rendezvous in (a, b, c):
+        rendezvous.heartbeat(1)
+    clock.t += 10 * STALE
+    c.heartbeat(2)
+    s3.put_object(Bucket=BUCKET, Key=a.node_key("i-bad"), Body=b"garbage")
+    others = a.other_nodes()
+    assert set(others) == {"i-b", "i-c"}
+    assert others["i-b"]["heartbeat_at"] == clock.t - 10 * STALE and others["i-c"]["generation"] == 2
+
+
 # -- the store's socket: bound and listening before the record names its port, held for the generation ------
 
 

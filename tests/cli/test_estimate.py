@@ -120,7 +120,19 @@ def test_a_bad_expected_hours_is_one_line_naming_the_key(estimate: Callable[...,
 
     assert result.code == 1
     assert result.err.count("\n") == 1
-    assert "trainstack:expectedHours must be a positive number, got 'a day'" in result.err
+    # The program's own line (infra/config.py), after the file it was read from.
+    assert (
+        f"Pulumi.{STACK}.yaml: trainstack:expectedHours: 'a day' is not a positive number of hours; "
+        "empty = unknown (e.g. `pulumi config set trainstack:expectedHours 24`)"
+    ) in result.err
+
+
+def test_the_cap_beside_the_estimate_is_the_one_the_program_enforces(estimate: Callable[..., Result]) -> None:
+    """maxCostUsd as the program parses it: a bad one is refused as preview refuses it, never read as none."""
+    result = estimate({"trainstack:expectedHours": "24", "trainstack:maxCostUsd": "0"}, ec2=_ec2())
+
+    assert result.code == 1
+    assert "trainstack:maxCostUsd: '0' is not a positive USD amount; empty = no cap" in result.err
 
 
 def test_estimate_against_moto_needs_no_stack_outputs(aws: Any, estimate: Callable[..., Result]) -> None:

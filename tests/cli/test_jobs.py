@@ -249,7 +249,7 @@ def test_jobs_lists_every_job_with_status_step_cost_age_and_the_current_one(depl
     assert table.code == 0, table.err
     line = next(line for line in table.out.splitlines() if NEW in line)
     assert "*" in line and "running" in line and "120/1000" in line and "$0.50" in line and "1h 00m" in line
-    assert f"the stack defines {DEFINED}" in table.out
+    assert f"the stack's default job is {DEFINED}" in table.out
 
 
 def test_jobs_of_an_empty_stack_says_what_defines_one(deployed: Deployed):

@@ -1,4 +1,6 @@
-"""`trainstack data push` / `results pull`: layout checked first, unchanged skipped, training protected."""
+"""`trainstack data push` of the default dataset (the built-in trainer's ImageFolder) and `results pull`:
+layout checked first, unchanged skipped, training protected. Any files, named datasets, versions and faults:
+tests/cli/test_data_push.py."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.tools import require_module
+from trainstack.datasets import IMG_EXTENSIONS, validate_image_folder
 from trainstack.errors import CliError
-from trainstack.transfer import IMG_EXTENSIONS, validate_image_folder
 
 from .conftest import BUCKET, Deployed
 
@@ -90,7 +92,7 @@ def test_push_delete_removes_files_the_dataset_no_longer_has(deployed: Deployed,
     (dataset / "train" / "cat" / "2.png").unlink()
 
     kept = deployed.run("data", "push", str(dataset))
-    assert "1 extra object(s) kept (--delete removes them)" in kept.out
+    assert "1 remote file(s) not in DIR kept, outside the version (--delete removes them)" in kept.out
     assert "data/train/cat/2.png" in _keys(deployed, "data/")
 
     deleted = deployed.run("data", "push", str(dataset), "--delete", "--json").json()
@@ -107,7 +109,7 @@ def test_push_refuses_to_replace_the_dataset_while_training_runs(deployed: Deplo
 
     assert refused.code == 1
     assert refused.err.count("\n") == 1
-    assert "training is running on 1 instance(s) of trainstack-test-gpu" in refused.err
+    assert "training is running on 1 instance(s) of trainstack-test-gpu (job legacy)" in refused.err
     assert "`trainstack stop` first, or pass --force" in refused.err
     assert _keys(deployed, "data/") == []
 
@@ -157,7 +159,8 @@ def test_push_of_mismatched_classes_is_one_line_listing_them(deployed: Deployed,
     assert result.code == 1
     assert result.err == (
         f"trainstack: error: dataset {root}: train/ and val/ must have the same class folders "
-        "(only in train/: bird, dog; only in val/: wolf)\n"
+        "(only in train/: bird, dog; only in val/: wolf) (checked because the built-in trainer reads the "
+        "default dataset; a job of your own reads any files: pass --layout any)\n"
     )
 
 
@@ -221,5 +224,5 @@ def test_a_class_folder_with_only_hidden_images_is_empty(tmp_path: Path):
 
 
 def test_the_cli_shares_the_hidden_path_rule_without_importing_torch():
-    code = "import sys, trainstack.transfer; sys.exit('torch' in sys.modules)"
+    code = "import sys, trainstack.datapush, trainstack.datasets; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

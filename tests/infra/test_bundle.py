@@ -1,4 +1,5 @@
-"""The code bundle is reproducible, and a code change rolls a new key and a new launch-template version."""
+"""The code bundle is reproducible, and a change of the agent's code rolls a new key and a new launch-template
+version (a job's code never does: tests/infra/test_default_job.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import io
 import shutil
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,13 +53,18 @@ def test_caches_do_not_change_the_bundle(tmp_path: Path) -> None:
     assert build_bundle(root).sha256 == before.sha256
 
 
+def _agent_bundle(stack: StackRun) -> dict[str, Any]:
+    (bundle,) = [r for r in stack.of_type("aws:s3/bucketObjectv2:BucketObjectv2") if r.name == "fleet-bundle"]
+    return bundle.inputs
+
+
 def _bundle_and_user_data(stack: StackRun) -> tuple[str, str]:
-    bundle = stack.one("aws:s3/bucketObjectv2:BucketObjectv2").inputs
+    bundle = _agent_bundle(stack)
     return bundle["key"], stack.one("aws:ec2/launchTemplate:LaunchTemplate").inputs["userData"]
 
 
 def test_bundle_is_uploaded_content_addressed_with_the_stack_key(example_stack: StackRun) -> None:
-    bundle = example_stack.one("aws:s3/bucketObjectv2:BucketObjectv2").inputs
+    bundle = _agent_bundle(example_stack)
     expected = build_bundle()
     assert bundle["key"] == expected.key()
     assert base64.b64decode(bundle["contentBase64"]) == expected.data

@@ -1,4 +1,4 @@
-"""The stack's job: its id from its definition (infra/jobdef.py), resumeFrom, what reaches the instance."""
+"""The stack's job: its id from its definition (infra/jobdef.py), resumeFrom, what reaches the queue."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from bootstrap.agent_config import AgentConfig, AgentConfigError
 from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES, UserDataError, render_user_data
 from infra.bundle import build_bundle
 from infra.config import StackConfig, StackConfigError, parse_stack_config
+from infra.defaultjob import submit_stack_job
 from infra.fleet import agent_config
 from infra.jobdef import JobDefinition, define_stack_job
 from tests.cloud_config import assert_valid_cloud_config
-from tests.infra.program import REPO_ROOT, StackRun, example_config
+from tests.infra.program import REPO_ROOT, RecordedResource, StackRun, example_config
 from trainstack_job.jobs import check_job_id
 
 BUNDLE_OBJECT = "aws:s3/bucketObjectv2:BucketObjectv2"
@@ -42,9 +43,14 @@ def _user_job(tmp_path: Path, train: str = "print('training')\n") -> Path:
     return tmp_path / "job.yaml"
 
 
+def _agent_bundle(stack: StackRun) -> RecordedResource:
+    (bundle,) = [r for r in stack.of_type(BUNDLE_OBJECT) if r.name == "fleet-bundle"]
+    return bundle
+
+
 def test_the_bundle_object_survives_a_pulumi_up_that_changes_the_code(example_stack: StackRun) -> None:
     # A running job's replacement boots the bundle the job started with: a replace must not delete it.
-    bundle = example_stack.one(BUNDLE_OBJECT)
+    bundle = _agent_bundle(example_stack)
     assert bundle.retain_on_delete
     assert bundle.inputs["key"].startswith("code/")
 
@@ -62,7 +68,7 @@ def test_the_stack_exports_its_job_and_the_jobs_prefix(example_stack: StackRun) 
     assert (outputs["checkpoints_prefix"], outputs["state_prefix"]) == ("checkpoints/", "state/")
 
 
-def test_user_data_names_the_job_and_the_bundle_it_boots(example_stack: StackRun, tmp_path: Path) -> None:
+def test_user_data_names_the_bundle_it_boots_and_no_job(example_stack: StackRun, tmp_path: Path) -> None:
     template = example_stack.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
     text = base64.b64decode(template["userData"]).decode()
     assert len(text.encode()) < USER_DATA_LIMIT_BYTES
@@ -70,10 +76,10 @@ def test_user_data_names_the_job_and_the_bundle_it_boots(example_stack: StackRun
     document = yaml.safe_load(text)
     files = {entry["path"]: entry["content"] for entry in document["write_files"]}
     loaded = AgentConfig.from_mapping(yaml.safe_load(files["/etc/trainstack/agent.yaml"]))
-    assert loaded.job_id == example_stack.outputs["job_id"]
-    assert loaded.job_name == loaded.job_id.rsplit("-", 1)[0]
-    assert loaded.resume_from is None
-    assert loaded.bundle_key == example_stack.one(BUNDLE_OBJECT).inputs["key"]
+    # The stack's job is in the queue (tests/infra/test_default_job.py), not here.
+    assert (loaded.job_id, loaded.job_name, loaded.resume_from) == ("", "", None)
+    assert example_stack.outputs["job_id"] not in text
+    assert loaded.bundle_key == _agent_bundle(example_stack).inputs["key"]
     assert f"BUNDLE_SHA256={loaded.bundle_sha256}" in files["/etc/trainstack/bundle.env"]
     assert loaded.prefixes.jobs == "jobs/"
 
@@ -128,11 +134,10 @@ def test_resume_from_is_part_of_the_definition(tmp_path: Path) -> None:
     assert tuned.resume_from == fresh.job_id
     assert tuned.name == fresh.name and tuned.job_id != fresh.job_id
     assert define_stack_job(_config(resumeFrom="legacy")).resume_from == "legacy"
-    built = agent_config(
-        _config(resumeFrom=fresh.job_id), bucket="trainstack-dev-1", topic_arn="t", log_group="/l"
-    )
-    assert (built.job_id, built.resume_from) == (tuned.job_id, fresh.job_id)
-    assert AgentConfig.from_mapping(yaml.safe_load(built.to_yaml())) == built
+    # What the agent runs it from: the job's record (the `agent` fields), written by `pulumi up`.
+    record = submit_stack_job(_config(resumeFrom=fresh.job_id), "2026-01-01T00:00:00Z").record
+    assert (record["job_id"], record["resume_from"]) == (tuned.job_id, fresh.job_id)
+    assert (record["agent"]["job_id"], record["agent"]["resume_from"]) == (tuned.job_id, fresh.job_id)
 
 
 @pytest.mark.parametrize("value", ["Default-1A2B3C4D", "../state", "a b", "-x"])

@@ -96,7 +96,11 @@ def test_instance_policy_is_scoped_to_this_stacks_resources(example_stack: Stack
     document = _documents(example_stack)["identity-instance-policy.policy"]
     bucket = f"arn:aws:s3:::{example_stack.outputs['bucket_name']}"
     by_sid = {s["Sid"]: s for s in _statements(document)}
-    assert by_sid["ReadDataAndCode"]["Resource"] == [f"{bucket}/data/*", f"{bucket}/code/*"]
+    assert by_sid["ReadDataAndCode"]["Resource"] == [
+        f"{bucket}/data/*",
+        f"{bucket}/code/*",
+        f"{bucket}/datasets/*",
+    ]
     assert by_sid["ReadWriteJobsAndLegacyJob"]["Resource"] == [
         f"{bucket}/jobs/*",
         f"{bucket}/checkpoints/*",
@@ -112,9 +116,9 @@ def test_instance_policy_is_scoped_to_this_stacks_resources(example_stack: Stack
         "StringEquals": {"cloudwatch:namespace": "trainstack"}
     }
     assert "s3:DeleteObject" not in by_sid["ReadDataAndCode"]["Action"]
-    # Listing: the dataset, the bundles, every job's prefix and the legacy job's (checkpoints are listed).
+    # Listing: the datasets, the bundles, every job's prefix and the legacy job's (checkpoints are listed).
     assert by_sid["ListOwnPrefixes"]["Condition"]["StringLike"]["s3:prefix"] == [
-        "data/*", "code/*", "jobs/*", "checkpoints/*", "results/*", "state/*",
+        "data/*", "code/*", "datasets/*", "jobs/*", "checkpoints/*", "results/*", "state/*",
     ]  # fmt: skip
 
 

@@ -50,6 +50,7 @@ def test_every_resource_belongs_to_a_component_with_a_trainstack_type(example_st
         "trainstack:fleet:Fleet",
         "trainstack:observability:Observability",
         "trainstack:capacity:CapacityFallback",
+        "trainstack:queue:DefaultJob",
     }
     for resource in example_stack.resources:
         if not resource.type.startswith("trainstack:"):
@@ -240,10 +241,11 @@ def test_destroy_keeps_only_the_bucket_its_key_and_the_code_bundle_by_default(
 
 def test_destroy_removes_everything_when_data_is_not_retained() -> None:
     stack = run_stack({**example_config(), "trainstack:retainDataOnDestroy": False})
-    # Only the code bundle keeps retain_on_delete (for replacements, below); the force-destroyed bucket
-    # takes it with every other object.
+    # Only the code bundle and the default job's record keep retain_on_delete (for replacements: a running
+    # job keeps its code and record); the force-destroyed bucket takes them with every other object.
     kept = [r for r in stack.resources if r.retain_on_delete]
-    assert [r.type for r in kept] == ["aws:s3/bucketObjectv2:BucketObjectv2"]
+    assert [r.type for r in kept] == ["aws:s3/bucketObjectv2:BucketObjectv2"] * 2
+    assert kept[0].name == "fleet-bundle" and kept[1].name.endswith("-record")
     assert all(b.inputs["forceDestroy"] is True for b in stack.of_type("aws:s3/bucket:Bucket"))
     assert stack.one("aws:kms/key:Key").inputs["deletionWindowInDays"] == 7
 

@@ -13,7 +13,7 @@ import pytest
 
 from bootstrap.secrets import parameter_name, secret_id
 from infra.config import StackConfig, StackConfigError, parse_stack_config
-from infra.fleet import agent_config
+from infra.defaultjob import submit_stack_job
 from infra.policy.user_data import decode, scan_user_data
 from tests.infra.program import ACCOUNT_ID, REGION, StackRun, example_config, run_stack
 
@@ -102,10 +102,9 @@ def test_preview_refuses_a_token_in_job_env_even_folded_by_yaml(tmp_path: Path) 
 def test_a_job_with_secrets_passes_preview_and_carries_names_only(tmp_path: Path) -> None:
     job = _job(tmp_path, "name: j\ncommand: [python, train.py]\nsecrets: {HF_TOKEN: hf-token}\n")
     config = _parse(job=job)
-    built = agent_config(
-        config, bucket="trainstack-dev-1", topic_arn="arn:aws:sns:us-east-1:1:t", log_group="/l"
-    )
-    assert built.user_job is not None and built.user_job["secrets"] == {"HF_TOKEN": "hf-token"}
+    # The job reaches the agent through its record in the queue (infra/defaultjob.py).
+    agent = submit_stack_job(config, "2026-01-01T00:00:00Z").record["agent"]
+    assert agent["user_job"] is not None and agent["user_job"]["secrets"] == {"HF_TOKEN": "hf-token"}
 
 
 def test_preview_refuses_a_bad_reference(tmp_path: Path) -> None:
@@ -143,7 +142,7 @@ def test_a_credential_in_the_trainers_config_fails_preview_by_its_key(tmp_path: 
     assert not any("pa55word" in line for line in lines)
 
 
-def test_the_programs_user_data_with_a_jobs_secrets_passes_the_scan(tmp_path: Path) -> None:
+def test_the_programs_job_record_with_secrets_carries_names_and_passes_the_scan(tmp_path: Path) -> None:
     job = _job(
         tmp_path, "name: j\ncommand: [python, train.py]\nsecrets: {HF_TOKEN: hf-token, WANDB_API_KEY: wb}\n"
     )
@@ -151,8 +150,14 @@ def test_the_programs_user_data_with_a_jobs_secrets_passes_the_scan(tmp_path: Pa
     (template,) = stack.of_type("aws:ec2/launchTemplate:LaunchTemplate")
     written = template.inputs["userData"]
     decoded = decode(written, base64_encoded=True)
-    assert "HF_TOKEN: hf-token" in decoded
+    assert "HF_TOKEN" not in decoded, "no job in user-data"
     assert scan_user_data(written, decoded) == []
+    # The same scan over the job's record, which now carries the job's secrets section (names only).
+    objects = stack.of_type("aws:s3/bucketObjectv2:BucketObjectv2")
+    (record,) = [r for r in objects if r.name.endswith("-record")]
+    content = record.inputs["content"]
+    assert '"HF_TOKEN": "hf-token"' in content
+    assert scan_user_data(content, content) == []
 
 
 def test_the_scan_finds_a_token_an_old_or_hand_made_agent_config_puts_in_user_data() -> None:

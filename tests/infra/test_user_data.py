@@ -1,14 +1,17 @@
-"""The launch template's user-data: fits EC2, valid cloud-config, no secrets, the stack's agent config."""
+"""The launch template's user-data: fits EC2, valid cloud-config, no secrets, the stack's agent config and no
+job (jobs are submitted to the stack's queue: tests/infra/test_default_job.py)."""
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+import infra.fleet
 from bootstrap.agent_config import AgentConfig
 from infra.fleet import LIFECYCLE_HOOK_NAME, agent_config
 from tests.cloud_config import assert_valid_cloud_config
@@ -65,7 +68,14 @@ def test_user_data_carries_the_stacks_agent_config(example_stack: StackRun) -> N
     assert loaded.log_group == outputs["log_group_name"]
     assert loaded.region == outputs["region"]
     assert loaded.gpu_required is True
-    assert loaded.job, "the trainer config is embedded"
+    # The agent's bootstrap only: no job, so the agent takes the queue's head.
+    assert (loaded.job_id, loaded.job_name, loaded.job, loaded.user_job, loaded.resume_from) == (
+        "",
+        "",
+        {},
+        None,
+        None,
+    )
 
 
 def test_agent_config_carries_the_jobs_guards() -> None:
@@ -97,19 +107,41 @@ def test_agent_completes_the_groups_drain_hook(example_stack: StackRun) -> None:
     assert loaded.lifecycle_hook == LIFECYCLE_HOOK_NAME
 
 
-def test_trainer_config_too_big_for_user_data_names_the_key(tmp_path: Path) -> None:
-    from infra.config import StackConfigError
+def test_a_trainer_config_far_over_16_kb_deploys_it_travels_in_the_jobs_record(tmp_path: Path) -> None:
     from tests.infra.program import example_config, run_stack
 
     huge = tmp_path / "huge.yaml"
     # Valid for the trainer (the agent overrides output.dir on the instance) but far over 16 KB.
     huge.write_text(yaml.safe_dump({"output": {"dir": "/x" * 10_000}}))
-    with pytest.raises(StackConfigError, match="trainstack:trainingConfig: user-data is"):
-        run_stack({**example_config(), "trainstack:trainingConfig": str(huge)})
+    stack = run_stack({**example_config(), "trainstack:trainingConfig": str(huge)})
+    assert len(_user_data(stack).encode()) < EC2_USER_DATA_LIMIT
+    (record,) = [
+        r for r in stack.of_type("aws:s3/bucketObjectv2:BucketObjectv2") if r.name.endswith("-record")
+    ]
+    assert "/x" * 10_000 in record.inputs["content"]
+
+
+def test_user_data_over_ec2s_limit_is_one_stack_error_naming_the_cause() -> None:
+    from bootstrap.cloud_init import render_user_data
+    from infra.config import StackConfigError, parse_stack_config
+    from infra.fleet import _user_data
+
+    config = parse_stack_config({}, region="eu-west-1", project="trainstack", stack="prod")
+    built = agent_config(
+        config, bucket="trainstack-prod-1", topic_arn="arn:aws:sns:eu-west-1:1:t", log_group="/l"
+    )
+    # Only a hand-made agent config can hold a job (a job is never in user-data): one like that, too big.
+    oversized = dataclasses.replace(built, job={"notes": ["x" * 100] * 200})
+    with pytest.raises(StackConfigError) as error:
+        _user_data(oversized, f"code/{'0' * 64}/bundle.tar.gz", "0" * 64)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("trainstack: launch template user-data: user-data is ")
+    assert "trainstack run" in message
+    assert render_user_data(built, bundle_key=f"code/{'0' * 64}/bundle.tar.gz", bundle_sha256="0" * 64)
 
 
 def test_a_failed_stack_run_leaves_nothing_that_formats_a_traceback_when_it_is_freed(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A failed run leaves hundreds of futures whose exception nobody retrieved; asyncio reports each when the
     garbage collector frees it, which may be later, inside another test's code, where formatting a traceback
@@ -118,14 +150,18 @@ def test_a_failed_stack_run_leaves_nothing_that_formats_a_traceback_when_it_is_f
     import gc
     import logging
 
+    from bootstrap.cloud_init import UserDataError
     from infra.config import StackConfigError
     from tests.infra.program import example_config, run_stack
 
-    huge = tmp_path / "huge.yaml"
-    huge.write_text(yaml.safe_dump({"output": {"dir": "/x" * 10_000}}))
+    def too_big(*args: object, **kwargs: object) -> str:
+        raise UserDataError("user-data is 20000 bytes, over EC2's 16384")
+
+    # A failure inside an apply, after most resources are registered: what leaves futures behind.
+    monkeypatch.setattr(infra.fleet, "render_user_data", too_big)
     with caplog.at_level(logging.WARNING, logger="asyncio"):
         try:
-            run_stack({**example_config(), "trainstack:trainingConfig": str(huge)})
+            run_stack(example_config())
         except StackConfigError:
             pass
         else:

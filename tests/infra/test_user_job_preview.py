@@ -6,9 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from bootstrap.agent_config import AgentConfig
 from infra.config import StackConfig, StackConfigError, parse_stack_config
+from infra.defaultjob import submit_stack_job
 from infra.fleet import agent_config
 
 
@@ -28,14 +30,13 @@ def _job_dir(tmp_path: Path, text: str) -> Path:
     return tmp_path / "job.yaml"
 
 
-def test_a_valid_job_file_reaches_the_agent_config_and_round_trips(tmp_path: Path) -> None:
+def test_a_valid_job_file_reaches_the_jobs_record_and_loads_into_the_agents_config(tmp_path: Path) -> None:
     job = _job_dir(tmp_path, "name: mine\ncommand: [python, train.py, --steps, 10]\nenv: {SEED: 1}\n")
     config = _parse(job=str(job))
     assert config.user_job is not None and config.user_job_dir == tmp_path.resolve()
-    built = agent_config(
-        config, bucket="trainstack-dev-1", topic_arn="arn:aws:sns:us-east-1:1:t", log_group="/l"
-    )
-    assert built.user_job == {
+    # The job travels in its record in the queue; the agent lays the record's `agent` fields over its own.
+    fields = submit_stack_job(config, "2026-01-01T00:00:00Z").record["agent"]
+    assert fields["user_job"] == {
         "name": "mine",
         "command": ["python", "train.py", "--steps", "10"],
         "workdir": ".",
@@ -44,7 +45,15 @@ def test_a_valid_job_file_reaches_the_agent_config_and_round_trips(tmp_path: Pat
         "data": {"sync": True},
         "checkpoint": {"keep": 3},
     }
-    assert AgentConfig.from_mapping(__import__("yaml").safe_load(built.to_yaml())) == built
+    bootstrap = agent_config(
+        config, bucket="trainstack-dev-1", topic_arn="arn:aws:sns:us-east-1:1:t", log_group="/l"
+    )
+    loaded = AgentConfig.from_mapping({**yaml.safe_load(bootstrap.to_yaml()), **fields})
+    assert (loaded.user_job, loaded.job_id, loaded.job_name) == (
+        fields["user_job"],
+        fields["job_id"],
+        "mine",
+    )
 
 
 def test_every_problem_of_a_bad_job_file_fails_preview_naming_the_key(tmp_path: Path) -> None:

@@ -208,6 +208,8 @@ def test_sigterm_to_one_node_stops_every_rank_of_both_at_the_same_step(stopped_p
         "rank0_here": True,
         "rendezvous_failed": False,
         "world_size": 2,
+        "trained": True,
+        "ended_by": None,
     }
     assert on_b == on_a | {"ranks": {"1": EXIT_STOPPED}, "rank0_here": False}
     # Only the main rank writes checkpoints: the step is on the rank-0 machine, nowhere else.
@@ -293,6 +295,8 @@ def test_sigterm_while_waiting_for_the_other_nodes_exits_75_at_once(make_run: Ma
             "rank0_here": False,
             "rendezvous_failed": False,
             "world_size": None,
+            "trained": False,
+            "ended_by": None,
         }
     assert took < 30, f"the launchers took {took:.0f}s to stop"
 
@@ -314,6 +318,7 @@ def test_a_rendezvous_that_cannot_form_fails_as_a_rendezvous_failure(make_run: M
         assert codes[node] == 1, node.output()[-3000:]
         record = node.exit_record()
         assert record["rendezvous_failed"] is True and record["exit_code"] == 1 and record["ranks"] == {}
+        assert record["trained"] is False and record["ended_by"]
         assert "the rendezvous" in node.output() and "failed" in node.output()
     assert "did not answer within 2 s" in unreachable.output()
     assert "RendezvousTimeoutError" in alone.output()

@@ -1,0 +1,201 @@
+"""`python -m demo --queue` end to end: the real agent, the examples, `trainstack run` and `cancel`.
+
+One story keeps, for each example as shipped (shortened only through its job file), the spot promise its own
+story used to prove (tests/bootstrap/test_demo.py): the notice stops it mid-run with a confirmed checkpoint,
+a replacement resumes from that step, 0 steps lost, its own result file in S3. On top of that the queue's:
+the second job runs on the instance that completed the first without a new boot, a cancelled job never runs,
+nothing of one job lands among another's objects, and the group is at zero once the queue is empty.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from demo.queue import Boot, CliCall, JobStart, Notice, QueuedJob, QueueResult, Sample
+from demo.report_queue import checks
+from tests.bootstrap.test_demo import run_demo
+
+
+@pytest.mark.slow
+def test_two_examples_through_spot_notices_one_after_the_other_and_a_cancelled_third(tmp_path: Path) -> None:
+    # Three boots and five job lives: twice the single story's length; under pytest-timeout's 300 s.
+    output = run_demo(tmp_path, "--queue", timeout=280)
+    checks = [line for line in output.splitlines() if line.startswith(("PASS ", "FAIL "))]
+    assert checks and not [line for line in checks if line.startswith("FAIL")], output[-6000:]
+    for job in ("job 1", "job 2"):
+        for promise in (
+            "the notice interrupted it mid-run",
+            "stopped with a confirmed checkpoint",
+            "steps lost = 0",
+            "resumed at the checkpoint step",
+            "completed, its ledger its own",
+            "its own results in S3",
+        ):
+            assert f"PASS {job}: {promise}" in output, output[-6000:]
+    for promise in (
+        "user-data is the environment only, valid and fits",
+        "trainstack run queued each job and woke the group",
+        "submitting never changed the launch template",
+        "job 2 ran after job 1 on the same instance, no new boot",
+        "job 2: Lightning itself restored the confirmed checkpoint",
+        "job 3: cancelled before it ran, never ran",
+        "nothing mixed between jobs",
+        "every agent exited 0",
+        "group scaled to zero once the queue was empty",
+        "one completion notification per completed job",
+    ):
+        assert f"PASS {promise}" in output, output[-6000:]
+    # Each example's own result file, under its own job's prefix (charlm's sample, Lightning's model).
+    assert "jobs/charlm-" in output and "sample.txt" in output
+    assert "Restored all states from the checkpoint at" in output
+    # `trainstack jobs` at the end, as the user would see it: two completed, one cancelled.
+    table = output[output.index("$ trainstack jobs") :].split("timeline", 1)[0]
+    assert table.count("│ completed │") == 2 and table.count("│ cancelled │") == 1, table
+
+
+# -- the checks on synthetic results: each fails when its promise is broken (no process, no AWS) -------------
+
+CHARLM, LIGHTNING, TINY = "charlm-0000000a", "lightning-mnist-like-0000000b", "tiny-0000000c"
+
+
+def _ledger(first: str, second: str) -> dict[str, Any]:
+    return {
+        "status": "completed",
+        "interruptions": 1,
+        "lives": [
+            {"instance_id": first, "outcome": "preempted"},
+            {"instance_id": second, "outcome": "completed"},
+        ],
+    }
+
+
+def _passing() -> QueueResult:
+    """A run that keeps every promise: job 1 on instances 1 then 2, job 2 on 2 then 3, job 3 cancelled."""
+    result = QueueResult(started=0.0, workdir=Path(), user_data_job="", user_data_bytes=15000)
+    result.desired_before, result.desired_after_submit, result.desired_capacity = 0, 1, 0
+    result.template_versions = 1
+    result.cli = [CliCall(["run", name], 0, name, 1.0) for name in (CHARLM, LIGHTNING, TINY)]
+    result.alerts = [{"Subject": f"job {j}: training completed", "Message": ""} for j in (CHARLM, LIGHTNING)]
+    one, two, three = (
+        Boot(f"instance-{n}", f"i-{n}", "g6.xlarge", "us-east-1a", 10.0 * n) for n in (1, 2, 3)
+    )
+    one.bound, one.starts = [(11.0, CHARLM)], [JobStart(11.5, CHARLM, None)]
+    two.bound = [(21.0, CHARLM), (31.0, LIGHTNING)]
+    two.starts = [JobStart(21.5, CHARLM, 50), JobStart(31.5, LIGHTNING, None)]
+    two.hops = [(30.5, CHARLM, LIGHTNING)]
+    three.bound, three.starts = [(41.0, LIGHTNING)], [JobStart(41.5, LIGHTNING, 58)]
+    three.trainer_lines = [(42.0, "Restored all states from the checkpoint at /x/step-58/lightning.ckpt")]
+    for boot in (one, two, three):
+        boot.exit_code = 0
+    result.boots = [one, two, three]
+
+    def interrupted(label: str, job_id: str, steps: int, stop: int, on: Boot, to: Boot) -> QueuedJob:
+        job = QueuedJob(label, job_id, [], interrupt=True, total_steps=steps, own_result="x", job_id=job_id)
+        job.notice = Notice(
+            on.booted_at + 5, on.name, stop - 2, steps, resumed_boot=to.name, resumed_step=stop
+        )
+        job.notice.stop_event = {
+            "exit_code": 75,
+            "checkpoint_confirmed": True,
+            "checkpoint_step": stop,
+            "reached_step": stop,
+        }
+        job.notice.stopped_step = stop
+        job.samples = [Sample(on.booted_at + 5, on.name, stop - 2), Sample(to.booted_at + 5, to.name, steps)]
+        job.ledger = _ledger(on.instance_id, to.instance_id)
+        job.checkpoints = [f"step-{steps}/manifest.json", "latest.json"]
+        return job
+
+    charlm = interrupted("job 1", CHARLM, 120, 50, one, two)
+    charlm.what, charlm.own_result, charlm.completed_at = "examples/charlm", "sample.txt", 30.0
+    charlm.writes = ("metrics.json", "model.pt", "progress.json", "sample.txt")
+    charlm.results = list(charlm.writes)
+    charlm.checkpoints.append(f"step-{120}/state.pt")
+    lightning = interrupted("job 2", LIGHTNING, 120, 58, two, three)
+    lightning.what, lightning.own_result, lightning.completed_at = (
+        "examples/lightning-mnist-like",
+        "model.pt",
+        45.0,
+    )
+    lightning.writes = ("metrics.json", "model.pt", "progress.json")
+    lightning.results = list(lightning.writes)
+    lightning.checkpoints.append(f"step-{120}/lightning.ckpt")
+    tiny = QueuedJob("job 3", "the built-in trainer", [], interrupt=False, total_steps=None, own_result=None)
+    tiny.job_id, tiny.cancelled_at, tiny.cancel_request = TINY, 2.0, True
+    tiny.ledger = {"status": "cancelled", "lives": []}
+    result.jobs = [charlm, lightning, tiny]
+    return result
+
+
+def _failed(result: QueueResult) -> set[str]:
+    return {check.name for check in checks(result) if not check.passed}
+
+
+def test_a_run_that_keeps_every_promise_passes_every_check() -> None:
+    result = _passing()
+    assert _failed(result) == set()
+    # 3 for the stack, 6 per interrupted example, then no reboot, Lightning's restore, the cancel and 5 more.
+    assert len(checks(result)) == 22
+
+
+def test_a_job_that_finished_before_its_notice_fails_saying_to_lengthen_it() -> None:
+    result = _passing()
+    notice = result.job("job 1").notice
+    assert notice is not None
+    notice.stop_event["exit_code"], notice.stopped_step = 0, 120
+    assert {"job 1: the notice interrupted it mid-run", "job 1: steps lost = 0"} <= _failed(result)
+    assert "lengthen it" in next(
+        c.detail for c in checks(result) if c.name.endswith("interrupted it mid-run")
+    )
+
+
+def test_steps_trained_past_the_confirmed_checkpoint_are_lost_steps() -> None:
+    result = _passing()
+    job = result.job("job 2")
+    job.samples.insert(1, Sample(26.0, "instance-2", 61))  # the stopped boot had reported step 61
+    assert "job 2: steps lost = 0" in _failed(result)
+
+
+def test_the_second_job_on_a_new_boot_or_from_the_first_jobs_checkpoint_fails_no_reboot() -> None:
+    name = "job 2 ran after job 1 on the same instance, no new boot"
+    result = _passing()
+    result.boots[1].hops = []  # instance 2's agent never went on to job 2 itself
+    assert name in _failed(result)
+    result = _passing()
+    result.boots[1].starts[1].restored_step = 120  # job 2 started from job 1's local checkpoint
+    assert name in _failed(result)
+
+
+def test_a_cancelled_job_that_ran_or_left_objects_fails() -> None:
+    name = "job 3: cancelled before it ran, never ran"
+    for change in (
+        lambda job: job.ledger.update(lives=[{"instance_id": "i-2", "outcome": "running"}]),
+        lambda job: job.checkpoints.append("latest.json"),
+        lambda job: setattr(job, "cancel_request", False),
+    ):
+        result = _passing()
+        change(result.job("job 3"))
+        assert name in _failed(result)
+
+
+def test_one_jobs_files_among_anothers_fail_nothing_mixed() -> None:
+    for change in (
+        lambda r: r.job("job 2").results.append("sample.txt"),  # charlm's sample among Lightning's results
+        lambda r: r.job("job 2").checkpoints.append("step-60/state.pt"),  # charlm's checkpoint file kind
+        lambda r: r.legacy_objects.append("results/model.pt"),  # the stack's own top-level prefix
+    ):
+        result = _passing()
+        change(result)
+        assert "nothing mixed between jobs" in _failed(result)
+
+
+def test_a_group_left_up_or_a_changed_launch_template_fails() -> None:
+    result = _passing()
+    result.desired_capacity, result.template_versions = 1, 2
+    assert {
+        "group scaled to zero once the queue was empty",
+        "submitting never changed the launch template",
+    } <= _failed(result)

@@ -1,0 +1,421 @@
+"""`trainstack run`, `jobs`, `cancel` and sweeps against the moto stack: what a submission writes, in which
+order, what it refuses, what it never touches, and following a job to its end."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+
+from infra.jobdef import define_job
+from infra.submission import prepare_submission
+from trainstack import follow as follow_module
+from trainstack.aws import Clients
+from trainstack.errors import CliError
+from trainstack.run import upload
+from trainstack.stack import StackOutputs
+from trainstack_job.datasets import Manifest, ManifestFile
+
+from .conftest import BUCKET, GROUP, LOG_GROUP, REGION, REPO, Deployed
+
+CONFIG = REPO / "training" / "configs" / "default.yaml"
+JOB_FILE = """
+name: tiny
+command: [python, train.py]
+env: {EPOCHS: "3"}
+"""
+
+
+@pytest.fixture(autouse=True)
+def _fast_follow(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(follow_module, "POLL_SECONDS", 0.05)
+
+
+@pytest.fixture()
+def user_job(tmp_path: Path) -> Path:
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "train.py").write_text("print('hello')\n", encoding="utf-8")
+    job_file = folder / "job.yaml"
+    job_file.write_text(JOB_FILE, encoding="utf-8")
+    return job_file
+
+
+def _keys(deployed: Deployed, prefix: str) -> list[str]:
+    listed = deployed.s3().list_objects_v2(Bucket=BUCKET, Prefix=prefix)
+    return sorted(item["Key"] for item in listed.get("Contents", []))
+
+
+def _get(deployed: Deployed, key: str) -> dict[str, Any]:
+    return dict(json.loads(deployed.s3().get_object(Bucket=BUCKET, Key=key)["Body"].read()))
+
+
+def _put(deployed: Deployed, key: str, document: dict[str, Any]) -> None:
+    deployed.s3().put_object(Bucket=BUCKET, Key=key, Body=json.dumps(document).encode())
+
+
+def _submit(deployed: Deployed, *argv: str) -> dict[str, Any]:
+    result = deployed.run("run", *argv, "--json")
+    assert result.code == 0, result.err
+    return dict(result.json())
+
+
+def _template_versions(deployed: Deployed) -> list[tuple[int, str]]:
+    found = deployed.ec2().describe_launch_template_versions(LaunchTemplateName=f"{GROUP}-lt")
+    return sorted(
+        (v["VersionNumber"], json.dumps(v["LaunchTemplateData"], sort_keys=True))
+        for v in found["LaunchTemplateVersions"]
+    )
+
+
+def test_run_uploads_bundle_then_record_then_entry_and_detach_prints_the_id(deployed: Deployed):
+    before = _template_versions(deployed)
+    result = deployed.run("run", "--config", str(CONFIG), "--detach")
+    assert result.code == 0, result.err
+    job_id = result.out.strip()
+    assert job_id.startswith("default-") and "\n" not in job_id, "--detach prints the id alone"
+
+    record = _get(deployed, f"jobs/{job_id}/job.json")
+    entry = _get(deployed, f"queue/{job_id}.json")
+    assert (record["job_id"], record["source"], record["name"]) == (job_id, "run", "default")
+    agent = record["agent"]
+    assert agent["job_id"] == job_id and agent["user_job"] is None
+    assert agent["job"]["train"]["lr"] == 0.1, "the trainer config travels in the record"
+    assert agent["bundle_key"] == f"code/{agent['bundle_sha256']}/bundle.tar.gz"
+    assert _keys(deployed, "code/") == [agent["bundle_key"]]
+    assert (entry["job_id"], entry["now"], entry["submitted_at"]) == (job_id, False, record["submitted_at"])
+    assert _template_versions(deployed) == before, "submitting never rolls a launch-template version"
+    assert deployed.group()["DesiredCapacity"] == 2, "a group at zero wakes with the job's instance count"
+
+
+def test_two_runs_of_the_same_code_are_two_jobs_sharing_one_bundle(deployed: Deployed):
+    first = _submit(deployed, "--config", str(CONFIG))
+    second = _submit(deployed, "--config", str(CONFIG))
+    assert first["jobs"][0]["job_id"] != second["jobs"][0]["job_id"], "a re-run is a new job"
+    assert len(first["bundles_uploaded"]) == 1 and second["bundles_uploaded"] == []
+    assert len(_keys(deployed, "code/")) == 1
+    assert second["scaled_up_to"] is None, "the group already woke for the first job"
+
+
+def test_jobs_lists_the_queue_in_order_and_cancel_withdraws_a_queued_job(deployed: Deployed, user_job: Path):
+    first = _submit(deployed, "--config", str(CONFIG))["jobs"][0]["job_id"]
+    second = _submit(deployed, str(user_job))["jobs"][0]["job_id"]
+    third = _submit(deployed, str(user_job), "--name", "tiny-again")["jobs"][0]["job_id"]
+    assert second.startswith("tiny-") and third.startswith("tiny-again-")
+
+    rows = {row["job_id"]: row for row in deployed.run("jobs", "--json").json()["jobs"]}
+    assert [(rows[j]["status"], rows[j]["queue_position"]) for j in (first, second, third)] == [
+        ("queued", 1),
+        ("queued", 2),
+        ("queued", 3),
+    ]
+    assert "queued #2" in deployed.run("jobs").out
+
+    cancelled = deployed.run("cancel", second)
+    assert cancelled.code == 0, cancelled.err
+    assert f"cancelled job {second}: it leaves the queue and will never run" in cancelled.out
+    rows = {row["job_id"]: row for row in deployed.run("jobs", "--json").json()["jobs"]}
+    assert [(rows[j]["status"], rows[j]["queue_position"]) for j in (first, second, third)] == [
+        ("queued", 1),
+        ("cancelled", None),
+        ("queued", 2),
+    ]
+    again = deployed.run("cancel", second)
+    assert again.code == 1 and f"cancel {second}: the job is already cancelled" in again.err
+
+    status = deployed.run("status", "--job", third)
+    assert status.code == 0 and f"job {third} is queued, position 2" in " ".join(status.out.split())
+    logs = deployed.run("logs", "--job", third)
+    assert logs.code == 0 and logs.err.startswith(f"trainstack: job {third} is queued, position 2:")
+    pulled = deployed.run("results", "pull", str(user_job.parent / "out"), "--job", second)
+    assert pulled.code == 1 and f"(job {second}: training is cancelled)" in pulled.err
+
+
+def test_now_goes_ahead_of_the_queue_and_a_job_that_yielded_waits_again(deployed: Deployed):
+    waiting = _submit(deployed, "--config", str(CONFIG))["jobs"][0]["job_id"]
+    urgent = _submit(deployed, "--config", str(CONFIG), "--now")["jobs"][0]["job_id"]
+    assert _get(deployed, f"queue/{urgent}.json")["now"] is True
+    rows = {row["job_id"]: row for row in deployed.run("jobs", "--json").json()["jobs"]}
+    assert (rows[urgent]["queue_position"], rows[waiting]["queue_position"]) == (1, 2)
+    # The agent ran `urgent`, then `waiting` yielded to another `--now` job: its ledger says queued again.
+    _put(deployed, f"jobs/{urgent}/state/ledger.json", {"status": "running", "lives": []})
+    _put(deployed, f"jobs/{waiting}/state/ledger.json", {"status": "queued", "lives": []})
+    _put(deployed, f"jobs/{waiting}/state/progress.json", {"step": 40, "total_steps": 100})
+    status = deployed.run("status", "--json", "--job", waiting).json()
+    assert status["status"] == "queued" and f"job {waiting} is queued, position 1" in status["next_step"]
+
+
+def test_cancelling_the_only_queued_job_puts_a_group_that_woke_for_it_back_to_zero(deployed: Deployed):
+    job_id = _submit(deployed, "--config", str(CONFIG))["jobs"][0]["job_id"]
+    assert deployed.group()["DesiredCapacity"] == 2
+    result = deployed.run("cancel", job_id)
+    assert result.code == 0 and "nothing else is queued, so the group is back at zero" in result.out
+    assert deployed.group()["DesiredCapacity"] == 0
+
+
+def test_cancel_of_a_running_job_asks_its_agent_to_checkpoint_then_stop(deployed: Deployed):
+    job_id = _submit(deployed, "--config", str(CONFIG))["jobs"][0]["job_id"]
+    _put(deployed, f"jobs/{job_id}/state/ledger.json", {"status": "running", "lives": []})
+    result = deployed.run("cancel", job_id)
+    assert result.code == 0, result.err
+    assert "its agent checkpoints, then stops it" in result.out
+    assert _get(deployed, f"jobs/{job_id}/state/cancel.json")["by"] == "trainstack cancel"
+    assert deployed.run("cancel", "nope-12345678").err.count("no such job") == 1
+
+
+def test_a_sweep_queues_one_named_job_per_grid_point_in_grid_order(deployed: Deployed):
+    result = _submit(
+        deployed, "--config", str(CONFIG), "--sweep", "train.lr=0.1,0.03", "--sweep", "train.batch_size=32,64"
+    )
+    names = [job["name"] for job in result["jobs"]]
+    assert names == [
+        "default-lr0.1-bs32",
+        "default-lr0.1-bs64",
+        "default-lr0.03-bs32",
+        "default-lr0.03-bs64",
+    ]
+    queue = [entry for entry in deployed.run("jobs", "--json").json()["jobs"] if entry["queue_position"]]
+    assert [row["name"] for row in sorted(queue, key=lambda r: r["queue_position"])] == names
+    record = _get(deployed, f"jobs/{result['jobs'][2]['job_id']}/job.json")
+    assert record["sweep"] == {"name": "default", "point": {"train.lr": 0.03, "train.batch_size": 32}}
+    assert (record["agent"]["job"]["train"]["lr"], record["agent"]["job"]["train"]["batch_size"]) == (
+        0.03,
+        32,
+    )
+    assert len(_keys(deployed, "code/")) == 1, "one bundle for the whole sweep"
+
+
+def test_a_bad_sweep_or_config_is_every_problem_one_line_each_and_nothing_is_submitted(
+    deployed: Deployed, tmp_path: Path
+):
+    result = deployed.run("run", "--config", str(CONFIG), "--sweep", "train.lrr=0.1,0.2", "--detach")
+    assert result.code == 1
+    lines = result.err.splitlines()
+    assert len(lines) == 3, "two points, one line each, and the summary"
+    assert "(--sweep lrr0.1): train.lrr: unknown key" in lines[0] and "did you mean train.lr" in lines[0]
+    assert lines[-1] == "trainstack: error: nothing submitted: 2 problems; fix and run again"
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train: {epochs: -1, optimizer: rmsprop}\nmodle: {}\n", encoding="utf-8")
+    result = deployed.run("run", "--config", str(broken), "--sweep", "bogus", "--detach")
+    assert result.code == 1 and "--sweep 'bogus': expected KEY=V1,V2" in result.err
+    deployed.outputs_file.unlink()  # the job is checked before the stack is read: no outputs needed
+    result = deployed.run("run", "--config", str(broken), "--detach")
+    assert result.code == 1 and result.err.count(f"{broken}: ") >= 3, result.err
+    assert "train.epochs: must be at least 1" in result.err and "modle: unknown section" in result.err
+    assert _keys(deployed, "") == [] and deployed.group()["DesiredCapacity"] == 0
+
+
+def test_a_user_jobs_sweep_sets_environment_variables(deployed: Deployed, user_job: Path):
+    result = _submit(deployed, str(user_job), "--sweep", "LR=1e-3,3e-4")
+    envs = [
+        _get(deployed, f"jobs/{job['job_id']}/job.json")["agent"]["user_job"]["env"] for job in result["jobs"]
+    ]
+    assert envs == [{"EPOCHS": "3", "LR": "1e-3"}, {"EPOCHS": "3", "LR": "3e-4"}]
+    assert deployed.group()["DesiredCapacity"] == 1, "a user's job runs on one instance"
+    bad = deployed.run("run", str(user_job), "--sweep", "train.lr=0.1", "--detach")
+    assert bad.code == 1 and "--sweep train.lr: a user's job is swept through its environment" in bad.err
+
+
+def test_jobs_sweep_ranks_the_jobs_by_their_final_metric(deployed: Deployed):
+    jobs = _submit(deployed, "--config", str(CONFIG), "--sweep", "train.lr=0.1,0.03,0.01", "--name", "lrs")[
+        "jobs"
+    ]
+    for job, accuracy in zip(jobs[:2], (0.61, 0.74), strict=True):
+        root = f"jobs/{job['job_id']}/"
+        _put(
+            deployed, root + "state/ledger.json", {"status": "completed", "lives": [], "total_cost_usd": 1.5}
+        )
+        _put(deployed, root + "results/metrics.json", {"final": {"val_accuracy": accuracy, "val_loss": 1.0}})
+    report = deployed.run("jobs", "--sweep", "lrs", "--json").json()
+    ranked = [(row["name"], row["metric"], row["status"]) for row in report["jobs"]]
+    assert ranked == [
+        ("lrs-lr0.03", 0.74, "completed"),
+        ("lrs-lr0.1", 0.61, "completed"),
+        ("lrs-lr0.01", None, "queued"),
+    ]
+    human = deployed.run("jobs", "--sweep", "lrs").out
+    assert "best first by final.val_accuracy" in human and human.index("lrs-lr0-03") < human.index(
+        "lrs-lr0-1-"
+    )
+    unknown = deployed.run("jobs", "--sweep", "nope")
+    assert unknown.code == 1 and "sweeps in this stack: lrs" in unknown.err
+
+
+def test_a_job_needing_more_instances_than_the_group_allows_is_refused(deployed: Deployed):
+    result = deployed.run("run", "--config", str(CONFIG), "--instances", "3", "--detach")
+    assert result.code == 1 and result.err.count("\n") == 1
+    assert f"the job needs 3 instances and group {GROUP} allows at most 2" in result.err
+    deployed.autoscaling().update_auto_scaling_group(AutoScalingGroupName=GROUP, MaxSize=1)
+    result = deployed.run("run", "--config", str(CONFIG), "--detach")
+    assert result.code == 1 and "needs 2 instances" in result.err, "the stack's instanceCount by default"
+    assert _keys(deployed, "") == [] and deployed.group()["DesiredCapacity"] == 0
+
+    one = _submit(deployed, "--config", str(CONFIG), "--instances", "1")["jobs"][0]["job_id"]
+    assert _get(deployed, f"jobs/{one}/job.json")["agent"]["instance_count"] == 1
+    assert deployed.group()["DesiredCapacity"] == 1
+
+
+def test_data_pins_the_pushed_version_and_an_unpushed_dataset_is_refused(deployed: Deployed, user_job: Path):
+    missing = deployed.run("run", str(user_job), "--data", "corpus", "--detach")
+    assert missing.code == 1 and "--data corpus: dataset 'corpus' has no pushed version" in missing.err
+    assert "trainstack data push DIR --name corpus" in missing.err
+    manifest = Manifest("corpus", {"shard-0.txt": ManifestFile(size=5, sha256="a" * 64)})
+    _put(deployed, "state/datasets/corpus.json", manifest.to_json("datasets/corpus/"))
+    job_id = _submit(deployed, str(user_job), "--data", "corpus")["jobs"][0]["job_id"]
+    record = _get(deployed, f"jobs/{job_id}/job.json")
+    pinned = {"name": "corpus", "version": manifest.version}
+    assert record["dataset"] == pinned
+    assert (record["agent"]["dataset"], record["agent"]["dataset_version"]) == ("corpus", manifest.version)
+    assert record["agent"]["instance_count"] == 1, "a user's job trains on one instance"
+    not_images = deployed.run("run", "--config", str(CONFIG), "--data", "corpus", "--detach")
+    assert not_images.code == 1 and "s3://trainstack-test-data/datasets/corpus" in not_images.err
+
+
+def test_a_definition_is_one_id_for_pulumi_and_a_new_id_for_every_run():
+    def submit(at: str, *, unique: bool, **extra: Any) -> Any:
+        return prepare_submission(
+            trainer_config={"train": {"epochs": 1}},
+            training_config_path=CONFIG,
+            user_job=None,
+            user_job_dir=None,
+            submitted_at=at,
+            source="run" if unique else "pulumi",
+            unique=unique,
+            **extra,
+        )
+
+    defined = define_job(trainer_config={"train": {"epochs": 1}}, training_config_path=CONFIG)
+    first, again = submit("2026-01-01T00:00:00Z", unique=False), submit("2026-02-01T00:00:00Z", unique=False)
+    assert first.job_id == again.job_id == defined.job_id, "pulumi up: equal definitions, equal ids"
+    runs = {submit(f"2026-01-01T00:00:0{i}Z", unique=True).job_id for i in range(3)}
+    assert len(runs) == 3 and defined.job_id not in runs, "trainstack run: every submission a new job"
+    named = submit("2026-01-01T00:00:00Z", unique=True, name="resnet", now=True)
+    assert named.job_id.startswith("resnet-") and named.entry["now"] is True
+    keys = [key for key, _, _ in named.objects("stack-code/")]
+    assert keys == [f"stack-code/{named.bundle.sha256}/bundle.tar.gz", named.record_key, named.entry_key]
+    record = json.loads(named.objects("stack-code/")[1][1])
+    assert record["bundle_key"] == record["agent"]["bundle_key"] == keys[0], (
+        "the record names the uploaded key"
+    )
+
+
+def test_a_record_that_exists_stops_the_submission_before_its_queue_entry(deployed: Deployed):
+    submission = prepare_submission(
+        trainer_config={"train": {"epochs": 1}},
+        training_config_path=CONFIG,
+        user_job=None,
+        user_job_dir=None,
+        submitted_at="2026-01-01T00:00:00+00:00",
+        source="run",
+        unique=True,
+    )
+    _put(deployed, submission.record_key, {"job_id": submission.job_id})
+    outputs = StackOutputs(json.loads(deployed.outputs_file.read_text()), "test")
+    with pytest.raises(CliError, match=r"already exists: job .* was submitted before"):
+        upload(Clients(REGION), outputs, [submission])
+    assert _keys(deployed, "queue/") == [], "no entry without its own record"
+
+
+class RefusingQueueWrites:
+    """The user's S3 client, with PutObject on queue/ refused as an identity without that grant would be."""
+
+    def __init__(self, s3: Any) -> None:
+        self._s3 = s3
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._s3, name)
+
+    def put_object(self, **request: Any) -> Any:
+        if str(request["Key"]).startswith("queue/"):
+            error = {"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}
+            raise ClientError(error, "PutObject")  # type: ignore[arg-type]
+        return self._s3.put_object(**request)
+
+
+def test_a_refused_queue_write_leaves_no_queued_job_and_the_group_asleep(deployed: Deployed):
+    s3 = RefusingQueueWrites(boto3.client("s3", region_name=REGION))
+    refused = Clients(None, overrides={"s3": s3})
+    result = deployed.run("run", "--config", str(CONFIG), "--sweep", "train.lr=0.1,0.2", clients=refused)
+    assert result.code == 1 and result.err.count("\n") == 1
+    assert "permission denied: PutObject was refused" in result.err
+    assert _keys(deployed, "queue/") == [] and deployed.group()["DesiredCapacity"] == 0
+    rows = deployed.run("jobs", "--json").json()["jobs"]
+    assert [row["status"] for row in rows] == ["not started"] * 2, "records alone are no queued jobs"
+
+
+def test_a_corrupt_queue_entry_is_one_line_naming_it(deployed: Deployed):
+    deployed.s3().put_object(Bucket=BUCKET, Key="queue/x-12345678.json", Body=b"{not json")
+    result = deployed.run("jobs")
+    assert result.code == 1 and result.err.count("\n") == 1
+    assert "queue/x-12345678.json is not a queue entry" in result.err
+
+
+class FakeAgent:
+    """Plays the agent for a followed job: takes it from the queue, logs, reports progress, ends it."""
+
+    def __init__(self, deployed: Deployed, end: str) -> None:
+        self.deployed, self.end = deployed, end
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        s3 = self.deployed.s3()
+        job_id = ""
+        while not job_id:
+            found = s3.list_objects_v2(Bucket=BUCKET, Prefix="queue/").get("Contents", [])
+            job_id = found[0]["Key"][len("queue/") : -len(".json")] if found else ""
+            time.sleep(0.02)
+        state = f"jobs/{job_id}/state/"
+        logs_client = boto3.client("logs", region_name=REGION)
+        stream = f"{job_id}/i-0123456789abcdef0/trainer"
+        logs_client.create_log_stream(logGroupName=LOG_GROUP, logStreamName=stream)
+        logs_client.put_log_events(
+            logGroupName=LOG_GROUP,
+            logStreamName=stream,
+            logEvents=[{"timestamp": int(time.time() * 1000), "message": "epoch 1/1 step 5/10 loss 1.0"}],
+        )
+        ledger = {"status": "running", "lives": [], "total_cost_usd": 0.25}
+        _put(self.deployed, state + "ledger.json", ledger)
+        _put(self.deployed, state + "progress.json", {"step": 5, "total_steps": 10, "updated_at": _now()})
+        time.sleep(0.3)
+        _put(self.deployed, state + "progress.json", {"step": 10, "total_steps": 10, "updated_at": _now()})
+        _put(self.deployed, state + "ledger.json", {**ledger, "status": self.end, "total_cost_usd": 0.5})
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+@pytest.mark.parametrize(("end", "code"), [("completed", 0), ("failed", 1)])
+def test_following_a_job_prints_its_logs_and_exits_by_its_outcome(deployed: Deployed, end: str, code: int):
+    agent = FakeAgent(deployed, end)
+    agent.thread.start()
+    result = deployed.run("run", "--config", str(CONFIG))
+    agent.thread.join(5)
+    assert result.code == code, result.out + result.err
+    assert "epoch 1/1 step 5/10 loss 1.0" in result.out, "the job's log lines"
+    assert "running, step 5/10" in result.out or "running, step 10/10" in result.out, "the status line"
+    last = result.out.strip().splitlines()[-1]
+    assert last.startswith("job default-") and f" {end}: step 10/10, cost $0.50" in last
+
+
+def test_ctrl_c_while_following_detaches_and_never_cancels(
+    deployed: Deployed, monkeypatch: pytest.MonkeyPatch
+):
+    def interrupt(_seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(follow_module, "wait", interrupt)
+    result = deployed.run("run", "--config", str(CONFIG))
+    assert result.code == 0, result.err
+    assert "detached; job default-" in result.out and "trainstack logs --job default-" in result.out
+    assert [key for key in _keys(deployed, "jobs/") if key.endswith("cancel.json")] == []
+    rows = deployed.run("jobs", "--json").json()["jobs"]
+    assert [row["status"] for row in rows] == ["queued"]
