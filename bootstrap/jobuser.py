@@ -238,10 +238,10 @@ def job_session_policy(
     """The session policy the agent passes to AssumeRole: the job role narrowed to this one job.
 
     Effective permissions are the intersection of the role's policy and this document, so this only
-    narrows: `jobs/<job-id>/` read-write and `data/` read (the role itself denies every job's `state/`,
-    `job.json` and the stack's `state/`), the stack's key only through S3 (the role names the key), and the
-    job's own log stream. The legacy job (a stack from before jobs) has no prefix of its own the role
-    allows: its job reads the dataset only.
+    narrows: `jobs/<job-id>/` read-write and its own dataset read (`data/` or `datasets/<name>/`; the role
+    denies every job's `state/`, `job.json` and the stack's `state/`), the stack's key only through S3 (the
+    role names the key), and the job's own log stream. The legacy job (a stack from before jobs) has no
+    prefix of its own the role allows: its job reads the dataset only.
     """
     match = _ROLE_ARN.match(role_arn)
     if match is None:

@@ -34,6 +34,7 @@ from bootstrap.trainer import (
 )
 from bootstrap.watchdog import StallWatchdog, read_progress
 from trainstack_job.contract import RESUME_COMMAND, ExitCode, JobEnv
+from trainstack_job.datasets import DatasetPlace
 from trainstack_job.jobs import JobPrefixes
 
 # On an instance the job's credentials live on tmpfs, in a directory only root writes.
@@ -162,7 +163,8 @@ class Supervisor:
             region=self.config.region,
             log_group=self.config.log_group,
             log_stream=stream,
-            data_prefix=self.config.prefixes.data,
+            # The job's own dataset only (`data/` or `datasets/<name>/`), as the agent syncs it.
+            data_prefix=DatasetPlace.of(self.config.dataset, data_prefix=self.config.prefixes.data).prefix,
             jobs_prefix=self.config.prefixes.jobs,
         )
         credentials = JobCredentials(

@@ -407,26 +407,28 @@ def job_role_policy(
     *, bucket_arn: str, key_arn: str, region: str, log_group_arn: str, prefixes: Prefixes | None = None
 ) -> Document:
     """The most any job of this stack may do; the agent narrows it to one job with a session policy
-    (bootstrap/jobuser.py job_session_policy): `jobs/<job-id>/` read-write, `data/` read, its log stream.
+    (bootstrap/jobuser.py job_session_policy): `jobs/<job-id>/` read-write, its dataset read, its log stream.
 
     Here every job's prefix is allowed (the role is per stack, the job id per `pulumi up`), and the state
     every job's agent keeps is denied explicitly, so no session policy can ever widen a job into it.
     """
     prefixes = prefixes or Prefixes()
     jobs, data, state = prefixes.jobs, prefixes.data, prefixes.state
+    # The default dataset and the named ones (`trainstack data push --name`); the session narrows to one.
+    datasets = DATASETS_PREFIX
     return _doc(
         {
             "Sid": "ListJobsAndData",
             "Effect": "Allow",
             "Action": "s3:ListBucket",
             "Resource": bucket_arn,
-            "Condition": {"StringLike": {"s3:prefix": [f"{jobs}*", f"{data}*"]}},
+            "Condition": {"StringLike": {"s3:prefix": [f"{jobs}*", f"{data}*", f"{datasets}*"]}},
         },
         {
             "Sid": "ReadData",
             "Effect": "Allow",
             "Action": "s3:GetObject",
-            "Resource": f"{bucket_arn}/{data}*",
+            "Resource": [f"{bucket_arn}/{data}*", f"{bucket_arn}/{datasets}*"],
         },
         {
             "Sid": "ReadWriteJobs",

@@ -444,3 +444,44 @@ def test_the_refresh_outlives_a_failing_sts_and_a_log_that_raises(tmp_path: Path
         assert json.loads(credentials.credentials_file.read_text())["AccessKeyId"] != f"ASIA{1:016d}"
     finally:
         credentials.stop()
+
+
+@pytest.mark.parametrize(
+    ("dataset", "readable", "refused"),
+    [
+        ("", "data/train/0.png", "datasets/faces/0.png"),
+        ("faces", "datasets/faces/0.png", "datasets/other/0.png"),
+    ],
+)
+def test_a_job_reads_its_own_dataset_and_no_other(dataset: str, readable: str, refused: str) -> None:
+    """What AWS grants is the intersection of the job role's policy and the session policy: a job reads the
+    dataset it was submitted with (the default `data/` or a named `datasets/<name>/`) and nothing else."""
+    from infra.policies import job_role_policy
+    from tests.iam.evaluate import Caller, Request, decide
+    from trainstack_job.datasets import DatasetPlace
+
+    bucket = "arn:aws:s3:::b-data"
+    role = job_role_policy(
+        bucket_arn=bucket, key_arn="arn:aws:kms:us-east-1:123456789012:key/k", region="us-east-1",
+        log_group_arn="arn:aws:logs:us-east-1:123456789012:log-group:/l",
+    )  # fmt: skip
+    session = job_session_policy(
+        role_arn=ROLE,
+        bucket="b-data",
+        job_id=JOB,
+        region="us-east-1",
+        log_group="/l",
+        log_stream=None,
+        data_prefix=DatasetPlace.of(dataset).prefix,
+    )
+
+    def allowed(key: str) -> bool:
+        request = Request("s3:GetObject", f"{bucket}/{key}")
+        return all(
+            decide(request, Caller("job", ROLE, "123456789012", [document]), None, key_policy=False).allowed
+            for document in (role, session)
+        )
+
+    assert allowed(readable)
+    assert not allowed(refused)
+    assert not allowed("state/ledger.json")
