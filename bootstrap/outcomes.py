@@ -31,6 +31,7 @@ from bootstrap.ledger import FAILED_OUTCOMES, TERMINAL_STATUSES, JobLedger
 from bootstrap.notify import Notifier, format_duration, format_metrics
 from bootstrap.results import upload_results
 from trainstack_job.contract import RESUME_COMMAND, JobStatus, LifeOutcome
+from trainstack_job.datasets import DatasetPlace, push_command
 from trainstack_job.jobs import LEGACY_JOB_ID
 
 
@@ -329,7 +330,9 @@ class Outcomes:
         return LifeResult(LifeEnd.GAVE_UP)
 
     def no_dataset(self) -> LifeResult:
-        source = f"s3://{self.config.bucket}/{self.config.prefixes.data}"
+        dataset = self.config.dataset
+        place = DatasetPlace.of(dataset, data_prefix=self.config.prefixes.data)
+        source = f"s3://{self.config.bucket}/{place.prefix}"
 
         def no_data(ledger: JobLedger) -> None:
             ledger.end_life(LifeOutcome.NO_DATA, utc_now())
@@ -341,7 +344,8 @@ class Outcomes:
             [
                 f"{source} stayed empty for {self.config.data_wait_minutes:g} minutes, so this instance "
                 "stopped billing.",
-                "Upload the dataset: trainstack data push ./dataset   (train/<class>/…, val/<class>/…)",
+                f"Upload the dataset: {push_command(dataset)}"
+                + ("   (train/<class>/…, val/<class>/…)" if self._builtin_trainer else ""),
                 f"Then start training: {RESUME_COMMAND}",
             ],
         )
