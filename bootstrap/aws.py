@@ -24,8 +24,10 @@ _session: boto3.session.Session | None = None
 _session_lock = threading.Lock()
 
 
-def client(service: str, region: str, config: Config = RETRY_CONFIG) -> Any:
-    """A client honouring AWS_ENDPOINT_URL (boto3 does natively): the agent runs against moto unchanged."""
+def client(service: str, region: str, config: Config = RETRY_CONFIG, principal: str | None = None) -> Any:
+    """A client honouring AWS_ENDPOINT_URL (boto3 does natively): the agent runs against moto unchanged.
+    `principal`: whose role makes the calls, for the IAM check (default the instance role; the dev box's
+    watcher is `dev-role`)."""
     global _session
     with _session_lock:
         if _session is None:
@@ -33,7 +35,7 @@ def client(service: str, region: str, config: Config = RETRY_CONFIG) -> Any:
         made = _session.client(service, region_name=region, config=config)  # type: ignore[call-overload]
     folder = os.environ.get(IAM_RECORD_ENV)
     if folder:
-        record_calls(made, INSTANCE_PRINCIPAL, folder)
+        record_calls(made, principal or INSTANCE_PRINCIPAL, folder)
     return made
 
 

@@ -14,12 +14,16 @@ lost, not failed: the survivors restore the newest confirmed checkpoint and regr
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from bootstrap.agent_config import AgentConfig
@@ -112,8 +116,7 @@ class Generations:
         # running here, which a vanished member's silence ends, and that member.
         self.silent_after = SILENT_POLLS * poll_seconds + SILENT_MARGIN_SECONDS
         self._beats: dict[str, tuple[float, float]] = {}
-        self._watched_at: float | None = None
-        self._watch_failing = False
+        self._blind = False
         self._silenced: set[tuple[str, float]] = set()
         self._lock = threading.Lock()
         self._running: TrainerProcess | None = None
@@ -141,17 +144,20 @@ class Generations:
     def heartbeat(self) -> None:
         """This node's heartbeat in the rendezvous (the state poller's), until it left, and the other nodes'
         heartbeats watched."""
-        if not self._left:
+        if self._left:
+            return
+        try:
             self.nodes.heartbeat()
-            try:
-                self._watch_peers()
-            except Exception as exc:  # this poll's ledger heartbeat must still go out; the next poll looks
-                if not self._watch_failing:
-                    what = "cannot read the other nodes' heartbeats; will retry"
-                    self.log.event("rendezvous", what, error=one_line(exc))
-                self._watch_failing = True
-            else:
-                self._watch_failing = False
+        except Exception:
+            self._blind = True  # S3 unreachable from here: the poller says so and retries
+            raise
+        try:
+            self._watch_peers()
+        except Exception as exc:  # this poll's ledger heartbeat must still go out; the next poll looks
+            if not self._blind:
+                what = "cannot read the other nodes' heartbeats; will retry"
+                self.log.event("rendezvous", what, error=one_line(exc))
+            self._blind = True
 
     def _watch_peers(self) -> None:
         """A node whose heartbeat stopped changing for `silent_after` vanished without a word (a host that
@@ -160,10 +166,11 @@ class Generations:
         trains here, that generation is ended so the survivors regroup."""
         nodes = self.nodes.rendezvous.other_nodes()
         now = time.monotonic()
-        # This node could not look for a while (S3 unreachable for it, or for everyone): what it saw before
-        # says nothing about the silence since, so every clock starts again rather than take all for dead.
-        blind = self._watched_at is not None and now - self._watched_at > self.silent_after / 2
-        self._watched_at = now
+        # This node could not reach S3 since its last look (for it alone, or for everyone): the others may
+        # not have reached it either, so every clock starts again rather than take them all for dead. A look
+        # that is only late (a busy poller) still measures a true silence: a heartbeat that changed would
+        # show a new value.
+        blind, self._blind = self._blind, False
         for gone in set(self._beats) - set(nodes):
             del self._beats[gone]  # it left (its file deleted): nothing to watch
         for instance_id, node in nodes.items():
@@ -180,13 +187,6 @@ class Generations:
         with self._lock:
             trainer = self._running
             member = trainer is not None and generation == self.nodes.last_generation
-            if member and trainer is not None:
-                self._lost_member = instance_id
-                # Its ranks wait in a collective (or on its store) for a peer that never answers: only
-                # ending them frees this node; the newest confirmed checkpoint is restored before the next
-                # generation. Under the lock: the next generation's start (the same process object) waits
-                # until this one is gone, so the kill can only ever hit the generation it is meant for.
-                trainer.kill()
         self.log.event(
             "rendezvous",
             "a node stopped beating; taken for vanished"
@@ -197,6 +197,15 @@ class Generations:
             silent_s=round(silent, 1),
             generation=generation,
         )
+        if member:
+            with self._lock:
+                # Its ranks wait in a collective (or on its store) for a peer that never answers: only
+                # ending them frees this node; the newest confirmed checkpoint is restored before the next
+                # generation. Under the lock, and only if that generation still runs here: the next one's
+                # start (the same process object) waits, so the kill only ever hits the generation meant.
+                if self._running is trainer and trainer is not None:
+                    self._lost_member = instance_id
+                    _kill_with_ranks(trainer)
         me = self.nodes.rendezvous.instance_id
         self.job.record(lambda ledger: ledger.close_silent_node(instance_id, me))
 
@@ -423,6 +432,25 @@ class Generations:
             return PersistResult(ended.stopped_step, persisted.confirmed_step)
         confirmed = wait_until_confirmed(persister.read_latest, ended.stopped_step, deadline)
         return PersistResult(ended.stopped_step, confirmed)
+
+
+def _kill_with_ranks(trainer: TrainerProcess) -> None:
+    """The launcher and its ranks: torch starts each rank in a session of its own, so killing the launcher's
+    process group would leave them waiting in their collective (on an instance the job's cgroup goes too)."""
+    ranks: list[int] = []
+    todo = [trainer.pid] if trainer.pid is not None else []
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                found = [int(pid) for pid in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            ranks += found
+            todo += found
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    trainer.kill()
 
 
 def _lost(code: TrainerExit, ended: NodeExit | None, lost_member: str | None) -> str | None:

@@ -1,56 +1,94 @@
-"""Publishes `trainstack/GPUUtilization` from NVML every minute: the metric infra's GPU-idle alarm watches."""
+"""Publishes the instance's GPU (NVML) and host (/proc, bootstrap/hostmetrics.py) metrics every 30 s: the
+group's `trainstack/GPUUtilization` is what infra's GPU-idle alarm watches, the rest is `trainstack top`'s."""
 
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
+from bootstrap import hostmetrics
 from bootstrap.eventlog import EventLog
+from bootstrap.hostmetrics import GpuSample, HostSampler, ProcFormatError
 
-NAMESPACE = "trainstack"
-METRIC = "GPUUtilization"
-PERIOD_SECONDS = 60.0
+NAMESPACE = hostmetrics.NAMESPACE
+METRIC = hostmetrics.GPU_UTILIZATION
+PERIOD_SECONDS = 30.0
+
+
+def gpu_samples() -> list[GpuSample]:
+    """Each GPU's utilisation and memory, or [] without a GPU/driver."""
+    try:
+        import pynvml  # nvidia-ml-py; present on GPU instances via requirements-instance.txt
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return []
+    try:
+        samples = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            samples.append(
+                GpuSample(
+                    index=i,
+                    utilization_percent=float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                    memory_used_bytes=int(memory.used),
+                    memory_total_bytes=int(memory.total),
+                )
+            )
+        return samples
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def gpu_utilization_percent() -> float | None:
     """Mean utilisation over this instance's GPUs, or None without a GPU/driver."""
-    try:
-        import pynvml  # nvidia-ml-py; present on GPU instances via requirements-instance.txt
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return None
-    try:
-        count = pynvml.nvmlDeviceGetCount()
-        if count == 0:
-            return None
-        rates = [
-            pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(i)).gpu
-            for i in range(count)
-        ]
-        return float(sum(rates)) / count
-    finally:
-        pynvml.nvmlShutdown()
+    samples = gpu_samples()
+    return sum(s.utilization_percent for s in samples) / len(samples) if samples else None
 
 
 class GpuMetricPublisher:
     """A background thread; a missing GPU disables it, a failed put is logged and retried next period."""
 
-    def __init__(self, cloudwatch: Any, group_name: str, log: EventLog) -> None:
+    def __init__(
+        self,
+        cloudwatch: Any,
+        group_name: str,
+        log: EventLog,
+        *,
+        instance_id: str,
+        job_id: str = "",
+        proc: Path = Path("/proc"),
+    ) -> None:
         self._cloudwatch = cloudwatch
         self._group_name = group_name
         self._log = log
+        self._instance_id = instance_id
+        # Per job as well as per instance: a job's numbers outlive its instances (spot replacements).
+        self._aggregates = {
+            hostmetrics.GROUP_DIMENSION: group_name,
+            hostmetrics.JOB_DIMENSION: job_id,
+        }
+        self._host: HostSampler | None = HostSampler(proc)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpu-metrics", daemon=True)
 
     def start(self) -> bool:
-        if gpu_utilization_percent() is None:
-            self._log.event("metrics", "no GPU visible to NVML; GPUUtilization not published")
-            return False
+        """Starts publishing; False when no GPU is visible (the host's load is published all the same)."""
+        gpus = bool(gpu_samples())
+        if not gpus:
+            self._log.event("metrics", "no GPU visible to NVML; GPU metrics not published")
+        self.prime()
         self._thread.start()
-        return True
+        return gpus
+
+    def prime(self) -> None:
+        """Reads the /proc counters once, so that the next put already carries rates."""
+        self._sample_host()
 
     def stop(self) -> None:
         self._stop.set()
@@ -58,24 +96,26 @@ class GpuMetricPublisher:
             self._thread.join(timeout=10)
 
     def publish_once(self) -> None:
-        value = gpu_utilization_percent()
-        if value is None:
-            return
-        self._cloudwatch.put_metric_data(
-            Namespace=NAMESPACE,
-            MetricData=[
-                {
-                    "MetricName": METRIC,
-                    "Dimensions": [{"Name": "AutoScalingGroupName", "Value": self._group_name}],
-                    "Value": value,
-                    "Unit": "Percent",
-                }
-            ],
+        data = hostmetrics.metric_data(
+            self._sample_host(), gpu_samples(), instance_id=self._instance_id, aggregates=self._aggregates
         )
+        for batch in hostmetrics.batches(data):
+            self._cloudwatch.put_metric_data(Namespace=NAMESPACE, MetricData=batch)
+
+    def _sample_host(self) -> hostmetrics.HostLoad | None:
+        if self._host is None:
+            return None
+        try:
+            return self._host.sample(time.monotonic())
+        except (OSError, ProcFormatError) as exc:
+            # Without /proc the GPU metrics still matter (the idle alarm): say it once, go on without.
+            self._log.event("metrics", "host load not readable; only GPU metrics published", error=str(exc))
+            self._host = None
+            return None
 
     def _run(self) -> None:
         while not self._stop.wait(PERIOD_SECONDS):
             try:
                 self.publish_once()
             except Exception as exc:  # the alarm treats missing data as breaching; log and keep going
-                self._log.event("metrics", "GPUUtilization put failed", error=str(exc))
+                self._log.event("metrics", "metrics put failed", error=str(exc))

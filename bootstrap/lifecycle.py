@@ -622,7 +622,14 @@ class InstanceLife:
             if self.user_job is not None:
                 trainer = self._job_process(paths, gpu_count, restored)
         self.job.progress_file = paths.progress_file
-        metrics = GpuMetricPublisher(self.clients.cloudwatch, self.config.group_name, self.log)
+        assert self.identity is not None  # identified before any phase of the life
+        metrics = GpuMetricPublisher(
+            self.clients.cloudwatch,
+            self.config.group_name,
+            self.log,
+            instance_id=self.identity.instance_id,
+            job_id=self.config.job_id,
+        )
         if self.multi_node:
             assert self.identity is not None
             self._generations = Generations.for_node(

@@ -140,6 +140,8 @@ class Boot:
     starts: list[JobStart] = field(default_factory=list)
     # The agent's "next life on this instance" events: (time, ended job, next job).
     hops: list[tuple[float, str, str]] = field(default_factory=list)
+    # Other moments of the queue the timeline shows: a cancelled job skipped, the group scaled to zero.
+    notes: list[tuple[float, str]] = field(default_factory=list)
     events: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
     trainer_lines: list[tuple[float, str]] = field(default_factory=list)
 
@@ -449,6 +451,12 @@ class QueueDemo:
                 )
             elif event.get("stage") == "queue" and event.get("ended_job") and event.get("next_job"):
                 boot.hops.append((moment, str(event.get("ended_job")), str(event.get("next_job"))))
+            elif event.get("stage") == "queue" and "cancelled before it ran" in message:
+                boot.notes.append((moment, f"{boot.name}'s agent skips {event.get('job_id')}: cancelled"))
+            elif event.get("stage") == "fleet" and "desired capacity set to 0" in message:
+                boot.notes.append(
+                    (moment, f"the queue is empty: {boot.name}'s agent scales the group to zero")
+                )
             elif event.get("stage") == "end" and str(message).startswith("completed"):
                 job = self._by_id(boot.job_at(moment))
                 if job is not None:

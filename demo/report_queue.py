@@ -60,6 +60,7 @@ def _interrupted_job_checks(job: QueuedJob, result: QueueResult) -> list[Check]:
     outcomes = [str(life.get("outcome")) for life in lives]
     where = [str(life.get("instance_id")) for life in lives]
     boots = {b.instance_id: b.name for b in result.boots}
+    on = [b.instance_id for name in (notice.boot, notice.resumed_boot) if (b := result.boot(name))]
     own = job.own_result or ""
     checks = [
         Check(f"{job.label}: the notice interrupted it mid-run", mid_run, mid_run_detail),
@@ -78,6 +79,7 @@ def _interrupted_job_checks(job: QueuedJob, result: QueueResult) -> list[Check]:
             f"{job.label}: completed, its ledger its own",
             job.ledger.get("status") == COMPLETED
             and outcomes == ["preempted", COMPLETED]
+            and where == on
             and job.ledger.get("interruptions") == 1,
             f"status {job.ledger.get('status')}, lives {outcomes} on "
             f"{[boots.get(i, i) for i in where]}, interruptions {job.ledger.get('interruptions')}",
@@ -97,22 +99,29 @@ def _no_reboot(first: QueuedJob, second: QueuedJob, result: QueueResult) -> Chec
     boot = result.boot(resumed)
     second_starts = [s for b in result.boots for s in b.starts if s.job_id == second.job_id]
     hop = next((h for h in boot.hops if h[1:] == (first.job_id, second.job_id)), None) if boot else None
-    first_start = second_starts[0] if second_starts else None
+    start = second_starts[0] if second_starts else None
+    # The ledgers say it too: the first job's last life and the second's first are on one instance.
+    first_lives, second_lives = _lives(first), _lives(second)
+    same_instance = (
+        bool(first_lives and second_lives)
+        and boot is not None
+        and first_lives[-1].get("instance_id") == second_lives[0].get("instance_id") == boot.instance_id
+    )
     passed = (
         boot is not None
         and hop is not None
-        and first_start is not None
-        and first_start.job_id in [job for _, job in boot.bound]
-        and any(s is first_start for s in boot.starts)
-        and first_start.restored_step is None
+        and start is not None
+        and any(s is start for s in boot.starts)
+        and start.restored_step is None
         and bool(first.completed_at)
-        and first_start.time > first.completed_at
+        and start.time > first.completed_at
+        and same_instance
     )
+    began = "?" if start is None else "from scratch" if start.restored_step is None else start.restored_step
     detail = (
-        f"{resumed or 'no boot'} completed {first.label}, its agent went on to {second.label} "
-        f"({'queue hop seen' if hop else 'no queue hop'}), "
-        f"{second.label} started at step {first_start.restored_step if first_start else '?'}"
-        f" (None = fresh); {len(result.boots)} boots in all"
+        f"{resumed or 'no boot'} completed {first.label}, then its agent went on to {second.label} "
+        f"({'queue hop seen' if hop else 'no queue hop'}), which started {began}; ledgers "
+        f"{'agree' if same_instance else 'disagree'} on the instance; {len(result.boots)} boots in all"
     )
     return Check(f"{second.label} ran after {first.label} on the same instance, no new boot", passed, detail)
 
@@ -273,12 +282,13 @@ def print_timeline(result: QueueResult, console: Console) -> None:
         rows.append((boot.booted_at, f"{boot.name} boots ({boot.instance_type}, {boot.az})"))
         for moment, _ended, following in boot.hops:
             rows.append((moment, f"{boot.name} goes on to the next queued job {following}: no reboot"))
+        rows += boot.notes
         if boot.exited_at:
             rows.append((boot.exited_at, f"{boot.name} agent exits {boot.exit_code}"))
     table = Table(title="Three jobs, one queue: spot notices, no reboot between jobs, a cancel")
     table.add_column("t (s)", justify="right")
     table.add_column("what happened", overflow="fold")
-    for moment, text in sorted(rows):
+    for moment, text in sorted(rows, key=lambda row: row[0]):  # ties keep the order they were told in
         table.add_row(f"{moment - t0:.1f}", text)
     console.print(table)
     summary = Table(show_header=False, box=None)
@@ -289,7 +299,8 @@ def print_timeline(result: QueueResult, console: Console) -> None:
         cost = job.ledger.get("total_cost_usd")
         summary.add_row(
             f"{job.label} {job.job_id}",
-            f"{job.ledger.get('status', 'no ledger')}, {len(lives)} lives, steps lost {steps_lost(job)}, "
+            f"{job.ledger.get('status', 'no ledger')}, {len(lives)} lives, "
+            f"steps lost {'-' if job.notice is None else steps_lost(job)}, "
             f"cost ${float(cost or 0):.4f}, results: {', '.join(sorted(job.results)) or 'none'}",
         )
     summary.add_row("group desired capacity", str(result.desired_capacity))

@@ -16,6 +16,7 @@ from infra.bundle import build_bundle  # noqa: E402
 from infra.capacity import CapacityFallback, CapacityFallbackArgs, declared  # noqa: E402
 from infra.config import load_stack_config  # noqa: E402
 from infra.defaultjob import DefaultJob, DefaultJobArgs, submit_stack_job  # noqa: E402
+from infra.devbox import DevBox, DevBoxArgs  # noqa: E402
 from infra.drill import Drill, DrillArgs  # noqa: E402
 from infra.fleet import Fleet, FleetArgs, resolve_image  # noqa: E402
 from infra.identity import Identity, IdentityArgs  # noqa: E402
@@ -103,10 +104,48 @@ identity = Identity(
         tags=tags,
     ),
 )
-# The bucket refuses the instances' roles (the agent's and the job's) outside their S3 endpoint.
+# Only with trainstack:devBox on: the dev box's template and role (`trainstack dev up` starts the instance).
+dev_box = (
+    DevBox(
+        "devbox",
+        DevBoxArgs(
+            config=config,
+            image=image,
+            bundle=agent_bundle,
+            partition=partition,
+            account_id=account_id,
+            bucket_arn=storage.bucket.arn,
+            kms_key_arn=storage.key.arn,
+            topic_arn=observability.topic.arn,
+            log_group_arn=observability.log_group.arn,
+            security_group_id=network.security_group.id,
+            # What the box's own `trainstack run --outputs /etc/trainstack/stack-outputs.json` reads.
+            stack_outputs={
+                StackOutput.REGION.value: config.region,
+                StackOutput.BUCKET_NAME.value: storage.bucket.bucket,
+                StackOutput.DATA_PREFIX.value: prefixes.data,
+                StackOutput.CODE_PREFIX.value: prefixes.code,
+                StackOutput.STATE_PREFIX.value: prefixes.state,
+                StackOutput.JOBS_PREFIX.value: prefixes.jobs,
+                StackOutput.GROUP_NAME.value: config.group_name,
+                StackOutput.INSTANCE_COUNT.value: config.instance_count,
+                StackOutput.INSTANCE_TYPES.value: list(config.instance_types),
+                StackOutput.LOG_GROUP_NAME.value: config.log_group_name,
+                StackOutput.TOPIC_ARN.value: observability.topic.arn,
+                StackOutput.KMS_KEY_ARN.value: storage.key.arn,
+                StackOutput.DEV_BOX_NAME.value: config.dev_box_name,
+            },
+            tags=tags,
+        ),
+    )
+    if config.dev_box
+    else None
+)
+# The bucket refuses the instances' roles (the agent's, the job's, the dev box's) outside their S3 endpoint.
 storage.attach_bucket_policy(
     instance_endpoint_id=network.s3_endpoint.id,
-    instance_principal_arns=[identity.role.arn, identity.job_role.arn],
+    instance_principal_arns=[identity.role.arn, identity.job_role.arn]
+    + ([dev_box.role.arn] if dev_box is not None else []),
 )
 if config.network_isolation:
     # No PyPI from inside: the locked boot-time wheels (checked at preview, infra/config.py) go to the bucket.
@@ -220,3 +259,8 @@ pulumi.export(
 # Only with trainstack:drill on: `trainstack drill` reads its absence as "not enabled".
 if drill is not None:
     pulumi.export(StackOutput.DRILL_TEMPLATE_ID.value, drill.template.id)
+# Only with trainstack:devBox on: `trainstack dev` reads their absence as "not enabled".
+if dev_box is not None:
+    pulumi.export(StackOutput.DEV_TEMPLATE_ID.value, dev_box.launch_template.id)
+    pulumi.export(StackOutput.DEV_BOX_NAME.value, config.dev_box_name)
+    pulumi.export(StackOutput.DEV_SUBNET_IDS.value, network.subnet_ids)

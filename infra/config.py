@@ -65,6 +65,7 @@ DEFAULTS: dict[str, Any] = {
     "resumeFrom": "",
     "drill": False,
     "networkIsolation": False,
+    "devBox": False,
 }
 
 # Instance families with NVIDIA GPUs that the x86_64 Deep Learning AMI boots on.
@@ -180,6 +181,8 @@ class StackConfig:
     # Private subnets with no route out of the VPC, AWS APIs through interface endpoints, packages from the
     # stack's bucket (infra/network.py, infra/wheels.py); implies private_subnets, without a NAT gateway.
     network_isolation: bool = False
+    # Declare the dev box's launch template and role (infra/devbox.py); no instance runs until `dev up`.
+    dev_box: bool = False
 
     @property
     def name(self) -> str:
@@ -205,6 +208,11 @@ class StackConfig:
     def group_name(self) -> str:
         """The Auto Scaling group's name, fixed so user-data and the IAM policy know it before it exists."""
         return f"{self.name}-gpu"
+
+    @property
+    def dev_box_name(self) -> str:
+        """The dev box's template, role and `trainstack:dev` tag value (trainstack/dev/instances.py)."""
+        return f"{self.name}-dev"
 
     @property
     def log_group_name(self) -> str:
@@ -326,6 +334,7 @@ def parse_stack_config(
     resume_from = value("resumeFrom", _string, "default-1a2b3c4d").strip()
     drill = value("drill", _boolean, "true")
     network_isolation = value("networkIsolation", _boolean, "true")
+    dev_box = value("devBox", _boolean, "true")
     # networkIsolation puts the instances in private subnets (without a NAT gateway), whatever privateSubnets.
     private_subnets = bool(private_subnets or network_isolation)
 
@@ -479,6 +488,7 @@ def parse_stack_config(
         resume_from=resume_from,
         drill=drill,
         network_isolation=network_isolation,
+        dev_box=dev_box,
     )
 
 

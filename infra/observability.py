@@ -9,6 +9,7 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
+from bootstrap import hostmetrics
 from infra import policies
 from trainstack_job.contract import StackOutput
 
@@ -263,8 +264,19 @@ class Observability(pulumi.ComponentResource):
 
 
 def dashboard_body(region: str, group_name: str, log_group_name: str) -> dict[str, Any]:
-    """GPU utilisation, instances in service and the agent's latest log lines on one page."""
+    """GPU utilisation, instances in service, the instances' load (`trainstack top`'s numbers, averaged
+    over the group) and the agent's latest log lines on one page."""
     group = {"AutoScalingGroupName": group_name}
+
+    def load(x: int, title: str, metrics: dict[str, str], y_axis: dict[str, Any]) -> dict[str, Any]:
+        lines = [
+            [policies.METRIC_NAMESPACE, name, *_flatten(group), {"label": label}]
+            for name, label in metrics.items()
+        ]
+        properties = {"title": title, "region": region, "stat": "Average", "period": 60, "metrics": lines}
+        return {"type": "metric", "x": x, "y": 6, "width": 8, "height": 6, "properties": properties | y_axis}
+
+    percent = {"yAxis": {"left": {"min": 0, "max": 100}}}
     return {
         "widgets": [
             {
@@ -298,10 +310,32 @@ def dashboard_body(region: str, group_name: str, log_group_name: str) -> dict[st
                     "metrics": [["AWS/AutoScaling", "GroupInServiceInstances", *_flatten(group)]],
                 },
             },
+            load(
+                0,
+                "CPU, memory and GPU memory (%)",
+                {
+                    hostmetrics.CPU_UTILIZATION: "CPU busy",
+                    hostmetrics.MEMORY_UTILIZATION: "memory used",
+                    hostmetrics.GPU_MEMORY_UTILIZATION: "GPU memory used",
+                },
+                percent,
+            ),
+            load(
+                8,
+                "Disk (bytes/s)",
+                {hostmetrics.DISK_READ_BYTES: "read", hostmetrics.DISK_WRITE_BYTES: "write"},
+                {},
+            ),
+            load(
+                16,
+                "Network (bytes/s)",
+                {hostmetrics.NETWORK_IN_BYTES: "in", hostmetrics.NETWORK_OUT_BYTES: "out"},
+                {},
+            ),
             {
                 "type": "log",
                 "x": 0,
-                "y": 6,
+                "y": 12,
                 "width": 24,
                 "height": 8,
                 "properties": {

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bootstrap.agent_config import Prefixes
+from bootstrap.devbox.heartbeat import DEV_PREFIX
 from bootstrap.secrets import SECRETS_ROOT
 from trainstack_job.datasets import DATASETS_PREFIX
 from trainstack_job.queue import QUEUE_PREFIX
@@ -101,6 +102,16 @@ def key_policy(*, partition: str, account_id: str, region: str, log_group_arns_l
             "Principal": {"AWS": root},
             "Action": _KEY_USE,
             "Resource": "*",
+        },
+        {
+            # EBS needs a grant to use the key for a volume: `trainstack dev up` creates the dev box's
+            # encrypted workspace and launches its encrypted root disk with the user's own credentials.
+            "Sid": "AccountGrantsEbsTheKeyThroughIam",
+            "Effect": "Allow",
+            "Principal": {"AWS": root},
+            "Action": "kms:CreateGrant",
+            "Resource": "*",
+            "Condition": {"Bool": {"kms:GrantIsForAWSResource": "true"}},
         },
         {
             "Sid": "CloudWatchLogsEncryptsThisStacksLogGroups",
@@ -520,6 +531,116 @@ def secret_read_statements(*, key_arn: str, log_group_arn: str) -> list[Document
             },
         },
     ]
+
+
+def dev_role_arn(*, partition: str, account_id: str, name: str) -> str:
+    """The dev box's role: named by the stack, so the bucket policy can name it before it exists."""
+    return f"arn:{partition}:iam::{account_id}:role/{name}-dev"
+
+
+def dev_role_policy(
+    *,
+    bucket_arn: str,
+    key_arn: str,
+    topic_arn: str,
+    region: str,
+    log_group_arn: str,
+    group_arn_pattern: str,
+    prefixes: Prefixes | None = None,
+) -> Document:
+    """What the dev box may do (infra/devbox.py): read the datasets and the code, read/write its `dev/`
+    folder, e-mail the stack's topic when it stops itself, and submit and follow jobs as `trainstack run
+    --outputs /etc/trainstack/stack-outputs.json` does on the box (its code, record and queue entry; read
+    the jobs' state and logs; wake a group at zero). Never the agents' state, a job's checkpoints or
+    results, any EC2 action (the box stops its own bill with `shutdown`), nor the job role."""
+    prefixes = prefixes or Prefixes()
+    data, code, jobs, state = prefixes.data, prefixes.code, prefixes.jobs, prefixes.state
+    readable = [data, DATASETS_PREFIX, code, jobs, QUEUE_PREFIX, state, DEV_PREFIX]
+    return _doc(
+        {
+            "Sid": "ListDataCodeJobsAndDev",
+            "Effect": "Allow",
+            "Action": "s3:ListBucket",
+            "Resource": bucket_arn,
+            "Condition": {"StringLike": {"s3:prefix": [f"{p}*" for p in readable]}},
+        },
+        {
+            "Sid": "LocateBucket",
+            "Effect": "Allow",
+            "Action": "s3:GetBucketLocation",
+            "Resource": bucket_arn,
+        },
+        {
+            "Sid": "ReadDataCodeAndJobs",
+            "Effect": "Allow",
+            "Action": "s3:GetObject",
+            "Resource": [f"{bucket_arn}/{p}*" for p in readable],
+        },
+        {
+            "Sid": "OwnDevFolder",
+            "Effect": "Allow",
+            "Action": ["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+            "Resource": f"{bucket_arn}/{DEV_PREFIX}*",
+        },
+        {
+            # trainstack/run.py upload: the job's bundle, its record, then its queue entry.
+            "Sid": "SubmitJobs",
+            "Effect": "Allow",
+            "Action": "s3:PutObject",
+            "Resource": [
+                f"{bucket_arn}/{code}*",
+                f"{bucket_arn}/{jobs}*/job.json",
+                f"{bucket_arn}/{QUEUE_PREFIX}*",
+            ],
+        },
+        {
+            # Objects are SSE-KMS and the topic is encrypted with the stack's key: only through S3 and SNS.
+            "Sid": "UseStackKeyThroughS3AndSns",
+            "Effect": "Allow",
+            "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
+            "Resource": key_arn,
+            "Condition": {
+                "StringEquals": {
+                    "kms:ViaService": [f"s3.{region}.amazonaws.com", f"sns.{region}.amazonaws.com"]
+                }
+            },
+        },
+        {
+            "Sid": "EmailWhenStoppingIdle",
+            "Effect": "Allow",
+            "Action": "sns:Publish",
+            "Resource": topic_arn,
+        },
+        {
+            "Sid": "FollowJobLogs",
+            "Effect": "Allow",
+            "Action": ["logs:FilterLogEvents", "logs:GetLogEvents", "logs:DescribeLogStreams"],
+            "Resource": [log_group_arn, f"{log_group_arn}:log-stream:*"],
+        },
+        {
+            # A job submitted to a group at zero wakes it (trainstack/run.py wake_group): desired capacity
+            # only; naming a launch template would also need ec2:RunInstances and iam:PassRole, not granted.
+            "Sid": "WakeTheJobGroup",
+            "Effect": "Allow",
+            "Action": "autoscaling:UpdateAutoScalingGroup",
+            "Resource": group_arn_pattern,
+        },
+        {
+            "Sid": "ReadTheJobGroup",
+            "Effect": "Allow",
+            "Action": "autoscaling:DescribeAutoScalingGroups",
+            "Resource": "*",
+        },
+        {
+            # `python3 -m bootstrap.hostmetrics` on the box: `trainstack top --dev`'s numbers. PutMetricData
+            # takes no resource ARN; the namespace condition keeps it to trainstack's metrics.
+            "Sid": "PublishHostMetrics",
+            "Effect": "Allow",
+            "Action": "cloudwatch:PutMetricData",
+            "Resource": "*",
+            "Condition": {"StringEquals": {"cloudwatch:namespace": METRIC_NAMESPACE}},
+        },
+    )
 
 
 def autoscaling_group_arn(*, partition: str, region: str, account_id: str, group_name: str) -> str:

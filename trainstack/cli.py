@@ -24,9 +24,12 @@ from trainstack import (
     secrets,
     session,
     status,
+    top,
     transfer,
 )
 from trainstack.aws import Clients, explain
+from trainstack.dev import connect as dev_connect
+from trainstack.dev import lifecycle as dev_lifecycle
 from trainstack.errors import CliError
 from trainstack.output import print_error
 from trainstack.stack import Stack
@@ -270,6 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
         parents=both,
         help="withdraw the current job's stop and scale the group back to trainstack:instanceCount",
     )
+    dev = commands.add_parser(
+        "dev",
+        help="a GPU dev box in the stack's VPC: up/down/destroy/status, editors over Session Manager",
+        description="One interactive instance from the stack's dev template (no inbound port, IMDSv2, "
+        "encrypted disk) with a workspace volume that outlives it; it stops itself when idle.",
+    )
+    dev_commands = dev.add_subparsers(dest="dev_command", required=True, metavar="ACTION")
+    dev_lifecycle.add_lifecycle_commands(dev_commands, parents=both)
+    dev_connect.add_dev_connect_commands(dev_commands, parents=[common])
+    top.add_top_command(commands, parents=both)
     drill_parser = commands.add_parser(
         "drill",
         parents=both,
@@ -373,6 +386,20 @@ def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
         return control.run_stop(clients, stack, as_json=as_json)
     if command == "resume":
         return control.run_resume(clients, stack, as_json=as_json)
+    if command == "dev" and args.dev_command in dev_lifecycle.COMMANDS:
+        return dev_lifecycle.run(clients, stack, args)
+    if command == "dev" and args.dev_command in dev_connect.COMMANDS:
+        return dev_connect.dispatch(args, stack, clients)
+    if command == "top":
+        return top.run(
+            clients,
+            stack,
+            job_id=args.job,
+            dev=args.dev,
+            once=args.once,
+            interval=args.interval,
+            as_json=as_json,
+        )
     if command == "drill":
         return drill.run(clients, stack, wait=args.wait, as_json=as_json, timeout_minutes=args.timeout)
     raise CliError(f"unknown command {command!r}: see `trainstack --help`")

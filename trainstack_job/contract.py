@@ -155,6 +155,12 @@ class StackOutput(str, Enum):
     SSM_SESSION_COMMAND = "ssm_session_command"
     # Only when trainstack:drill is on: the AWS FIS experiment template `trainstack drill` starts.
     DRILL_TEMPLATE_ID = "drill_template_id"
+    # Only when trainstack:devBox is on (infra/devbox.py): the dev box's launch template, and the name its
+    # instance and workspace volume carry in the `trainstack:dev` tag (`trainstack dev up` tags them).
+    DEV_TEMPLATE_ID = "dev_template_id"
+    DEV_BOX_NAME = "dev_box_name"
+    # The stack's subnets, one per zone: `dev up` launches in the zone of the box's workspace volume.
+    DEV_SUBNET_IDS = "dev_subnet_ids"
 
 
 # What resumes a job the agent scaled to zero (stopped, cost cap, failed, no data): never `pulumi up` alone.

@@ -130,5 +130,11 @@ fi
 log "instance requirements satisfied in $PYTHON"
 
 systemctl daemon-reload
+if [ -n "${AGENT_SERVICE:-}" ]; then
+  # The dev box's idle watcher (bootstrap/devbox/cloud_init.py).
+  systemctl enable --now "$AGENT_SERVICE"
+  log "$AGENT_SERVICE started"
+  exit 0
+fi
 systemctl enable --now trainstack-agent.service
 log "trainstack-agent.service started"

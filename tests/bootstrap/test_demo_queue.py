@@ -9,13 +9,15 @@ nothing of one job lands among another's objects, and the group is at zero once 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from demo.queue import Boot, CliCall, JobStart, Notice, QueuedJob, QueueResult, Sample
-from demo.report_queue import checks
+from demo.report_queue import checks, report
 from tests.bootstrap.test_demo import run_demo
 
 
@@ -92,11 +94,12 @@ def _passing() -> QueueResult:
         boot.exit_code = 0
     result.boots = [one, two, three]
 
-    def interrupted(label: str, job_id: str, steps: int, stop: int, on: Boot, to: Boot) -> QueuedJob:
+    def interrupted(label: str, job_id: str, at: float, stop: int, on: Boot, to: Boot) -> QueuedJob:
+        """A job noticed at `at` on `on`, stopped at `stop`, resumed and completed on `to`."""
+        steps = 120
         job = QueuedJob(label, job_id, [], interrupt=True, total_steps=steps, own_result="x", job_id=job_id)
-        job.notice = Notice(
-            on.booted_at + 5, on.name, stop - 2, steps, resumed_boot=to.name, resumed_step=stop
-        )
+        job.notice = Notice(at, on.name, stop - 2, steps, resumed_boot=to.name, resumed_step=stop)
+        job.notice.resumed_at = to.booted_at + 1.5
         job.notice.stop_event = {
             "exit_code": 75,
             "checkpoint_confirmed": True,
@@ -104,17 +107,17 @@ def _passing() -> QueueResult:
             "reached_step": stop,
         }
         job.notice.stopped_step = stop
-        job.samples = [Sample(on.booted_at + 5, on.name, stop - 2), Sample(to.booted_at + 5, to.name, steps)]
+        job.samples = [Sample(at, on.name, stop - 2), Sample(to.booted_at + 5, to.name, steps)]
         job.ledger = _ledger(on.instance_id, to.instance_id)
         job.checkpoints = [f"step-{steps}/manifest.json", "latest.json"]
         return job
 
-    charlm = interrupted("job 1", CHARLM, 120, 50, one, two)
+    charlm = interrupted("job 1", CHARLM, 15.0, 50, one, two)
     charlm.what, charlm.own_result, charlm.completed_at = "examples/charlm", "sample.txt", 30.0
     charlm.writes = ("metrics.json", "model.pt", "progress.json", "sample.txt")
     charlm.results = list(charlm.writes)
     charlm.checkpoints.append(f"step-{120}/state.pt")
-    lightning = interrupted("job 2", LIGHTNING, 120, 58, two, three)
+    lightning = interrupted("job 2", LIGHTNING, 35.0, 58, two, three)
     lightning.what, lightning.own_result, lightning.completed_at = (
         "examples/lightning-mnist-like",
         "model.pt",
@@ -167,6 +170,9 @@ def test_the_second_job_on_a_new_boot_or_from_the_first_jobs_checkpoint_fails_no
     result = _passing()
     result.boots[1].starts[1].restored_step = 120  # job 2 started from job 1's local checkpoint
     assert name in _failed(result)
+    result = _passing()
+    result.job("job 2").ledger["lives"][0]["instance_id"] = "i-9"  # its ledger names another instance
+    assert {name, "job 2: completed, its ledger its own"} <= _failed(result)
 
 
 def test_a_cancelled_job_that_ran_or_left_objects_fails() -> None:
@@ -199,3 +205,21 @@ def test_a_group_left_up_or_a_changed_launch_template_fails() -> None:
         "group scaled to zero once the queue was empty",
         "submitting never changed the launch template",
     } <= _failed(result)
+
+
+def test_the_timeline_tells_the_queue_in_order() -> None:
+    result = _passing()
+    result.boots[2].notes = [(50.0, "the queue is empty: instance-3's agent scales the group to zero")]
+    console = Console(file=io.StringIO(), width=200)
+    assert report(result, console) == checks(result)
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    rows = [
+        "instance-1 boots",
+        "spot notice on instance-1 during job 1",
+        "job 1 resumes on instance-2 at step 50",
+        "instance-2 goes on to the next queued job " + LIGHTNING,
+        "job 2 resumes on instance-3 at step 58",
+        "scales the group to zero",
+    ]
+    positions = [text.index(row) for row in rows]
+    assert positions == sorted(positions), text

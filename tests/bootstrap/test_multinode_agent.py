@@ -1,9 +1,10 @@
 """Two nodes, one job, under the real agent and the real trainer (gloo on 127.0.0.1, a tiny model), with the
 rendezvous host interrupted while stop signals rain on the other node's launcher and ranks (the race of two
 notices at once: a stop reaching a rank after it stopped at the common step must never kill it). A node
-that vanishes without a notice is tests/bootstrap/test_multinode_faults.py's story; `python -m demo
---nodes 2` (tests/bootstrap/test_demo_multinode.py) covers the other node interrupted, a replacement joining
-and both nodes of the last round completing. Between them, every moment of a two-node job is under test
+that vanishes without a notice, and a survivor completing the job alone, are
+tests/bootstrap/test_multinode_faults.py's story; `python -m demo --nodes 2`
+(tests/bootstrap/test_demo_multinode.py) covers the other node interrupted, a replacement joining and both
+nodes of the last round completing. Between them, every moment of a two-node job is under test
 (each of these runs costs 20-50 s of CPU on 2 cores, so none is repeated: an uninterrupted two-node run
 would only replay the first and last rounds of the two). The store's socket, from the host's join to its
 trainer, is checked first with a stand-in trainer (no training)."""
@@ -125,7 +126,10 @@ def nodes(two_node_stack: LocalStack, tmp_path: Path) -> Iterator[list[Node]]:
             imds=ImdsClient(simulator.endpoint),
             identity_wait_seconds=2,
             release_wait_seconds=0,
-            state_poll_seconds=0.5,
+            # Not the fault tests' 0.5 s: a silent node is taken for gone after 4 polls + 3 s, and these
+            # agents share this process (and moto) with the test: 7 s leaves no doubt no one is taken for
+            # gone here.
+            state_poll_seconds=1.0,
             tick_seconds=0.1,
         )
         node = Node(f"node-{index}", simulator, life)
@@ -176,10 +180,6 @@ def _story(nodes: list[Node]) -> str:
             lines.append(f"{node.name} {event.get('stage')}: {event.get('message')} {extra}")
         lines += [f"{node.name} trainer: {line}" for line in node.trainer_lines[-15:]]
     return "\n".join(lines)
-
-
-def _completion_alerts(stack: LocalStack) -> list[dict[str, str]]:
-    return [a for a in stack.alerts() if "training completed" in a["Subject"]]
 
 
 # A stand-in for the host's launcher: serves one connection on the socket it was handed, as the c10d store
@@ -289,7 +289,7 @@ class StopStorm:
         self._thread.join(timeout)
 
 
-def test_the_rendezvous_host_interrupted_mid_run_the_other_node_finishes_with_no_step_lost(
+def test_the_rendezvous_host_interrupted_under_a_rain_of_stops_the_other_regroups_at_the_common_step(
     two_node_stack: LocalStack, nodes: list[Node]
 ) -> None:
     for node in nodes:
@@ -318,11 +318,19 @@ def test_the_rendezvous_host_interrupted_mid_run_the_other_node_finishes_with_no
     storm = StopStorm(other)
     noticed = time.monotonic()
     host.imds.inject_spot_notice()
-    _wait_for(
-        lambda: any("resuming at step" in line for line in other.trainer_lines), 120, "the survivor", nodes
+    # The survivor's round alone: the two-rank checkpoint with half the ranks and twice the accumulation,
+    # the same global batch, so the same optimisation.
+    rounds = _wait_for(
+        lambda: [line for line in other.trainer_lines if re.search(r" on \w+ x1, .*global batch", line)],
+        120,
+        "the survivor training alone",
+        nodes,
     )
     # The figure docs/multi-node.md quotes beside the silent cases (pytest -s shows it).
     print(f"host noticed: the survivor trains again {time.monotonic() - noticed:.1f} s after the notice")
+    assert "global batch 16 = 1 process(es) x 2 accumulation x 8 micro-batch" in rounds[-1], rounds
+    # Its completion alone is test_multinode_faults.py's; here it is shut down (its own stop, confirmed).
+    other.life.request_shutdown()
     _wait(nodes)
     storm.join(timeout=5)
     assert storm.sent > 100, f"only {storm.sent} stop signals reached the other node"
@@ -335,30 +343,18 @@ def test_the_rendezvous_host_interrupted_mid_run_the_other_node_finishes_with_no
     # that came after theirs (that would be exit -15, a failed group, and no regroup).
     regroup = other.find("another node left the job")
     assert regroup is not None and regroup["stopped_step"] == stop_step, _story(nodes)
+    assert regroup["world_size"] == 2
     assert not any("exitcode  : -15" in line or "Signal 15" in line for line in other.trainer_lines)
     assert other.find("ended by a signal") is None, "the launcher itself must outlive late stops too"
+    assert not [n for n in nodes if n.find("stopped beating")], "a live node taken for gone"
     second = [e for e in other.events if e.get("stage") == "rendezvous" and e.get("generation") == 2]
     assert second and second[0]["message"] == "hosting generation", "the survivor hosts generation 2"
-    assert other.result is not None and other.result.outcome == "completed"
     # Steps lost: the next generation's trainer resumed exactly at the step every rank stopped at.
-    assert other.life._trainer is not None
     said = [line for line in other.trainer_lines if "resuming at step" in line]
     assert said and f"resuming at step {stop_step} " in said[-1], _story(nodes)
+    assert other.result is not None and other.result.outcome == "preempted"
+    own = other.find("trainer stopped")
+    assert own is not None and own["checkpoint_confirmed"] and own["checkpoint_step"] >= stop_step, own
     ledger = two_node_stack.read_json("state/ledger.json") or {}
-    assert ledger["status"] == "completed"
-    assert sorted(life["outcome"] for life in ledger["lives"]) == ["completed", "preempted"]
-    assert ledger["interruptions"] == 1 and ledger["consecutive_failures"] == 0
-    # Completed once: one notification, the group scaled to zero once, the results in S3.
-    assert len(_completion_alerts(two_node_stack)) == 1, "one job, one notification"
-    assert two_node_stack.group()["DesiredCapacity"] == 0
-    trained = two_node_stack.read_json("results/metrics.json") or {}
-    assert trained, "results uploaded by the surviving node"
-    # World sizes: generation 1 ended with 2 ranks; the survivor finished alone on the two-rank checkpoint,
-    # with half the ranks and twice the accumulation: the same global batch, so the same optimisation.
-    assert regroup["world_size"] == 2
-    rounds = [line for line in other.trainer_lines if re.search(r" on \w+ x\d+, .*global batch", line)]
-    assert rounds, _story(nodes)
-    assert " x1, " in rounds[-1], rounds
-    assert "global batch 16 = 1 process(es) x 2 accumulation x 8 micro-batch" in rounds[-1], rounds
-    assert (trained["global_batch"], trained["accumulation"], trained["world_size"]) == (16, 2, 1)
-    assert trained["steps"] == EPOCHS * 8
+    assert sorted(life["outcome"] for life in ledger["lives"]) == ["preempted", "preempted"]
+    assert ledger["interruptions"] == 2 and ledger["consecutive_failures"] == 0

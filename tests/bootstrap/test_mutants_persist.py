@@ -5,6 +5,7 @@ what S3 holds."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -531,3 +532,48 @@ def test_pruning_that_fails_is_reported_and_never_costs_a_confirmed_step(s3: Any
     assert remote_steps(s3) == {1, 2}, "nothing deleted"
     failed = [f for _, m, f in events.records if m == "pruning old S3 checkpoints failed"]
     assert failed and "AccessDenied" in failed[0]["error"]
+
+
+def test_s3_checks_every_checkpoint_file_against_its_sha256(s3: Any, tmp_path: Path) -> None:
+    """Each file goes up with its SHA-256, which S3 verifies on arrival and keeps: a file damaged on the way
+    is refused, not stored (the manifest names the same digest for restore to verify)."""
+    data = upload(s3, tmp_path / "a", 5)[5]
+    stored = s3.head_object(Bucket=BUCKET, Key=f"{PREFIX}/step-5/state.bin", ChecksumMode="ENABLED")
+    digest = hashlib.sha256(data).digest()
+    assert stored.get("ChecksumSHA256") == base64.b64encode(digest).decode()
+
+
+def test_a_final_flush_s3_keeps_refusing_says_why_and_never_sleeps_past_its_deadline(
+    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flush retries until its deadline (every second of S3 back is worth a try), then reports the
+    step as NOT confirmed with S3's answer; its waits between tries end at the deadline, never after it."""
+    local = tmp_path / "a"
+    commit_step(local, 7)
+    events = Events()
+    owner = persister(Unavailable(s3, failures=10**6), local, events)
+    overshoot: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread() is threading.main_thread():
+            overshoot.append(time.monotonic() + seconds - deadline)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    deadline = time.monotonic() + 1.5
+    result = owner.finish(deadline)
+    assert (result.newest_local_step, result.confirmed) == (7, False)
+    said = [f for _, m, f in events.records if m.startswith("newest checkpoint NOT confirmed in S3")]
+    assert len(said) == 1 and "ServiceUnavailable" in said[0]["error"]
+    # A tick of an upload in flight (0.1 s) at most; a wait between tries ends at the deadline.
+    assert overshoot and max(overshoot) <= 0.2, "a wait between tries outlasted the deadline"
+
+
+def test_a_confirmed_final_flush_says_so_in_the_line_operators_look_for(s3: Any, tmp_path: Path) -> None:
+    local = tmp_path / "a"
+    commit_step(local, 2)
+    events = Events()
+    assert persister(s3, local, events).finish(soon()).confirmed
+    confirmed = [f for _, m, f in events.records if m == "newest checkpoint confirmed in S3"]
+    assert confirmed == [{"step": 2}]

@@ -20,8 +20,9 @@ from tests.iam.requests import PARTITION, Stack
 INSTANCE = "instance-role"  # bootstrap/aws.py's INSTANCE_PRINCIPAL: the agent on a training instance
 CAPACITY_FALLBACK = "capacity-fallback"  # the Lambda function's role
 CLI = "cli-user"  # the trainstack CLI: the user's own credentials
+DEV = "dev-role"  # the dev box's role: its idle watcher (bootstrap/devbox/watcher.py)
 
-PRINCIPALS = (INSTANCE, CAPACITY_FALLBACK, CLI)
+PRINCIPALS = (INSTANCE, CAPACITY_FALLBACK, CLI, DEV)
 
 
 def group_pattern(stack: Stack) -> str:
@@ -38,6 +39,17 @@ def instance_policy(stack: Stack) -> dict[str, Any]:
         log_group_arn=stack.log_group_arn,
         group_arn_pattern=group_pattern(stack),
         job_role_arn=stack.job_role_arn,
+    )
+
+
+def dev_role_policy(stack: Stack) -> dict[str, Any]:
+    return policies.dev_role_policy(
+        bucket_arn=stack.bucket_arn,
+        key_arn=stack.key_arn,
+        topic_arn=stack.topic_arn,
+        region=stack.region,
+        log_group_arn=stack.log_group_arn,
+        group_arn_pattern=group_pattern(stack),
     )
 
 
@@ -71,6 +83,13 @@ def caller(principal: str, stack: Stack) -> Caller:
     if principal == CAPACITY_FALLBACK:
         return Caller(
             principal, f"{role}-capacity-fallback", stack.account, [capacity_fallback_policy(stack)]
+        )
+    if principal == DEV:
+        return Caller(
+            principal,
+            policies.dev_role_arn(partition=PARTITION, account_id=stack.account, name=stack.name),
+            stack.account,
+            [dev_role_policy(stack), session_manager_policy(stack)],
         )
     if principal == CLI:
         # The user's own identity policies are not the program's: only the resources' policies can refuse.

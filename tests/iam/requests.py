@@ -138,6 +138,10 @@ _STAR_ACTIONS = {
     ("autoscaling", "DescribeScalingActivities"): "autoscaling:DescribeScalingActivities",
     ("ec2", "DescribeSpotPriceHistory"): "ec2:DescribeSpotPriceHistory",
     ("pricing", "GetProducts"): "pricing:GetProducts",
+    # `trainstack top`: CloudWatch's metric reads take no resource ARN.
+    ("cloudwatch", "GetMetricData"): "cloudwatch:GetMetricData",
+    ("cloudwatch", "ListMetrics"): "cloudwatch:ListMetrics",
+    ("ssm", "GetCommandInvocation"): "ssm:GetCommandInvocation",
 }
 _GROUP_ACTIONS = {
     "SetDesiredCapacity",
@@ -183,6 +187,17 @@ def requests_for(call: Mapping[str, Any], stack: Stack | None) -> list[Request]:
         return list(_ssm(operation, params, call["region"], stack, why))
     if service == "secretsmanager" and operation == "GetSecretValue":
         return list(_secretsmanager(params, call["region"], stack, why))
+    if service == "ec2-instance-connect" and operation == "SendSSHPublicKey":
+        # `trainstack dev proxy`: the key is for one OS user of one instance (the ec2:osuser condition key).
+        instance = f"arn:{PARTITION}:ec2:{call['region']}:{ACCOUNT}:instance/{params['InstanceId']}"
+        user = {"ec2:osuser": [params["InstanceOSUser"]]}
+        return [_request("ec2-instance-connect:SendSSHPublicKey", instance, why, **user)]
+    if service == "ssm" and operation == "SendCommand":
+        # `trainstack dev jupyter|tensorboard`: authorized on the document and on each target instance.
+        ec2 = f"arn:{PARTITION}:ec2:{call['region']}:{ACCOUNT}"
+        document = f"arn:{PARTITION}:ssm:{call['region']}::document/{params['DocumentName']}"
+        targets = [f"{ec2}:instance/{i}" for i in params["InstanceIds"]]
+        return [_request("ssm:SendCommand", arn, why) for arn in (document, *targets)]
     if service == "cloudwatch" and operation == "PutMetricData":
         return [
             _request("cloudwatch:PutMetricData", "*", why, **{"cloudwatch:namespace": [params["Namespace"]]})

@@ -203,7 +203,14 @@ def test_gpu_idle_alarm_watches_the_agents_metric_for_thirty_minutes(example_sta
 def test_dashboard_shows_gpu_instances_and_logs(example_stack: StackRun) -> None:
     body = json.loads(example_stack.one("aws:cloudwatch/dashboard:Dashboard").inputs["dashboardBody"])
     titles = {w["properties"]["title"] for w in body["widgets"]}
-    assert titles == {"GPU utilisation (%)", "Instances in service", "Agent and trainer log"}
+    assert titles == {
+        "GPU utilisation (%)",
+        "Instances in service",
+        "CPU, memory and GPU memory (%)",
+        "Disk (bytes/s)",
+        "Network (bytes/s)",
+        "Agent and trainer log",
+    }
     assert "GroupInServiceInstances" in example_stack.one(ASG).inputs["enabledMetrics"]
 
 

@@ -1,0 +1,155 @@
+"""The policy pack's identity, network and storage rules (infra/policy/): the promises `make mutate` found
+untested, through the engine's path (tests/policy/harness.py). A value known only after `pulumi up` never
+fails a preview; a malformed value never hides a good one after it; each refusal is one line that names
+the resource's property, what is wrong and the fix, with the policy-config key spelled as the user types
+it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pulumi_policy.proxy import UNKNOWN_NUMBER_VALUE
+
+from infra.policy.patterns import arn_shape, matches_shape
+from tests.policy.golden import compliant_stack, named
+from tests.policy.harness import Resource, check
+
+INGRESS = "no-unrestricted-ingress"
+EGRESS = "no-all-protocol-egress-to-internet"
+GROUP = "aws.ec2.SecurityGroup 'instances': "
+
+
+def with_ingress(rule: dict[str, Any]) -> list[Resource]:
+    resources = compliant_stack()
+    named(resources, "instances").props["ingress"].append(rule)
+    return resources
+
+
+def messages(resources: list[Resource], policy: str, config: dict[str, Any] | None = None) -> list[str]:
+    return [v.message for v in check(resources, {policy: config} if config else None) if v.policy == policy]
+
+
+# -- network -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unknown", ["fromPort", "toPort"])
+def test_a_port_known_only_after_up_never_fails_the_preview(unknown: str) -> None:
+    """The engine runs the policy again on `up` with the port known; at preview it cannot judge it."""
+    rule = {"protocol": "tcp", "fromPort": 22, "toPort": 22, "cidrBlocks": ["0.0.0.0/0"]}
+    assert messages(with_ingress({**rule, unknown: UNKNOWN_NUMBER_VALUE}), INGRESS) == []
+    assert messages(with_ingress(rule), INGRESS), "known, the same rule fails"
+
+
+def test_a_malformed_cidr_never_hides_the_internet_after_it() -> None:
+    rule = {"protocol": "tcp", "fromPort": 22, "toPort": 22, "cidrBlocks": ["not-a-cidr", "0.0.0.0/0"]}
+    assert messages(with_ingress(rule), INGRESS) == [
+        GROUP
+        + "ingress[1] opens ports 22-22 to 0.0.0.0/0, more than an IPv4 /8 or IPv6 /32, which counts as the "
+        "internet and is refused: use SSM Session Manager, or allow narrower CIDRs (or list the port in the "
+        "policy's authorizedPublicPorts config)"
+    ]
+
+
+def test_authorized_public_ports_never_cover_a_range_of_more_than_1024_ports() -> None:
+    """`authorizedPublicPorts` lists reviewed ports; a range that wide is not a reviewed service."""
+    rule = {"protocol": "tcp", "fromPort": 1000, "toPort": 2100, "cidrBlocks": ["0.0.0.0/0"]}
+    every_port = {"authorizedPublicPorts": list(range(1000, 2101))}
+    assert messages(with_ingress(rule), INGRESS, every_port)
+    narrow = {"protocol": "tcp", "fromPort": 1000, "toPort": 2000, "cidrBlocks": ["0.0.0.0/0"]}
+    assert messages(with_ingress(narrow), INGRESS, every_port) == []
+
+
+def test_another_security_group_as_a_source_is_refused_with_the_fix() -> None:
+    rule = {"protocol": "tcp", "fromPort": 22, "toPort": 22, "securityGroups": ["sg-other"]}
+    assert messages(with_ingress(rule), INGRESS) == [
+        GROUP
+        + "ingress[1] admits security group sg-other, not only this group's own members: allow peers with a "
+        "self-referencing rule (self = true) and reach instances with SSM Session Manager"
+    ]
+
+
+def test_an_unreviewed_prefix_list_names_the_config_key_that_accepts_it() -> None:
+    rule = {"protocol": "tcp", "fromPort": 443, "toPort": 443, "prefixListIds": ["pl-4ea04527"]}
+    assert messages(with_ingress(rule), INGRESS) == [
+        GROUP
+        + "ingress[1] admits prefix list pl-4ea04527 on ports 443-443, whose addresses this pack cannot "
+        "judge: allow narrow CIDRs or use SSM Session Manager (or list the prefix list in the policy's "
+        "authorizedPrefixListIds once reviewed)"
+    ]
+    assert messages(with_ingress(rule), INGRESS, {"authorizedPrefixListIds": ["pl-4ea04527"]}) == []
+
+
+def test_all_protocol_egress_to_the_internet_says_which_ports_to_allow() -> None:
+    resources = compliant_stack()
+    named(resources, "instances").props["egress"].append(
+        {"protocol": "-1", "fromPort": 0, "toPort": 0, "cidrBlocks": ["0.0.0.0/0"]}
+    )
+    assert messages(resources, EGRESS) == [
+        GROUP
+        + "egress[1] allows all protocols and ports to 0.0.0.0/0: allow only the ports the instances need "
+        "(tcp 443 for AWS APIs and package indexes)"
+    ]
+
+
+# -- the ARN shapes the identity rules judge resources with -------------------------------------------
+
+
+def test_an_arn_shape_matches_the_arns_of_its_service_and_resource_type() -> None:
+    key = arn_shape("kms", "key/")
+    assert matches_shape("arn:aws:kms:us-east-1:123456789012:key/1234abcd", key)
+    assert matches_shape("ARN:AWS:KMS:US-EAST-1:123456789012:KEY/1234ABCD", key), "compared case-blind"
+    assert not matches_shape("arn:aws:kms:us-east-1:123456789012:alias/x", key)
+    role = arn_shape("iam", "role/", regional=False)
+    assert matches_shape("arn:aws:iam::123456789012:role/trainstack", role), "IAM ARNs have no region"
+    assert not matches_shape("arn:aws:iam:us-east-1:123456789012:role/trainstack", role)
+
+
+def test_a_reviewed_public_port_is_not_refused_for_its_prefix_list_either() -> None:
+    """`authorizedPublicPorts` says the port may be open to the world: a prefix list on it admits no more."""
+    rule = {"protocol": "tcp", "fromPort": 443, "toPort": 443, "prefixListIds": ["pl-4ea04527"]}
+    assert messages(with_ingress(rule), INGRESS, {"authorizedPublicPorts": [443]}) == []
+
+
+def rule_resource(type_: str, **props: Any) -> list[Resource]:
+    resources = compliant_stack()
+    resources.append(Resource(type_, "extra-rule", {"securityGroupId": "sg-1", **props}))
+    return resources
+
+
+def test_a_separate_rule_with_an_unreviewed_prefix_list_says_which_ports() -> None:
+    resources = rule_resource(
+        "aws:ec2/securityGroupRule:SecurityGroupRule",
+        type="ingress", protocol="tcp", fromPort=443, toPort=443, prefixListIds=["pl-4ea04527"],
+    )  # fmt: skip
+    assert messages(resources, INGRESS) == [
+        "aws.ec2.SecurityGroupRule 'extra-rule': the rule admits prefix list pl-4ea04527 on ports 443-443, "
+        "whose addresses this pack cannot judge: allow narrow CIDRs or use SSM Session Manager (or list the "
+        "prefix list in the policy's authorizedPrefixListIds once reviewed)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "type_, props",
+    [
+        (
+            "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule",
+            {"ipProtocol": "tcp", "fromPort": 443, "toPort": 443, "cidrIpv4": "0.0.0.0/0"},
+        ),
+        (
+            "aws:ec2/securityGroupRule:SecurityGroupRule",
+            {
+                "type": "ingress",
+                "protocol": "tcp",
+                "fromPort": 443,
+                "toPort": 443,
+                "cidrBlocks": ["0.0.0.0/0"],
+            },
+        ),
+    ],
+    ids=["vpc-ingress-rule", "ec2-rule"],
+)
+def test_a_separate_rule_on_a_reviewed_public_port_passes(type_: str, props: dict[str, Any]) -> None:
+    resources = rule_resource(type_, **props)
+    assert messages(resources, INGRESS), "not reviewed: refused"
+    assert messages(resources, INGRESS, {"authorizedPublicPorts": [443]}) == []
