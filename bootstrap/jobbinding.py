@@ -402,7 +402,10 @@ class JobDirectory:
         status = self.status(current)
         if current == LEGACY_JOB_ID:
             if status is None:
-                return None  # a pointer at a legacy job without a ledger: nothing to continue
+                # No ledger yet: another life of a config from before jobs pointed at it a moment ago and
+                # has not begun (two nodes boot together); such a config serves it too. Any other config
+                # has nothing to continue there.
+                return self.binding(current) if self.config.job_id == LEGACY_JOB_ID else None
             if status not in ENDED or (fresh and self.config.job_id == LEGACY_JOB_ID):
                 # A config from before jobs runs the legacy job as it always did (resume included).
                 return self.binding(current)

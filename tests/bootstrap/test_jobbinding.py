@@ -152,6 +152,21 @@ def test_two_definitions_booting_at_once_agree_on_one_job(stack: LocalStack) -> 
     assert set(results.values()) == {winner}
 
 
+def test_two_nodes_of_a_config_from_before_jobs_booting_together_both_serve_it(stack: LocalStack) -> None:
+    """The first node points the stack at the legacy job; the second binds before the first has begun its
+    life (no ledger yet) and must serve the same job, never read it as "no job" and scale the group to 0."""
+    s3 = stack.client("s3")
+    legacy = stack.agent_config(instance_count=2)
+    assert legacy.job_id == "legacy"
+    first = bind_job(s3, legacy, NOW)
+    assert first is not None and first.job_id == "legacy"
+    second = bind_job(s3, legacy, NOW)
+    assert second is not None and second.job_id == "legacy"
+    # A config that defines a job of its own does not continue a legacy pointer with nothing behind it.
+    mine = bind_job(s3, _config(stack, "resnet-11111111"), NOW)
+    assert mine is not None and mine.job_id == "resnet-11111111"
+
+
 def test_an_unreadable_pointer_is_one_line_naming_it(stack: LocalStack) -> None:
     stack.client("s3").put_object(Bucket=stack.bucket, Key="state/current-job.json", Body=b"[]")
     with pytest.raises(JobBindingError, match=r"state/current-job.json is not a job pointer.*delete it"):

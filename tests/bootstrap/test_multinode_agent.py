@@ -292,11 +292,9 @@ class StopStorm:
 def test_the_rendezvous_host_interrupted_under_a_rain_of_stops_the_other_regroups_at_the_common_step(
     two_node_stack: LocalStack, nodes: list[Node]
 ) -> None:
+    # Both at once, as a real fleet boots (two lives binding the same job in the same instant must agree).
     for node in nodes:
         _start(node)
-        # One after the other past the job binding: two lives binding the legacy job at the same instant
-        # race in bootstrap/jobbinding.py (one finds no job and scales the group to zero), not a subject here.
-        _wait_for(lambda node=node: node.find("job bound"), 30, f"{node.name} binding its job", nodes)
     host = _wait_for(
         lambda: next((n for n in nodes if n.find("hosting generation")), None),
         120,

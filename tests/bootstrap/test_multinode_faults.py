@@ -143,14 +143,9 @@ class Supervisor:
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
 
     def start(self) -> None:
+        # Both at once, as a real fleet boots (two lives binding the same job in the same instant must agree).
         for node in self.nodes:
             _start_agent(node, self._env(node))
-            # One after the other past the job binding: two lives binding the legacy job at the same instant
-            # race in bootstrap/jobbinding.py (one finds no job and scales the group to zero), not a subject
-            # here.
-            deadline = time.monotonic() + 30
-            while not node.find("job bound") and time.monotonic() < deadline:
-                time.sleep(0.05)
         self._thread.start()
 
     def _run(self) -> None:
