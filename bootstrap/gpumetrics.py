@@ -52,7 +52,8 @@ def gpu_utilization_percent() -> float | None:
 
 
 class GpuMetricPublisher:
-    """A background thread; a missing GPU disables it, a failed put is logged and retried next period."""
+    """A background thread; without a GPU only the host's load is published; a failed put is logged and the
+    next period puts again."""
 
     def __init__(
         self,
@@ -117,5 +118,5 @@ class GpuMetricPublisher:
         while not self._stop.wait(PERIOD_SECONDS):
             try:
                 self.publish_once()
-            except Exception as exc:  # the alarm treats missing data as breaching; log and keep going
+            except Exception as exc:  # one period's data is lost; log and keep going
                 self._log.event("metrics", "metrics put failed", error=str(exc))

@@ -1,20 +1,22 @@
 """`python -m demo --queue`: jobs submitted to a stack that stays up, run one after the other on one instance.
 
-The stack is the environment only: its user-data carries the agent and no job. Three jobs are submitted
-with `trainstack run --detach` (the CLI's own code, in this process, against the embedded AWS), the group
-at zero is woken by the first, and the third is withdrawn with `trainstack cancel` before it runs:
+The stack is the environment only: its user-data carries the agent and no job. The dataset is pushed with
+`trainstack data push`, three jobs are submitted with `trainstack run --detach` (the CLI's own code, in this
+process, against the embedded AWS), the group at zero is woken by the first, and the third is withdrawn with
+`trainstack cancel` before it runs:
 
-- job 1, examples/charlm (plain PyTorch), gets a spot notice mid-run on instance 1; the group's replacement,
-  instance 2, resumes it from the confirmed checkpoint and completes it;
-- job 2, examples/lightning-mnist-like (PyTorch Lightning), then starts on instance 2 in the same agent
-  process (no reboot), gets a spot notice of its own, and instance 3 resumes it: each example keeps the
-  spot promise under the real agent, with its own results;
-- job 3, the built-in trainer (`trainstack run --config`), is cancelled while it waits: it never runs, and
-  with the queue empty the group goes to zero.
+- job 1, the built-in trainer (`trainstack run --config`), gets a spot notice mid-run on instance 1; the
+  group's replacement, instance 2, resumes it from the confirmed checkpoint and completes it;
+- job 2, examples/lightning-mnist-like (PyTorch Lightning), then starts on instance 2 in the same agent process
+  (no reboot), gets a spot notice of its own, and instance 3 resumes it: an example as shipped keeps the spot
+  promise under the real agent, with its own results;
+- job 3, examples/charlm, is cancelled while it waits: it never runs, and with the queue empty the group goes
+  to zero.
 
-Each example is the one shipped in examples/, copied and shortened only through its job file (`--steps`).
-Each simulated instance is what demo/run.py boots (the rendered user-data, the bundle verified and unpacked,
-the real agent as a subprocess); the agent re-executes itself with each job's own code bundle.
+The trainer's config is training/configs/tiny.yaml lengthened only through `train.epochs` (periodic
+checkpoints off); the example is the one shipped in examples/, shortened only through its job file
+(`--steps`). Each simulated instance is what demo/run.py boots (the rendered user-data, the bundle verified
+and unpacked, the real agent as a subprocess); the agent re-executes itself with each job's own code bundle.
 """
 
 from __future__ import annotations
@@ -46,23 +48,35 @@ from demo.instance import (
 from demo.run import INTERRUPT_AT_FRACTION, ISOLATED_ENV, JOB_CONFIG, REPO, STOPPED_AT, _validate_user_data
 from demo.stack import LocalStack, create_stack
 from infra.bundle import build_bundle
+from training.sample_data import write_dataset
 from trainstack_job.contract import LEDGER
 from trainstack_job.jobs import JobPrefixes
 from trainstack_job.queue import cancel_key
 
 STACK = "trainstack-demo"
 CLI_STACK = "demo"  # the Pulumi stack name the CLI is pointed at (Pulumi.demo.yaml in the project folder)
-# Each example shortened through its job file only. Long enough that the notice, injected at 40 % of the
-# steps, lands mid-run even on a fast machine (the agent polls IMDS every 0.25 s; charlm trains 10-40 steps
-# a second on a CPU, Lightning's small CNN 50 or more). Two lengths, so one job's progress is never taken
-# for the other's.
-CHARLM_STEPS = 100
+# The notice must land mid-run on any machine. From the first progress report at or past a job's notice step
+# to the trainer's stop: up to POLL_S until the demo reads the report and injects the notice, up to 0.25 s
+# until the agent's IMDS poll finds it (it then signals the trainer at once), up to one step to the next step
+# boundary, and progress is reported every 2 steps: about 0.4 s and 3 steps. The steps left after the notice
+# step must outlast that many times over.
+POLL_S = 0.1
+# Job 1: tiny.yaml's resnet18 on the 256 generated 32 px training images, 8 steps an epoch, lengthened to 8
+# epochs; the notice from step 16 (after 2 epochs) leaves 48 steps. A step takes about 0.16 s on one loaded
+# core of a 2-core CI machine (one torch thread, as the tests run it): about 8 s left, and still 0.8 s on a
+# machine 10 times faster per step, twice the 0.4 s. Periodic checkpoints are off (86 MB each through the
+# embedded S3): the story needs only the stop's, which the notice makes, and the final one.
+TRAINER_EPOCHS = 8
+TRAINER_STEPS = TRAINER_EPOCHS * 256 // 32
+TRAINER_NOTICE_FROM = 16
+# Job 2: Lightning's small CNN trains 50 steps a second or more on a CPU; 120 steps with the notice from
+# step 48 (40 %, as demo/run.py's story) leave 72 steps, 1.4 s at 50 a second. Its length differs from job
+# 1's, so one job's progress file is never taken for the other's.
 LIGHTNING_STEPS = 120
 # One boot after the other, each the group's next instance: an L4, then a T4 (the checkpoint crosses
 # precisions), then an A10G.
 INSTANCES = (("g6.xlarge", "us-east-1a"), ("g4dn.xlarge", "us-east-1b"), ("g5.xlarge", "us-east-1a"))
 STORY_TIMEOUT_S = 420
-POLL_S = 0.2
 
 
 @dataclass
@@ -96,11 +110,13 @@ class QueuedJob:
     """One submitted job: how it was submitted, what the demo saw of it, what S3 holds for it at the end."""
 
     label: str  # "job 1"
-    what: str  # "examples/charlm (200 steps)"
+    what: str  # "examples/lightning-mnist-like, 120 steps"
     argv: list[str]  # the `trainstack` command line, as typed
-    interrupt: bool  # the demo injects a spot notice during its first life
-    total_steps: int | None  # from its job file; None for a job that never runs
-    own_result: str | None  # the file the example writes into its results (what its old test looked for)
+    # The step from which the demo injects a spot notice during the job's first life; None: no notice.
+    notice_from: int | None
+    total_steps: int | None  # from its config or job file; None for a job that never runs
+    # The result files that are the job's own work (the trainer's model and metrics, the example's model).
+    own_results: tuple[str, ...] = ()
     # Everything the job writes into its results: another job's file there would be a mix-up.
     writes: tuple[str, ...] = ()
     job_id: str = ""
@@ -114,6 +130,11 @@ class QueuedJob:
     results: list[str] = field(default_factory=list)  # keys under its results prefix, relative
     checkpoints: list[str] = field(default_factory=list)  # keys under its checkpoints prefix, relative
     cancel_request: bool = False
+
+    @property
+    def interrupt(self) -> bool:
+        """The demo interrupts this job with a spot notice."""
+        return self.notice_from is not None
 
 
 @dataclass
@@ -199,6 +220,18 @@ def shortened_example(example: str, steps: int, destination: Path) -> Path:
     spec["command"] = command
     job_file.write_text(yaml.safe_dump(spec, sort_keys=False))
     return job_file
+
+
+def lengthened_config(epochs: int, destination: Path) -> Path:
+    """training/configs/tiny.yaml as shipped, its `train.epochs` set to `epochs` and its periodic checkpoints
+    off (the stop's and the final one remain): the copy's path, named as tiny.yaml (the job's name)."""
+    config = yaml.safe_load(JOB_CONFIG.read_text())
+    config["train"]["epochs"] = epochs
+    config["checkpoint"]["every_steps"] = 0
+    path = destination / JOB_CONFIG.name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
 
 
 def _progress(scratch: Path, since: float) -> tuple[int, int] | None:
@@ -311,35 +344,38 @@ class QueueDemo:
         )
         self._write_cli_stack(stack)
 
-        examples = self.workdir / "jobs"
-        charlm = shortened_example("charlm", CHARLM_STEPS, examples)
-        lightning = shortened_example("lightning-mnist-like", LIGHTNING_STEPS, examples)
+        # The built-in trainer reads the stack's dataset: pushed as a user would, checked as an ImageFolder.
+        write_dataset(self.workdir / "dataset")
+        self.trainstack("data", "push", os.path.relpath(self.workdir / "dataset"))
+        jobs = self.workdir / "jobs"
+        tiny = lengthened_config(TRAINER_EPOCHS, jobs)
+        lightning = shortened_example("lightning-mnist-like", LIGHTNING_STEPS, jobs)
         result.jobs = [
             QueuedJob(
                 "job 1",
-                f"examples/charlm, {CHARLM_STEPS} steps",
-                ["run", os.path.relpath(charlm), "--detach"],
-                interrupt=True,
-                total_steps=CHARLM_STEPS,
-                own_result="sample.txt",
-                writes=("metrics.json", "model.pt", "progress.json", "sample.txt"),
+                f"the built-in trainer, {TRAINER_STEPS} steps",
+                ["run", "--config", os.path.relpath(tiny), "--detach"],
+                notice_from=TRAINER_NOTICE_FROM,
+                total_steps=TRAINER_STEPS,
+                own_results=("metrics.json", "model.pt"),
+                writes=("curves.png", "metrics.json", "model.pt", "progress.json"),
             ),
             QueuedJob(
                 "job 2",
                 f"examples/lightning-mnist-like, {LIGHTNING_STEPS} steps",
                 ["run", os.path.relpath(lightning), "--detach"],
-                interrupt=True,
+                notice_from=int(INTERRUPT_AT_FRACTION * LIGHTNING_STEPS),
                 total_steps=LIGHTNING_STEPS,
-                own_result="model.pt",
+                own_results=("model.pt",),
                 writes=("metrics.json", "model.pt", "progress.json"),
             ),
+            # Never runs: the example as shipped.
             QueuedJob(
                 "job 3",
-                "the built-in trainer",
-                ["run", "--config", os.path.relpath(JOB_CONFIG), "--name", "tiny", "--detach"],
-                interrupt=False,
+                "examples/charlm",
+                ["run", os.path.relpath(REPO / "examples" / "charlm" / "job.yaml"), "--detach"],
+                notice_from=None,
                 total_steps=None,
-                own_result=None,
             ),
         ]
         for job in result.jobs:
@@ -480,12 +516,7 @@ class QueueDemo:
             return
         job.samples.append(Sample(time.time(), boot.name, step))
         first_boot = job.samples[0].boot == boot.name
-        if (
-            job.interrupt
-            and job.notice is None
-            and first_boot
-            and INTERRUPT_AT_FRACTION * total <= step < total
-        ):
+        if job.notice_from is not None and job.notice is None and first_boot and job.notice_from <= step < total:
             job.notice = Notice(time.time(), boot.name, step, total)
             imds.inject_spot_notice()
             # What capacity rebalancing does on the notice: the group lets this instance go and launches a

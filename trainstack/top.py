@@ -15,6 +15,7 @@ from datetime import datetime, timedelta, timezone
 from enum import Enum
 from typing import Any
 
+from botocore.exceptions import BotoCoreError, ClientError
 from rich.console import Group as RenderGroup
 from rich.console import RenderableType
 from rich.live import Live
@@ -23,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from bootstrap import hostmetrics as hm
-from trainstack.aws import Clients
+from trainstack.aws import Clients, explain
 from trainstack.dev.instances import require_dev_instance
 from trainstack.errors import CliError
 from trainstack.output import console, print_json
@@ -291,8 +292,9 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value / 1e6:,.1f} MB/s"
 
 
-def render(shot: dict[str, Any]) -> RenderableType:
-    """The screen for one snapshot: per instance its GPUs, CPU and memory as bars, I/O rates, a diagnosis."""
+def render(shot: dict[str, Any], problem: str = "") -> RenderableType:
+    """The screen for one snapshot: per instance its GPUs, CPU and memory as bars, I/O rates, a diagnosis;
+    `problem`: why this is not the newest one."""
     parts: list[RenderableType] = []
     head = f"trainstack top: {shot['target']}   {shot['at']}"
     progress = shot["progress"]
@@ -301,6 +303,8 @@ def render(shot: dict[str, Any]) -> RenderableType:
         head += f"   step {progress['step']}/{progress.get('total_steps')}"
         head += f", {speed:,.0f} samples/s" if isinstance(speed, int | float) else ""
     parts.append(Text(head, style="bold"))
+    if problem:
+        parts.append(Text(f"refresh failed, showing the last one (retrying): {problem}", style="red"))
     if shot["note"]:
         parts.append(Text(shot["note"]))
     for item in shot["instances"]:
@@ -326,6 +330,12 @@ def render(shot: dict[str, Any]) -> RenderableType:
                 _percent(gpu["utilization_percent"]),
                 f"memory {memory}",
             )
+        mean = item[hm.GPU_UTILIZATION]
+        if not item["gpus"] and mean is not None:
+            # CloudWatch lists a new instance's per-GPU metrics minutes after their first put; the mean is
+            # there from the start.
+            memory_mean = f"memory {_percent(item[hm.GPU_MEMORY_UTILIZATION])} (per GPU soon)"
+            table.add_row("GPUs (mean)", _bar(mean), _percent(mean), memory_mean)
         table.add_row("CPU", _bar(item[hm.CPU_UTILIZATION]), _percent(item[hm.CPU_UTILIZATION]), "")
         table.add_row("memory", _bar(item[hm.MEMORY_UTILIZATION]), _percent(item[hm.MEMORY_UTILIZATION]), "")
         wait = item["data_wait_fraction"]
@@ -438,6 +448,13 @@ def run(
         with Live(render(shot), console=out, auto_refresh=False) as live:
             while True:
                 pause(interval)
-                live.update(render(watcher.refresh()), refresh=True)
+                # A progress.json caught mid-rewrite or a throttled read is one bad refresh, not the end.
+                try:
+                    shot, problem = watcher.refresh(), ""
+                except CliError as error:
+                    problem = str(error)
+                except (BotoCoreError, ClientError) as error:
+                    problem = str(explain(error))
+                live.update(render(shot, problem), refresh=True)
     except KeyboardInterrupt:
         return 0  # Ctrl-C is how one leaves top

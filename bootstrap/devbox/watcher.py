@@ -186,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Imported here: tests drive IdleWatcher with their own clients, probes and IMDS.
     from bootstrap.aws import client
     from bootstrap.devbox.probes import sampler
+    from bootstrap.eventlog import EventLog
+    from bootstrap.gpumetrics import GpuMetricPublisher
     from bootstrap.imds import ImdsClient, ImdsUnavailableError
 
     parser = argparse.ArgumentParser(prog="python -m bootstrap.devbox.watcher", description=__doc__)
@@ -203,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImdsUnavailableError:
             return False  # IMDS hiccup: look again at the next sample
 
+    # The numbers `trainstack top --dev` shows (GPU, CPU, memory, disk, network), published as a job's are.
+    GpuMetricPublisher(
+        client("cloudwatch", config.region, principal=DEV_PRINCIPAL), "", EventLog(), instance_id=instance_id
+    ).start()
     watcher = IdleWatcher(
         config=config,
         instance_id=instance_id,

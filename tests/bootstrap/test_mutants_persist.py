@@ -314,7 +314,8 @@ def test_finish_reports_a_step_only_local_as_not_confirmed(s3: Any, tmp_path: Pa
     late.restore()
     result = late.finish(time.monotonic() - 1)  # the deadline has passed: no time to upload
     assert (result.newest_local_step, result.confirmed_step, result.confirmed) == (4, 3, False)
-    assert events.messages("newest checkpoint NOT confirmed in S3")
+    said = [f for _, m, f in events.records if m.startswith("newest checkpoint NOT confirmed in S3")]
+    assert len(said) == 1 and said[0]["error"] == "", "nothing was tried: no error to report"
 
 
 @pytest.mark.parametrize(
@@ -577,3 +578,123 @@ def test_a_confirmed_final_flush_says_so_in_the_line_operators_look_for(s3: Any,
     assert persister(s3, local, events).finish(soon()).confirmed
     confirmed = [f for _, m, f in events.records if m == "newest checkpoint confirmed in S3"]
     assert confirmed == [{"step": 2}]
+
+
+class PassingFence:
+    """A lease that still names this persister's token (1), until `hang` makes its check never answer."""
+
+    token = 1
+
+    def __init__(self) -> None:
+        self.hang = False
+        self.release = threading.Event()
+
+    def check(self) -> None:
+        if self.hang:
+            self.release.wait(10)
+
+
+def test_a_lease_check_that_never_answers_gives_up_at_the_deadline_saying_which_call(
+    s3: Any, tmp_path: Path
+) -> None:
+    fence = PassingFence()
+    fence.hang = True
+    owner = CheckpointPersister(s3, BUCKET, PREFIX, tmp_path / "a", Events(), fence=fence)
+    commit_step(tmp_path / "a", 3)
+    try:
+        with pytest.raises(UploadAbandonedError) as gave_up:
+            owner.persist_newest(time.monotonic() + 0.3)
+    finally:
+        fence.release.set()
+    assert str(gave_up.value) == "check-lease: no answer from S3 before the deadline"
+
+
+class HungManifest:
+    """S3 that takes the files but never answers the manifest's write (a request blackholed mid-upload)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def put_object(self, **kwargs: Any) -> Any:
+        if kwargs["Key"].endswith("/manifest.json"):
+            self.release.wait(10)
+        return self._client.put_object(**kwargs)
+
+
+def test_a_manifest_write_that_never_answers_gives_up_at_the_deadline(s3: Any, tmp_path: Path) -> None:
+    hung = HungManifest(s3)
+    owner = persister(hung, tmp_path / "a")
+    commit_step(tmp_path / "a", 3)
+    try:
+        with pytest.raises(
+            UploadAbandonedError, match=r"^put-manifest: no answer from S3 before the deadline$"
+        ):
+            owner.persist_newest(time.monotonic() + 1.5)
+    finally:
+        hung.release.set()
+    assert owner.confirmed_step is None
+
+
+def test_latest_json_carries_the_steps_epoch(s3: Any, tmp_path: Path) -> None:
+    upload(s3, tmp_path / "a", 5)
+    latest = json.loads(s3.get_object(Bucket=BUCKET, Key=LATEST_KEY)["Body"].read())
+    assert (latest["step"], latest["epoch"], latest["dir"]) == (5, 1, "step-5")
+
+
+def test_a_higher_token_in_latest_json_is_the_lease_lost_to_its_writer(s3: Any, tmp_path: Path) -> None:
+    """The fence passed, but latest.json already carries a newer holder's token: this holder lost."""
+    s3.put_object(
+        Bucket=BUCKET, Key=LATEST_KEY, Body=json.dumps({"step": 3, "epoch": 1, "token": 2}).encode()
+    )
+    events = Events()
+    owner = CheckpointPersister(s3, BUCKET, PREFIX, tmp_path / "a", events, fence=PassingFence())
+    commit_step(tmp_path / "a", 5)
+    with pytest.raises(LeaseLostError) as lost:
+        owner.persist_newest(soon())
+    uri = f"s3://{BUCKET}/{LATEST_KEY}"
+    assert (lost.value.holder, lost.value.token, lost.value.uri) == ("the writer of latest.json", 2, uri)
+    said = [fields for _, message, fields in events.records if "lease lost" in message]
+    assert said == [{"level": "warning", "uri": uri, "token": 1}]
+    assert json.loads(s3.get_object(Bucket=BUCKET, Key=LATEST_KEY)["Body"].read())["token"] == 2
+
+
+class CountingLatest:
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.latest_writes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def put_object(self, **kwargs: Any) -> Any:
+        self.latest_writes += kwargs["Key"] == LATEST_KEY
+        return self._client.put_object(**kwargs)
+
+
+def test_latest_json_already_naming_the_step_is_confirmed_without_a_write(s3: Any, tmp_path: Path) -> None:
+    """A retry after a lost answer (or another life's upload of the same step): nothing to move."""
+    upload(s3, tmp_path / "a", 5)
+    counting = CountingLatest(s3)
+    again = persister(counting, tmp_path / "a")
+    assert again.persist_newest(soon()) == 5
+    assert counting.latest_writes == 0
+
+
+def test_a_step_naming_a_file_outside_its_folder_is_not_confirmed_and_the_line_says_which(
+    s3: Any, tmp_path: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    (root / "step-7").mkdir(parents=True)
+    files = {"../../x.txt": {"sha256": "0" * 64, "size": 1}}
+    (root / "step-7" / "manifest.json").write_text(json.dumps({"step": 7, "epoch": 0, "files": files}))
+    events = Events()
+    assert not persister(s3, root, events).finish(soon()).confirmed
+    said = [f for _, m, f in events.records if m.startswith("newest checkpoint NOT confirmed")]
+    assert len(said) == 1
+    assert said[0]["error"].startswith(
+        f"step 7: '../../x.txt' is not a regular file inside {root / 'step-7'}"
+    )

@@ -15,12 +15,14 @@ import socket
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
+from botocore.exceptions import ClientError
 
 from demo.stack import STAND_IN_AMI
 from trainstack.aws import Clients, new_session
@@ -29,7 +31,7 @@ from trainstack.dev.connect import SshFiles, host_alias, merge_entry
 from trainstack.dev.instances import DEV_TAG
 from trainstack.errors import CliError
 
-from .conftest import REGION, STACK, Deployed, Result
+from .conftest import REGION, STACK, Result, write_project
 
 ALIAS = host_alias(STACK)
 DEV_BOX = "trainstack-test-dev"
@@ -46,15 +48,18 @@ RECORDED_SERVER_LIST = (
 
 @dataclass
 class DevStack:
-    deployed: Deployed
+    project: Path
+    outputs_file: Path
     home: Path
     argv_file: Path
-    instance_id: str
     pushed: list[dict[str, Any]]
     clients: Clients
+    cli: Callable[..., Result]
+    instance_id: str = ""
 
     def run(self, *argv: str, clients: Clients | None = None) -> Result:
-        return self.deployed.run(*argv, clients=clients or self.clients)
+        where = ["--cwd", str(self.project), "--stack", STACK, "--outputs", str(self.outputs_file)]
+        return self.cli(*argv, *where, clients=clients or self.clients)
 
     @property
     def files(self) -> SshFiles:
@@ -76,19 +81,19 @@ def _fake_tools(bin_dir: Path, record: Path) -> None:
 
 
 @pytest.fixture()
-def dev(deployed: Deployed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DevStack]:
-    """The stack with a dev box up, a home folder of its own, and `exec` running the fake `aws` instead."""
-    outputs = {**deployed.outputs, "dev_template_id": "lt-0dev", "dev_box_name": DEV_BOX}
-    deployed.outputs_file.write_text(json.dumps(outputs), encoding="utf-8")
-    subnet = deployed.ec2().describe_subnets()["Subnets"][0]["SubnetId"]
-    instance = deployed.ec2().run_instances(
-        ImageId=STAND_IN_AMI,
-        MinCount=1,
-        MaxCount=1,
-        InstanceType="g6.xlarge",
-        SubnetId=subnet,
-        TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": DEV_TAG, "Value": DEV_BOX}]}],
-    )["Instances"][0]["InstanceId"]
+def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli: Callable[..., Result]) -> DevStack:
+    """A deployed stack with a dev template as its outputs say (no AWS call needed to read them), a home
+    folder of its own, and `exec` running the fake `aws` instead of replacing the test's process."""
+    project = write_project(tmp_path, {"aws:region": REGION})
+    outputs = {
+        "region": REGION,
+        "bucket_name": "trainstack-test-data",
+        "group_name": "trainstack-test-gpu",
+        "dev_template_id": "lt-0dev",
+        "dev_box_name": DEV_BOX,
+    }
+    outputs_file = tmp_path / "outputs.json"
+    outputs_file.write_text(json.dumps(outputs), encoding="utf-8")
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
@@ -108,7 +113,23 @@ def dev(deployed: Deployed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         "provide-client-params.ec2-instance-connect.SendSSHPublicKey",
         lambda params, **_: pushed.append(dict(params)),
     )
-    yield DevStack(deployed, home, argv_file, instance, pushed, Clients(None, session=session))
+    return DevStack(project, outputs_file, home, argv_file, pushed, Clients(None, session=session), cli)
+
+
+@pytest.fixture()
+def dev(box: DevStack, aws: Any) -> DevStack:
+    """`box` with its dev box up in moto."""
+    ec2 = boto3.client("ec2", region_name=REGION)
+    subnet = ec2.describe_subnets()["Subnets"][0]["SubnetId"]
+    box.instance_id = ec2.run_instances(
+        ImageId=STAND_IN_AMI,
+        MinCount=1,
+        MaxCount=1,
+        InstanceType="g6.xlarge",
+        SubnetId=subnet,
+        TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": DEV_TAG, "Value": DEV_BOX}]}],
+    )["Instances"][0]["InstanceId"]
+    return box
 
 
 def parse_ssh_config(text: str) -> dict[str, dict[str, str]]:
@@ -127,8 +148,8 @@ def parse_ssh_config(text: str) -> dict[str, dict[str, str]]:
     return hosts
 
 
-def test_ssh_config_entry_names_the_proxy_the_key_and_a_host_key_alias(dev: DevStack) -> None:
-    result = dev.run("dev", "ssh-config")
+def test_ssh_config_entry_names_the_proxy_the_key_and_a_host_key_alias(box: DevStack) -> None:
+    result = box.run("dev", "ssh-config")
 
     assert result.code == 0, result.err
     entry = parse_ssh_config(result.out)[ALIAS]
@@ -137,19 +158,19 @@ def test_ssh_config_entry_names_the_proxy_the_key_and_a_host_key_alias(dev: DevS
     assert entry["identitiesonly"] == "yes"
     proxy = entry["proxycommand"]
     assert " dev proxy %h %p --stack test --cwd " in proxy
-    assert f"--outputs {dev.deployed.outputs_file.resolve()}" in proxy
+    assert f"--outputs {box.outputs_file.resolve()}" in proxy
     assert entry["hostkeyalias"] == ALIAS
     assert entry["userknownhostsfile"] == "~/.ssh/trainstack/trainstack-test/known_hosts"
     assert entry["stricthostkeychecking"] == "accept-new"
     assert int(entry["serveraliveinterval"]) > 0
     # The key pair exists once, private key readable by the user only, and nothing else was written.
-    assert stat.S_IMODE(dev.files.key.stat().st_mode) == 0o600
-    assert stat.S_IMODE(dev.files.folder.stat().st_mode) == 0o700
-    assert dev.files.public_key.read_text().startswith("ssh-ed25519 ")
-    assert not (dev.home / ".ssh" / "config").exists()
+    assert stat.S_IMODE(box.files.key.stat().st_mode) == 0o600
+    assert stat.S_IMODE(box.files.folder.stat().st_mode) == 0o700
+    assert box.files.public_key.read_text().startswith("ssh-ed25519 ")
+    assert not (box.home / ".ssh" / "config").exists()
     if shutil.which("ssh"):
         # OpenSSH's own reading of the entry: what VS Code Remote-SSH and rsync will get.
-        config = dev.home / "printed-config"
+        config = box.home / "printed-config"
         config.write_text(result.out)
         resolved = subprocess.run(
             ["ssh", "-G", "-F", str(config), ALIAS], capture_output=True, text=True, check=True, timeout=10
@@ -158,27 +179,27 @@ def test_ssh_config_entry_names_the_proxy_the_key_and_a_host_key_alias(dev: DevS
         assert options["user"] == "ubuntu"
         assert options["hostkeyalias"] == ALIAS
         assert options["identityfile"] == "~/.ssh/trainstack/trainstack-test/id_ed25519"
-        project, outputs = dev.deployed.project.resolve(), dev.deployed.outputs_file.resolve()
+        project, outputs = box.project.resolve(), box.outputs_file.resolve()
         where = f"--stack test --cwd {project} --outputs {outputs}"
         assert options["proxycommand"].endswith(f" dev proxy %h %p {where}")
 
 
-def test_write_puts_the_entry_first_keeps_the_users_entries_and_is_idempotent(dev: DevStack) -> None:
-    config = dev.home / ".ssh" / "config"
+def test_write_puts_the_entry_first_keeps_the_users_entries_and_is_idempotent(box: DevStack) -> None:
+    config = box.home / ".ssh" / "config"
     config.parent.mkdir(mode=0o700)
     users = "Host *\n    User someone-else\n\nHost build\n    HostName build.example.com\n"
     config.write_text(users)
     config.chmod(0o600)
 
-    first = dev.run("dev", "ssh-config", "--write")
-    key_before = dev.files.key.read_bytes()
+    first = box.run("dev", "ssh-config", "--write")
+    key_before = box.files.key.read_bytes()
     written = config.read_text()
-    second = dev.run("dev", "ssh-config", "--write")
+    second = box.run("dev", "ssh-config", "--write")
 
     assert first.code == 0 and "wrote Host trainstack-test" in first.out, first.err
     assert second.code == 0 and "already current" in second.out
     assert config.read_text() == written  # the second run changed nothing, not even the key
-    assert dev.files.key.read_bytes() == key_before
+    assert box.files.key.read_bytes() == key_before
     assert written.endswith(users)  # every entry of the user's kept, byte for byte
     # First in the file: ssh takes the first value of each option, so `Host *`'s User cannot win.
     assert written.index(f"Host {ALIAS}") < written.index("Host *")
@@ -251,7 +272,7 @@ def test_proxy_refuses_with_one_line_each(dev: DevStack) -> None:
     other = dev.run("dev", "proxy", "build.example.com", "22")
     assert other.code == 1 and "this stack's dev box is trainstack-test" in other.err
 
-    dev.deployed.ec2().terminate_instances(InstanceIds=[dev.instance_id])
+    boto3.client("ec2", region_name=REGION).terminate_instances(InstanceIds=[dev.instance_id])
     gone = dev.run("dev", "proxy", ALIAS, "22")
     assert gone.code == 1 and "no dev box is up: `trainstack dev up`" in gone.err
     assert dev.pushed == [] and not dev.argv_file.exists()
@@ -309,7 +330,7 @@ class RecordedBox:
         return {"Status": "InProgress"} if self.polls == 1 else self.answer
 
 
-def _with_ssm(dev: DevStack, ssm: Any) -> Clients:
+def _with_ssm(ssm: Any) -> Clients:
     return Clients(None, session=new_session(), overrides={"ssm": ssm})
 
 
@@ -323,7 +344,7 @@ def test_jupyter_starts_on_the_box_then_forwards_and_prints_the_token_url(
 ) -> None:
     box = RecordedBox(f"{servers.BEGIN}\n{RECORDED_SERVER_LIST}{servers.END}\n")
 
-    result = dev.run("dev", "jupyter", "--local-port", "18888", clients=_with_ssm(dev, box))
+    result = dev.run("dev", "jupyter", "--local-port", "18888", clients=_with_ssm(box))
 
     assert result.code == 0, result.err
     assert result.out.splitlines()[0] == "http://127.0.0.1:18888/?token=5e1f0c2b9a"
@@ -346,7 +367,7 @@ def test_a_failed_start_is_one_line_with_the_boxs_error_and_forwards_nothing(
         "", status="Failed", stderr="pip: no matching distribution\nOSError: [Errno 28] No space\n"
     )
 
-    result = dev.run("dev", "tensorboard", clients=_with_ssm(dev, box))
+    result = dev.run("dev", "tensorboard", clients=_with_ssm(box))
 
     assert result.code == 1
     assert result.err.strip() == (
@@ -360,7 +381,7 @@ def test_tensorboard_reused_on_the_box_is_forwarded(dev: DevStack, no_sleep: Non
     answer = '{"port": 6006, "logdir": "runs", "reused": true, "up": true}'
     box = RecordedBox(f"{servers.BEGIN}\n{answer}\n{servers.END}\n")
 
-    result = dev.run("dev", "tensorboard", "--port", "6007", clients=_with_ssm(dev, box))
+    result = dev.run("dev", "tensorboard", "--port", "6007", clients=_with_ssm(box))
 
     assert result.code == 0, result.err
     assert result.out.splitlines()[0] == "http://127.0.0.1:6007/"
@@ -376,17 +397,17 @@ def test_jupyter_against_moto_run_command_says_which_server_is_missing(dev: DevS
     assert not dev.argv_file.exists()
 
 
-def test_bad_arguments_are_one_line_and_touch_nothing(dev: DevStack) -> None:
-    assert dev.run("dev", "ssh-config", "--write").code == 0
+def test_bad_arguments_are_one_line_and_touch_nothing(box: DevStack) -> None:
+    assert box.run("dev", "ssh-config", "--write").code == 0
     cases = {
         ("dev", "jupyter", "--port", "80"): "--port 80: use an unprivileged TCP port",
         ("dev", "tensorboard", "--logdir", " "): "--logdir ' ': a folder on the box",
         ("dev", "proxy", ALIAS, "0"): "dev proxy PORT 0: a TCP port is 1-65535",
     }
     for argv, message in cases.items():
-        result = dev.run(*argv)
+        result = box.run(*argv)
         assert result.code == 1 and message in result.err and len(result.err.splitlines()) == 1
-    assert dev.pushed == [] and not dev.argv_file.exists()
+    assert box.pushed == [] and not box.argv_file.exists()
 
 
 def _free_port() -> int:
@@ -481,3 +502,52 @@ def test_tensorboard_script_on_a_box_reuses_the_same_folder_and_restarts_for_ano
         f"--logdir other runs --host 127.0.0.1 --port {port}",
     ]
     assert (workspace / "other runs").is_dir()
+
+
+def test_without_ssh_keygen_or_with_a_readable_key_ssh_config_says_or_fixes_it(
+    box: DevStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", str(box.argv_file.parent / "bin"))  # the fake aws only: no OpenSSH
+    missing = box.run("dev", "ssh-config")
+    assert missing.code == 1
+    assert "ssh-keygen is not on PATH: install the OpenSSH client" in missing.err
+    assert not box.files.key.exists()
+
+    monkeypatch.setenv("PATH", path)
+    assert box.run("dev", "ssh-config").code == 0
+    box.files.key.chmod(0o644)  # copied around with a loose umask: ssh would refuse it
+    assert box.run("dev", "ssh-config").code == 0
+    assert stat.S_IMODE(box.files.key.stat().st_mode) == 0o600
+
+
+class RefusingInstanceConnect:
+    def send_ssh_public_key(self, **_: Any) -> dict[str, Any]:
+        raise ClientError(
+            {"Error": {"Code": "EC2InstanceStateInvalidException", "Message": "stopping"}}, "SendSSHPublicKey"
+        )
+
+
+def test_a_key_instance_connect_refuses_is_one_line_and_no_session(dev: DevStack) -> None:
+    assert dev.run("dev", "ssh-config", "--write").code == 0
+    clients = Clients(
+        None, session=new_session(), overrides={"ec2-instance-connect": RefusingInstanceConnect()}
+    )
+
+    result = dev.run("dev", "proxy", ALIAS, "22", clients=clients)
+
+    assert result.code == 1
+    assert f"dev box {dev.instance_id} is not running (EC2InstanceStateInvalidException)" in result.err
+    assert not dev.argv_file.exists()
+
+
+def test_a_stack_without_the_dev_template_gets_the_fix_and_no_entry(box: DevStack) -> None:
+    outputs = json.loads(box.outputs_file.read_text())
+    del outputs["dev_template_id"], outputs["dev_box_name"]
+    box.outputs_file.write_text(json.dumps(outputs))
+
+    result = box.run("dev", "ssh-config", "--write")
+
+    assert result.code == 1
+    assert "`pulumi config set trainstack:devBox true && pulumi up`" in result.err
+    assert not (box.home / ".ssh").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import boto3
 import pytest
@@ -124,6 +125,19 @@ def test_top_json_is_the_same_snapshot(training: tuple[Deployed, str]) -> None:
     assert 10 <= item["metrics_age_s"] <= 120
 
 
+def test_a_new_instance_not_yet_listed_per_gpu_shows_the_gpus_mean(
+    training: tuple[Deployed, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deployed, _ = training
+    monkeypatch.setattr(top, "gpu_indices", lambda cloudwatch, instance_id: [])
+
+    result = deployed.run("top", "--once")
+
+    assert result.code == 0, result.err
+    assert "GPUs (mean)" in result.out and "38%  memory 46% (per GPU soon)" in result.out
+    assert "GPU 0" not in result.out
+
+
 def test_a_job_with_no_running_instance_says_so(deployed: Deployed) -> None:
     deployed.put_state("current-job.json", {"job_id": JOB})
     ledger = {"status": "completed", "lives": [{"instance_id": "i-0old", "outcome": "completed"}]}
@@ -156,17 +170,32 @@ def test_top_dev_watches_the_dev_box_without_metrics_yet(deployed: Deployed) -> 
 
 
 def test_top_refreshes_until_ctrl_c_reading_metrics_once_per_publish_period(
-    training: tuple[Deployed, str],
+    training: tuple[Deployed, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     deployed, _ = training
+    problems: list[str] = []
+    draw = top.render
+
+    def render(shot: dict[str, Any], problem: str = "") -> Any:
+        problems.append(problem)
+        return draw(shot, problem)
+
+    monkeypatch.setattr(top, "render", render)
     reads: list[int] = []
     session = new_session()
     session.events.register("provide-client-params.cloudwatch.GetMetricData", lambda **_: reads.append(1))
-    clock = iter([0.0, 5.0, 10.0, 40.0])
+    clock = iter([0.0, 5.0, 40.0])  # the failed refresh reads no clock
     sleeps: list[float] = []
 
     def sleep(seconds: float) -> None:
         sleeps.append(seconds)
+        if len(sleeps) == 2:
+            # The agent rewrites progress.json while top reads it: one refresh fails, top goes on.
+            deployed.s3().put_object(
+                Bucket=BUCKET, Key=f"jobs/{JOB}/state/progress.json", Body=b'{"step": 12'
+            )
+        if len(sleeps) == 3:
+            deployed.s3().put_object(Bucket=BUCKET, Key=f"jobs/{JOB}/state/progress.json", Body=b"{}")
         if len(sleeps) == 4:
             raise KeyboardInterrupt
 
@@ -185,8 +214,24 @@ def test_top_refreshes_until_ctrl_c_reading_metrics_once_per_publish_period(
 
     assert code == 0  # Ctrl-C is how one leaves top, not an error
     assert sleeps == [5.0] * 4
-    # Four screens at 0, 5, 10 and 40 s: CloudWatch read at 0 s and again once 30 s passed, not every 5 s.
+    # Screens at 0, 5, (failed) and 40 s: CloudWatch read at 0 s and once 30 s passed, not every 5 s.
     assert len(reads) == 2
+    assert problems[0] == problems[1] == problems[3] == ""
+    assert problems[2].startswith(
+        f"s3://trainstack-test-data/jobs/{JOB}/state/progress.json is not valid JSON"
+    )
+
+
+def test_a_corrupt_progress_file_with_once_is_one_line(training: tuple[Deployed, str]) -> None:
+    deployed, _ = training
+    deployed.s3().put_object(Bucket=BUCKET, Key=f"jobs/{JOB}/state/progress.json", Body=b"not json")
+
+    result = deployed.run("top", "--once")
+
+    assert result.code == 1
+    assert result.err.strip().endswith(
+        "progress.json is not valid JSON; it is rewritten by the agent, retry shortly"
+    )
 
 
 def test_too_short_an_interval_is_one_line(deployed: Deployed) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pulumi_policy.proxy import UNKNOWN_NUMBER_VALUE
+from pulumi_policy.proxy import UNKNOWN_ARRAY_VALUE, UNKNOWN_NUMBER_VALUE
 
 from infra.policy.patterns import arn_shape, matches_shape
 from tests.policy.golden import compliant_stack, named
@@ -153,3 +153,36 @@ def test_a_separate_rule_on_a_reviewed_public_port_passes(type_: str, props: dic
     resources = rule_resource(type_, **props)
     assert messages(resources, INGRESS), "not reviewed: refused"
     assert messages(resources, INGRESS, {"authorizedPublicPorts": [443]}) == []
+
+
+def test_prefix_lists_known_only_after_up_never_fail_the_preview() -> None:
+    rule = {"protocol": "tcp", "fromPort": 443, "toPort": 443, "prefixListIds": UNKNOWN_ARRAY_VALUE}
+    assert messages(with_ingress(rule), INGRESS) == []
+
+
+def test_a_vpc_ingress_rule_with_an_unreviewed_prefix_list_says_which_ports() -> None:
+    resources = rule_resource(
+        "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule",
+        ipProtocol="tcp", fromPort=443, toPort=443, prefixListId="pl-4ea04527",
+    )  # fmt: skip
+    assert messages(resources, INGRESS) == [
+        "aws.vpc.SecurityGroupIngressRule 'extra-rule': the rule admits prefix list pl-4ea04527 on ports "
+        "443-443, whose addresses this pack cannot judge: allow narrow CIDRs or use SSM Session Manager (or "
+        "list the prefix list in the policy's authorizedPrefixListIds once reviewed)"
+    ]
+
+
+def test_many_blocks_that_add_up_to_the_internet_are_named_three_and_a_share() -> None:
+    """The line shows the first three blocks of the union and how much of the address space it is."""
+    blocks = ["0.0.0.0/3", "64.0.0.0/3", "128.0.0.0/3", "192.0.0.0/3"]
+    rule = {"protocol": "tcp", "fromPort": 22, "toPort": 22, "cidrBlocks": blocks}
+    assert messages(with_ingress(rule), INGRESS) == [
+        GROUP + "ingress[1] opens ports 22-22 to 0.0.0.0/3, 64.0.0.0/3, 128.0.0.0/3, ... (50% of all IPv4 "
+        "addresses), more than an IPv4 /8 or IPv6 /32, which counts as the internet and is refused: use SSM "
+        "Session Manager, or allow narrower CIDRs (or list the port in the policy's authorizedPublicPorts "
+        "config)"
+    ]
+    three = {**rule, "cidrBlocks": blocks[:3]}
+    assert messages(with_ingress(three), INGRESS)[0].startswith(
+        GROUP + "ingress[1] opens ports 22-22 to 0.0.0.0/3, 64.0.0.0/3, 128.0.0.0/3 (38% of all"
+    )

@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,12 +32,12 @@ from botocore.exceptions import ClientError
 
 from trainstack.aws import Clients, error_code
 from trainstack.dev import servers
-from trainstack.dev.instances import require_dev_instance
+from trainstack.dev.instances import dev_box_name, require_dev_instance
+from trainstack.dev.servers import SSH_USER
 from trainstack.errors import CliError
 from trainstack.session import Exec, replace_process, require_session_tools, session_command
 from trainstack.stack import Stack
 
-SSH_USER = "ubuntu"  # the Deep Learning AMI's (Ubuntu) login user
 SSH_DOCUMENT = "AWS-StartSSHSession"
 SERVER_ALIVE_SECONDS = 30
 OPENSSH_INSTALL = (
@@ -114,9 +114,9 @@ def _launcher() -> list[str]:
     return [str(Path(found).resolve())] if found else [sys.executable, "-m", "trainstack"]
 
 
-def proxy_command(stack: Stack, *, region: str | None, launcher: Sequence[str] | None = None) -> str:
+def proxy_command(stack: Stack, *, region: str | None) -> str:
     """`trainstack dev proxy %h %p` with everything that picks this stack, so it works from any folder."""
-    words = [*(launcher or _launcher()), "dev", "proxy", "%h", "%p", "--stack", stack.name]
+    words = [*_launcher(), "dev", "proxy", "%h", "%p", "--stack", stack.name]
     words += ["--cwd", str(stack.project_dir.resolve())]
     if stack.outputs_file is not None:
         words += ["--outputs", str(stack.outputs_file.resolve())]
@@ -206,6 +206,9 @@ def write_entry(config: Path, entry: str, stack_name: str) -> bool:
 
 
 def run_ssh_config(stack: Stack, *, region: str | None, write: bool, home: Path | None = None) -> int:
+    dev_box_name(
+        stack.outputs
+    )  # a stack without the dev template gets the fix, not an entry that cannot work
     home = home or Path.home()
     files = SshFiles.for_stack(stack.name, home)
     ensure_key(files, comment=f"trainstack {host_alias(stack.name)}")

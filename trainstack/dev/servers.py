@@ -27,7 +27,7 @@ from trainstack.stack import Stack
 WORKSPACE = (
     "/workspace"  # where `trainstack dev up` mounts the workspace volume (trainstack/dev/lifecycle.py)
 )
-SSH_USER = "ubuntu"
+SSH_USER = "ubuntu"  # the Deep Learning AMI's (Ubuntu) login user
 RUN_SHELL_DOCUMENT = "AWS-RunShellScript"
 JUPYTER_PORT = 8888
 TENSORBOARD_PORT = 6006
@@ -53,10 +53,14 @@ state="$ws/.trainstack"; mkdir -p "$state"
 # The AMI's env script is not written for `set -u`.
 if [ -f /opt/pytorch/bin/activate ]; then set +u; . /opt/pytorch/bin/activate; set -u; fi
 tools="$state/tools"
+purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
 need() {{
   if ! command -v "$1" >/dev/null 2>&1; then
     if [ ! -x "$tools/bin/$1" ]; then
-      python3 -m venv --system-site-packages "$tools" && "$tools/bin/pip" install --quiet "$2"
+      python3 -m venv "$tools"
+      # The AMI's env after the tools' own packages: a notebook's kernel imports the AMI's torch.
+      python3 -c "$purelib" >"$("$tools/bin/python" -c "$purelib")/trainstack-ami-env.pth"
+      "$tools/bin/pip" install --quiet "$2"
     fi
     PATH="$tools/bin:$PATH"
   fi
