@@ -5,9 +5,9 @@
 `python -m demo --rebalance`: a rebalance recommendation, the group's replacement waits as the job's warm
 standby and takes over at a step boundary, one writer at a time (demo/rebalance.py).
 
-`python -m demo --queue`: jobs submitted with `trainstack run` to a stack that stays up: two examples, each
-interrupted by a spot notice and resumed, the second run after the first on the same instance without a
-reboot, a third cancelled before it runs, the group at zero at the end (demo/queue.py).
+`python -m demo --queue`: jobs submitted with `trainstack run` to a stack that stays up: the built-in trainer
+and an example, each interrupted by a spot notice and resumed, the second run after the first on the same
+instance without a reboot, a third cancelled before it runs, the group at zero at the end (demo/queue.py).
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--queue",
         action="store_true",
-        help="jobs submitted with `trainstack run` to a stack that stays up: two examples, each through a "
-        "spot notice, the second on the same instance after the first without a reboot, a third cancelled",
+        help="jobs submitted with `trainstack run` to a stack that stays up: the built-in trainer and an "
+        "example, each through a spot notice, the second on the same instance after the first without a "
+        "reboot, a third cancelled",
     )
     args = parser.parse_args(argv)
     console = demo_console()

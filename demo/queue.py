@@ -7,9 +7,9 @@ process, against the embedded AWS), the group at zero is woken by the first, and
 
 - job 1, the built-in trainer (`trainstack run --config`), gets a spot notice mid-run on instance 1; the
   group's replacement, instance 2, resumes it from the confirmed checkpoint and completes it;
-- job 2, examples/lightning-mnist-like (PyTorch Lightning), then starts on instance 2 in the same agent process
-  (no reboot), gets a spot notice of its own, and instance 3 resumes it: an example as shipped keeps the spot
-  promise under the real agent, with its own results;
+- job 2, examples/lightning-mnist-like (PyTorch Lightning), then starts on instance 2 in the same agent
+  process (no reboot), gets a spot notice of its own, and instance 3 resumes it: an example as shipped keeps
+  the spot promise under the real agent, with its own results;
 - job 3, examples/charlm, is cancelled while it waits: it never runs, and with the queue empty the group goes
   to zero.
 
@@ -45,7 +45,7 @@ from demo.instance import (
     install_bundle,
     kill_tree,
 )
-from demo.run import INTERRUPT_AT_FRACTION, ISOLATED_ENV, JOB_CONFIG, REPO, STOPPED_AT, _validate_user_data
+from demo.run import ISOLATED_ENV, JOB_CONFIG, REPO, STOPPED_AT, _validate_user_data
 from demo.stack import LocalStack, create_stack
 from infra.bundle import build_bundle
 from training.sample_data import write_dataset
@@ -58,21 +58,23 @@ CLI_STACK = "demo"  # the Pulumi stack name the CLI is pointed at (Pulumi.demo.y
 # The notice must land mid-run on any machine. From the first progress report at or past a job's notice step
 # to the trainer's stop: up to POLL_S until the demo reads the report and injects the notice, up to 0.25 s
 # until the agent's IMDS poll finds it (it then signals the trainer at once), up to one step to the next step
-# boundary, and progress is reported every 2 steps: about 0.4 s and 3 steps. The steps left after the notice
-# step must outlast that many times over.
+# boundary, and a job reports its progress every step or two: about 0.4 s and 3 steps. The steps left after
+# the notice step must outlast that several times over.
 POLL_S = 0.1
-# Job 1: tiny.yaml's resnet18 on the 256 generated 32 px training images, 8 steps an epoch, lengthened to 8
-# epochs; the notice from step 16 (after 2 epochs) leaves 48 steps. A step takes about 0.16 s on one loaded
-# core of a 2-core CI machine (one torch thread, as the tests run it): about 8 s left, and still 0.8 s on a
-# machine 10 times faster per step, twice the 0.4 s. Periodic checkpoints are off (86 MB each through the
-# embedded S3): the story needs only the stop's, which the notice makes, and the final one.
-TRAINER_EPOCHS = 8
+# Job 1: tiny.yaml's resnet18 on the 256 generated 32 px training images, 8 steps an epoch, lengthened to 6
+# epochs; the notice from step 16 (after 2 epochs) leaves 32 steps. A step takes 0.25-0.4 s on a loaded 2-core
+# CI machine (one torch thread, as the tests run it; the L4's and T4's precisions emulated on its CPU): about
+# 10 s left, and still 1 s on a machine 10 times faster per step, over twice the 0.4 s. Periodic checkpoints
+# are off (86 MB each through the embedded S3): the story needs only the stop's, which the notice makes, and
+# the final one.
+TRAINER_EPOCHS = 6
 TRAINER_STEPS = TRAINER_EPOCHS * 256 // 32
 TRAINER_NOTICE_FROM = 16
-# Job 2: Lightning's small CNN trains 50 steps a second or more on a CPU; 120 steps with the notice from
-# step 48 (40 %, as demo/run.py's story) leave 72 steps, 1.4 s at 50 a second. Its length differs from job
-# 1's, so one job's progress file is never taken for the other's.
-LIGHTNING_STEPS = 120
+# Job 2: Lightning's small CNN trains about 55 steps a second on that machine, a few times more on a fast one;
+# 240 steps with the notice from step 48 leave 192: 3.5 s there, still 1 s at 200 a second. Its length
+# differs from job 1's, so one job's progress file is never taken for the other's.
+LIGHTNING_STEPS = 240
+LIGHTNING_NOTICE_FROM = 48
 # One boot after the other, each the group's next instance: an L4, then a T4 (the checkpoint crosses
 # precisions), then an A10G.
 INSTANCES = (("g6.xlarge", "us-east-1a"), ("g4dn.xlarge", "us-east-1b"), ("g5.xlarge", "us-east-1a"))
@@ -364,7 +366,7 @@ class QueueDemo:
                 "job 2",
                 f"examples/lightning-mnist-like, {LIGHTNING_STEPS} steps",
                 ["run", os.path.relpath(lightning), "--detach"],
-                notice_from=int(INTERRUPT_AT_FRACTION * LIGHTNING_STEPS),
+                notice_from=LIGHTNING_NOTICE_FROM,
                 total_steps=LIGHTNING_STEPS,
                 own_results=("model.pt",),
                 writes=("metrics.json", "model.pt", "progress.json"),
@@ -516,7 +518,8 @@ class QueueDemo:
             return
         job.samples.append(Sample(time.time(), boot.name, step))
         first_boot = job.samples[0].boot == boot.name
-        if job.notice_from is not None and job.notice is None and first_boot and job.notice_from <= step < total:
+        due = job.notice_from is not None and job.notice_from <= step < total
+        if due and job.notice is None and first_boot:
             job.notice = Notice(time.time(), boot.name, step, total)
             imds.inject_spot_notice()
             # What capacity rebalancing does on the notice: the group lets this instance go and launches a

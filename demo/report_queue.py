@@ -61,7 +61,6 @@ def _interrupted_job_checks(job: QueuedJob, result: QueueResult) -> list[Check]:
     where = [str(life.get("instance_id")) for life in lives]
     boots = {b.instance_id: b.name for b in result.boots}
     on = [b.instance_id for name in (notice.boot, notice.resumed_boot) if (b := result.boot(name))]
-    own = job.own_result or ""
     checks = [
         Check(f"{job.label}: the notice interrupted it mid-run", mid_run, mid_run_detail),
         Check(
@@ -86,7 +85,7 @@ def _interrupted_job_checks(job: QueuedJob, result: QueueResult) -> list[Check]:
         ),
         Check(
             f"{job.label}: its own results in S3",
-            own in job.results,
+            bool(job.own_results) and set(job.own_results) <= set(job.results),
             f"jobs/{job.job_id}/results/: {', '.join(sorted(job.results)) or 'none'}",
         ),
     ]
@@ -147,9 +146,9 @@ def _cancelled(job: QueuedJob, result: QueueResult) -> Check:
 
 
 def _nothing_mixed(result: QueueResult) -> Check:
-    """Each job's files stay under its own prefix: its results are exactly what it writes (charlm's
-    sample.txt never among Lightning's), its checkpoint files its own kind (charlm's state.pt, Lightning's
-    lightning.ckpt), nothing in the stack's own top-level prefixes."""
+    """Each job's files stay under its own prefix: its results are exactly what it writes (the trainer's
+    curves.png never among Lightning's), its checkpoint files its own kind (the trainer's state.pt,
+    Lightning's lightning.ckpt), nothing in the stack's own top-level prefixes."""
     problems: list[str] = []
     files: dict[str, set[str]] = {}
     for job in result.jobs:

@@ -78,9 +78,9 @@ def test_the_demo_takes_each_example_by_a_relative_folder_and_its_user_data_fits
     """`python -m demo --job examples/<name>` (the README's line) finds the job file in the folder, bundles
     the example's own workdir and renders user-data that EC2 accepts (under 16 KB with the job in it).
 
-    Each example's run under the real agent through a spot notice (resumed from the confirmed checkpoint,
-    0 steps lost, its own result file in S3) is tests/bootstrap/test_demo_queue.py's story, where both run as
-    queued jobs: one story instead of two of this file's (71 s of the suite)."""
+    An example's run under the real agent through a spot notice (resumed from the confirmed checkpoint,
+    0 steps lost, its own result file in S3) is tests/bootstrap/test_demo_queue.py's story, where Lightning's
+    runs as a queued job; charlm's stop and resume are tests/job/test_examples.py's."""
     from rich.console import Console
 
     from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES

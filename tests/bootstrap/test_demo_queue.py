@@ -1,10 +1,11 @@
-"""`python -m demo --queue` end to end: the real agent, the examples, `trainstack run` and `cancel`.
+"""`python -m demo --queue` end to end: the real agent, `trainstack data push`, `run` and `cancel`.
 
-One story keeps, for each example as shipped (shortened only through its job file), the spot promise its own
-story used to prove (tests/bootstrap/test_demo.py): the notice stops it mid-run with a confirmed checkpoint,
-a replacement resumes from that step, 0 steps lost, its own result file in S3. On top of that the queue's:
-the second job runs on the instance that completed the first without a new boot, a cancelled job never runs,
-nothing of one job lands among another's objects, and the group is at zero once the queue is empty.
+One story keeps, for the built-in trainer and for an example as shipped (shortened only through its job
+file), the spot promise: the notice stops the job mid-run with a confirmed checkpoint, a replacement resumes
+from that step, 0 steps lost, its own results in S3 (the example's is the promise its own story used to prove
+in tests/bootstrap/test_demo.py). On top of that the queue's: the second job runs on the instance that
+completed the first without a new boot, a cancelled job never runs, nothing of one job lands among another's
+objects, and the group is at zero once the queue is empty.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from tests.bootstrap.test_demo import run_demo
 
 
 @pytest.mark.slow
-def test_two_examples_through_spot_notices_one_after_the_other_and_a_cancelled_third(tmp_path: Path) -> None:
+def test_the_trainer_then_an_example_through_spot_notices_on_one_instance_and_a_cancelled_third(
+    tmp_path: Path,
+) -> None:
     # Three boots and five job lives: twice the single story's length; under pytest-timeout's 300 s.
     output = run_demo(tmp_path, "--queue", timeout=280)
     checks = [line for line in output.splitlines() if line.startswith(("PASS ", "FAIL "))]
@@ -50,8 +53,9 @@ def test_two_examples_through_spot_notices_one_after_the_other_and_a_cancelled_t
         "one completion notification per completed job",
     ):
         assert f"PASS {promise}" in output, output[-6000:]
-    # Each example's own result file, under its own job's prefix (charlm's sample, Lightning's model).
-    assert "jobs/charlm-" in output and "sample.txt" in output
+    # The trainer's results under its own job's prefix; Lightning's own restore line.
+    results = next(line for line in output.splitlines() if line.startswith("PASS job 1: its own results"))
+    assert "jobs/tiny-" in results and "metrics.json" in results and "model.pt" in results, results
     assert "Restored all states from the checkpoint at" in output
     # `trainstack jobs` at the end, as the user would see it: two completed, one cancelled.
     table = output[output.index("$ trainstack jobs") :].split("timeline", 1)[0]
@@ -60,7 +64,7 @@ def test_two_examples_through_spot_notices_one_after_the_other_and_a_cancelled_t
 
 # -- the checks on synthetic results: each fails when its promise is broken (no process, no AWS) -------------
 
-CHARLM, LIGHTNING, TINY = "charlm-0000000a", "lightning-mnist-like-0000000b", "tiny-0000000c"
+TINY, LIGHTNING, CHARLM = "tiny-0000000a", "lightning-mnist-like-0000000b", "charlm-0000000c"
 
 
 def _ledger(first: str, second: str) -> dict[str, Any]:
@@ -75,19 +79,21 @@ def _ledger(first: str, second: str) -> dict[str, Any]:
 
 
 def _passing() -> QueueResult:
-    """A run that keeps every promise: job 1 on instances 1 then 2, job 2 on 2 then 3, job 3 cancelled."""
+    """A run that keeps every promise: the trainer on instances 1 then 2, Lightning on 2 then 3, charlm
+    cancelled."""
     result = QueueResult(started=0.0, workdir=Path(), user_data_job="", user_data_bytes=15000)
     result.desired_before, result.desired_after_submit, result.desired_capacity = 0, 1, 0
     result.template_versions = 1
-    result.cli = [CliCall(["run", name], 0, name, 1.0) for name in (CHARLM, LIGHTNING, TINY)]
-    result.alerts = [{"Subject": f"job {j}: training completed", "Message": ""} for j in (CHARLM, LIGHTNING)]
+    result.cli = [CliCall(["data", "push", "dataset"], 0, "pushed", 0.5)]
+    result.cli += [CliCall(["run", name], 0, name, 1.0) for name in (TINY, LIGHTNING, CHARLM)]
+    result.alerts = [{"Subject": f"job {j}: training completed", "Message": ""} for j in (TINY, LIGHTNING)]
     one, two, three = (
         Boot(f"instance-{n}", f"i-{n}", "g6.xlarge", "us-east-1a", 10.0 * n) for n in (1, 2, 3)
     )
-    one.bound, one.starts = [(11.0, CHARLM)], [JobStart(11.5, CHARLM, None)]
-    two.bound = [(21.0, CHARLM), (31.0, LIGHTNING)]
-    two.starts = [JobStart(21.5, CHARLM, 50), JobStart(31.5, LIGHTNING, None)]
-    two.hops = [(30.5, CHARLM, LIGHTNING)]
+    one.bound, one.starts = [(11.0, TINY)], [JobStart(11.5, TINY, None)]
+    two.bound = [(21.0, TINY), (31.0, LIGHTNING)]
+    two.starts = [JobStart(21.5, TINY, 50), JobStart(31.5, LIGHTNING, None)]
+    two.hops = [(30.5, TINY, LIGHTNING)]
     three.bound, three.starts = [(41.0, LIGHTNING)], [JobStart(41.5, LIGHTNING, 58)]
     three.trainer_lines = [(42.0, "Restored all states from the checkpoint at /x/step-58/lightning.ckpt")]
     for boot in (one, two, three):
@@ -97,7 +103,7 @@ def _passing() -> QueueResult:
     def interrupted(label: str, job_id: str, at: float, stop: int, on: Boot, to: Boot) -> QueuedJob:
         """A job noticed at `at` on `on`, stopped at `stop`, resumed and completed on `to`."""
         steps = 120
-        job = QueuedJob(label, job_id, [], interrupt=True, total_steps=steps, own_result="x", job_id=job_id)
+        job = QueuedJob(label, job_id, [], notice_from=stop - 10, total_steps=steps, job_id=job_id)
         job.notice = Notice(at, on.name, stop - 2, steps, resumed_boot=to.name, resumed_step=stop)
         job.notice.resumed_at = to.booted_at + 1.5
         job.notice.stop_event = {
@@ -112,24 +118,25 @@ def _passing() -> QueueResult:
         job.checkpoints = [f"step-{steps}/manifest.json", "latest.json"]
         return job
 
-    charlm = interrupted("job 1", CHARLM, 15.0, 50, one, two)
-    charlm.what, charlm.own_result, charlm.completed_at = "examples/charlm", "sample.txt", 30.0
-    charlm.writes = ("metrics.json", "model.pt", "progress.json", "sample.txt")
-    charlm.results = list(charlm.writes)
-    charlm.checkpoints.append(f"step-{120}/state.pt")
+    tiny = interrupted("job 1", TINY, 15.0, 50, one, two)
+    tiny.what, tiny.completed_at = "the built-in trainer", 30.0
+    tiny.own_results = ("metrics.json", "model.pt")
+    tiny.writes = ("curves.png", "metrics.json", "model.pt", "progress.json")
+    tiny.results = list(tiny.writes)
+    tiny.checkpoints.append(f"step-{120}/state.pt")
     lightning = interrupted("job 2", LIGHTNING, 35.0, 58, two, three)
-    lightning.what, lightning.own_result, lightning.completed_at = (
+    lightning.what, lightning.own_results, lightning.completed_at = (
         "examples/lightning-mnist-like",
-        "model.pt",
+        ("model.pt",),
         45.0,
     )
     lightning.writes = ("metrics.json", "model.pt", "progress.json")
     lightning.results = list(lightning.writes)
     lightning.checkpoints.append(f"step-{120}/lightning.ckpt")
-    tiny = QueuedJob("job 3", "the built-in trainer", [], interrupt=False, total_steps=None, own_result=None)
-    tiny.job_id, tiny.cancelled_at, tiny.cancel_request = TINY, 2.0, True
-    tiny.ledger = {"status": "cancelled", "lives": []}
-    result.jobs = [charlm, lightning, tiny]
+    charlm = QueuedJob("job 3", "examples/charlm", [], notice_from=None, total_steps=None)
+    charlm.job_id, charlm.cancelled_at, charlm.cancel_request = CHARLM, 2.0, True
+    charlm.ledger = {"status": "cancelled", "lives": []}
+    result.jobs = [tiny, lightning, charlm]
     return result
 
 
@@ -140,7 +147,7 @@ def _failed(result: QueueResult) -> set[str]:
 def test_a_run_that_keeps_every_promise_passes_every_check() -> None:
     result = _passing()
     assert _failed(result) == set()
-    # 3 for the stack, 6 per interrupted example, then no reboot, Lightning's restore, the cancel and 5 more.
+    # 3 for the stack, 6 per interrupted job, then no reboot, Lightning's restore, the cancel and 5 more.
     assert len(checks(result)) == 22
 
 
@@ -153,6 +160,12 @@ def test_a_job_that_finished_before_its_notice_fails_saying_to_lengthen_it() -> 
     assert "lengthen it" in next(
         c.detail for c in checks(result) if c.name.endswith("interrupted it mid-run")
     )
+
+
+def test_a_job_whose_own_result_is_missing_fails_its_results_check() -> None:
+    result = _passing()
+    result.job("job 1").results.remove("model.pt")  # the trainer's model never reached its prefix
+    assert {"job 1: its own results in S3", "nothing mixed between jobs"} <= _failed(result)
 
 
 def test_steps_trained_past_the_confirmed_checkpoint_are_lost_steps() -> None:
@@ -189,8 +202,8 @@ def test_a_cancelled_job_that_ran_or_left_objects_fails() -> None:
 
 def test_one_jobs_files_among_anothers_fail_nothing_mixed() -> None:
     for change in (
-        lambda r: r.job("job 2").results.append("sample.txt"),  # charlm's sample among Lightning's results
-        lambda r: r.job("job 2").checkpoints.append("step-60/state.pt"),  # charlm's checkpoint file kind
+        lambda r: r.job("job 2").results.append("curves.png"),  # the trainer's plot among Lightning's results
+        lambda r: r.job("job 2").checkpoints.append("step-60/state.pt"),  # the trainer's checkpoint file kind
         lambda r: r.legacy_objects.append("results/model.pt"),  # the stack's own top-level prefix
     ):
         result = _passing()

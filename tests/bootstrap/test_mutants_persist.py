@@ -698,3 +698,18 @@ def test_a_step_naming_a_file_outside_its_folder_is_not_confirmed_and_the_line_s
     assert said[0]["error"].startswith(
         f"step 7: '../../x.txt' is not a regular file inside {root / 'step-7'}"
     )
+
+
+def test_each_confirmed_upload_says_how_long_it_took(s3: Any, tmp_path: Path) -> None:
+    """The agent sizes its stop budget on the slowest upload (bootstrap/supervisor.py); the journal line
+    shows each to the hundredth of a second."""
+    local = tmp_path / "a"
+    events = Events()
+    owner = persister(s3, local, events)
+    for step in (1, 2):
+        commit_step(local, step)
+        assert owner.persist_newest(soon()) == step
+    assert len(owner.upload_seconds) == 2 and all(s > 0 for s in owner.upload_seconds)
+    said = [f for _, m, f in events.records if m == "checkpoint confirmed in S3"]
+    assert [f["upload_s"] for f in said] == [round(s, 2) for s in owner.upload_seconds]
+    assert all(isinstance(f["upload_s"], float) for f in said)

@@ -1,6 +1,6 @@
-"""The charlm example stops on request with a committed checkpoint and resumes bit for bit. Both examples'
-stop and resume under the real agent are tests/bootstrap/test_demo_queue.py's (Lightning's own restore
-line included); the Lightning callback alone is tests/job/test_lightning.py's."""
+"""The charlm example stops on request with a committed checkpoint and resumes bit for bit. Lightning's stop
+and resume under the real agent are tests/bootstrap/test_demo_queue.py's (its own restore line included); the
+Lightning callback alone is tests/job/test_lightning.py's."""
 
 from __future__ import annotations
 

@@ -9,11 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pulumi_policy.proxy import UNKNOWN_ARRAY_VALUE, UNKNOWN_NUMBER_VALUE
+from pulumi_policy.proxy import (
+    UNKNOWN_ARRAY_VALUE,
+    UNKNOWN_BOOLEAN_VALUE,
+    UNKNOWN_NUMBER_VALUE,
+    UNKNOWN_STRING_VALUE,
+)
 
 from infra.policy.patterns import arn_shape, matches_shape
 from tests.policy.golden import compliant_stack, named
-from tests.policy.harness import Resource, check
+from tests.policy.harness import Resource, Violation, check
 
 INGRESS = "no-unrestricted-ingress"
 EGRESS = "no-all-protocol-egress-to-internet"
@@ -186,3 +191,139 @@ def test_many_blocks_that_add_up_to_the_internet_are_named_three_and_a_share() -
     assert messages(with_ingress(three), INGRESS)[0].startswith(
         GROUP + "ingress[1] opens ports 22-22 to 0.0.0.0/3, 64.0.0.0/3, 128.0.0.0/3 (38% of all"
     )
+
+
+def found(
+    resources: list[Resource], config: dict[str, dict[str, Any]] | None = None
+) -> list[tuple[str, str]]:
+    """(policy, message) of every violation, for the assertions that name the resource too."""
+    return [(v.policy, v.message) for v in check(resources, config)]
+
+
+def urn(type_: str, name: str) -> str:
+    return f"urn:pulumi:test::trainstack::{type_}::{name}"
+
+
+# -- storage -------------------------------------------------------------------------------------------
+
+
+def test_a_public_access_setting_left_off_is_named_on_the_block_and_on_its_bucket() -> None:
+    resources = compliant_stack()
+    named(resources, "bucket-public-access").props["ignorePublicAcls"] = False
+    assert found(resources) == [
+        (
+            "s3-public-access-blocked",
+            "aws.s3.BucketPublicAccessBlock 'bucket-public-access': set ignorePublicAcls = true",
+        ),
+        ("s3-public-access-blocked", "aws.s3.Bucket 'bucket': set ignorePublicAcls = true"),
+    ]
+
+
+def test_storage_settings_known_only_after_up_never_fail_the_preview() -> None:
+    resources = compliant_stack()
+    named(resources, "bucket-public-access").props["ignorePublicAcls"] = UNKNOWN_BOOLEAN_VALUE
+    named(resources, "bucket-lifecycle").props["rules"][0]["status"] = UNKNOWN_STRING_VALUE
+    assert found(resources) == []
+
+
+@pytest.mark.parametrize(
+    "spec, usage, refused",
+    [
+        ("SYMMETRIC_DEFAULT", None, True),
+        (None, "ENCRYPT_DECRYPT", True),
+        ("SYMMETRIC_DEFAULT", "ENCRYPT_DECRYPT", True),
+        ("RSA_2048", None, False),
+        (None, "SIGN_VERIFY", False),
+        ("HMAC_256", "GENERATE_VERIFY_MAC", False),
+    ],
+)
+def test_only_symmetric_encryption_keys_must_rotate(
+    spec: str | None, usage: str | None, refused: bool
+) -> None:
+    """AWS rotates symmetric encryption keys only: an asymmetric or HMAC key cannot turn rotation on."""
+    resources = compliant_stack()
+    named(resources, "key").props.update(enableKeyRotation=False, customerMasterKeySpec=spec, keyUsage=usage)
+    expected = [("kms-key-rotation-enabled", "aws.kms.Key 'key': set enableKeyRotation = true")]
+    assert found(resources) == (expected if refused else [])
+
+
+@pytest.mark.parametrize(
+    "removed, violation",
+    [
+        (
+            "bucket-lifecycle",
+            (
+                "s3-lifecycle-configured",
+                "aws.s3.Bucket 'bucket': add an aws.s3.BucketLifecycleConfiguration (abort incomplete "
+                "multipart uploads, expire noncurrent versions)",
+            ),
+        ),
+        (
+            "bucket-logging",
+            (
+                "s3-access-logging",
+                "aws.s3.Bucket 'bucket': add an aws.s3.BucketLogging with target_bucket=<a separate log "
+                "bucket> (whose policy lets logging.s3.amazonaws.com write)",
+            ),
+        ),
+    ],
+)
+def test_a_missing_bucket_configuration_says_what_to_add(removed: str, violation: tuple[str, str]) -> None:
+    resources = compliant_stack()
+    resources.remove(named(resources, removed))
+    assert found(resources) == [violation]
+
+
+# -- flow logs -----------------------------------------------------------------------------------------
+
+SHORT = (
+    "vpc-flow-logs-retained",
+    "aws.cloudwatch.LogGroup 'flow-logs': set retentionInDays to at least 365 for the VPC flow logs of "
+    "aws.ec2.FlowLog 'flow-log' (it is 30)",
+)
+
+
+def test_a_flow_log_group_kept_too_short_is_refused_on_the_group_saying_how_long_it_is() -> None:
+    resources = compliant_stack()
+    named(resources, "flow-logs").props["retentionInDays"] = 30
+    violations = [v for v in check(resources) if v.policy == SHORT[0]]
+    assert violations == [Violation(*SHORT, urn("aws:cloudwatch/logGroup:LogGroup", "flow-logs"))]
+    named(resources, "flow-logs").props["retentionInDays"] = UNKNOWN_NUMBER_VALUE
+    assert found(resources) == [], "known only after up: judged then"
+
+
+@pytest.mark.parametrize("by", ["name", "id", "arn"])
+def test_a_flow_log_finds_its_group_by_any_of_its_names(by: str) -> None:
+    """A flow log names its group by ARN (logDestination) or by name (the legacy logGroupName); the group
+    may know only its id or ARN at preview. Found either way, the group's retention is judged."""
+    resources = compliant_stack()
+    group = named(resources, "flow-logs").props
+    flow_log = named(resources, "flow-log").props
+    group["retentionInDays"] = 30
+    arn = "arn:aws:logs:us-east-1:123456789012:log-group:/x/y"
+    if by == "name":
+        flow_log.pop("logDestination")
+        flow_log["logGroupName"] = group["name"]
+    elif by == "id":
+        group.update(name=UNKNOWN_STRING_VALUE, id="/trainstack/dev/vpc-flow-logs")
+        flow_log.pop("logDestination")
+        flow_log["logGroupName"] = "/trainstack/dev/vpc-flow-logs"
+    else:
+        group.update(name=UNKNOWN_STRING_VALUE, arn=arn)
+        flow_log["logDestination"] = arn
+    assert found(resources) == [SHORT]
+
+
+def test_a_flow_log_into_an_undeclared_group_by_its_legacy_name_is_refused() -> None:
+    resources = compliant_stack()
+    flow_log = named(resources, "flow-log").props
+    flow_log.pop("logDestination")
+    flow_log["logGroupName"] = "/trainstack/dev/other"
+    assert found(resources) == [
+        (
+            "vpc-flow-logs-retained",
+            "aws.ec2.FlowLog 'flow-log': delivers to /trainstack/dev/other, a log group this stack does not "
+            "declare (deleted, or kept elsewhere with no known retention): declare it as an "
+            "aws.cloudwatch.LogGroup with retention_in_days >= 365 and kms_key_id",
+        )
+    ]
