@@ -21,6 +21,7 @@ import pulumi_aws as aws
 from bootstrap.cloud_init import UserDataError
 from bootstrap.devbox.cloud_init import render_dev_user_data
 from infra import policies
+from infra.baseline import encrypted_root, metadata_options, primary_interface
 from infra.bundle import CodeBundle
 from infra.config import NAMESPACE, StackConfig, StackConfigError
 from infra.fleet import MachineImage
@@ -140,34 +141,11 @@ class DevBox(pulumi.ComponentResource):
             # stops with no EC2 permission on the box; the workspace is a separate volume and stays.
             instance_initiated_shutdown_behavior="terminate",
             network_interfaces=[
-                aws.ec2.LaunchTemplateNetworkInterfaceArgs(
-                    device_index=0,
-                    security_groups=[args.security_group_id],
-                    # As the job instances: public subnets have no NAT, so the box needs an address to reach
-                    # SSM and S3; the security group admits nothing inbound. Private subnets: never one.
-                    associate_public_ip_address="false" if config.private_subnets else "true",
-                    delete_on_termination="true",
-                )
+                primary_interface(args.security_group_id, private_subnets=config.private_subnets)
             ],
-            metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
-                http_endpoint="enabled",
-                http_tokens="required",
-                http_put_response_hop_limit=1,
-                # The box reads its workspace volume and idle limit from its own tags (`dev up` sets them).
-                instance_metadata_tags="enabled",
-            ),
+            metadata_options=metadata_options(),
             block_device_mappings=[
-                aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
-                    device_name=args.image.root_device_name,
-                    ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
-                        volume_size=config.root_volume_size_gb,
-                        volume_type="gp3",
-                        encrypted="true",
-                        kms_key_id=args.kms_key_arn,
-                        # The root disk is disposable: files to keep live on the workspace volume.
-                        delete_on_termination="true",
-                    ),
-                )
+                encrypted_root(args.image.root_device_name, config.root_volume_size_gb, args.kms_key_arn)
             ],
             user_data=user_data,
             update_default_version=True,

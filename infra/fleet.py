@@ -13,6 +13,7 @@ import pulumi_aws as aws
 
 from bootstrap.agent_config import AgentConfig
 from bootstrap.cloud_init import UserDataError, render_user_data
+from infra.baseline import encrypted_root, metadata_options, primary_interface
 from infra.bundle import CodeBundle
 from infra.config import NAMESPACE, StackConfig, StackConfigError
 from infra.efa import EfaTableError, efa_interfaces
@@ -146,25 +147,9 @@ class Fleet(pulumi.ComponentResource):
             image_id=args.image.id,
             iam_instance_profile=aws.ec2.LaunchTemplateIamInstanceProfileArgs(arn=args.instance_profile_arn),
             network_interfaces=self._network_interfaces(),
-            metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
-                http_endpoint="enabled",
-                http_tokens="required",
-                # One hop: a container on the instance cannot borrow the instance role's credentials. The job
-                # is no container: its user is kept from IMDS by a firewall rule (bootstrap/jobuser.py).
-                http_put_response_hop_limit=1,
-                instance_metadata_tags="enabled",
-            ),
+            metadata_options=metadata_options(),
             block_device_mappings=[
-                aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
-                    device_name=args.image.root_device_name,
-                    ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
-                        volume_size=config.root_volume_size_gb,
-                        volume_type="gp3",
-                        encrypted="true",
-                        kms_key_id=args.kms_key_arn,
-                        delete_on_termination="true",
-                    ),
-                )
+                encrypted_root(args.image.root_device_name, config.root_volume_size_gb, args.kms_key_arn)
             ],
             user_data=user_data,
             update_default_version=True,
@@ -180,16 +165,7 @@ class Fleet(pulumi.ComponentResource):
         """The primary interface; on a multi-node EFA cluster, one EFA per network card (infra/efa.py)."""
         args, config = self._args, self._args.config
         if not config.efa:
-            return [
-                aws.ec2.LaunchTemplateNetworkInterfaceArgs(
-                    device_index=0,
-                    security_groups=[args.security_group_id],
-                    # Public subnets have no NAT, so instances need an address to reach AWS APIs; the
-                    # security group still admits nothing inbound. Private subnets: never a public address.
-                    associate_public_ip_address="false" if config.private_subnets else "true",
-                    delete_on_termination="true",
-                )
-            ]
+            return [primary_interface(args.security_group_id, private_subnets=config.private_subnets)]
         try:
             interfaces = efa_interfaces(config.instance_types)
         # Preview refuses these first (infra/config.py); here too, never a half-built template.
