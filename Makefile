@@ -46,13 +46,17 @@ MUTATE_ARGS ?=
 mutate: $(STAMP)
 	nice -n 10 $(BIN)/python -m bench.mutate $(MUTATE_ARGS)
 
-# The instance's boot-time Python packages (bootstrap/requirements-instance.txt), pinned with every file's
-# sha256: install-agent.sh installs them with --require-hashes --only-binary=:all:. Needs PyPI; run after
-# editing requirements-instance.txt and commit the lock. pip-tools runs from a throwaway venv under build/.
+# The instance's boot-time Python packages (bootstrap/requirements-instance.txt) and the dev box's CLI
+# packages (bootstrap/devbox/requirements-cli.txt), pinned with every file's sha256: install-agent.sh and
+# install-cli.sh install them with --require-hashes --only-binary=:all:. Needs PyPI; run after editing
+# either requirements file and commit the locks. pip-tools runs from a throwaway venv under build/.
 # The check downloads every pinned wheel for the DLAMI's CPython (3.12, and 3.11 for older DLAMIs) on
 # x86_64 manylinux, so a lock that would not install there fails here. Never lists torch or torchvision.
 LOCK_IN        := bootstrap/requirements-instance.txt
 LOCK_OUT       := bootstrap/requirements-instance.lock.txt
+# The dev box's trainstack CLI (rich and its dependencies), installed into its own venv on the box.
+CLI_LOCK_IN    := bootstrap/devbox/requirements-cli.txt
+CLI_LOCK_OUT   := bootstrap/devbox/requirements-cli.lock.txt
 LOCK_ENV       := build/lock-env
 PYPI           := https://pypi.org/simple
 INSTANCE_PYTHON ?= 3.12
@@ -63,14 +67,16 @@ PIP_OFFLINE_ENV := env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/
 lock:
 	$(PYTHON) -m venv $(LOCK_ENV)
 	$(LOCK_ENV)/bin/pip install --quiet pip-tools==7.6.2
-	CUSTOM_COMPILE_COMMAND='make lock' $(PIP_OFFLINE_ENV) $(LOCK_ENV)/bin/pip-compile --quiet --generate-hashes --strip-extras \
-		--no-emit-index-url --index-url $(PYPI) --output-file $(LOCK_OUT) $(LOCK_IN)
-	for version in 3.12 3.11; do \
+	for pair in $(LOCK_IN):$(LOCK_OUT) $(CLI_LOCK_IN):$(CLI_LOCK_OUT); do \
+		CUSTOM_COMPILE_COMMAND='make lock' $(PIP_OFFLINE_ENV) $(LOCK_ENV)/bin/pip-compile --quiet --generate-hashes \
+			--strip-extras --no-emit-index-url --index-url $(PYPI) --output-file $${pair#*:} $${pair%%:*} || exit 1; \
+	done
+	for version in 3.12 3.11; do for lock in $(LOCK_OUT) $(CLI_LOCK_OUT); do \
 		rm -rf build/lock-check && $(PIP_OFFLINE_ENV) $(LOCK_ENV)/bin/pip download --quiet --index-url $(PYPI) \
 			--require-hashes --only-binary=:all: --no-deps $(MANYLINUX) --implementation cp \
-			--python-version $$version -d build/lock-check -r $(LOCK_OUT) || exit 1; \
-	done
-	! grep -Eiq '^(torch|torchvision)==' $(LOCK_OUT)
+			--python-version $$version -d build/lock-check -r $$lock || exit 1; \
+	done; done
+	! grep -Eiq '^(torch|torchvision)==' $(LOCK_OUT) $(CLI_LOCK_OUT)
 
 # trainstack:networkIsolation: the instances cannot reach PyPI, so `pulumi up` uploads these wheels to the
 # stack's bucket (code/wheels/) and install-agent.sh installs them offline; pip checks each against the lock.

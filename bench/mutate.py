@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -310,7 +311,11 @@ def run_target(
         # (the target's test files written since the last run are selected too).
         before = recorded(tree)
         # Not "not checked": a run stopped early leaves those for a plain `mutmut run` in the same folder.
-        survivors = [k for k, status in before.items() if status not in {*KILLED, UNCHECKED}]
+        survivors = [
+            k
+            for k, status in before.items()
+            if status not in {*KILLED, UNCHECKED} and (not only or any(fnmatch(k, p) for p in only))
+        ]
         print(
             f"    again: the {len(survivors)} survivors of the last run, with the current tests", flush=True
         )
@@ -394,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--again",
         action="store_true",
-        help="rerun only the last run's survivors (same mutants) against the current tests",
+        help="rerun only the last run's survivors (same mutants; with --only, those it names) against the "
+        "current tests",
     )
     parser.add_argument(
         "--source",

@@ -1,13 +1,15 @@
-"""`python -m demo` (make demo): the whole spot-interruption story on this machine, no AWS account needed.
+"""`python -m demo` (make demo): the whole spot story on this machine, no AWS account needed: a stack that
+stays up, three jobs submitted with `trainstack run`: the built-in trainer interrupted by a spot notice and
+resumed on another GPU type (the checkpoint crosses precisions), an example next on the same instance
+without a reboot, interrupted and resumed in turn, a third cancelled before it runs, the group at zero
+(demo/queue.py). `--queue` names the same story.
+
+`python -m demo --job DIR`: your own job through one spot notice and a replacement (demo/run.py).
 
 `python -m demo --nodes 2`: the same for one job trained on two instances at once (demo/multinode.py).
 
 `python -m demo --rebalance`: a rebalance recommendation, the group's replacement waits as the job's warm
 standby and takes over at a step boundary, one writer at a time (demo/rebalance.py).
-
-`python -m demo --queue`: jobs submitted with `trainstack run` to a stack that stays up: the built-in trainer
-and an example, each interrupted by a spot notice and resumed, the second run after the first on the same
-instance without a reboot, a third cancelled before it runs, the group at zero at the end (demo/queue.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ if TYPE_CHECKING:
 DEFAULT_WORKDIR = Path(".demo/end-to-end")
 MULTI_NODE_WORKDIR = Path(".demo/multi-node")
 REBALANCE_WORKDIR = Path(".demo/rebalance")
-QUEUE_WORKDIR = Path(".demo/queue")
 # Piped or logged (CI), rich would assume 80 columns: tables get this width instead, and lines never wrap.
 PIPED_WIDTH = 160
 
@@ -48,13 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         "--workdir",
         type=Path,
         help=f"the demo's own folder, emptied at each run (default {DEFAULT_WORKDIR}; "
-        f"{MULTI_NODE_WORKDIR} with --nodes 2, {REBALANCE_WORKDIR} with --rebalance, {QUEUE_WORKDIR} with "
-        "--queue)",
+        f"{MULTI_NODE_WORKDIR} with --nodes 2, {REBALANCE_WORKDIR} with --rebalance)",
     )
     parser.add_argument(
         "--job",
         type=Path,
-        help="your own job instead of the built-in trainer: its folder or job file (e.g. examples/charlm)",
+        help="your own job through one spot notice and a replacement instead of the queue story: its folder "
+        "or job file (e.g. examples/charlm)",
     )
     parser.add_argument(
         "--nodes",
@@ -71,9 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--queue",
         action="store_true",
-        help="jobs submitted with `trainstack run` to a stack that stays up: the built-in trainer and an "
-        "example, each through a spot notice, the second on the same instance after the first without a "
-        "reboot, a third cancelled",
+        help="the default story, named: jobs submitted with `trainstack run` to a stack that stays up, the "
+        "built-in trainer and an example each through a spot notice, a third cancelled",
     )
     args = parser.parse_args(argv)
     console = demo_console()
@@ -103,37 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(ISOLATED_ENV)
     os.environ.pop("AWS_PROFILE", None)
     from demo.moto_server import moto_server
-    from demo.report import checks, plot_timeline, print_timeline
-    from demo.run import Demo
 
     default_workdir = (
-        QUEUE_WORKDIR
-        if args.queue
-        else REBALANCE_WORKDIR
-        if args.rebalance
-        else MULTI_NODE_WORKDIR
-        if multi_node
-        else DEFAULT_WORKDIR
+        REBALANCE_WORKDIR if args.rebalance else MULTI_NODE_WORKDIR if multi_node else DEFAULT_WORKDIR
     )
     workdir = (args.workdir or default_workdir).resolve()
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    if args.queue:
-        from demo.queue import QueueDemo
-        from demo.report_queue import report as queue_report
-
-        console.rule(
-            "trainstack local queue demo: jobs submitted with `trainstack run` to a stack that stays up, "
-            "embedded S3/KMS/SNS/Auto Scaling (moto) + a simulated IMDS"
-        )
-        try:
-            with moto_server() as endpoint:
-                os.environ["AWS_ENDPOINT_URL"] = endpoint
-                queued = QueueDemo(workdir, console).run()
-        except Exception as exc:
-            console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
-            return 1
-        return _verdict(queue_report(queued, console), console)
     if args.rebalance:
         from demo.rebalance import RebalanceDemo
         from demo.report_rebalance import report as rebalance_report
@@ -166,19 +142,43 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
             return 1
         return _verdict(report(multi, console), console)
-    console.rule("trainstack local demo: embedded S3/KMS/SNS/Auto Scaling (moto) + simulated IMDS")
+    if job_file is not None:
+        from demo.report import checks, plot_timeline, print_timeline
+        from demo.run import Demo
+
+        console.rule(
+            "trainstack local demo of your job: embedded S3/KMS/SNS/Auto Scaling (moto) + simulated IMDS"
+        )
+        try:
+            with moto_server() as endpoint:
+                os.environ["AWS_ENDPOINT_URL"] = endpoint
+                result = Demo(workdir, console, job_file).run()
+        except Exception as exc:
+            console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
+            return 1
+        console.rule("timeline")
+        print_timeline(result, console)
+        png = plot_timeline(result, workdir / "timeline.png")
+        console.print(f"timeline plot: {png}")
+        return _verdict(checks(result), console)
+    from demo.queue import QueueDemo
+    from demo.report_queue import plot_timeline as plot_queue
+    from demo.report_queue import report as queue_report
+
+    console.rule(
+        "trainstack local demo: jobs submitted with `trainstack run` to a stack that stays up, "
+        "embedded S3/KMS/SNS/Auto Scaling (moto) + a simulated IMDS"
+    )
     try:
         with moto_server() as endpoint:
             os.environ["AWS_ENDPOINT_URL"] = endpoint
-            result = Demo(workdir, console, job_file).run()
+            queued = QueueDemo(workdir, console).run()
     except Exception as exc:
         console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
         return 1
-    console.rule("timeline")
-    print_timeline(result, console)
-    png = plot_timeline(result, workdir / "timeline.png")
-    console.print(f"timeline plot: {png}")
-    return _verdict(checks(result), console)
+    found = queue_report(queued, console)
+    console.print(f"timeline plot: {plot_queue(queued, workdir / 'timeline.png')}")
+    return _verdict(found, console)
 
 
 def job_file_of(job: Path) -> Path:
@@ -215,8 +215,8 @@ def _refuse_queue(queue: bool, nodes: int, job: Path | None, rebalance: bool) ->
         return None
     if job is not None or nodes > 1 or rebalance:
         return (
-            "--queue submits its own jobs (two examples and the built-in trainer) on one node: leave out "
-            "--job, --nodes and --rebalance"
+            "--queue (the default story) submits its own jobs (the built-in trainer and two examples) on one "
+            "node: leave out --job, --nodes and --rebalance"
         )
     return None
 

@@ -1,12 +1,14 @@
-"""`python -m demo --queue`: jobs submitted to a stack that stays up, run one after the other on one instance.
+"""`python -m demo` (make demo; `--queue` is the same story): jobs submitted to a stack that stays up, run one
+after the other on one instance, through spot notices.
 
 The stack is the environment only: its user-data carries the agent and no job. The dataset is pushed with
 `trainstack data push`, three jobs are submitted with `trainstack run --detach` (the CLI's own code, in this
 process, against the embedded AWS), the group at zero is woken by the first, and the third is withdrawn with
 `trainstack cancel` before it runs:
 
-- job 1, the built-in trainer (`trainstack run --config`), gets a spot notice mid-run on instance 1; the
-  group's replacement, instance 2, resumes it from the confirmed checkpoint and completes it;
+- job 1, the built-in trainer (`trainstack run --config`), gets a spot notice mid-run on instance 1, a
+  g6.xlarge (an L4: bf16); the group's replacement, instance 2, a g4dn.xlarge (a T4: fp16 with a loss scaler)
+  in another zone, resumes it from the confirmed checkpoint across precisions and completes it;
 - job 2, examples/lightning-mnist-like (PyTorch Lightning), then starts on instance 2 in the same agent
   process (no reboot), gets a spot notice of its own, and instance 3 resumes it: an example as shipped keeps
   the spot promise under the real agent, with its own results;
@@ -132,6 +134,12 @@ class QueuedJob:
     results: list[str] = field(default_factory=list)  # keys under its results prefix, relative
     checkpoints: list[str] = field(default_factory=list)  # keys under its checkpoints prefix, relative
     cancel_request: bool = False
+    artifacts: list[str] = field(default_factory=list)  # s3:// URIs of its results
+    # The built-in trainer: its final accuracy and its resume across precisions are checked too.
+    builtin: bool = False
+    metrics: dict[str, Any] = field(default_factory=dict)  # its results/metrics.json
+    # The trainer's line on what the checkpoint resumed as ("... precision bf16 -> fp16, fresh loss scaler").
+    resumed_as: str = ""
 
     @property
     def interrupt(self) -> bool:
@@ -157,6 +165,7 @@ class Boot:
     instance_type: str
     az: str
     booted_at: float
+    device: str = ""  # the agent's device-profile line ("device profile g6.xlarge: 1x L4 24 GiB, bf16")
     exit_code: int | None = None
     exited_at: float = 0.0
     bound: list[tuple[float, str]] = field(default_factory=list)  # (time, job id) of each "job bound"
@@ -361,6 +370,7 @@ class QueueDemo:
                 total_steps=TRAINER_STEPS,
                 own_results=("metrics.json", "model.pt"),
                 writes=("curves.png", "metrics.json", "model.pt", "progress.json"),
+                builtin=True,
             ),
             QueuedJob(
                 "job 2",
@@ -535,6 +545,8 @@ class QueueDemo:
 
     def _after_exit(self, boot: Boot) -> None:
         """What the agents did about each notice: on the interrupted boot, and the resume on the next one."""
+        profile = next((e for _, e in boot.events if "device profile" in str(e.get("message", ""))), None)
+        boot.device = str(profile["message"]) if profile else "no device profile"
         for job in self.result.jobs:
             notice = job.notice
             if notice is None:
@@ -558,6 +570,15 @@ class QueueDemo:
                 if start is not None:
                     notice.resumed_boot, notice.resumed_at = boot.name, start.time
                     notice.resumed_step = start.restored_step
+                    resumed = next(
+                        (
+                            line
+                            for at, line in boot.trainer_lines
+                            if "resumes as" in line and boot.job_at(at) == job.job_id
+                        ),
+                        "",
+                    )
+                    job.resumed_as = resumed.split(" INFO ", 1)[-1]
 
     def _read_end_state(self, stack: LocalStack) -> None:
         result = self.result
@@ -571,6 +592,9 @@ class QueueDemo:
             prefixes = JobPrefixes.of(job.job_id)
             job.ledger = stack.read_json(prefixes.state + LEDGER) or {}
             job.results = keys(prefixes.results)
+            job.artifacts = [f"s3://{stack.bucket}/{prefixes.results}{key}" for key in job.results]
+            if job.builtin:
+                job.metrics = stack.read_json(prefixes.results + "metrics.json") or {}
             job.checkpoints = keys(prefixes.checkpoints)
             job.cancel_request = stack.read_json(cancel_key(job.job_id)) is not None
         # The stack's own prefixes from before jobs: a queue job never writes there.

@@ -1,7 +1,8 @@
-"""The queue demo's verdict: checks per job and for the queue, and its timeline (demo/queue.py)."""
+"""The demo's verdict (demo/queue.py): checks per job and for the queue, its timeline and a PNG of it."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -9,11 +10,12 @@ from rich.table import Table
 
 from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES
 from demo.queue import Notice, QueuedJob, QueueResult
-from demo.report import LENGTHEN, Check
+from demo.report import LENGTHEN, MIN_ACCURACY, Check, cost_line
 from trainstack_job.contract import ExitCode
 
 COMPLETED = "completed"
 CANCELLED = "cancelled"
+NOTICE_S = 120  # a spot notice's two minutes: the checkpoint must be confirmed in S3 within them
 
 
 def _lives(job: QueuedJob) -> list[dict[str, Any]]:
@@ -61,12 +63,18 @@ def _interrupted_job_checks(job: QueuedJob, result: QueueResult) -> list[Check]:
     where = [str(life.get("instance_id")) for life in lives]
     boots = {b.instance_id: b.name for b in result.boots}
     on = [b.instance_id for name in (notice.boot, notice.resumed_boot) if (b := result.boot(name))]
+    confirmed_in = notice.stop_confirmed_at - notice.at if notice.stop_confirmed_at else None
     checks = [
         Check(f"{job.label}: the notice interrupted it mid-run", mid_run, mid_run_detail),
         Check(
             f"{job.label}: stopped with a confirmed checkpoint",
             mid_run and bool(notice.stop_event.get("checkpoint_confirmed")),
             f"checkpoint step {checkpoint}, confirmed {notice.stop_event.get('checkpoint_confirmed')}",
+        ),
+        Check(
+            f"{job.label}: checkpoint confirmed within the 2-minute notice",
+            confirmed_in is not None and 0 <= confirmed_in < NOTICE_S,
+            f"{confirmed_in:.1f}s after the notice" if confirmed_in is not None else "never",
         ),
         Check(f"{job.label}: steps lost = 0", mid_run and lost == 0, f"{lost}"),
         Check(
@@ -89,7 +97,59 @@ def _interrupted_job_checks(job: QueuedJob, result: QueueResult) -> list[Check]:
             f"jobs/{job.job_id}/results/: {', '.join(sorted(job.results)) or 'none'}",
         ),
     ]
+    if job.builtin:
+        checks += [_across_precisions(job, result), _accuracy(job)]
     return checks
+
+
+def _across_precisions(job: QueuedJob, result: QueueResult) -> Check:
+    """The built-in trainer's replacement is another GPU type in another zone, and the checkpoint crosses
+    precisions (the L4's bf16 continues in the T4's fp16 with a fresh loss scaler), as on a mixed fleet."""
+    notice = job.notice or Notice(0.0, "", 0, 0)
+    stopped, resumed = result.boot(notice.boot), result.boot(notice.resumed_boot)
+    other = (
+        stopped is not None
+        and resumed is not None
+        and stopped.instance_type != resumed.instance_type
+        and stopped.az != resumed.az
+    )
+    crossed = " -> " in job.resumed_as and "precision" in job.resumed_as
+    where = " -> ".join(f"{b.name} {b.instance_type} {b.az}" for b in (stopped, resumed) if b is not None)
+    return Check(
+        f"{job.label}: resumed on another GPU type and zone, across precisions",
+        other and crossed,
+        f"{where or 'no boots'}; {job.resumed_as.split(': ', 1)[-1] or 'no precision change seen'}",
+    )
+
+
+def final_accuracy(job: QueuedJob) -> float | None:
+    final = job.metrics.get("final")
+    value = (final if isinstance(final, dict) else job.metrics).get("val_accuracy")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _accuracy(job: QueuedJob) -> Check:
+    accuracy = final_accuracy(job)
+    return Check(
+        f"{job.label}: final accuracy ≥ {MIN_ACCURACY}",
+        accuracy is not None and accuracy >= MIN_ACCURACY,
+        f"{accuracy} (its results/metrics.json)",
+    )
+
+
+def _costs(result: QueueResult) -> Check:
+    """Each job that ran has a cost: every life priced at the simulated spot price of its instance type."""
+    ran = [j for j in result.jobs if _lives(j)]
+    priced = all(
+        float(j.ledger.get("total_cost_usd") or 0) > 0
+        and all(life.get("price_usd_per_hour") is not None for life in _lives(j))
+        for j in ran
+    )
+    return Check(
+        "each job that ran has its cost at simulated spot prices",
+        bool(ran) and priced,
+        "; ".join(f"{j.label} {cost_line(j.ledger)}" for j in ran) or "no job ran",
+    )
 
 
 def _no_reboot(first: QueuedJob, second: QueuedJob, result: QueueResult) -> Check:
@@ -223,6 +283,7 @@ def checks(result: QueueResult) -> list[Check]:
     found += [_cancelled(j, result) for j in jobs if j.cancelled_at]
     found += [
         _nothing_mixed(result),
+        _costs(result),
         Check(
             "every agent exited 0",
             bool(result.boots) and all(b.exit_code == 0 for b in result.boots),
@@ -284,7 +345,7 @@ def print_timeline(result: QueueResult, console: Console) -> None:
         rows += boot.notes
         if boot.exited_at:
             rows.append((boot.exited_at, f"{boot.name} agent exits {boot.exit_code}"))
-    table = Table(title="Three jobs, one queue: spot notices, no reboot between jobs, a cancel")
+    table = Table(title="Three jobs, one queue: spot notices, resumes, no reboot between jobs, a cancel")
     table.add_column("t (s)", justify="right")
     table.add_column("what happened", overflow="fold")
     for moment, text in sorted(rows, key=lambda row: row[0]):  # ties keep the order they were told in
@@ -293,15 +354,29 @@ def print_timeline(result: QueueResult, console: Console) -> None:
     summary = Table(show_header=False, box=None)
     summary.add_column("what")
     summary.add_column("value", overflow="fold")
+    for boot in result.boots:
+        summary.add_row(f"{boot.name} ({boot.az})", boot.device)
     for job in result.jobs:
         lives = _lives(job)
-        cost = job.ledger.get("total_cost_usd")
         summary.add_row(
             f"{job.label} {job.job_id}",
             f"{job.ledger.get('status', 'no ledger')}, {len(lives)} lives, "
-            f"steps lost {'-' if job.notice is None else steps_lost(job)}, "
-            f"cost ${float(cost or 0):.4f}, results: {', '.join(sorted(job.results)) or 'none'}",
+            f"interruptions {job.ledger.get('interruptions', '-')}, "
+            f"steps lost {'-' if job.notice is None else steps_lost(job)}",
         )
+        notice = job.notice
+        if notice is not None and notice.stop_confirmed_at:
+            summary.add_row("  notice → checkpoint confirmed", f"{notice.stop_confirmed_at - notice.at:.1f}s")
+        if notice is not None and notice.resumed_at:
+            summary.add_row("  notice → training resumed", f"{notice.resumed_at - notice.at:.1f}s")
+        if job.resumed_as:
+            summary.add_row("  resumed as", job.resumed_as)
+        if job.builtin:
+            summary.add_row("  final validation accuracy", str(final_accuracy(job)))
+        if lives:
+            summary.add_row("  estimated cost", cost_line(job.ledger))
+        if job.artifacts:
+            summary.add_row("  artifacts", "\n".join(job.artifacts))
     summary.add_row("group desired capacity", str(result.desired_capacity))
     console.print(summary)
     if result.jobs_table:
@@ -313,3 +388,62 @@ def report(result: QueueResult, console: Console) -> list[Check]:
     console.rule("timeline")
     print_timeline(result, console)
     return checks(result)
+
+
+def plot_timeline(result: QueueResult, path: Path) -> Path:
+    """One panel per job that ran: its steps over time on each boot, its notice, the confirmed checkpoint and
+    the resume (the jobs' lengths differ, so each has its own step axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = result.started
+    ran = [j for j in result.jobs if j.samples] or result.jobs[:1]
+    figure, axes_list = plt.subplots(
+        len(ran), 1, figsize=(9, 2.6 * len(ran) + 0.6), sharex=True, squeeze=False
+    )
+    palette = ("tab:blue", "tab:green", "tab:purple", "tab:olive")
+    colours = {boot.name: palette[n % len(palette)] for n, boot in enumerate(result.boots)}
+    for axes, job in zip([row[0] for row in axes_list], ran, strict=True):
+        for boot in result.boots:
+            steps = [s for s in job.samples if s.boot == boot.name]
+            if steps:
+                axes.plot(
+                    [s.time - t0 for s in steps],
+                    [s.step for s in steps],
+                    marker=".",
+                    color=colours.get(boot.name, "tab:gray"),
+                    label=f"{boot.name} ({boot.instance_type})",
+                )
+        notice = job.notice
+        if notice is not None:
+            axes.axvline(notice.at - t0, color="tab:red", linestyle="--", label="spot notice")
+            checkpoint = notice.stop_event.get("checkpoint_step")
+            if notice.stop_confirmed_at and checkpoint is not None:
+                axes.scatter(
+                    [notice.stop_confirmed_at - t0],
+                    [checkpoint],
+                    color="tab:red",
+                    zorder=3,
+                    label=f"checkpoint step {checkpoint} confirmed",
+                )
+            if notice.resumed_at and notice.resumed_step is not None:
+                axes.scatter(
+                    [notice.resumed_at - t0],
+                    [notice.resumed_step],
+                    color="black",
+                    marker="s",
+                    zorder=3,
+                    label=f"resumed at step {notice.resumed_step}",
+                )
+        lost = "-" if job.notice is None else steps_lost(job)
+        axes.set_title(f"{job.label}: {job.what} ({job.job_id}), steps lost = {lost}", fontsize=9)
+        axes.set_ylabel("step")
+        axes.legend(loc="upper left", fontsize=7)
+        axes.grid(alpha=0.3)
+    axes_list[-1][0].set_xlabel("seconds since the demo started")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

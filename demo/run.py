@@ -1,4 +1,8 @@
-"""The demo's story: the stack in moto, instance 1 booted and interrupted, instance 2 resumes and finishes."""
+"""`python -m demo --job DIR`: a user's job through the spot story: the stack in moto with the job as its
+default, instance 1 booted and interrupted, instance 2 (another type and zone) resumes it and finishes.
+
+`make demo`'s own story, the built-in trainer and examples through a queue, is demo/queue.py; it shares this
+module's isolated environment and user-data check."""
 
 from __future__ import annotations
 
@@ -82,7 +86,7 @@ class DemoResult:
     ledger: dict[str, Any] = field(default_factory=dict)
     bucket: str = ""
     workdir: Path = Path(".demo")
-    job_name: str | None = None  # a user's job (`--job`); None = the built-in trainer
+    job_name: str | None = None  # the user's job (`--job`); None: the built-in trainer (made-up results)
     # Per life: the agent's device-profile line ("device profile g6.xlarge: 1x L4 24 GiB, bf16").
     devices: list[str] = field(default_factory=list)
     # The trainer's line on what the checkpoint resumed as ("... precision bf16 -> fp16, fresh loss scaler").
@@ -120,15 +124,15 @@ def _progress_step(scratch: Path) -> tuple[int, int] | None:
 class Demo:
     """Runs the story; prints each agent stage as it happens."""
 
-    def __init__(self, workdir: Path, console: Console, job_file: Path | None = None) -> None:
+    def __init__(self, workdir: Path, console: Console, job_file: Path) -> None:
         self.workdir = workdir
         self.console = console
         self.result = DemoResult(started=time.time(), workdir=workdir)
         self._echo = AgentEcho(console, self.result.started)
-        # A user's job, validated as `pulumi preview` does; its folder is bundled as on a real stack.
-        self.job: JobSpec | None = load_job_spec(job_file) if job_file is not None else None
-        self.job_dir = (job_file.parent / self.job.workdir).resolve() if job_file and self.job else None
-        self.result.job_name = self.job.name if self.job else None
+        # The user's job, validated as `pulumi preview` does; its folder is bundled as on a real stack.
+        self.job: JobSpec = load_job_spec(job_file)
+        self.job_dir = (job_file.parent / self.job.workdir).resolve()
+        self.result.job_name = self.job.name
 
     def _watch(self, run: AgentRun, scratch: Path, interrupt: ImdsSimulator | None, stack: LocalStack) -> int:
         """Sample progress until the agent exits; inject the spot notice mid-training when asked to."""
@@ -173,7 +177,7 @@ class Demo:
             f"[bold]stack[/] bucket s3://{stack.bucket} (SSE-KMS), topic, log group, group {stack.group_name}"
         )
 
-        if self.job is None or self.job.data_sync:
+        if self.job.data_sync:
             dataset = self.workdir / "dataset"
             write_dataset(dataset)
             count = _upload_tree(stack, dataset, "data/")
@@ -184,10 +188,7 @@ class Demo:
         bundle = build_bundle(REPO, job_dir=self.job_dir)
         result.bundle_key = bundle.key()
         stack.client("s3").put_object(Bucket=stack.bucket, Key=result.bundle_key, Body=bundle.data)
-        if self.job is not None:
-            self.console.print(
-                f"[bold]job[/] {self.job.name}: {' '.join(self.job.command)} (in {self.job_dir})"
-            )
+        self.console.print(f"[bold]job[/] {self.job.name}: {' '.join(self.job.command)} (in {self.job_dir})")
         user_data = self.user_data(stack, result.bundle_key, bundle.sha256)
         user_data_path = self.workdir / "user-data.yaml"
         user_data_path.write_text(user_data)
@@ -221,10 +222,9 @@ class Demo:
         return result
 
     def user_data(self, stack: LocalStack, bundle_key: str, bundle_sha256: str) -> str:
-        """What `pulumi up` renders for this story's job: the built-in trainer's, or the `--job` given."""
+        """What `pulumi up` renders with the `--job` given as the stack's default job."""
         job = yaml.safe_load(JOB_CONFIG.read_text())
-        user_job = self.job.to_mapping() if self.job else None
-        config = stack.agent_config(job=job, user_job=user_job, stall_minutes=5.0)
+        config = stack.agent_config(job=job, user_job=self.job.to_mapping(), stall_minutes=5.0)
         return render_user_data(config, bundle_key=bundle_key, bundle_sha256=bundle_sha256)
 
     def _life(

@@ -12,7 +12,7 @@ import pulumi  # noqa: E402
 import pulumi_aws as aws  # noqa: E402
 
 from bootstrap.agent_config import Prefixes  # noqa: E402
-from infra.bundle import build_bundle  # noqa: E402
+from infra.bundle import DEV_BOX_PACKAGES, build_bundle  # noqa: E402
 from infra.capacity import CapacityFallback, CapacityFallbackArgs, declared  # noqa: E402
 from infra.config import load_stack_config  # noqa: E402
 from infra.defaultjob import DefaultJob, DefaultJobArgs, submit_stack_job  # noqa: E402
@@ -111,7 +111,9 @@ dev_box = (
         DevBoxArgs(
             config=config,
             image=image,
-            bundle=agent_bundle,
+            # The agent's packages plus the CLI's: `trainstack run` on the box; the job group's stays as is.
+            bundle=build_bundle(packages=DEV_BOX_PACKAGES),
+            bucket_name=storage.bucket.bucket,
             partition=partition,
             account_id=account_id,
             bucket_arn=storage.bucket.arn,
@@ -119,7 +121,7 @@ dev_box = (
             topic_arn=observability.topic.arn,
             log_group_arn=observability.log_group.arn,
             security_group_id=network.security_group.id,
-            # What the box's own `trainstack run --outputs /etc/trainstack/stack-outputs.json` reads.
+            # The box's `trainstack` reads these by default (/etc/trainstack/stack-outputs.json).
             stack_outputs={
                 StackOutput.REGION.value: config.region,
                 StackOutput.BUCKET_NAME.value: storage.bucket.bucket,

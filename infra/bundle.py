@@ -1,5 +1,6 @@
 """The code bundle an instance runs: `training/`, `bootstrap/`, `trainstack_job/` and a user's job workdir
-(under `job/`), archived reproducibly, content-addressed."""
+(under `job/`), archived reproducibly, content-addressed; the dev box's also holds the CLI (`trainstack/`,
+`infra/`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import gzip
 import hashlib
 import io
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +17,11 @@ from trainstack_job.contract import BucketPrefix
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_PACKAGES = ("training", "bootstrap", "trainstack_job")
+# The dev box runs `trainstack run` from its working folder: the CLI and the submission code it imports
+# (infra.submission, infra.jobdef, infra.bundle) travel with the agent's packages, on the dev box only, so the
+# job instances' bundle stays the agent's. The job bundles it builds there hold BUNDLED_PACKAGES only, from
+# these same files: the same sources give the same sha256 as on a laptop.
+DEV_BOX_PACKAGES = (*BUNDLED_PACKAGES, "trainstack", "infra")
 BUNDLE_FILE_NAME = "bundle.tar.gz"
 # Only source and data files travel; caches and editor droppings would change the hash for nothing.
 _BUNDLED_SUFFIXES = {".py", ".yaml", ".yml", ".sh", ".service", ".txt", ".json", ".cfg"}
@@ -51,8 +58,8 @@ def package_files(root: Path, package: str) -> list[tuple[str, Path]]:
     ]
 
 
-def _bundled_files(root: Path) -> list[tuple[str, Path]]:
-    return [entry for package in BUNDLED_PACKAGES for entry in package_files(root, package)]
+def _bundled_files(root: Path, packages: Sequence[str]) -> list[tuple[str, Path]]:
+    return [entry for package in packages for entry in package_files(root, package)]
 
 
 def job_files(job_dir: Path) -> list[tuple[str, Path]]:
@@ -72,15 +79,18 @@ def job_files(job_dir: Path) -> list[tuple[str, Path]]:
     return files
 
 
-def build_bundle(root: Path = REPO_ROOT, job_dir: Path | None = None) -> CodeBundle:
-    """Archive the instance code byte-for-byte reproducibly: same sources, same sha256.
+def build_bundle(
+    root: Path = REPO_ROOT, job_dir: Path | None = None, packages: Sequence[str] = BUNDLED_PACKAGES
+) -> CodeBundle:
+    """Archive the instance code byte-for-byte reproducibly: same sources, same sha256. `packages`: the
+    agent's (default) or DEV_BOX_PACKAGES for the dev box.
 
     Sorted entries, zeroed timestamps and owners, and a fixed gzip header mean the hash changes
     only when a bundled file does — which is what rolls a new launch-template version.
     """
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        entries = _bundled_files(root) + (job_files(job_dir) if job_dir is not None else [])
+        entries = _bundled_files(root, packages) + (job_files(job_dir) if job_dir is not None else [])
         for name, path in sorted(entries):
             info = tarfile.TarInfo(name)
             content = path.read_bytes()

@@ -4,7 +4,8 @@ Pulumi declares the template, never the instance: the box comes and goes with `d
 idle watcher, without a `pulumi up`. The template has the job instances' baseline (IMDSv2 with one hop, an
 encrypted root disk with the stack's key, the stack's security group, which admits nothing inbound) and
 `InstanceInitiatedShutdownBehavior=terminate`, so the box ends its own bill with a plain `shutdown` and its
-role needs no EC2 permission.
+role needs no EC2 permission. The box boots its own bundle (the agent's packages plus the CLI's), uploaded
+here: `trainstack run` works on the box, while the job instances' bundle stays the agent's alone.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from infra.fleet import MachineImage
 class DevBoxArgs:
     config: StackConfig
     image: MachineImage
-    # The agent's bundle: the box's idle watcher is in it (bootstrap/devbox/), installed the same way.
+    # The dev bundle (infra/bundle.py DEV_BOX_PACKAGES): the agent's packages, the idle watcher's
+    # (bootstrap/devbox/) among them, plus trainstack/ and infra/ for the box's own `trainstack`.
     bundle: CodeBundle
+    bucket_name: pulumi.Input[str]
     partition: str
     account_id: str
     bucket_arn: pulumi.Input[str]
@@ -46,10 +49,11 @@ class DevBoxArgs:
 
 
 class DevBox(pulumi.ComponentResource):
-    """The dev box's role and instance profile, and its launch template."""
+    """The dev box's role and instance profile, its bundle in the bucket, and its launch template."""
 
     role: aws.iam.Role
     instance_profile: aws.iam.InstanceProfile
+    bundle_object: aws.s3.BucketObjectv2
     launch_template: aws.ec2.LaunchTemplate
 
     def __init__(self, name: str, args: DevBoxArgs, opts: pulumi.ResourceOptions | None = None) -> None:
@@ -65,13 +69,32 @@ class DevBox(pulumi.ComponentResource):
             tags=args.tags,
             opts=self._child,
         )
+        self.bundle_object = self._upload_bundle()
         self.launch_template = self._create_launch_template()
         self.register_outputs(
             {
                 "role_arn": self.role.arn,
                 "instance_profile_arn": self.instance_profile.arn,
+                "bundle_key": self.bundle_object.key,
                 "launch_template_id": self.launch_template.id,
             }
+        )
+
+    def _upload_bundle(self) -> aws.s3.BucketObjectv2:
+        args = self._args
+        # As the agent's (infra/fleet.py): content-addressed, and retained when a later `pulumi up` replaces
+        # it, so a box launched from the template version before still finds the bundle it names.
+        return aws.s3.BucketObjectv2(
+            f"{self._name}-bundle",
+            bucket=args.bucket_name,
+            key=args.bundle.key(),
+            content_base64=base64.b64encode(args.bundle.data).decode(),
+            content_type="application/gzip",
+            server_side_encryption="aws:kms",
+            kms_key_id=args.kms_key_arn,
+            bucket_key_enabled=True,
+            tags=args.tags,
+            opts=pulumi.ResourceOptions(parent=self, retain_on_delete=True),
         )
 
     def _create_role(self) -> aws.iam.Role:
@@ -159,7 +182,8 @@ class DevBox(pulumi.ComponentResource):
                 aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type="network-interface", tags=args.tags),
             ],
             tags=args.tags,
-            opts=self._child,
+            # A box launched as soon as `pulumi up` ends finds its bundle in the bucket.
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.bundle_object]),
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +38,9 @@ from trainstack.sweep import DEFAULT_METRIC
 
 # Commands that run before `pulumi up` read only the stack config; the rest need its outputs.
 _CONFIG_ONLY = {"doctor", "prices", "estimate"}
+# The default of --outputs: the dev box's `trainstack` (bootstrap/devbox/instance/install-cli.sh) names the
+# outputs its user-data wrote, as the box has no Pulumi CLI.
+OUTPUTS_ENV = "TRAINSTACK_OUTPUTS"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--outputs",
         type=Path,
         metavar="FILE",
-        help="stack outputs saved by `pulumi stack output --json > FILE`",
+        default=Path(os.environ[OUTPUTS_ENV]) if os.environ.get(OUTPUTS_ENV) else None,
+        help=f"stack outputs saved by `pulumi stack output --json > FILE` (default: ${OUTPUTS_ENV} if set)",
     )
     where.add_argument("--region", help="AWS region (default: the stack's)")
     json_flag = argparse.ArgumentParser(add_help=False)

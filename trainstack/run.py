@@ -320,7 +320,7 @@ def submit(clients: Clients, stack: Stack, job: PreparedJob) -> dict[str, Any]:
     dataset = dataset_for(clients, outputs, request.dataset, image_folder=definition.user_job is None)
     submitted_at = datetime.now(timezone.utc)
     submissions = build_submissions(job, submitted_at, dataset)
-    group = read_group(clients, outputs.group_name)
+    group = read_group(clients, outputs.group_name, lifecycles=False)
     needed = instances_needed(request, definition, outputs)
     check_capacity(group, needed)
     uploaded = upload(clients, outputs, submissions)

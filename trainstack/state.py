@@ -54,8 +54,10 @@ class Group:
         }
 
 
-def read_group(clients: Clients, group_name: str) -> Group:
-    """The group and its instances, each with spot/on-demand from EC2 (the group does not say)."""
+def read_group(clients: Clients, group_name: str, *, lifecycles: bool = True) -> Group:
+    """The group and its instances, each with spot/on-demand from EC2 (the group does not say).
+    `lifecycles=False` (their lifecycle then `?`) calls no EC2: `trainstack run` needs only the sizes, and
+    the dev box's role, which submits jobs, holds no EC2 action."""
     found = clients.autoscaling().describe_auto_scaling_groups(AutoScalingGroupNames=[group_name])
     groups = found["AutoScalingGroups"]
     if not groups:
@@ -65,13 +67,13 @@ def read_group(clients: Clients, group_name: str) -> Group:
         )
     group = groups[0]
     members = group.get("Instances", [])
-    lifecycles: dict[str, str] = {}
+    found_lifecycles: dict[str, str] = {}
     ids = [m["InstanceId"] for m in members]
-    if ids:
+    if ids and lifecycles:
         for reservation in clients.ec2().describe_instances(InstanceIds=ids)["Reservations"]:
             for instance in reservation["Instances"]:
                 # EC2 omits InstanceLifecycle for on-demand instances.
-                lifecycles[instance["InstanceId"]] = (
+                found_lifecycles[instance["InstanceId"]] = (
                     "spot" if instance.get("InstanceLifecycle") == "spot" else "on-demand"
                 )
     return Group(
@@ -84,7 +86,7 @@ def read_group(clients: Clients, group_name: str) -> Group:
                 instance_id=m["InstanceId"],
                 instance_type=m.get("InstanceType", "?"),
                 az=m["AvailabilityZone"],
-                lifecycle=lifecycles.get(m["InstanceId"], "on-demand"),
+                lifecycle=found_lifecycles.get(m["InstanceId"], "on-demand" if lifecycles else "?"),
                 state=m["LifecycleState"],
                 health=m["HealthStatus"],
             )

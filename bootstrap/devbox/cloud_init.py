@@ -1,7 +1,9 @@
-"""The dev box's user-data: mount the workspace, write the stack outputs, install and start the idle watcher.
+"""The dev box's user-data: mount the workspace, write the stack outputs, install and start the idle watcher,
+then install the trainstack CLI.
 
-Bootstrap only: no agent, no job. The watcher's code is the agent's own bundle (the same content-addressed
-object the job instances boot), fetched and checked by the same install script.
+Bootstrap only: no agent, no job. The box boots the dev bundle (the agent's packages plus `trainstack/` and
+`infra/`, infra/bundle.py DEV_BOX_PACKAGES), fetched and checked by the job instances' install script; the
+CLI's own script comes in that bundle, so it costs the user-data one line.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ DEV_INSTANCE_DIR = Path(__file__).resolve().parent / "instance"
 WATCHER_SERVICE = "trainstack-devidle.service"
 MOUNT_WORKSPACE_PATH = "/usr/local/sbin/trainstack-mount-workspace"
 INSTALL_PATH = "/usr/local/sbin/trainstack-install-agent"
+# In the bundle install-agent.sh has just unpacked and checked (bootstrap/devbox/instance/install-cli.sh).
+INSTALL_CLI_PATH = "/opt/trainstack/current/bootstrap/devbox/instance/install-cli.sh"
 
 
 def render_dev_user_data(stack_outputs: Mapping[str, Any], *, bundle_key: str, bundle_sha256: str) -> str:
     """The `#cloud-config` for the dev template: pure, secret-free (outputs are names and ARNs), < 16 KB.
-    `stack_outputs` are the stack's outputs the CLI reads (trainstack_job.contract.StackOutput names), so
-    `trainstack run --outputs /etc/trainstack/stack-outputs.json` works on the box."""
+    `stack_outputs` are the stack's outputs the CLI reads (trainstack_job.contract.StackOutput names): the
+    box's `trainstack` reads them by default, so `trainstack run job.yaml` works there as on a laptop."""
     missing = [k for k in ("region", "bucket_name", "dev_box_name") if not stack_outputs.get(k)]
     if missing:
         raise UserDataError(
@@ -58,8 +62,9 @@ def render_dev_user_data(stack_outputs: Mapping[str, Any], *, bundle_key: str, b
             _file(INSTALL_PATH, _instance_file("install-agent.sh"), "0755"),
             _file(f"/etc/systemd/system/{WATCHER_SERVICE}", (DEV_INSTANCE_DIR / WATCHER_SERVICE).read_text()),
         ],
-        # The workspace first: the user may connect before the watcher's packages are installed.
-        "runcmd": [[MOUNT_WORKSPACE_PATH], [INSTALL_PATH]],
+        # The workspace first: the user may connect before the watcher's packages are installed. The CLI
+        # last: the watcher guards the bill first.
+        "runcmd": [[MOUNT_WORKSPACE_PATH], [INSTALL_PATH], [INSTALL_CLI_PATH]],
     }
     text = "#cloud-config\n" + yaml.safe_dump(document, sort_keys=False, width=120)
     size = len(text.encode())

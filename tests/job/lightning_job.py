@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -11,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainstack_job import Job
 from trainstack_job.lightning import TrainstackCallback, resume_path
 
-MAX_STEPS = 80
+MAX_STEPS = 50  # stops at 30 and 40 (tests/job/test_lightning.py), past the checkpoint at 25
 
 
 class Regression(pl.LightningModule):
@@ -20,7 +18,7 @@ class Regression(pl.LightningModule):
         self.layer = torch.nn.Linear(8, 1)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        time.sleep(0.02)  # slow enough for the test to stop it mid-run
+        # Not slowed: the stop lands at its step however fast the steps run (tests/job/hold_at_step.py).
         x, y = batch
         return torch.nn.functional.mse_loss(self.layer(x), y)
 

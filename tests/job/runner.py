@@ -98,7 +98,7 @@ class JobSandbox:
                         else:
                             self.stop_file.touch()
                         stop_at_step = None
-                    time.sleep(0.01)
+                    time.sleep(0.05)  # the job is held at the step until the stop arrives: no race
                 returncode = process.wait(timeout=max(1.0, deadline - time.monotonic()))
             finally:
                 process.kill()

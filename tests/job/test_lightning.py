@@ -23,14 +23,14 @@ def test_lightning_job_stopped_either_way_resumes_each_time_at_the_committed_ste
     75; each next life starts at the committed step; the last one completes."""
     sandbox = JobSandbox(tmp_path)
     resumed_at = 0
-    for how, at in (("stop_file", 30), ("sigterm", 55)):
+    for how, at in (("stop_file", 30), ("sigterm", 40)):
         stopped = sandbox.run(["lightning_job.py"], HERE, stop_at_step=at, stop_with_sigterm=how == "sigterm")
         assert stopped.returncode == ExitCode.STOPPED, f"{how}: {stopped.output}"
         assert re.search(rf"^start global_step {resumed_at}$", stopped.output, re.MULTILINE), stopped.output
         steps = committed_steps(sandbox.checkpoint_dir)
         # Held at the first step it reported from `at` on until the stop arrived (tests/job/runner.py): the
         # stop is committed at the very step the job saw it, whatever this machine's speed.
-        assert stopped.held_at is not None and at <= stopped.held_at < 80, f"{how}: {stopped.output}"
+        assert stopped.held_at is not None and at <= stopped.held_at < 50, f"{how}: {stopped.output}"
         assert steps and steps[0] == stopped.held_at, f"{how}: {stopped.output}"
         directory = sandbox.checkpoint_dir / f"step-{steps[0]}"
         assert verify_dir(directory)[0] is not None
@@ -42,4 +42,4 @@ def test_lightning_job_stopped_either_way_resumes_each_time_at_the_committed_ste
     resumed = sandbox.run(["lightning_job.py"], HERE)
     assert resumed.returncode == ExitCode.COMPLETED, resumed.output
     assert re.search(rf"^start global_step {resumed_at}$", resumed.output, re.MULTILINE), resumed.output
-    assert re.search(r"^end global_step 80$", resumed.output, re.MULTILINE), resumed.output
+    assert re.search(r"^end global_step 50$", resumed.output, re.MULTILINE), resumed.output  # MAX_STEPS

@@ -6,6 +6,7 @@ it."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from pulumi_policy.proxy import (
 )
 
 from infra.policy.patterns import arn_shape, matches_shape
-from tests.policy.golden import compliant_stack, named
+from tests.policy.golden import ACCOUNT, BUCKET_ARN, KEY_ARN, compliant_stack, named
 from tests.policy.harness import Resource, Violation, check
 
 INGRESS = "no-unrestricted-ingress"
@@ -326,4 +327,154 @@ def test_a_flow_log_into_an_undeclared_group_by_its_legacy_name_is_refused() -> 
             "declare (deleted, or kept elsewhere with no known retention): declare it as an "
             "aws.cloudwatch.LogGroup with retention_in_days >= 365 and kms_key_id",
         )
+    ]
+
+
+# -- settings written inline on the bucket (the provider's older, still accepted form) -------------------
+
+DAYS_30 = {"days": 30}
+LIFECYCLE = (
+    "s3-lifecycle-configured",
+    "aws.s3.Bucket 'bucket': add an aws.s3.BucketLifecycleConfiguration (abort incomplete multipart uploads, "
+    "expire noncurrent versions)",
+)
+
+
+@pytest.mark.parametrize("algorithm, refused", [("aws:kms", False), ("AES256", True)])
+def test_encryption_written_on_the_bucket_itself_is_judged_like_a_configuration(
+    algorithm: str, refused: bool
+) -> None:
+    resources = compliant_stack()
+    resources.remove(named(resources, "bucket-encryption"))
+    rule = {"applyServerSideEncryptionByDefault": {"sseAlgorithm": algorithm, "kmsMasterKeyId": KEY_ARN}}
+    named(resources, "bucket").props["serverSideEncryptionConfiguration"] = {"rule": rule}
+    expected = (
+        "s3-sse-kms",
+        "aws.s3.Bucket 'bucket': add an aws.s3.BucketServerSideEncryptionConfiguration: "
+        'apply_server_side_encryption_by_default sse_algorithm="aws:kms" with kms_master_key_id',
+    )
+    assert found(resources) == ([expected] if refused else [])
+
+
+@pytest.mark.parametrize(
+    "rule, refused",
+    [
+        (
+            {
+                "enabled": True,
+                "abortIncompleteMultipartUploadDays": 1,
+                "noncurrentVersionExpiration": DAYS_30,
+            },
+            False,
+        ),
+        ({"enabled": True, "noncurrentVersionTransitions": [{"days": 30, "storageClass": "GLACIER"}]}, False),
+        ({"enabled": False, "noncurrentVersionExpiration": {"days": 30}}, True),
+        ({"enabled": True, "abortIncompleteMultipartUploadDays": 1}, True),
+    ],
+    ids=["expires-old-versions", "moves-old-versions", "disabled", "keeps-old-versions-forever"],
+)
+def test_lifecycle_rules_written_on_a_versioned_bucket_must_be_enabled_and_end_old_versions(
+    rule: dict[str, Any], refused: bool
+) -> None:
+    resources = compliant_stack()
+    resources.remove(named(resources, "bucket-lifecycle"))
+    named(resources, "bucket").props["lifecycleRules"] = [rule]
+    assert found(resources) == ([LIFECYCLE] if refused else [])
+
+
+def test_a_vpc_without_its_default_group_adopted_says_how_to_adopt_it() -> None:
+    resources = [
+        r for r in compliant_stack() if r.type != "aws:ec2/defaultSecurityGroup:DefaultSecurityGroup"
+    ]
+    assert found(resources) == [
+        (
+            "default-security-group-closed",
+            "aws.ec2.Vpc 'vpc': adopt its default security group with "
+            "aws.ec2.DefaultSecurityGroup(vpc_id=...) and no ingress or egress rules (left alone it allows "
+            "all traffic between its members and out)",
+        )
+    ]
+
+
+# -- TLS only, and decrypt on named keys ---------------------------------------------------------------
+
+
+def document(*statements: dict[str, Any]) -> str:
+    return json.dumps({"Version": "2012-10-17", "Statement": list(statements)})
+
+
+def tls_deny(**changes: Any) -> dict[str, Any]:
+    statement = {
+        "Effect": "Deny",
+        "Principal": "*",
+        "Action": "s3:*",
+        "Resource": [BUCKET_ARN, f"{BUCKET_ARN}/*"],
+        "Condition": {"Bool": {"aws:SecureTransport": "false"}},
+    }
+    return {**statement, **changes}
+
+
+LACKS_TLS = (
+    "s3-tls-only",
+    "aws.s3.Bucket 'bucket': its bucket policy lacks a Deny of s3:* for Principal * when "
+    '{"Bool": {"aws:SecureTransport": "false"}}: add one',
+)
+
+
+@pytest.mark.parametrize(
+    "changes, refused",
+    [
+        ({"Condition": {"BoolIfExists": {"aws:SecureTransport": "false"}}}, False),
+        ({"Principal": {"AWS": "arn:aws:iam::123456789012:role/x"}}, True),
+        ({"Action": "s3:GetObject"}, True),
+        ({"Action": "s3:PutObject"}, True),
+    ],
+    ids=["bool-if-exists", "one-principal-only", "reads-only", "writes-only"],
+)
+def test_only_a_deny_of_every_plain_http_request_by_anyone_makes_a_bucket_tls_only(
+    changes: dict[str, Any], refused: bool
+) -> None:
+    resources = compliant_stack()
+    named(resources, "bucket-policy").props["policy"] = document(tls_deny(**changes))
+    assert found(resources) == ([LACKS_TLS] if refused else [])
+
+
+def test_a_tls_deny_written_on_the_bucket_itself_counts_and_its_absence_says_what_to_add() -> None:
+    resources = compliant_stack()
+    resources.remove(named(resources, "bucket-policy"))
+    named(resources, "bucket").props["policy"] = document(tls_deny())
+    assert found(resources) == []
+    reads = {
+        "Effect": "Allow",
+        "Principal": {"AWS": f"arn:aws:iam::{ACCOUNT}:root"},
+        "Action": "s3:GetObject",
+    }
+    named(resources, "bucket").props["policy"] = document({**reads, "Resource": f"{BUCKET_ARN}/*"})
+    assert found(resources) == [
+        (
+            "s3-tls-only",
+            "aws.s3.Bucket 'bucket': add an aws.s3.BucketPolicy with a Deny of s3:* for Principal * when "
+            '{"Bool": {"aws:SecureTransport": "false"}}',
+        )
+    ]
+
+
+def test_decrypt_on_every_key_is_refused_in_a_roles_inline_policy_and_through_not_resource() -> None:
+    resources = compliant_stack()
+    every_key = {"Effect": "Allow", "Action": "kms:Decrypt", "Resource": "*"}
+    named(resources, "instance-role").props["inlinePolicies"] = [{"name": "x", "policy": document(every_key)}]
+    named(resources, "instance-policy").props["policy"] = document(
+        {"Effect": "Allow", "Action": "kms:Decrypt", "NotResource": KEY_ARN}
+    )
+    assert found(resources) == [
+        (
+            "kms-no-decrypt-on-all-keys",
+            "aws.iam.Policy 'instance-policy': policy Statement[0] allows kms:Decrypt with NotResource, "
+            "which is every KMS key it does not list: name the key ARNs in Resource",
+        ),
+        (
+            "kms-no-decrypt-on-all-keys",
+            "aws.iam.Role 'instance-role': inlinePolicies[0].policy Statement[0] allows kms:Decrypt on every "
+            "KMS key: name the key ARNs in Resource",
+        ),
     ]

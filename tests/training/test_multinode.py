@@ -23,8 +23,9 @@ from training.launch import LISTEN_FD_ENV
 from trainstack_job.contract import JobEnv
 
 EXIT_STOPPED = 75
-EPOCHS = 3  # 24 steps: a mid-run stop has time to land
-TOTAL = 24
+# 16 steps: the stop is sent after step 2 and lands within a step or two; the steps past it only cost CPU.
+EPOCHS = 2
+TOTAL = 16
 GLOBAL_BATCH = 16  # conftest FAST: batch 16, micro-batch 8
 # What a node launcher and its ranks must not inherit from the test process.
 ENGINE_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRAINSTACK_FAULT")

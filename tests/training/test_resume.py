@@ -50,12 +50,13 @@ def test_resume_after_stop_files_sigterms_and_a_checkpoint_request_is_bitwise_ex
 ) -> None:
     """One job through every way a stop or a save is asked for, resumed after each, ending on the baseline.
 
-    Lives: the agent's stop file present at start (stops at step 0, before training); SIGTERM three times
-    (mid-accumulation, at a step boundary, in an epoch's last step); the stop file appearing mid-training,
-    as on a spot notice; then a checkpoint request file, saved at the next step boundary, deleted, and the
-    job completes. One job rather than four: each life is ~4 s of CPU and the suite must stay under 5
-    minutes. The stop and request files are config keys outside the optimisation, so naming them between
-    lives changes nothing, which the final comparison shows."""
+    Lives: the agent's stop file present at start (stops at step 0, before training); SIGTERM twice
+    (mid-accumulation, in an epoch's last step); the stop file appearing mid-training, as on a spot notice;
+    then a checkpoint request file, saved at the next step boundary, deleted, and the job completes. SIGTERM
+    in a step's last micro-batch (at a step boundary) is the S3 replacement test's stop below. One job
+    rather than four: each life is ~4 s of CPU (almost all of it starting Python and importing torch) and
+    the suite must stay under 5 minutes. The stop and request files are config keys outside the
+    optimisation, so naming them between lives changes nothing, which the final comparison shows."""
     run = make_run()
     stop_file = run.root / "STOP"
     stop_file.parent.mkdir(parents=True, exist_ok=True)
@@ -67,8 +68,9 @@ def test_resume_after_stop_files_sigterms_and_a_checkpoint_request_is_bitwise_ex
     assert "stopped at step 0 on stop file" in output
     stop_file.unlink()
 
-    # Resumed from that step-0 checkpoint, stopped by SIGTERM three times.
-    stops = [(1, 0), (4, 1), (STEPS_PER_EPOCH - 1, 0)]
+    # Resumed from that step-0 checkpoint, stopped by SIGTERM twice: mid-accumulation, then in the epoch's
+    # last step. (In a step's last micro-batch: test_replacement_instance_resumes_from_s3_bitwise_exact.)
+    stops = [(1, 0), (STEPS_PER_EPOCH - 1, 0)]
     for step, micro in stops:
         code, output = run.life(fault=f"sigterm:micro-batch:step={step},micro={micro}")
         assert code == EXIT_STOPPED, output
@@ -186,8 +188,16 @@ def test_replacement_instance_resumes_from_s3_bitwise_exact(
 
     boto3.client("s3").create_bucket(Bucket="job")
     run = make_run("checkpoint.uri=s3://job/checkpoints", "output.uri=s3://job/results", "data.num_workers=2")
+    # SIGTERM in the step's last micro-batch, at a step boundary: the step is finished, then saved.
     code, output = run.life(env=aws.env(), fault="sigterm:micro-batch:step=5,micro=1")
     assert code == EXIT_STOPPED, output
+    assert not run.model.exists()
+    assert json.loads((run.checkpoints / "latest.json").read_text()) | {"written_at": None} == {
+        "step": 6,
+        "epoch": 0,
+        "dir": "step-6",
+        "written_at": None,
+    }
     s3 = boto3.client("s3")
     latest = json.loads(s3.get_object(Bucket="job", Key="checkpoints/latest.json")["Body"].read())
     assert latest["step"] == 6 and latest["dir"] == "step-6"
