@@ -48,7 +48,7 @@ from trainstack_job.jobs import LEASE, JobPrefixes
 
 HOLDER = "instance-1"
 STANDBY = "instance-2"
-# Longer than make demo's 3 epochs (24 steps): instance 1 must still be training when instance 2 has booted,
+# Longer than tiny.yaml's 3 epochs (24 steps): instance 1 must still be training when instance 2 has booted,
 # synced the data and warmed its gated trainer (about 7 s, 35 steps here: the two share 2 cores); the at-risk
 # holder then hands over within a second of the standby being ready, and instance 2 must still have steps to
 # train after it: of 96, about 45-55 are left.

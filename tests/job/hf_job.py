@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from trainstack_job import Job
 from trainstack_job.hf import TrainstackCallback, resume_path
 
-MAX_STEPS = 40  # the stop at 25 lands past the save_steps checkpoint at 20, with steps left to train
+MAX_STEPS = 25  # the stop at 15 lands past the save_steps checkpoint at 10, with steps left to train
 
 
 class RandomTokens(Dataset):
@@ -46,7 +46,7 @@ def main() -> None:
         max_steps=MAX_STEPS,
         per_device_train_batch_size=4,
         save_strategy="steps",
-        save_steps=20,
+        save_steps=10,
         logging_steps=1000,
         report_to="none",
         use_cpu=True,

@@ -14,24 +14,24 @@ from trainstack_job.contract import ExitCode
 from trainstack_job.layout import committed_steps, verify_dir
 
 CHARLM = REPO / "examples" / "charlm"
-# Stopped at 20, resumed to 40: a resume at step 20 is as exact at 40 steps as at 120, and each of the three
-# runs pays only its start (Python, torch) and the steps it trains.
-STEPS = 40
+# Stopped at 10, resumed to 20 (a periodic checkpoint at 15 on the way): a resume at step 10 is as exact at
+# 20 steps as at 120, and each of the three runs pays only its start (Python, torch) and the steps it trains.
+STOP_AT, STEPS = 10, 20
 CHARLM_SMALL = [
     "train.py",
-    *("--steps", str(STEPS), "--checkpoint-every", "30", "--hidden", "32", "--seq-len", "32"),
+    *("--steps", str(STEPS), "--checkpoint-every", "15", "--hidden", "32", "--seq-len", "32"),
 ]
 
 
 @installed("torch")
 def test_charlm_stopped_and_resumed_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path: Path) -> None:
     interrupted = JobSandbox(tmp_path / "interrupted")
-    stopped = interrupted.run(CHARLM_SMALL, CHARLM, stop_at_step=20)
+    stopped = interrupted.run(CHARLM_SMALL, CHARLM, stop_at_step=STOP_AT)
     assert stopped.returncode == ExitCode.STOPPED, stopped.output
     steps = committed_steps(interrupted.checkpoint_dir)
-    # Held at the first step it reported from 20 on until the stop arrived (tests/job/runner.py): the stop
-    # is committed at the very step the job saw it, whatever this machine's speed.
-    assert stopped.held_at is not None and 20 <= stopped.held_at < STEPS, stopped.output
+    # Held at the first step it reported from STOP_AT on until the stop arrived (tests/job/runner.py): the
+    # stop is committed at the very step the job saw it, whatever this machine's speed.
+    assert stopped.held_at is not None and STOP_AT <= stopped.held_at < STEPS, stopped.output
     assert steps and steps[0] == stopped.held_at, stopped.output
     assert verify_dir(interrupted.checkpoint_dir / f"step-{steps[0]}")[0] is not None
 

@@ -478,3 +478,71 @@ def test_decrypt_on_every_key_is_refused_in_a_roles_inline_policy_and_through_no
             "KMS key: name the key ARNs in Resource",
         ),
     ]
+
+
+# -- ACLs, managed admin policies, versioning ----------------------------------------------------------
+
+ACL_TYPE = "aws:s3/bucketAclV2:BucketAclV2"
+
+
+@pytest.mark.parametrize(
+    "where, props, refused",
+    [
+        (
+            ACL_TYPE,
+            {"accessControlPolicy": {"owner": {"id": "x"}}},
+            "aws.s3.BucketAclV2 'acl': remove the ACL",
+        ),
+        (ACL_TYPE, {"acl": "public-read"}, "aws.s3.BucketAclV2 'acl': remove the ACL"),
+        (ACL_TYPE, {"acl": "private"}, None),
+        ("bucket", {"acl": "public-read"}, "aws.s3.Bucket 'bucket': remove acl/grants"),
+        ("bucket", {"acl": "private"}, None),
+    ],
+    ids=[
+        "acl-resource-grants",
+        "acl-resource-public",
+        "acl-resource-private",
+        "bucket-public",
+        "bucket-private",
+    ],
+)
+def test_acls_are_refused_unless_private(where: str, props: dict[str, Any], refused: str | None) -> None:
+    resources = compliant_stack()
+    if where == "bucket":
+        named(resources, "bucket").props.update(props)
+    else:
+        resources.append(Resource(where, "acl", {"bucket": "trainstack-dev-artifacts", **props}))
+    fix = "and grant access through IAM or the bucket policy"
+    assert found(resources) == ([("s3-no-acls", f"{refused} {fix}")] if refused else [])
+
+
+def test_an_aws_managed_admin_policy_is_refused_with_the_fix() -> None:
+    resources = compliant_stack()
+    resources.append(
+        Resource(
+            "aws:iam/rolePolicyAttachment:RolePolicyAttachment",
+            "admin",
+            {"role": "r", "policyArn": "arn:aws:iam::aws:policy/AdministratorAccess"},
+        )
+    )
+    assert found(resources) == [
+        (
+            "iam-no-admin-managed-policies",
+            "aws.iam.RolePolicyAttachment 'admin': policyArn attaches the AWS managed AdministratorAccess, "
+            "which grants far more than one stack needs: attach a policy that names the actions and "
+            "resources it needs",
+        )
+    ]
+
+
+def test_an_unversioned_bucket_is_refused_on_the_bucket() -> None:
+    resources = compliant_stack()
+    resources.remove(named(resources, "bucket-versioning"))
+    assert check(resources) == [
+        Violation(
+            "s3-versioning-enabled",
+            "aws.s3.Bucket 'bucket': add an aws.s3.BucketVersioning with versioning_configuration "
+            'status="Enabled"',
+            urn("aws:s3/bucket:Bucket", "bucket"),
+        )
+    ]

@@ -165,7 +165,7 @@ def test_another_model_and_optimizer_are_refused_in_one_line_naming_both_context
 ) -> None:
     """The refusal is a ConfigError (exit 2, permanent: the agent stops the job). The issue's replay with
     real processes — an L4 bf16 life stopped with exit 75, a T4 fp16 replacement resuming it under the real
-    agent — is `make demo`'s story, asserted by tests/bootstrap/test_demo.py."""
+    agent — is `make demo`'s story, asserted by tests/bootstrap/test_demo_queue.py."""
     monkeypatch.setenv(JobEnv.GPU_MODEL.value, "L4")
     monkeypatch.setenv(JobEnv.GPU_COUNT.value, "1")
     monkeypatch.setenv(JobEnv.PRECISION.value, "bf16")
