@@ -427,7 +427,14 @@ def parse_stack_config(
             '(e.g. instanceTypes ["g6.12xlarge"], 4 x L4)',
             "1",
         )
-    elif isinstance(instance_count, int) and isinstance(min_nodes, int) and instance_count > 1:
+    elif (
+        isinstance(instance_count, int)
+        and isinstance(min_nodes, int)
+        and 1 < instance_count <= MAX_NODES
+        and 1 <= min_nodes <= instance_count
+    ):
+        # Only for node counts that are themselves valid (already refused otherwise): the check's least
+        # common multiple over an absurd count is a number no error line could hold.
         _check_global_batch(job, min_nodes, instance_count, problems)
     if network_isolation:
         _check_network_isolation(ssh_cidrs, user_job, user_job_dir, problems)
