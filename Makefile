@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed-dev
 PIP    := $(BIN)/pip --disable-pip-version-check --no-input
 # make test: one pytest worker per core plus one (tests/conftest.py); about 5 minutes on 2 cores.
 # Serial: PYTEST_ARGS=-n0
-PYTEST_ARGS ?= -n auto --dist worksteal
+# Longest first (tests/conftest.py orders the slow stories first), one test at a time to whichever worker is free.
+PYTEST_ARGS ?= -n auto --dist load --maxschedchunk 1
 # pip's progress: one line per package it fetches; errors still go to stderr, and a failed step fails make.
 # PYTHONWARNINGS=ignore: setuptools' editable-install banner is noise to a newcomer (it reaches stderr).
 SHELL       := bash

@@ -47,6 +47,21 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> Generator[None, int,
     return cores if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else cores + 1
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest first: the end-to-end stories (`@pytest.mark.slow(seconds=N)`, N measured on a quiet 2-core
+    machine) run before the many short tests, which then fill the workers' gaps. With `make test`'s
+    `--dist load --maxschedchunk 1` a free worker takes the next test in this order, so a 70 s story never
+    starts last and leaves the other workers idle at the end (longest-processing-time-first scheduling)."""
+    items.sort(key=lambda item: -_expected_seconds(item))  # stable: the rest keeps pytest's order
+
+
+def _expected_seconds(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("slow")
+    if marker is None:
+        return 0.0
+    return float(marker.kwargs.get("seconds", 10))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The IAM check (tests/iam): every AWS call of the agent, capacity fallback and CLI is recorded."""
     iam_check.configure(config)

@@ -37,6 +37,7 @@ def test_steady_throughput_skips_the_warm_up_and_weighs_intervals_by_their_time(
         steady_throughput(_line(2, 10.0), global_batch=10, warmup_steps=2)
 
 
+@pytest.mark.slow(seconds=18)
 def test_a_tiny_scaling_run_reports_both_sides_and_the_ratio_of_their_measurements(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_dataset(data, classes=2, train_per_class=32, val_per_class=4, size=32)

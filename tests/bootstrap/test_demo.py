@@ -34,7 +34,7 @@ def run_demo(tmp_path: Path, *extra: str, timeout: float = 240) -> str:
     return output
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=18)
 def test_a_users_job_goes_through_the_spot_story_with_zero_steps_lost(tmp_path: Path) -> None:
     """`python -m demo --job DIR` end to end with the suite's counting job (no torch: about 7 s of CPU): the
     notice stops it mid-run with a confirmed checkpoint, a g4dn.xlarge in another zone resumes it at that

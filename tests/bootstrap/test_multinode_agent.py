@@ -289,6 +289,7 @@ class StopStorm:
         self._thread.join(timeout)
 
 
+@pytest.mark.slow(seconds=22)
 def test_the_rendezvous_host_interrupted_under_a_rain_of_stops_the_other_regroups_at_the_common_step(
     two_node_stack: LocalStack, nodes: list[Node]
 ) -> None:

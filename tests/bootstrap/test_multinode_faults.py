@@ -262,6 +262,7 @@ def _confirmed_step(stack: LocalStack) -> int | None:
     return step if isinstance(step, int) else None
 
 
+@pytest.mark.slow(seconds=18)
 def test_a_frozen_rendezvous_host_is_detected_and_the_other_node_regroups_and_completes_in_its_life(
     two_nodes: tuple[LocalStack, list[Node], Supervisor],
 ) -> None:

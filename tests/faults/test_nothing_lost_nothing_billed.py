@@ -262,6 +262,7 @@ def test_nothing_confirmed_is_claimed_when_s3_never_comes_back(
 # -- 2. spot reaction independent of S3 ---------------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=14)
 def test_notice_to_stop_request_takes_under_two_seconds_with_s3_blackholed(
     make_life: MakeLife, stack: LocalStack, imds: ImdsSimulator, aws_via_proxy: S3FaultProxy, direct: Any
 ) -> None:

@@ -8,6 +8,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.job.conftest import installed
 from tests.job.runner import REPO, JobSandbox
 from trainstack_job.contract import ExitCode
@@ -23,6 +25,7 @@ CHARLM_SMALL = [
 ]
 
 
+@pytest.mark.slow(seconds=20)
 @installed("torch")
 def test_charlm_stopped_and_resumed_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path: Path) -> None:
     interrupted = JobSandbox(tmp_path / "interrupted")

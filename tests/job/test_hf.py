@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.job.conftest import installed
 from tests.job.runner import JobSandbox
 from trainstack_job.contract import ExitCode
@@ -16,6 +18,7 @@ pytestmark = installed("transformers", "accelerate")  # the Trainer needs accele
 HERE = Path(__file__).parent
 
 
+@pytest.mark.slow(seconds=20)
 def test_hf_trainer_job_stops_with_a_committed_checkpoint_and_resumes_at_the_same_step(
     tmp_path: Path,
 ) -> None:

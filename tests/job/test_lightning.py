@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.job.conftest import installed
 from tests.job.runner import JobSandbox
 from trainstack_job.contract import ExitCode
@@ -16,6 +18,7 @@ pytestmark = installed("lightning")
 HERE = Path(__file__).parent
 
 
+@pytest.mark.slow(seconds=30)
 def test_lightning_job_stopped_either_way_resumes_each_time_at_the_committed_step(
     tmp_path: Path,
 ) -> None:

@@ -40,7 +40,7 @@ def _sigterm_to_the_launcher_once_trained(run: Run, steps: int) -> tuple[int, st
     return process.returncode, output
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=25)
 def test_two_ranks_stopped_either_way_resume_and_match_one_process(make_run: MakeRun, baseline: Run) -> None:
     """One two-rank job, stopped twice, then completed.
 

@@ -193,7 +193,7 @@ def stopped_pair(tmp_path_factory: pytest.TempPathFactory, image_folders: Datase
     return StoppedPair(a, b, codes, latest_step(a.run) if saved.exists() else -1)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=15)
 def test_sigterm_to_one_node_stops_every_rank_of_both_at_the_same_step(stopped_pair: StoppedPair) -> None:
     a, b = stopped_pair.a, stopped_pair.b
     logs = f"{a.output()[-3000:]}\n---\n{b.output()[-3000:]}"
@@ -223,7 +223,7 @@ def test_sigterm_to_one_node_stops_every_rank_of_both_at_the_same_step(stopped_p
     assert saved == {"global_batch": GLOBAL_BATCH, "micro_batch": 8, "accumulation": 1, "world_size": 2}
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=15)
 def test_a_node_without_the_checkpoint_gets_it_over_the_process_group_and_both_complete(
     stopped_pair: StoppedPair, make_run: MakeRun
 ) -> None:
@@ -266,7 +266,7 @@ def in_rendezvous(node: Node) -> Callable[[], bool]:
     return lambda: "joining rendezvous" in node.output()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=8)
 def test_sigterm_while_waiting_for_the_other_nodes_exits_75_at_once(make_run: MakeRun) -> None:
     """No rank has run: nothing to save, no reason to wait out the join timeout. The host waits in torch's
     rendezvous, the other node for a store host that never comes."""
@@ -302,7 +302,7 @@ def test_sigterm_while_waiting_for_the_other_nodes_exits_75_at_once(make_run: Ma
     assert took < 30, f"the launchers took {took:.0f}s to stop"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=8)
 def test_a_rendezvous_that_cannot_form_fails_as_a_rendezvous_failure(make_run: MakeRun) -> None:
     """A store nobody hosts, and a host whose second node never comes: exit 1, and the node exit file tells
     the agent to try a new generation rather than count a failure."""

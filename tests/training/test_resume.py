@@ -44,7 +44,7 @@ def assert_same_model(run: Run, baseline: Run) -> None:
     assert run.model.read_bytes() == baseline.model.read_bytes(), f"{run.model} differs from the baseline"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=40)
 def test_resume_after_stop_files_sigterms_and_a_checkpoint_request_is_bitwise_exact(
     make_run: MakeRun, baseline: Run
 ) -> None:
@@ -110,7 +110,7 @@ def test_resume_after_stop_files_sigterms_and_a_checkpoint_request_is_bitwise_ex
     assert_same_model(run, baseline)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=35)
 def test_resume_after_sigkills_during_checkpoint_writes_and_at_random_is_bitwise_exact(
     make_run: MakeRun, baseline: Run
 ) -> None:
@@ -174,7 +174,7 @@ def test_completed_run_writes_loadable_artifacts(baseline: Run) -> None:
     assert set(latest) == {"step", "epoch", "dir", "written_at"} and latest["step"] == TOTAL_STEPS
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=14)
 def test_replacement_instance_resumes_from_s3_bitwise_exact(
     make_run: MakeRun, baseline: Run, aws: MotoServer
 ) -> None:

@@ -133,7 +133,7 @@ def test_a_gated_trainer_waits_warm_then_restores_only_after_the_gate_and_matche
     assert metrics(run) == metrics(baseline)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=8)
 def test_sigterm_while_two_ranks_wait_at_the_gate_exits_75_and_writes_no_step(make_run: MakeRun) -> None:
     """Both ranks of the elastic launcher warm up and wait; the launcher forwards the agent's SIGTERM, every
     rank leaves the gate together and the group exits 75 with checkpoint.dir untouched."""
