@@ -18,7 +18,7 @@ from pulumi_policy.proxy import (
 )
 
 from infra.policy.patterns import arn_shape, matches_shape
-from tests.policy.golden import ACCOUNT, BUCKET_ARN, KEY_ARN, compliant_stack, named
+from tests.policy.golden import ACCOUNT, BUCKET_ARN, KEY_ARN, compliant_stack, multinode_efa_stack, named
 from tests.policy.harness import Resource, Violation, check
 
 INGRESS = "no-unrestricted-ingress"
@@ -546,3 +546,19 @@ def test_an_unversioned_bucket_is_refused_on_the_bucket() -> None:
             urn("aws:s3/bucket:Bucket", "bucket"),
         )
     ]
+
+
+def test_behind_nat_an_instance_asking_for_a_public_address_is_refused_on_the_instance() -> None:
+    resources = multinode_efa_stack()
+    resources.append(Resource("aws:ec2/instance:Instance", "box", {"associatePublicIpAddress": True}))
+    refused = [v for v in check(resources) if v.policy == "no-public-ip-with-private-networking"]
+    assert refused == [
+        Violation(
+            "no-public-ip-with-private-networking",
+            "aws.ec2.Instance 'box': set associatePublicIpAddress = false (the stack routes egress through a "
+            "NAT gateway)",
+            urn("aws:ec2/instance:Instance", "box"),
+        )
+    ]
+    named(resources, "box").props["associatePublicIpAddress"] = False
+    assert [v for v in check(resources) if v.policy == "no-public-ip-with-private-networking"] == []
