@@ -157,6 +157,25 @@ if config.network_isolation:
         wheels=vendored_wheels(INSTANCE_LOCK, INSTANCE_WHEELS_DIR),
         tags=tags,
     )
+
+
+def submit_default_job(agent_bundle_object: aws.s3.BucketObjectv2) -> list[pulumi.Resource]:
+    """The stack's default job in the queue; the group waits for its entry (infra/fleet.py before_group)."""
+    default_job = DefaultJob(
+        "default-job",
+        DefaultJobArgs(
+            submission=job,
+            bucket_name=storage.bucket.bucket,
+            kms_key_arn=storage.key.arn,
+            code_prefix=prefixes.code,
+            agent_bundle=agent_bundle,
+            agent_bundle_object=agent_bundle_object,
+            tags=tags,
+        ),
+    )
+    return [default_job.entry_object]
+
+
 fleet = Fleet(
     "fleet",
     FleetArgs(
@@ -172,18 +191,7 @@ fleet = Fleet(
         security_group_id=network.security_group.id,
         subnet_ids=network.subnet_ids,
         tags=tags,
-    ),
-)
-DefaultJob(
-    "default-job",
-    DefaultJobArgs(
-        submission=job,
-        bucket_name=storage.bucket.bucket,
-        kms_key_arn=storage.key.arn,
-        code_prefix=prefixes.code,
-        agent_bundle=agent_bundle,
-        agent_bundle_object=fleet.bundle_object,
-        tags=tags,
+        before_group=submit_default_job,
     ),
 )
 # The same function enforces the cost cap from outside the instance: declared when either is on.

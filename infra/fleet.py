@@ -6,6 +6,7 @@ The launch template carries the agent's bootstrap only, never a job: jobs are su
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pulumi
@@ -79,6 +80,10 @@ class FleetArgs:
     tags: dict[str, str] = field(default_factory=dict)
     # The role the agent narrows to the job's own credentials (infra/identity.py); None = the job gets none.
     job_role_arn: str | None = None
+    # Given the agent's bundle object, what the group must wait for: the stack's default job in the queue
+    # (infra/defaultjob.py). A first instance that booted before its job was queued would find the queue
+    # empty and scale the group to zero, and the job would never run.
+    before_group: Callable[[aws.s3.BucketObjectv2], Sequence[pulumi.Resource]] | None = None
 
 
 class Fleet(pulumi.ComponentResource):
@@ -128,7 +133,8 @@ class Fleet(pulumi.ComponentResource):
         )
         self.launch_template = self._create_launch_template(user_data)
         self.placement_group = self._create_placement_group() if config.cluster_placement else None
-        self.group = self._create_group()
+        waits = list(args.before_group(self.bundle_object)) if args.before_group is not None else []
+        self.group = self._create_group(waits)
         self.register_outputs(
             {
                 "group_name": self.group.name,
@@ -199,7 +205,7 @@ class Fleet(pulumi.ComponentResource):
             opts=self._child,
         )
 
-    def _create_group(self) -> aws.autoscaling.Group:
+    def _create_group(self, waits: list[pulumi.Resource]) -> aws.autoscaling.Group:
         args, config = self._args, self._args.config
         # A cluster placement group lives in one AZ, so the group gets that AZ's subnet only.
         subnet_ids = args.subnet_ids[:1] if self.placement_group else args.subnet_ids
@@ -261,6 +267,7 @@ class Fleet(pulumi.ComponentResource):
             ],
             opts=pulumi.ResourceOptions(
                 parent=self,
+                depends_on=waits,
                 # The instance sets desired capacity to 0 when the job ends; a later `pulumi up` must not
                 # start it again. Restart a job with `trainstack` (or by setting desired capacity) instead.
                 ignore_changes=["desired_capacity"],

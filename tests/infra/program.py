@@ -50,6 +50,8 @@ class RecordedResource:
     parent: str = ""
     ignore_changes: tuple[str, ...] = ()
     retain_on_delete: bool = False
+    # The logical names of the resources it was declared to wait for (`depends_on`).
+    depends_on: tuple[str, ...] = ()
 
 
 @dataclass
@@ -180,6 +182,7 @@ class _RecordingMonitor(pulumi_mocks.MockMonitor):
                     parent=request.parent.rsplit("::", 1)[-1] if request.parent else "",
                     ignore_changes=tuple(request.ignoreChanges),
                     retain_on_delete=bool(request.retainOnDelete),
+                    depends_on=tuple(urn.rsplit("::", 1)[-1] for urn in request.dependencies),
                 )
             )
         return response

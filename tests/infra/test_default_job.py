@@ -185,3 +185,18 @@ def test_preview_still_refuses_a_bad_default_job_with_every_problem_in_one_run(t
     keys = [line.split(":", 2)[1] for line in lines]
     assert {"trainingConfig", "job", "resumeFrom"} <= set(keys), lines
     assert any("epochz" in line and "did you mean" in line for line in lines), lines
+
+
+def test_the_group_waits_for_the_default_job_in_the_queue(
+    example_stack: StackRun, charlm_stack: StackRun
+) -> None:
+    """On the first `pulumi up` the group launches at once: an instance that booted before its job was queued
+    would find the queue empty and scale the group to zero, so the default job would never run. The group is
+    declared to wait for the job's queue entry (and the entry for its record, the record for its bundle)."""
+    for stack in (example_stack, charlm_stack):
+        (group,) = stack.of_type("aws:autoscaling/group:Group")
+        objects = _objects(stack)
+        assert objects["entry"].name in group.depends_on, group.depends_on
+        assert objects["record"].name in objects["entry"].depends_on
+        bundle = objects.get("bundle", objects["agent-bundle"])
+        assert bundle.name in objects["record"].depends_on
