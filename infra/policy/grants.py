@@ -16,7 +16,7 @@ from typing import Any
 from . import managed
 from . import resource_types as t
 from .documents import Statement, UnreadableDocumentError, statements
-from .identity import MANAGED_POLICY_ATTACHERS
+from .identity import MANAGED_POLICY_ATTACHERS, MANAGED_POLICY_PROPERTIES
 from .patterns import (
     FUNCTION_ARN,
     LAUNCH_TEMPLATE_ARN,
@@ -73,16 +73,6 @@ _FIX = {
     PARAMETER_ARN: "name the parameter path (arn:...:parameter/trainstack/<stack>/*) in Resource",
     SECRET_ARN: "name the secrets (arn:...:secret:trainstack/<stack>/*) in Resource",
 }
-_MANAGED_PROPERTIES = {
-    t.IAM_ROLE: "managedPolicyArns",
-    t.ROLE_POLICY_ATTACHMENT: "policyArn",
-    t.USER_POLICY_ATTACHMENT: "policyArn",
-    t.GROUP_POLICY_ATTACHMENT: "policyArn",
-    t.POLICY_ATTACHMENT: "policyArn",
-    t.ROLE_POLICY_ATTACHMENTS_EXCLUSIVE: "policyArns",
-    t.USER_POLICY_ATTACHMENTS_EXCLUSIVE: "policyArns",
-    t.GROUP_POLICY_ATTACHMENTS_EXCLUSIVE: "policyArns",
-}
 IDENTITY_DOCUMENT_CARRIERS = (t.IAM_POLICY, *t.IAM_INLINE_POLICIES, *MANAGED_POLICY_ATTACHERS)
 
 
@@ -94,7 +84,7 @@ def _documents(resource_type: str, props: Mapping[str, Any]) -> Iterator[tuple[s
             yield f"inlinePolicies[{index}].policy", get(policy, "policy")
     elif resource_type in (t.IAM_POLICY, *t.IAM_INLINE_POLICIES):
         yield "policy", get(props, "policy")
-    prop = _MANAGED_PROPERTIES.get(resource_type)
+    prop = MANAGED_POLICY_PROPERTIES.get(resource_type)
     if prop is None:
         return
     arns = items(props, prop)

@@ -102,7 +102,8 @@ def _matches_a_key_arn(pattern: str) -> bool:
 # *FullAccess policy (IAMFullAccess, AmazonS3FullAccess, AWSLambda_FullAccess, ...).
 _AWS_MANAGED_POLICY = re.compile(r"^arn:aws[a-z-]*:iam::aws:policy/(?:[\w+=,.@-]+/)*(?P<name>[\w+=,.@-]+)$")
 _BROAD_POLICY_NAME = re.compile(r"(?i)administrator|poweruser|fullaccess")
-_MANAGED_POLICY_PROPERTIES = {
+# The property of each resource type that attaches managed policies by ARN (one ARN or a list).
+MANAGED_POLICY_PROPERTIES = {
     t.IAM_ROLE: "managedPolicyArns",
     t.ROLE_POLICY_ATTACHMENT: "policyArn",
     t.USER_POLICY_ATTACHMENT: "policyArn",
@@ -112,7 +113,7 @@ _MANAGED_POLICY_PROPERTIES = {
     t.USER_POLICY_ATTACHMENTS_EXCLUSIVE: "policyArns",
     t.GROUP_POLICY_ATTACHMENTS_EXCLUSIVE: "policyArns",
 }
-MANAGED_POLICY_ATTACHERS = tuple(_MANAGED_POLICY_PROPERTIES)
+MANAGED_POLICY_ATTACHERS = tuple(MANAGED_POLICY_PROPERTIES)
 
 
 def broad_aws_managed_policy(arn: str) -> str | None:
@@ -131,7 +132,7 @@ def no_admin_managed_policies(
     The documents of AWS managed policies are not in the stack, so iam-no-wildcard-actions never sees their
     `*`: an attachment of AdministratorAccess is judged by its ARN instead.
     """
-    prop = _MANAGED_POLICY_PROPERTIES.get(resource_type)
+    prop = MANAGED_POLICY_PROPERTIES.get(resource_type)
     if prop is None:
         return
     arns = items(props, prop)
