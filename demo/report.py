@@ -260,26 +260,16 @@ def plot_timeline(result: DemoResult, path: Path) -> Path:
         axes.plot(
             [s.time - t0 for s in steps], [s.step for s in steps], marker=".", color=colour, label=instance
         )
-    checkpoint = result.stop_event.get("checkpoint_step")
-    if result.notice_at:
-        axes.axvline(result.notice_at - t0, color="tab:red", linestyle="--", label="spot notice")
-    if result.stop_confirmed_at and checkpoint is not None:
-        axes.scatter(
-            [result.stop_confirmed_at - t0],
-            [checkpoint],
-            color="tab:red",
-            zorder=3,
-            label=f"checkpoint step {checkpoint} confirmed",
-        )
-    if result.resumed_at and result.resumed_step is not None:
-        axes.scatter(
-            [result.resumed_at - t0],
-            [result.resumed_step],
-            color="tab:green",
-            marker="s",
-            zorder=3,
-            label=f"resumed at step {result.resumed_step}",
-        )
+    mark_interruption(
+        axes,
+        t0,
+        notice_at=result.notice_at or None,
+        confirmed_at=result.stop_confirmed_at or None,
+        checkpoint=result.stop_event.get("checkpoint_step"),
+        resumed_at=result.resumed_at or None,
+        resumed_step=result.resumed_step,
+        resumed_colour="tab:green",
+    )
     axes.set_xlabel("seconds since the demo started")
     axes.set_ylabel("training step")
     axes.set_title(f"trainstack demo: steps lost = {steps_lost(result)}")
@@ -289,3 +279,36 @@ def plot_timeline(result: DemoResult, path: Path) -> Path:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def mark_interruption(
+    axes: Any,
+    t0: float,
+    *,
+    notice_at: float | None,
+    confirmed_at: float | None,
+    checkpoint: Any,
+    resumed_at: float | None,
+    resumed_step: int | None,
+    resumed_colour: str,
+) -> None:
+    """On a steps-over-time plot: the spot notice, the checkpoint confirmed in S3, the step resumed at."""
+    if notice_at:
+        axes.axvline(notice_at - t0, color="tab:red", linestyle="--", label="spot notice")
+    if confirmed_at and checkpoint is not None:
+        axes.scatter(
+            [confirmed_at - t0],
+            [checkpoint],
+            color="tab:red",
+            zorder=3,
+            label=f"checkpoint step {checkpoint} confirmed",
+        )
+    if resumed_at and resumed_step is not None:
+        axes.scatter(
+            [resumed_at - t0],
+            [resumed_step],
+            color=resumed_colour,
+            marker="s",
+            zorder=3,
+            label=f"resumed at step {resumed_step}",
+        )

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES
 from demo.queue import Notice, QueuedJob, QueueResult
-from demo.report import LENGTHEN, MIN_ACCURACY, Check, cost_line
+from demo.report import LENGTHEN, MIN_ACCURACY, Check, cost_line, mark_interruption
 from trainstack_job.contract import ExitCode
 
 COMPLETED = "completed"
@@ -418,25 +418,16 @@ def plot_timeline(result: QueueResult, path: Path) -> Path:
                 )
         notice = job.notice
         if notice is not None:
-            axes.axvline(notice.at - t0, color="tab:red", linestyle="--", label="spot notice")
-            checkpoint = notice.stop_event.get("checkpoint_step")
-            if notice.stop_confirmed_at and checkpoint is not None:
-                axes.scatter(
-                    [notice.stop_confirmed_at - t0],
-                    [checkpoint],
-                    color="tab:red",
-                    zorder=3,
-                    label=f"checkpoint step {checkpoint} confirmed",
-                )
-            if notice.resumed_at and notice.resumed_step is not None:
-                axes.scatter(
-                    [notice.resumed_at - t0],
-                    [notice.resumed_step],
-                    color="black",
-                    marker="s",
-                    zorder=3,
-                    label=f"resumed at step {notice.resumed_step}",
-                )
+            mark_interruption(
+                axes,
+                t0,
+                notice_at=notice.at,
+                confirmed_at=notice.stop_confirmed_at,
+                checkpoint=notice.stop_event.get("checkpoint_step"),
+                resumed_at=notice.resumed_at,
+                resumed_step=notice.resumed_step,
+                resumed_colour="black",
+            )
         lost = "-" if job.notice is None else steps_lost(job)
         axes.set_title(f"{job.label}: {job.what} ({job.job_id}), steps lost = {lost}", fontsize=9)
         axes.set_ylabel("step")
