@@ -32,8 +32,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Python's bytecode cache on (some images set PYTHONDONTWRITEBYTECODE): every xdist worker would otherwise
+# rewrite and compile all 170-odd test modules again, and every agent and trainer the tests start would
+# compile the project's modules again.
 test: lint
-	$(BIN)/pytest $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/python -m demo

@@ -20,7 +20,10 @@ class Notifier:
         self._log = log
 
     def publish(self, subject: str, lines: Iterable[str]) -> bool:
-        full_subject = f"trainstack [{self._stack}]: {subject}"[:_SUBJECT_LIMIT]
+        full_subject = f"trainstack [{self._stack}]: {subject}"
+        if len(full_subject) > _SUBJECT_LIMIT:
+            # SNS refuses a longer subject; a visible cut tells the reader the body has the rest (job ids).
+            full_subject = full_subject[: _SUBJECT_LIMIT - 1] + "…"
         message = "\n".join(lines)
         try:
             self._sns.publish(TopicArn=self._topic_arn, Subject=full_subject, Message=message)
