@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from trainstack_job.queue import (
     parse_entry,
     queue_entry,
     queue_key,
+    stored_at,
 )
 
 # A job in one of these states is over: the queue moves on to the next job.
@@ -301,7 +302,7 @@ class JobDirectory:
                         continue  # deleted since the listing
                     cached = self._entries[key] = (etag, entry)
                 if cached[1] is not None:
-                    found.append(cached[1])
+                    found.append(replace(cached[1], queued_at=stored_at(item)))
         found.sort(key=lambda entry: entry.order)
         return found
 

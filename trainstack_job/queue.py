@@ -4,8 +4,11 @@ and the Pulumi program so the three can never disagree about a key or a field.
 A job is submitted by writing two objects, in this order:
 - its record, `jobs/<job-id>/job.json` (trainstack_job/jobs.py JOB_RECORD): what the job is and the code it
   runs, written once (`IfNoneMatch: *`); the agent runs a job from its record alone;
-- its queue entry, `queue/<job-id>.json`: that it waits for an instance. FIFO order is the entry's
-  `submitted_at` (then the job id), so `pulumi up` (the stack's default job) and `trainstack run` queue alike.
+- its queue entry, `queue/<job-id>.json`: that it waits for an instance. FIFO order is the time S3
+  stored the entry (its LastModified: the service's clock, not the submitter's, so a laptop whose clock runs
+  ahead cannot jump the queue), then `submitted_at` (entries stored within S3's one-second resolution keep
+  the order they were submitted in, as a sweep writes them), then the job id; `pulumi up` (the
+  stack's default job) and `trainstack run` queue alike.
 
 The entry stays after the job ran: a job's state is read from its own objects (queued = an entry and no
 ledger; running, completed, failed… = its ledger's status; cancelled = a cancel request before it ran or its
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from trainstack_job.jobs import JobIdError, JobPrefixes, check_job_id
@@ -81,14 +85,25 @@ class QueueEntry:
     job_id: str
     submitted_at: str
     now: bool = False
+    # When S3 stored the entry (its LastModified, UTC ISO); "" when not listed (then submitted_at decides).
+    queued_at: str = ""
 
     @property
-    def order(self) -> tuple[bool, str, str]:
-        """FIFO, except that `--now` entries go first (oldest `--now` first)."""
-        return (not self.now, self.submitted_at, self.job_id)
+    def order(self) -> tuple[bool, str, str, str]:
+        """FIFO by S3's clock, except that `--now` entries go first (oldest `--now` first)."""
+        return (not self.now, self.queued_at, self.submitted_at, self.job_id)
 
 
-def parse_entry(key: str, body: bytes) -> QueueEntry:
+def stored_at(item: Mapping[str, Any]) -> str:
+    """A listed object's LastModified as UTC ISO text (sortable); "" when the listing has none."""
+    moment = item.get("LastModified")
+    if not isinstance(moment, datetime):
+        return ""
+    aware = moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+    return aware.astimezone(timezone.utc).isoformat()
+
+
+def parse_entry(key: str, body: bytes, queued_at: str = "") -> QueueEntry:
     """One queue object; a body that is not an entry raises QueueError naming the key."""
     try:
         value = json.loads(body)
@@ -101,7 +116,7 @@ def parse_entry(key: str, body: bytes) -> QueueEntry:
         ) from exc
     if key != queue_key(job_id):
         raise QueueError(f"{key} names job {job_id}: a queue entry's key is {queue_key(job_id)}; delete it")
-    return QueueEntry(job_id, submitted_at, bool(value.get("now", False)))
+    return QueueEntry(job_id, submitted_at, bool(value.get("now", False)), queued_at)
 
 
 def list_entries(s3: Any, bucket: str) -> list[QueueEntry]:
@@ -115,6 +130,6 @@ def list_entries(s3: Any, bucket: str) -> list[QueueEntry]:
             if not key.endswith(".json"):
                 continue
             body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-            entries.append(parse_entry(key, body))
+            entries.append(parse_entry(key, body, stored_at(item)))
     entries.sort(key=lambda entry: entry.order)
     return entries

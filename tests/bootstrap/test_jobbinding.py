@@ -9,6 +9,7 @@ import json
 import sys
 import tarfile
 import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,10 @@ from typing import Any
 import pytest
 
 from bootstrap.agent_config import AgentConfig
-from bootstrap.jobbinding import JobBinding, JobBindingError, bind_job
+from bootstrap.jobbinding import JobBinding, JobBindingError, JobDirectory, bind_job
 from bootstrap.pinned import PinnedCodeError, pinned_config, reexec_argv, unpack_bundle
 from demo.stack import LocalStack, create_stack
+from trainstack_job.queue import list_entries
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
 
@@ -198,3 +200,24 @@ def test_pinned_code_is_checked_before_it_is_unpacked(stack: LocalStack, tmp_pat
         unpack_bundle(s3, stack.bucket, record | {"bundle_sha256": "f" * 64}, tmp_path / "other")
     argv = reexec_argv(["-m", "bootstrap.agent", "--config", "/etc/trainstack/agent.yaml"], code / "a.yaml")
     assert argv == [sys.executable, "-m", "bootstrap.agent", "--config", str(code / "a.yaml")]
+
+
+def test_the_queue_is_fifo_by_s3s_clock_not_the_submitters(stack: LocalStack) -> None:
+    """A laptop whose clock runs an hour ahead submits first: its job still runs first. Entries S3 stored in
+    the same second keep the order of their `submitted_at` (a sweep writes its grid in order)."""
+    ahead = "2026-12-01T13:00:00+00:00"  # the skewed submitter: an hour ahead of the one after it
+    _put(stack, "queue/early-skewed-a1.json", {"job_id": "early-skewed-a1", "submitted_at": ahead})
+    time.sleep(1.1)  # the next entry lands in a later second of S3's clock (LastModified: 1 s resolution)
+    _put(stack, "queue/later-b2.json", {"job_id": "later-b2", "submitted_at": "2026-12-01T12:00:00+00:00"})
+    # The sweep's two entries in one second of S3's clock (moto's runs on this machine): written at the
+    # start of a fresh second, whatever the write order, submitted_at decides.
+    time.sleep(1.05 - time.time() % 1)
+    for point in ("c4", "c3"):
+        at = "2026-12-01T12:00:0" + point[-1] + "+00:00"
+        _put(stack, f"queue/sweep-{point}.json", {"job_id": f"sweep-{point}", "submitted_at": at})
+    s3 = stack.client("s3")
+
+    agent_order = [e.job_id for e in JobDirectory(s3, _config(stack, "unused-x1")).entries()]
+    cli_order = [e.job_id for e in list_entries(s3, stack.bucket)]
+
+    assert agent_order == cli_order == ["early-skewed-a1", "later-b2", "sweep-c3", "sweep-c4"]
