@@ -165,8 +165,8 @@ def _checked_config(path: str, overrides: list[str]) -> Config:
 
 def main(argv: list[str] | None = None, *, process_exit: bool = False) -> int:
     """`process_exit`: this call is the process's whole work (`python -m training`, every rank and launcher):
-    from its end on, stop signals stay blocked until the process exits instead of going back to their
-    default action."""
+    from its end on, stop signals are ignored until the process exits instead of going back to their default
+    action."""
     # First thing: from here on SIGTERM/SIGINT only raise a flag, so a stop at any moment of start-up (config,
     # slow imports, restore) ends in the Trainer's clean exit 75, never a traceback or death by signal.
     stop = StopRequest()
@@ -182,10 +182,14 @@ def main(argv: list[str] | None = None, *, process_exit: bool = False) -> int:
             # Stops are idempotent: this process has ended its work, and a stop arriving now (a second
             # notice, another node's stop reaching a rank that already stopped at the common step) has
             # nothing left to stop. The default action would turn its exit 75 into death by signal (-15)
-            # and fail the whole group: blocked before the handler goes, such a stop stays pending until
-            # the process has exited, so no moment is left uncovered.
-            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        stop.uninstall()
+            # and fail the whole group. Ignored, not only blocked: a signal sent to the process goes to any
+            # of its threads that does not block it (torch's, gloo's, the engine's all exist by now), and
+            # the default action there ends the whole process. The ignore replaces the handler in one step,
+            # so no moment is left uncovered, and it outlasts the interpreter's own shutdown.
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+        else:
+            stop.uninstall()
 
 
 def _main(argv: list[str] | None, stop: StopRequest, started: float) -> int:
