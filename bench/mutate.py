@@ -85,9 +85,6 @@ TARGETS: dict[str, Target] = {
             "tests/bootstrap/test_ledger_handover.py",
             "tests/bootstrap/test_multinode_ledger.py",
             "tests/bootstrap/test_outcomes.py",
-            # The multi-node ledger calls (the rest of that file runs agents and trainers).
-            "tests/bootstrap/test_multinode_faults.py::"
-            "test_silent_lives_are_closed_by_the_survivor_once_at_their_last_heartbeat",
         ),
     ),
     # The cost cap on the instance (`trainstack stop` and the cap as each life reads them; the agent's own
@@ -148,18 +145,36 @@ TARGETS: dict[str, Target] = {
             "tests/infra/test_config.py",
             "tests/infra/test_config_security.py",
             "tests/training/test_config.py",
-            "tests/bootstrap/test_jobbinding.py",
             "tests/test_mutants_config.py",
+            "tests/training/test_mutants_trainer_config.py",
         ),
         # The Pulumi program under its mocks (gRPC: hangs in a forked worker); the validators they reach
-        # are the ones test_config.py calls directly.
-        deselect=tuple(
-            f"tests/infra/test_config.py::{name}"
-            for name in (
-                "test_program_stops_with_the_config_error_before_creating_anything",
-                "test_missing_ami_parameter_names_the_key",
-                "test_arm64_ami_is_refused",
-            )
+        # are the ones test_config.py calls directly. The trainer's command line in a process and against
+        # moto (training/__main__.py's checks; a moto server and a process per mutant made the run take
+        # hours): the trainer config's own promises are test_mutants_trainer_config.py's, in memory. Not
+        # tests/bootstrap/test_jobbinding.py either (the agent against moto): test_mutants_config.py holds
+        # the agent config's.
+        deselect=(
+            *(
+                f"tests/infra/test_config.py::{name}"
+                for name in (
+                    "test_program_stops_with_the_config_error_before_creating_anything",
+                    "test_missing_ami_parameter_names_the_key",
+                    "test_arm64_ami_is_refused",
+                )
+            ),
+            *(
+                f"tests/training/test_config.py::{name}"
+                for name in (
+                    "test_cli_prints_one_line_per_problem_and_exits_2",
+                    "test_cli_names_a_missing_config_file",
+                    "test_config_and_data_folder_problems_are_reported_in_one_run",
+                    "test_a_key_with_a_bad_value_is_reported_once_not_again_as_a_missing_folder",
+                    "test_a_missing_output_bucket_is_a_config_error_before_torch_is_imported",
+                    "test_a_missing_checkpoint_bucket_is_named_too",
+                    "test_an_unreachable_s3_is_a_transient_failure_in_one_line",
+                )
+            ),
         ),
     ),
 }

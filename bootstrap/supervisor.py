@@ -328,6 +328,12 @@ class Supervisor:
         kept = f"the confirmed checkpoint (step {persisted.confirmed_step}) is kept"
         if code == ExitCode.COMPLETED:
             message = "trainer completed before the stop took effect (exit 0); nothing to resume"
+        elif code == ExitCode.STOPPED and confirmed and persisted.newest_local_step is None:
+            # Stopped before this life wrote a checkpoint (e.g. while its rendezvous formed): nothing of this
+            # life's is missing, but there is no step to name as confirmed either.
+            step = persisted.confirmed_step
+            resume = "" if step is None else f", the job's is step {step}"
+            message = f"trainer stopped before it saved a checkpoint; nothing new to confirm{resume}"
         elif code == ExitCode.STOPPED:
             message = (
                 "trainer stopped; checkpoint confirmed in S3"

@@ -42,6 +42,21 @@ def _stop_line(tmp_path: Path, code: TrainerExit, persisted: PersistResult) -> t
     ("code", "persisted", "outcome", "message", "confirmed"),
     [
         (75, PersistResult(40, 40), LifeEnd.PREEMPTED, "trainer stopped; checkpoint confirmed in S3", True),
+        # Stopped while its rendezvous formed (issue 25): nothing saved, so no step is named as confirmed.
+        (
+            75,
+            PersistResult(None, None),
+            LifeEnd.PREEMPTED,
+            "trainer stopped before it saved a checkpoint; nothing new to confirm",
+            True,
+        ),
+        (
+            75,
+            PersistResult(None, 20),
+            LifeEnd.PREEMPTED,
+            "trainer stopped before it saved a checkpoint; nothing new to confirm, the job's is step 20",
+            True,
+        ),
         (
             75,
             PersistResult(40, 30),
