@@ -103,6 +103,22 @@ def test_silent_lives_are_closed_by_the_survivor_once_at_their_last_heartbeat() 
     assert ledger.interruptions == 2
 
 
+def test_at_completion_a_life_silent_just_the_limit_or_never_beating_is_closed_by_the_survivor() -> None:
+    """The edges of the completion sweep: silent for exactly the limit is silent (as the lease judges it); a
+    life that never wrote a heartbeat (a record from before heartbeats) is judged from its start; the
+    survivor that closes it is named."""
+    ledger, _, _ = _two_nodes()  # i-a started at T0, i-b at T0 + 20 s
+    ledger.data["lives"][1]["heartbeat_at"] = None
+
+    assert ledger.close_silent_lives(T0 + timedelta(seconds=29), 10.0, "i-a") == []
+    assert ledger.close_silent_lives(T0 + timedelta(seconds=30), 10.0, "i-a") == ["i-b"]
+
+    silent = ledger.lives[1]
+    assert silent["outcome"] == "interrupted" and silent["closed_by"] == "i-a"
+    assert silent["ended_at"] == silent["started_at"]
+    assert ledger.lives[0]["outcome"] == "running", "the survivor ends its own life"
+
+
 def test_the_node_exit_record_is_read_truthfully_or_not_at_all(tmp_path: Path) -> None:
     path = tmp_path / "node-exit.json"
     assert NodeExit.read(path) is None
