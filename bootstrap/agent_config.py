@@ -199,10 +199,15 @@ class AgentConfig:
     @classmethod
     def load(cls, path: Path = DEFAULT_PATH) -> AgentConfig:
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise AgentConfigError(
                 f"{path}: cannot read the agent config ({exc.strerror}); pass --config FILE"
+            ) from exc
+        except UnicodeDecodeError as exc:  # damaged, or not the file infra rendered
+            raise AgentConfigError(
+                f"{path}: cannot read the agent config (not UTF-8 text, byte {exc.start}: {exc.reason}); "
+                "pass --config FILE"
             ) from exc
         try:
             raw = yaml.safe_load(text)

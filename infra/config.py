@@ -772,9 +772,16 @@ def _load_training_config(path_text: str, problems: _Problems) -> tuple[Path, di
         path = REPO_ROOT / path
     example = "training/configs/default.yaml"
     try:
-        job = yaml.safe_load(path.read_text())
+        job = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         problems.add("trainingConfig", f"cannot read {path} ({exc.strerror})", example)
+        return path, {}
+    except UnicodeDecodeError as exc:  # a file saved in another encoding, or not text at all
+        problems.add(
+            "trainingConfig",
+            f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8",
+            example,
+        )
         return path, {}
     except yaml.YAMLError as exc:
         problems.add("trainingConfig", f"{path} is not valid YAML ({str(exc).splitlines()[0]})", example)
@@ -799,6 +806,11 @@ def _load_user_job(path_text: str, problems: _Problems) -> tuple[JobSpec | None,
         spec = load_job_spec(path)
     except JobSpecError as exc:
         problems.lines.extend(f"{NAMESPACE}:job: {problem}" for problem in exc.problems)
+        return None, None
+    except UnicodeDecodeError as exc:  # load_job_spec reads it as text: another encoding, or not text
+        problems.lines.append(
+            f"{NAMESPACE}:job: {path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"
+        )
         return None, None
     workdir = (path.parent / spec.workdir).resolve()
     try:

@@ -339,10 +339,14 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML config file, apply `dotted.key=value` overrides and validate the result."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(
             [f"--config {path}: cannot read ({exc.strerror}); pass an existing YAML file"]
+        ) from None
+    except UnicodeDecodeError as exc:  # a file saved in another encoding, or not text at all
+        raise ConfigError(
+            [f"--config {path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"]
         ) from None
     try:
         tree = yaml.safe_load(text) or {}
