@@ -274,11 +274,15 @@ def _env_value(value: Any) -> str:
 def load_job_spec(path: Path) -> JobSpec:
     """Read and validate a job file, its workdir and requirements included."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise JobSpecError(
             [f"{path}: cannot read the job file ({exc.strerror}); check trainstack:job"]
         ) from exc
+    except UnicodeDecodeError as exc:  # saved in another encoding, or not a text file at all
+        raise JobSpecError(
+            [f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save the job file as UTF-8"]
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

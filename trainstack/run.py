@@ -76,6 +76,8 @@ def _read_training_config(path: Path) -> tuple[dict[str, Any] | None, list[str]]
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         return None, [f"--config {path}: cannot read it ({exc.strerror})"]
+    except UnicodeDecodeError as exc:  # saved in another encoding, or not a text file at all
+        return None, [f"--config {path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

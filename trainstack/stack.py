@@ -257,6 +257,10 @@ def _is_secret(value: Any) -> bool:
 def _load_yaml(path: Path) -> dict[str, Any]:
     try:
         document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:  # saved in another encoding, or not a text file at all
+        raise CliError(
+            f"{path}: not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8"
+        ) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

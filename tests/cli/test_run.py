@@ -210,6 +210,16 @@ def test_a_bad_sweep_or_config_is_every_problem_one_line_each_and_nothing_is_sub
     result = deployed.run("run", "--config", str(broken), "--detach")
     assert result.code == 1 and result.err.count(f"{broken}: ") >= 3, result.err
     assert "train.epochs: must be at least 1" in result.err and "modle: unknown section" in result.err
+    # Saved in Latin-1 (an accent in a comment), and a job file that is not text at all: one line each.
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("# r\xe9glages\ntrain: {epochs: 1}\n".encode("latin-1"))
+    result = deployed.run("run", "--config", str(latin), "--detach")
+    assert result.code == 1 and f"--config {latin}: not UTF-8 text (byte 3: " in result.err, result.err
+    binary = tmp_path / "job.yaml"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00")
+    result = deployed.run("run", str(binary), "--detach")
+    assert result.code == 1 and f"{binary}: not UTF-8 text (byte 0: " in result.err, result.err
+    assert "save the job file as UTF-8" in result.err and "Traceback" not in result.err
     assert _keys(deployed, "") == [] and deployed.group()["DesiredCapacity"] == 0
 
 

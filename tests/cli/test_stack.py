@@ -116,6 +116,13 @@ def test_broken_yaml_names_the_file_and_line(tmp_path: Path):
         _ = Stack("dev", project_dir=tmp_path).config
 
 
+def test_a_stack_file_that_is_not_utf8_names_the_file_and_the_fix(tmp_path: Path):
+    write_project(tmp_path, {})
+    (tmp_path / "Pulumi.dev.yaml").write_bytes("config:\n  # r\xe9gion\n".encode("latin-1"))
+    with pytest.raises(CliError, match=r"Pulumi.dev.yaml: not UTF-8 text \(byte \d+: .*\); save it as UTF-8"):
+        _ = Stack("dev", project_dir=tmp_path).config
+
+
 def test_outputs_come_from_pulumi_stack_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     _fake_pulumi(tmp_path / "bin")
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
