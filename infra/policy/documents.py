@@ -71,25 +71,37 @@ def statements(document: Any) -> list[Statement] | None:
         return None
     try:
         return [_statement(item) for item in raw_list]
-    except UnknownValueError:
+    except (UnknownValueError, _UnknownFieldError):
         return None  # a document given as an object, with a value only `up` will know
+
+
+class _UnknownFieldError(Exception):
+    """A statement's field (`"Resource": bucket.arn` in a document given as an object) only `up` will know:
+    `get` turns the engine's marker into UNKNOWN, which is no string or list to read."""
+
+
+def _field(raw: Mapping[str, Any], key: str) -> Any:
+    value = get(raw, key)
+    if is_unknown(value):
+        raise _UnknownFieldError(key)
+    return value
 
 
 def _statement(raw: Mapping[str, Any]) -> Statement:
     conditions: dict[str, dict[str, tuple[str, ...]]] = {}
-    for operator, block in dict(get(raw, "Condition") or {}).items():
+    for operator, block in dict(_field(raw, "Condition") or {}).items():
         if isinstance(block, Mapping):
             conditions[operator] = {key: _strings(value) for key, value in block.items()}
     return Statement(
-        effect=str(get(raw, "Effect") or ""),
-        actions=_strings(get(raw, "Action")),
-        not_actions=_strings(get(raw, "NotAction")),
-        resources=_strings(get(raw, "Resource")),
-        principals=_principals(get(raw, "Principal")),
+        effect=str(_field(raw, "Effect") or ""),
+        actions=_strings(_field(raw, "Action")),
+        not_actions=_strings(_field(raw, "NotAction")),
+        resources=_strings(_field(raw, "Resource")),
+        principals=_principals(_field(raw, "Principal")),
         conditions=conditions,
-        not_resources=_strings(get(raw, "NotResource")),
-        typed_principals=_typed_principals(get(raw, "Principal")),
-        not_principals=_principals(get(raw, "NotPrincipal")),
+        not_resources=_strings(_field(raw, "NotResource")),
+        typed_principals=_typed_principals(_field(raw, "Principal")),
+        not_principals=_principals(_field(raw, "NotPrincipal")),
     )
 
 

@@ -17,9 +17,18 @@ from pulumi_policy.proxy import (
     UNKNOWN_STRING_VALUE,
 )
 
-from infra.policy.patterns import arn_shape, matches_shape
-from tests.policy.golden import ACCOUNT, BUCKET_ARN, KEY_ARN, compliant_stack, multinode_efa_stack, named
-from tests.policy.harness import Resource, Violation, check
+from infra.policy.patterns import arn_shape, literal_prefix, matches_shape
+from tests.policy.golden import (
+    ACCESS_LOG_BUCKET_POLICY,
+    ACCOUNT,
+    BUCKET_ARN,
+    KEY_ARN,
+    LOG_BUCKET,
+    compliant_stack,
+    multinode_efa_stack,
+    named,
+)
+from tests.policy.harness import Deferred, Resource, Violation, check, evaluate
 
 INGRESS = "no-unrestricted-ingress"
 EGRESS = "no-all-protocol-egress-to-internet"
@@ -562,3 +571,498 @@ def test_behind_nat_an_instance_asking_for_a_public_address_is_refused_on_the_in
     ]
     named(resources, "box").props["associatePublicIpAddress"] = False
     assert [v for v in check(resources) if v.policy == "no-public-ip-with-private-networking"] == []
+
+
+# -- the access-log bucket: found by any of the three ways a stack says so ---------------------------------
+# A log bucket may use SSE-S3 (S3 log delivery supports nothing else) and logs no accesses of its own.
+
+
+def tls_only_log_bucket_policy() -> str:
+    """The log bucket's policy without its log-delivery grant: TLS only, nothing that marks a log bucket."""
+    statements = json.loads(ACCESS_LOG_BUCKET_POLICY)["Statement"]
+    return document(*[s for s in statements if s["Sid"] == "DenyInsecureTransport"])
+
+
+def test_a_bucket_logging_into_the_log_bucket_makes_it_a_log_bucket_whatever_its_policy_says() -> None:
+    resources = compliant_stack()
+    named(resources, "access-logs-policy").props["policy"] = tls_only_log_bucket_policy()
+    assert found(resources) == []
+
+
+def test_the_source_buckets_inline_logging_makes_the_log_bucket_a_log_bucket() -> None:
+    """The provider's older form: `logging` written on the source bucket, no BucketLogging resource."""
+    resources = compliant_stack()
+    resources.remove(named(resources, "bucket-logging"))
+    named(resources, "bucket").props["logging"] = {"targetBucket": LOG_BUCKET, "targetPrefix": "s3-access/"}
+    named(resources, "access-logs-policy").props["policy"] = tls_only_log_bucket_policy()
+    assert found(resources) == []
+
+
+def test_a_bucket_whose_own_policy_lets_log_delivery_write_is_a_log_bucket_with_nothing_pointing_at_it() -> (
+    None
+):
+    """The stack's buckets log into a bucket of another stack; this one is still a log bucket (for another
+    stack's buckets): its policy, written on the bucket itself, lets logging.s3.amazonaws.com write."""
+    resources = compliant_stack()
+    named(resources, "bucket-logging").props["targetBucket"] = "central-access-logs"
+    resources.remove(named(resources, "access-logs-policy"))
+    named(resources, "access-logs").props["policy"] = ACCESS_LOG_BUCKET_POLICY
+    assert found(resources) == []
+
+
+def test_sse_s3_is_refused_on_a_bucket_that_only_another_buckets_logging_mentions() -> None:
+    """A BucketLogging of some other bucket into the log bucket says nothing about the data bucket."""
+    resources = compliant_stack()
+    resources.append(
+        Resource(
+            "aws:s3/bucketLogging:BucketLogging",
+            "elsewhere-logging",
+            {"bucket": "a-bucket-of-another-stack", "targetBucket": LOG_BUCKET},
+        )
+    )
+    encryption = named(resources, "bucket-encryption").props
+    encryption["rules"] = [{"applyServerSideEncryptionByDefault": {"sseAlgorithm": "AES256"}}]
+    assert found(resources) == [
+        ("s3-sse-kms", "aws.s3.Bucket 'bucket': set sseAlgorithm = \"aws:kms\" (it is AES256)")
+    ]
+
+
+# -- values known only after `up`: deferred to `up`, never a failure at preview ---------------------------
+
+
+def test_an_encryption_algorithm_known_only_after_up_never_fails_the_preview() -> None:
+    resources = compliant_stack()
+    default = named(resources, "bucket-encryption").props["rules"][0]["applyServerSideEncryptionByDefault"]
+    default["sseAlgorithm"] = UNKNOWN_STRING_VALUE
+    assert found(resources) == []
+    default["sseAlgorithm"] = "AES256"
+    assert found(resources) == [
+        ("s3-sse-kms", "aws.s3.Bucket 'bucket': set sseAlgorithm = \"aws:kms\" (it is AES256)")
+    ], "known, the same value fails"
+
+
+@pytest.mark.parametrize("where", ["inline", "resource"])
+def test_versioning_known_only_after_up_never_fails_the_preview(where: str) -> None:
+    resources = compliant_stack()
+    if where == "inline":
+        resources.remove(named(resources, "bucket-versioning"))
+        named(resources, "bucket").props["versioning"] = {"enabled": UNKNOWN_BOOLEAN_VALUE}
+    else:
+        versioning = named(resources, "bucket-versioning").props["versioningConfiguration"]
+        versioning["status"] = UNKNOWN_STRING_VALUE
+    assert found(resources) == []
+
+
+def test_an_egress_protocol_known_only_after_up_is_deferred_not_judged_by_its_ports() -> None:
+    resources = compliant_stack()
+    named(resources, "instances").props["egress"].append(
+        {"protocol": UNKNOWN_STRING_VALUE, "fromPort": 0, "toPort": 65535, "cidrBlocks": ["0.0.0.0/0"]}
+    )
+    verdict = evaluate(resources)
+    assert verdict.violations == []
+    assert [(d.policy, d.resource) for d in verdict.deferred] == [(EGRESS, "instances")]
+
+
+def test_an_egress_rule_without_a_protocol_is_all_traffic() -> None:
+    """AWS's default for a rule that names no protocol is -1, every protocol and port."""
+    resources = rule_resource(
+        "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule", fromPort=0, toPort=0, cidrIpv4="0.0.0.0/0"
+    )
+    assert found(resources) == [
+        (
+            EGRESS,
+            "aws.vpc.SecurityGroupEgressRule 'extra-rule': the rule allows all protocols and ports to "
+            "0.0.0.0/0: allow only the ports the instances need (tcp 443 for AWS APIs and package indexes)",
+        )
+    ]
+
+
+def test_a_roles_inline_policies_known_only_after_up_are_deferred() -> None:
+    resources = compliant_stack()
+    named(resources, "instance-role").props["inlinePolicies"] = UNKNOWN_ARRAY_VALUE
+    verdict = evaluate(resources)
+    assert verdict.violations == []
+    assert Deferred("kms-no-decrypt-on-all-keys", "instance-role", verdict.deferred[0].message) in (
+        verdict.deferred
+    )
+
+
+# -- the S3 endpoint's policy: every endpoint and every statement judged ----------------------------------
+
+ENDPOINT = "s3-endpoint-policy-scoped"
+ENDPOINT_URN = urn("aws:ec2/vpcEndpoint:VpcEndpoint", "s3-endpoint")
+
+
+def test_an_s3_endpoint_without_a_policy_is_refused_after_an_endpoint_of_another_service() -> None:
+    resources = compliant_stack()
+    other = Resource(
+        "aws:ec2/vpcEndpoint:VpcEndpoint",
+        "ssm-endpoint",
+        {"vpcId": "vpc-0abc", "serviceName": "com.amazonaws.us-east-1.ssm", "vpcEndpointType": "Interface"},
+    )
+    resources.insert(resources.index(named(resources, "s3-endpoint")), other)
+    del named(resources, "s3-endpoint").props["policy"]
+    assert [v for v in check(resources) if v.policy == ENDPOINT] == [
+        Violation(
+            ENDPOINT,
+            "aws.ec2.VpcEndpoint 's3-endpoint': set a policy allowing the stack's bucket only (without one "
+            "the endpoint reaches every bucket of every account)",
+            ENDPOINT_URN,
+        )
+    ]
+
+
+def test_an_s3_endpoint_policy_is_judged_past_a_deny_other_services_and_a_not_resource() -> None:
+    """Every statement of the document is judged, whatever comes before it."""
+    resources = compliant_stack()
+    named(resources, "s3-endpoint").props["policy"] = document(
+        {"Effect": "Deny", "Principal": "*", "Action": "s3:DeleteBucket", "Resource": "*"},
+        {"Effect": "Allow", "Principal": "*", "Action": "dynamodb:GetItem", "Resource": "*"},
+        {"Effect": "Allow", "Principal": "*", "Action": "s3:GetObject", "NotResource": f"{BUCKET_ARN}/*"},
+        {"Effect": "Allow", "Principal": "*", "Action": "s3:*", "Resource": "*"},
+    )
+    where = "aws.ec2.VpcEndpoint 's3-endpoint': policy "
+    assert [v for v in check(resources) if v.policy == ENDPOINT] == [
+        Violation(
+            ENDPOINT,
+            where + "Statement[2] allows S3 with NotResource: name the stack's bucket in Resource",
+            ENDPOINT_URN,
+        ),
+        Violation(
+            ENDPOINT,
+            where
+            + "Statement[3] allows s3:GetObject, s3:PutObject, s3:ListBucket on *, every bucket: name the "
+            "stack's bucket (arn:aws:s3:::<bucket> and arn:aws:s3:::<bucket>/*)",
+            ENDPOINT_URN,
+        ),
+    ]
+
+
+def test_a_literal_prefix_ends_at_the_first_wildcard_of_either_kind() -> None:
+    """What a Resource pattern pins down exactly (the S3 endpoint and grant rules judge the bucket in it)."""
+    assert literal_prefix(" arn:aws:s3:::b?cket/key?") == "arn:aws:s3:::b"
+    assert literal_prefix("arn:aws:s3:::bucket/a?b*c?") == "arn:aws:s3:::bucket/a"
+    assert literal_prefix("arn:aws:s3:::bucket/*?") == "arn:aws:s3:::bucket/"
+    assert literal_prefix("arn:aws:s3:::bucket") == "arn:aws:s3:::bucket"
+
+
+# -- lists known only after `up`: never a failure, never a crash of the policy ----------------------------
+
+
+def _set(props: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    for step in path[:-1]:
+        props = props[step]  # type: ignore[index]
+    props[path[-1]] = value  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    "resource, path",
+    [
+        ("instance-role", ("inlinePolicies",)),
+        ("instance-role", ("managedPolicyArns",)),
+        ("instances", ("ingress",)),
+        ("instances", ("egress",)),
+        ("instances", ("ingress", 0, "cidrBlocks")),
+        ("instances", ("ingress", 0, "securityGroups")),
+        ("default-sg", ("ingress",)),
+        ("default-sg", ("egress",)),
+        ("launch-template", ("networkInterfaces",)),
+        ("bucket-encryption", ("rules",)),
+        ("bucket-lifecycle", ("rules",)),
+    ],
+)
+def test_a_list_known_only_after_up_never_fails_the_preview(
+    resource: str, path: tuple[str | int, ...]
+) -> None:
+    """Behind NAT (the multi-node EFA stack), so that the public-address rule reads the interfaces too."""
+    resources = multinode_efa_stack()
+    _set(named(resources, resource).props, path, UNKNOWN_ARRAY_VALUE)
+    assert evaluate(resources).violations == []
+
+
+def test_lifecycle_rules_written_on_the_bucket_known_only_after_up_never_fail_the_preview() -> None:
+    resources = compliant_stack()
+    resources.remove(named(resources, "bucket-lifecycle"))
+    named(resources, "bucket").props["lifecycleRules"] = UNKNOWN_ARRAY_VALUE
+    assert found(resources) == []
+    resources.remove(named(resources, "access-logs-lifecycle"))
+    assert found(resources) == [
+        (
+            "s3-lifecycle-configured",
+            "aws.s3.Bucket 'access-logs': add an aws.s3.BucketLifecycleConfiguration (abort incomplete "
+            "multipart uploads, expire noncurrent versions)",
+        )
+    ], "the next bucket is still judged"
+
+
+def test_an_ingress_rule_without_a_protocol_opens_all_ports() -> None:
+    """AWS's default protocol is -1: the line says all ports, not the 0-0 the rule happens to carry."""
+    rule = {"fromPort": 0, "toPort": 0, "cidrBlocks": ["0.0.0.0/0"]}
+    assert messages(with_ingress(rule), INGRESS) == [
+        GROUP
+        + "ingress[1] opens all ports to 0.0.0.0/0, more than an IPv4 /8 or IPv6 /32, which counts as the "
+        "internet and is refused: use SSM Session Manager, or allow narrower CIDRs (or list the port in the "
+        "policy's authorizedPublicPorts config)"
+    ]
+
+
+SG_RULE = "aws:ec2/securityGroupRule:SecurityGroupRule"
+
+
+def test_a_separate_rule_from_the_internet_is_refused_naming_the_rule() -> None:
+    resources = rule_resource(
+        SG_RULE, type="ingress", protocol="tcp", fromPort=22, toPort=22, cidrBlocks=["0.0.0.0/0"]
+    )
+    assert messages(resources, INGRESS) == [
+        "aws.ec2.SecurityGroupRule 'extra-rule': the rule opens ports 22-22 to 0.0.0.0/0, more than an IPv4 "
+        "/8 or IPv6 /32, which counts as the internet and is refused: use SSM Session Manager, or allow "
+        "narrower CIDRs (or list the port in the policy's authorizedPublicPorts config)"
+    ]
+
+
+def test_the_whole_ipv6_internet_is_named_without_a_share_and_half_of_it_with_one() -> None:
+    whole = {"protocol": "tcp", "fromPort": 22, "toPort": 22, "ipv6CidrBlocks": ["::/0"]}
+    half = {**whole, "ipv6CidrBlocks": ["8000::/1"]}
+    assert messages(with_ingress(whole), INGRESS)[0].startswith(
+        GROUP + "ingress[1] opens ports 22-22 to ::/0, more"
+    )
+    assert messages(with_ingress(half), INGRESS)[0].startswith(
+        GROUP + "ingress[1] opens ports 22-22 to 8000::/1 (50% of all IPv6 addresses), more"
+    )
+
+
+def test_an_empty_source_group_on_a_separate_rule_is_no_other_group() -> None:
+    """The provider leaves an unset source group empty: the rule admits its CIDRs only."""
+    resources = rule_resource(
+        SG_RULE, type="ingress", protocol="tcp", fromPort=22, toPort=22, cidrBlocks=["203.0.113.7/32"],
+        sourceSecurityGroupId="",
+    )  # fmt: skip
+    assert messages(resources, INGRESS) == []
+
+
+def test_another_group_as_the_source_of_a_rule_whose_own_group_is_known_only_after_up_waits_for_up() -> None:
+    """Whether the source is the rule's own group (a self rule, allowed) is known only when both ids are."""
+    resources = rule_resource(SG_RULE, type="ingress", protocol="tcp", fromPort=22, toPort=22,
+                              sourceSecurityGroupId="sg-other")  # fmt: skip
+    named(resources, "extra-rule").props["securityGroupId"] = UNKNOWN_STRING_VALUE
+    assert messages(resources, INGRESS) == []
+    named(resources, "extra-rule").props["securityGroupId"] = "sg-1"
+    assert messages(resources, INGRESS) == [
+        "aws.ec2.SecurityGroupRule 'extra-rule': the rule admits security group sg-other, not only this "
+        "group's own members: allow peers with a self-referencing rule (self = true) and reach instances "
+        "with SSM Session Manager"
+    ]
+
+
+@pytest.mark.parametrize("missing", ["fromPort", "toPort"])
+def test_authorized_public_ports_never_cover_a_rule_missing_one_end_of_its_range(missing: str) -> None:
+    rule = {"protocol": "tcp", "fromPort": 22, "toPort": 22, "cidrBlocks": ["0.0.0.0/0"]}
+    del rule[missing]
+    refused = messages(with_ingress(rule), INGRESS, {"authorizedPublicPorts": [22]})
+    assert len(refused) == 1 and refused[0].startswith(GROUP + "ingress[1] opens ports ")
+
+
+def test_a_logging_target_known_only_after_up_never_fails_the_preview() -> None:
+    """Whether the bucket logs into itself is known only when the target is."""
+    resources = compliant_stack()
+    named(resources, "bucket-logging").props["targetBucket"] = UNKNOWN_STRING_VALUE
+    assert found(resources) == []
+
+
+def test_a_separate_endpoint_policy_is_judged_like_one_written_on_the_endpoint() -> None:
+    resources = compliant_stack()
+    del named(resources, "s3-endpoint").props["policy"]
+    every_bucket = {"Effect": "Allow", "Principal": "*", "Action": "s3:*", "Resource": "*"}
+    resources.append(
+        Resource(
+            "aws:ec2/vpcEndpointPolicy:VpcEndpointPolicy",
+            "endpoint-policy",
+            {"vpcEndpointId": "vpce-1", "policy": document(every_bucket)},
+            {"vpcEndpointId": ["s3-endpoint"]},
+        )
+    )
+    assert [v.message for v in check(resources) if v.policy == ENDPOINT] == [
+        "aws.ec2.VpcEndpoint 's3-endpoint': the policy of aws.ec2.VpcEndpointPolicy 'endpoint-policy' "
+        "Statement[0] allows s3:GetObject, s3:PutObject, s3:ListBucket on *, every bucket: name the stack's "
+        "bucket (arn:aws:s3:::<bucket> and arn:aws:s3:::<bucket>/*)"
+    ]
+
+
+def test_a_managed_policy_list_with_an_empty_entry_still_judges_the_others() -> None:
+    resources = compliant_stack()
+    admin = "arn:aws:iam::aws:policy/AdministratorAccess"
+    named(resources, "instance-role").props["managedPolicyArns"] = [None, admin]
+    assert found(resources) == [
+        (
+            "iam-no-admin-managed-policies",
+            "aws.iam.Role 'instance-role': managedPolicyArns[1] attaches the AWS managed "
+            "AdministratorAccess, which grants far more than one stack needs: attach a policy that names the "
+            "actions and resources it needs",
+        )
+    ]
+
+
+def test_decrypt_and_re_encrypt_on_every_key_are_named_together() -> None:
+    resources = compliant_stack()
+    named(resources, "instance-policy").props["policy"] = document(
+        {"Effect": "Allow", "Action": ["kms:Decrypt", "kms:ReEncryptFrom"], "Resource": "*"}
+    )
+    assert found(resources) == [
+        (
+            "kms-no-decrypt-on-all-keys",
+            "aws.iam.Policy 'instance-policy': policy Statement[0] allows kms:Decrypt, kms:ReEncryptFrom on "
+            "every KMS key: name the key ARNs in Resource",
+        )
+    ]
+
+
+def test_a_bucket_whose_policy_denies_log_delivery_is_no_log_bucket() -> None:
+    """Naming S3 log delivery in a Deny does not make a data bucket a log bucket (exempt from SSE-KMS)."""
+    resources = compliant_stack()
+    deny_logs = {
+        "Effect": "Deny",
+        "Principal": {"Service": "logging.s3.amazonaws.com"},
+        "Action": "s3:PutObject",
+        "Resource": f"{BUCKET_ARN}/*",
+    }
+    statements = json.loads(named(resources, "bucket-policy").props["policy"])["Statement"]
+    named(resources, "bucket-policy").props["policy"] = document(*statements, deny_logs)
+    encryption = named(resources, "bucket-encryption").props
+    encryption["rules"] = [{"applyServerSideEncryptionByDefault": {"sseAlgorithm": "AES256"}}]
+    assert found(resources) == [
+        ("s3-sse-kms", "aws.s3.Bucket 'bucket': set sseAlgorithm = \"aws:kms\" (it is AES256)")
+    ]
+
+
+def test_a_bucket_after_buckets_configured_inline_is_still_judged_by_every_bucket_rule() -> None:
+    resources = compliant_stack()
+    for configuration in ("bucket-logging", "bucket-encryption"):
+        resources.remove(named(resources, configuration))
+    bucket = named(resources, "bucket").props
+    bucket["logging"] = {"targetBucket": LOG_BUCKET, "targetPrefix": "s3-access/"}
+    rule = {"applyServerSideEncryptionByDefault": {"sseAlgorithm": "aws:kms", "kmsMasterKeyId": KEY_ARN}}
+    bucket["serverSideEncryptionConfiguration"] = {"rule": rule}
+    assert found(resources) == []
+    resources.append(Resource("aws:s3/bucket:Bucket", "late", {"bucket": "late", "id": "late"}))
+    judged = {v.policy for v in check(resources) if v.message.startswith("aws.s3.Bucket 'late': ")}
+    assert judged == {
+        "s3-public-access-blocked",
+        "s3-tls-only",
+        "s3-sse-kms",
+        "s3-versioning-enabled",
+        "s3-lifecycle-configured",
+        "s3-access-logging",
+    }
+
+
+def test_every_public_access_setting_left_off_is_named_in_one_line() -> None:
+    resources = compliant_stack()
+    named(resources, "bucket-public-access").props.update(blockPublicAcls=False, ignorePublicAcls=False)
+    fix = "set blockPublicAcls, ignorePublicAcls = true"
+    assert found(resources) == [
+        ("s3-public-access-blocked", f"aws.s3.BucketPublicAccessBlock 'bucket-public-access': {fix}"),
+        ("s3-public-access-blocked", f"aws.s3.Bucket 'bucket': {fix}"),
+    ]
+
+
+@pytest.mark.parametrize("direction", ["ingress", "egress"])
+def test_a_rule_on_the_default_security_group_is_refused_on_the_group(direction: str) -> None:
+    resources = compliant_stack()
+    named(resources, "default-sg").props[direction] = [
+        {"protocol": "-1", "fromPort": 0, "toPort": 0, "self": True}
+    ]
+    refused = [v for v in check(resources) if v.policy == "default-security-group-closed"]
+    assert refused == [
+        Violation(
+            "default-security-group-closed",
+            f"aws.ec2.DefaultSecurityGroup 'default-sg': remove every {direction} rule (a default group "
+            "allows nothing)",
+            urn("aws:ec2/defaultSecurityGroup:DefaultSecurityGroup", "default-sg"),
+        )
+    ]
+
+
+def test_behind_nat_a_launch_template_asking_for_a_public_address_is_refused_on_the_template() -> None:
+    resources = multinode_efa_stack()
+    named(resources, "launch-template").props["networkInterfaces"][0]["associatePublicIpAddress"] = "true"
+    refused = [v for v in check(resources) if v.policy == "no-public-ip-with-private-networking"]
+    assert refused == [
+        Violation(
+            "no-public-ip-with-private-networking",
+            "aws.ec2.LaunchTemplate 'launch-template': set networkInterfaces[0].associatePublicIpAddress = "
+            '"false" (the stack routes egress through a NAT gateway)',
+            urn("aws:ec2/launchTemplate:LaunchTemplate", "launch-template"),
+        )
+    ]
+
+
+def test_a_flow_log_group_without_a_retention_says_it_is_unset() -> None:
+    resources = compliant_stack()
+    del named(resources, "flow-logs").props["retentionInDays"]
+    unset = (
+        "aws.cloudwatch.LogGroup 'flow-logs': set retentionInDays to at least 365 for the VPC flow logs of "
+        "aws.ec2.FlowLog 'flow-log' (it is unset)"
+    )
+    assert ("vpc-flow-logs-retained", unset) in found(resources)
+
+
+@pytest.mark.parametrize(
+    "type_, props",
+    [
+        (SG_RULE, {"type": "egress", "protocol": "tcp", "cidrBlocks": ["0.0.0.0/0"]}),
+        (
+            "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule",
+            {"ipProtocol": "tcp", "cidrIpv4": "0.0.0.0/0"},
+        ),
+    ],
+    ids=["ec2-rule", "vpc-egress-rule"],
+)
+def test_a_separate_egress_rule_is_refused_for_all_protocols_only(type_: str, props: dict[str, Any]) -> None:
+    """HTTPS out to the internet is what the instances need; every protocol and port is refused."""
+    https = rule_resource(type_, **props, fromPort=443, toPort=443)
+    assert messages(https, EGRESS) == []
+    protocol = "protocol" if type_ == SG_RULE else "ipProtocol"
+    everything = rule_resource(type_, **{**props, protocol: "-1"}, fromPort=0, toPort=0)
+    assert messages(everything, EGRESS) == [
+        f"{'aws.ec2.SecurityGroupRule' if type_ == SG_RULE else 'aws.vpc.SecurityGroupEgressRule'} "
+        "'extra-rule': the rule allows all protocols and ports to 0.0.0.0/0: allow only the ports the "
+        "instances need (tcp 443 for AWS APIs and package indexes)"
+    ]
+
+
+def test_versioning_written_on_the_bucket_itself_counts_only_when_enabled() -> None:
+    resources = compliant_stack()
+    resources.remove(named(resources, "bucket-versioning"))
+    named(resources, "bucket").props["versioning"] = {"enabled": False}
+    assert [v.policy for v in check(resources)] == ["s3-versioning-enabled"]
+    named(resources, "bucket").props["versioning"] = {"enabled": True}
+    assert found(resources) == []
+    # Versioned, so its lifecycle must also end old versions.
+    del named(resources, "bucket-lifecycle").props["rules"][0]["noncurrentVersionExpiration"]
+    assert found(resources) == [
+        (
+            "s3-lifecycle-configured",
+            "aws.s3.Bucket 'bucket': add noncurrent_version_expiration to an enabled rule in "
+            "aws.s3.BucketLifecycleConfiguration 'bucket-lifecycle'",
+        )
+    ]
+
+
+def test_an_unreadable_iam_policy_names_the_document_and_the_fix() -> None:
+    resources = compliant_stack()
+    named(resources, "instance-policy").props["policy"] = '{"Statement": ['
+    refused = [v.message for v in check(resources) if v.policy == "kms-no-decrypt-on-all-keys"]
+    assert refused == [
+        "aws.iam.Policy 'instance-policy': policy: the policy document is not valid JSON (Expecting value): "
+        "fix the JSON"
+    ]
+
+
+def test_a_log_bucket_known_by_its_id_only_is_found_through_the_source_buckets_inline_logging() -> None:
+    """A bucket named by AWS from a prefix has no `bucket` property to compare, only its id."""
+    resources = compliant_stack()
+    resources.remove(named(resources, "bucket-logging"))
+    named(resources, "bucket").props["logging"] = {"targetBucket": LOG_BUCKET, "targetPrefix": "s3-access/"}
+    named(resources, "access-logs-policy").props["policy"] = tls_only_log_bucket_policy()
+    del named(resources, "access-logs").props["bucket"]
+    assert found(resources) == []
