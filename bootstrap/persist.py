@@ -15,6 +15,7 @@ Guarantees (docs/job-contract.md):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -66,6 +67,13 @@ class Fence(Protocol):
 
 class UploadAbandonedError(Exception):
     """An upload given up on purpose: a newer step superseded it, the deadline passed, or a stop began."""
+
+
+class CheckpointRefusedError(Exception):
+    """S3 refused to hand over a file of a confirmed checkpoint (access denied, a key it cannot decrypt with,
+    an outage outlasting botocore's retries). Unlike a damaged checkpoint it is not skipped for nothing: with
+    no older checkpoint left, restore fails rather than start the job over, which would write a lower step
+    over the one `latest.json` names."""
 
 
 @dataclass(frozen=True)
@@ -255,27 +263,40 @@ class CheckpointPersister:
 
         S3 candidates are `latest.json`'s step and older ones (a step above it is a partial upload); each is
         verified against its manifest's sha256 before it replaces anything local. A local step at least as
-        new (this instance's earlier life) wins and is uploaded by `start()` if S3 lacks it.
+        new (this instance's earlier life) wins and is uploaded by `start()` if S3 lacks it. A step S3 refuses
+        to hand over is skipped for an older one; with none left, `CheckpointRefusedError` names the object.
         """
         self.local_dir.mkdir(parents=True, exist_ok=True)
         for leftover in self.local_dir.glob(".step-*"):
             shutil.rmtree(leftover, ignore_errors=True)
         local = self._newest_verified_local()
         latest, _ = self.read_latest()
-        if latest is not None and self._remote_manifest(latest) is not None:
-            self._confirm(latest)
+        if latest is not None:
+            # A refused manifest here is judged again, step by step, below.
+            with contextlib.suppress(CheckpointRefusedError):
+                if self._remote_manifest(latest) is not None:
+                    self._confirm(latest)
         candidates = [s for s in self.remote_steps() if latest is None or s <= latest]
+        refused: CheckpointRefusedError | None = None
         for step in candidates:
             if local is not None and step <= local:
                 break
             if should_abort():
                 raise UploadAbandonedError("restore interrupted")
-            if self._download(step, should_abort):
+            try:
+                restored = self._download(step, should_abort)
+            except CheckpointRefusedError as exc:
+                refused = refused or exc  # the newest one S3 refused is the one to name
+                continue
+            if restored:
                 self._log.event("checkpoint", "restored checkpoint from S3", step=step, uri=self.uri)
                 return step
         if local is not None:
             self._log.event("checkpoint", "using the checkpoint already on this instance", step=local)
-        return local
+            return local
+        if refused is not None:
+            raise refused
+        return None
 
     def _newest_verified_local(self) -> int | None:
         for step in committed_steps(self.local_dir):
@@ -287,13 +308,24 @@ class CheckpointPersister:
             )
         return None
 
+    def _refused(self, key: str, step: int, exc: ClientError) -> CheckpointRefusedError:
+        code = exc.response.get("Error", {}).get("Code") or "no error code"
+        return CheckpointRefusedError(
+            f"s3://{self.bucket}/{key}: S3 refused to read it ({code}) and no older checkpoint is left: "
+            f"not starting the job over without its step {step}; the next start tries again (for "
+            "AccessDenied, grant the instance role s3:GetObject and kms:Decrypt on it)"
+        )
+
     def _remote_manifest(self, step: int) -> dict[str, Any] | None:
+        """The step's manifest from S3; None when missing or unreadable (a damaged checkpoint); a read S3
+        refuses raises CheckpointRefusedError (the step is there, this life just cannot have it)."""
+        key = self._key(f"{step_dir_name(step)}/{MANIFEST}")
         try:
-            body = self._s3.get_object(Bucket=self.bucket, Key=self._key(f"{step_dir_name(step)}/{MANIFEST}"))
+            body = self._s3.get_object(Bucket=self.bucket, Key=key)
         except ClientError as exc:
             if _is_missing(exc):
                 return None
-            raise
+            raise self._refused(key, step, exc) from None
         try:
             value = json.loads(body["Body"].read())
         except ValueError:
@@ -317,9 +349,8 @@ class CheckpointPersister:
                     raise UploadAbandonedError("restore interrupted")
                 target = staging / file_name
                 target.parent.mkdir(parents=True, exist_ok=True)
-                self._s3.download_file(
-                    self.bucket, self._key(f"{name}/{file_name}"), str(target), Config=TRANSFER
-                )
+                key = self._key(f"{name}/{file_name}")
+                self._s3.download_file(self.bucket, key, str(target), Config=TRANSFER)
             (staging / MANIFEST).write_text(json.dumps(manifest))
             verified, why = verify_dir(staging)
             if verified is None:
@@ -345,7 +376,9 @@ class CheckpointPersister:
                 step=step,
                 error=str(exc),
             )
-            return False
+            if _is_missing(exc):
+                return False  # a file gone from S3: a damaged checkpoint, like one that fails verification
+            raise self._refused(key, step, exc) from None
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
