@@ -941,9 +941,8 @@ class RefusingManifests(RefusingReads):
 
     def get_object(self, **request: Any) -> Any:
         if any(request["Key"].endswith(f"/step-{step}/manifest.json") for step in self._steps):
-            raise ClientError(
-                {"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}, "GetObject"
-            )
+            denied: Any = {"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}
+            raise ClientError(denied, "GetObject")
         return self._client.get_object(**request)
 
 
