@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -13,6 +13,9 @@ from demo.moto_server import MOTO_SETTINGS
 from demo.moto_server import moto_server as embedded_moto_server
 from tests.iam import plugin as iam_check
 from tests.tools import pytest_runtest_makereport as pytest_runtest_makereport  # in CI no test skips
+
+if TYPE_CHECKING:
+    from tests.forkserver import ForkServer
 
 # Set before any test makes a boto3 client (importing boto3 reads nothing): no test may find real
 # credentials or reach a real endpoint.
@@ -104,3 +107,13 @@ def aws(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[Mo
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint_url)
     yield moto_server
     requests.post(f"{moto_server.endpoint_url}/moto-api/reset", timeout=10)
+
+
+@pytest.fixture(scope="session")
+def fork_server() -> Iterator[ForkServer]:
+    """This worker's trainer fork server (tests/forkserver.py), started by the first test that asks: its
+    imports cost what one trainer life's do, and every later life forked from it skips them."""
+    from tests.forkserver import TRAINER_MODULES, serving
+
+    with serving(*TRAINER_MODULES) as server:
+        yield server

@@ -4,11 +4,17 @@ is computed from the two measured runs. No timing is asserted: this machine's sp
 from __future__ import annotations
 
 import json
+import subprocess
+import types
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import bench.scaling
 from bench.scaling import Report, allreduce_seconds, scaling, steady_throughput
+from tests.forkserver import ForkServer
 from training.sample_data import write_dataset
 
 
@@ -37,7 +43,26 @@ def test_steady_throughput_skips_the_warm_up_and_weighs_intervals_by_their_time(
         steady_throughput(_line(2, 10.0), global_batch=10, warmup_steps=2)
 
 
-@pytest.mark.slow(seconds=18)
+@pytest.fixture()
+def forked_trainers(fork_server: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness's `python -m training` runs forked from the worker's fork server (tests/forkserver.py):
+    the same command, environment and merged log, without torch's imports each (the two ranks of the
+    2-process run are processes torch's engine starts). Timing is not under test here."""
+
+    def run(command: Sequence[str], *, cwd: Path, env: dict[str, str], timeout: float, **options: Any) -> Any:
+        log = tmp_path / f"trainer-{len(list(tmp_path.glob('trainer-*.log')))}.log"
+        life = fork_server.start(list(command[1:]), env, cwd, log)
+        try:
+            output = life.communicate(timeout=timeout)[0]
+        finally:
+            life.kill()
+        return subprocess.CompletedProcess(list(command), life.wait(), output, "")
+
+    monkeypatch.setattr(bench.scaling, "subprocess", types.SimpleNamespace(run=run))
+
+
+@pytest.mark.slow(seconds=10)
+@pytest.mark.usefixtures("forked_trainers")
 def test_a_tiny_scaling_run_reports_both_sides_and_the_ratio_of_their_measurements(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_dataset(data, classes=2, train_per_class=32, val_per_class=4, size=32)

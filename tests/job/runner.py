@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.forkserver import ForkedLife, ForkServer
 from tests.job.hold_at_step import HOLD_ENV
 from trainstack_job.contract import JobEnv
 
@@ -73,10 +74,12 @@ class JobSandbox:
         stop_with_sigterm: bool = False,
         timeout: float = 60,
         env: dict[str, str] | None = None,
+        server: ForkServer | None = None,
     ) -> Run:
         """Run `python argv...`; with `stop_at_step`, touch the stop file (or send SIGTERM) once progress
         reaches it. The job is held at the first step it reports from there until the stop arrives, so the
-        stop lands at that step however fast this machine is (`Run.held_at` names it)."""
+        stop lands at that step however fast this machine is (`Run.held_at` names it). With `server`, the
+        process is forked from it (tests/forkserver.py) instead of started afresh."""
         self.stop_file.unlink(missing_ok=True)
         self.progress_file.unlink(missing_ok=True)
         log = self.root / f"run-{time.monotonic_ns()}.log"
@@ -87,9 +90,13 @@ class JobSandbox:
             if stop_at_step is not None:
                 extra[HOLD_ENV] = str(stop_at_step)
                 command = [sys.executable, str(HOLD), *argv]
-            process = subprocess.Popen(
-                command, cwd=cwd, env=self.env(extra), stdout=sink, stderr=subprocess.STDOUT
-            )
+            process: subprocess.Popen[bytes] | ForkedLife
+            if server is None:
+                process = subprocess.Popen(
+                    command, cwd=cwd, env=self.env(extra), stdout=sink, stderr=subprocess.STDOUT
+                )
+            else:
+                process = server.start(command[1:], self.env(extra), cwd, log)
             try:
                 while process.poll() is None and time.monotonic() < deadline:
                     if stop_at_step is not None and self.progress_step() >= stop_at_step:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.forkserver import ForkServer, serving
 from tests.job.conftest import installed
 from tests.job.runner import REPO, JobSandbox
 from trainstack_job.contract import ExitCode
@@ -25,11 +27,22 @@ CHARLM_SMALL = [
 ]
 
 
-@pytest.mark.slow(seconds=20)
+@pytest.fixture()
+def server() -> Iterator[ForkServer]:
+    """The interrupted job's two lives are forked from one process that has imported torch
+    (tests/forkserver.py): the import is most of a life's CPU. The uninterrupted run they must equal is a
+    process of its own, as the job runs under the agent."""
+    with serving("torch", "trainstack_job", "tests.job.hold_at_step") as started:
+        yield started
+
+
+@pytest.mark.slow(seconds=10)
 @installed("torch")
-def test_charlm_stopped_and_resumed_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path: Path) -> None:
+def test_charlm_stopped_and_resumed_ends_bitwise_equal_to_an_uninterrupted_run(
+    tmp_path: Path, server: ForkServer
+) -> None:
     interrupted = JobSandbox(tmp_path / "interrupted")
-    stopped = interrupted.run(CHARLM_SMALL, CHARLM, stop_at_step=STOP_AT)
+    stopped = interrupted.run(CHARLM_SMALL, CHARLM, stop_at_step=STOP_AT, server=server)
     assert stopped.returncode == ExitCode.STOPPED, stopped.output
     steps = committed_steps(interrupted.checkpoint_dir)
     # Held at the first step it reported from STOP_AT on until the stop arrived (tests/job/runner.py): the
@@ -38,7 +51,7 @@ def test_charlm_stopped_and_resumed_ends_bitwise_equal_to_an_uninterrupted_run(t
     assert steps and steps[0] == stopped.held_at, stopped.output
     assert verify_dir(interrupted.checkpoint_dir / f"step-{steps[0]}")[0] is not None
 
-    resumed = interrupted.run(CHARLM_SMALL, CHARLM)
+    resumed = interrupted.run(CHARLM_SMALL, CHARLM, server=server)
     assert resumed.returncode == ExitCode.COMPLETED, resumed.output
     assert re.search(rf"^resumed from step {steps[0]}$", resumed.output, re.MULTILINE), resumed.output
 

@@ -4,10 +4,12 @@ exits 75, and the rerun resumes at the same global step and completes."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.forkserver import ForkServer, serving
 from tests.job.conftest import installed
 from tests.job.runner import JobSandbox
 from trainstack_job.contract import ExitCode
@@ -18,12 +20,21 @@ pytestmark = installed("transformers", "accelerate")  # the Trainer needs accele
 HERE = Path(__file__).parent
 
 
-@pytest.mark.slow(seconds=20)
+@pytest.fixture()
+def server() -> Iterator[ForkServer]:
+    """Both lives are forked from one process that has imported the Trainer (tests/forkserver.py): the
+    import is most of a life's CPU. What hf_job.py and the runner's hold (hold_at_step.py) import."""
+    modules = ("transformers.models.gpt2.modeling_gpt2", "transformers.trainer", "trainstack_job.hf")
+    with serving(*modules, "tests.job.hold_at_step") as started:
+        yield started
+
+
+@pytest.mark.slow(seconds=8)
 def test_hf_trainer_job_stops_with_a_committed_checkpoint_and_resumes_at_the_same_step(
-    tmp_path: Path,
+    tmp_path: Path, server: ForkServer
 ) -> None:
     sandbox = JobSandbox(tmp_path)
-    stopped = sandbox.run(["hf_job.py"], HERE, stop_at_step=15)
+    stopped = sandbox.run(["hf_job.py"], HERE, stop_at_step=15, server=server)
     assert stopped.returncode == ExitCode.STOPPED, stopped.output
     steps = committed_steps(sandbox.checkpoint_dir)
     # Held at the first step it reported from 15 on until the stop arrived (tests/job/runner.py): the stop
@@ -36,7 +47,7 @@ def test_hf_trainer_job_stops_with_a_committed_checkpoint_and_resumes_at_the_sam
     assert (directory / "trainer_state.json").is_file()
     assert not list(sandbox.output_dir.glob("checkpoint-*"))  # moved into the checkpoint directory
 
-    resumed = sandbox.run(["hf_job.py"], HERE)
+    resumed = sandbox.run(["hf_job.py"], HERE, server=server)
     assert resumed.returncode == ExitCode.COMPLETED, resumed.output
     assert re.search(rf"^start global_step {steps[0]}$", resumed.output, re.MULTILINE), resumed.output
     assert re.search(r"^end global_step 25$", resumed.output, re.MULTILINE), resumed.output  # MAX_STEPS

@@ -9,10 +9,15 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from training.sample_data import write_dataset
+
+if TYPE_CHECKING:
+    from tests.forkserver import ForkServer
+    from tests.training.lives import Lives
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "training" / "configs" / "tiny.yaml"
@@ -170,3 +175,14 @@ def baseline(tmp_path_factory: pytest.TempPathFactory, image_folders: Dataset) -
         assert code == 0, output
 
     return make_run_factory(built_once(tmp_path_factory, "baseline", build), image_folders)(name="run")
+
+
+@pytest.fixture()
+def lives(fork_server: ForkServer) -> Iterator[Lives]:
+    """Trainer lives forked from the worker's fork server (tests/conftest.py, tests/training/lives.py); none
+    outlives its test."""
+    from tests.training.lives import Lives
+
+    started = Lives(fork_server)
+    yield started
+    started.reap()

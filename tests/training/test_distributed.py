@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.training.conftest import MakeRun, Run
+from tests.training.lives import Lives
 
 EXIT_STOPPED = 75
 
@@ -24,9 +25,9 @@ def parameters(run: Run) -> dict[str, torch.Tensor]:
     }
 
 
-def _sigterm_to_the_launcher_once_trained(run: Run, steps: int) -> tuple[int, str]:
+def _sigterm_to_the_launcher_once_trained(run: Run, lives: Lives, steps: int) -> tuple[int, str]:
     """Start a life and send SIGTERM to the elastic launcher once the ranks have trained `steps` steps."""
-    process = run.popen()
+    process = lives.popen(run)
     progress = run.output / "progress.json"
     deadline = time.monotonic() + 120
     while not (progress.exists() and json.loads(progress.read_text() or "{}").get("step", 0) >= steps):
@@ -37,20 +38,23 @@ def _sigterm_to_the_launcher_once_trained(run: Run, steps: int) -> tuple[int, st
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
-    return process.returncode, output
+    return process.wait(), output
 
 
 @pytest.mark.slow(seconds=25)
-def test_two_ranks_stopped_either_way_resume_and_match_one_process(make_run: MakeRun, baseline: Run) -> None:
+def test_two_ranks_stopped_either_way_resume_and_match_one_process(
+    make_run: MakeRun, baseline: Run, lives: Lives
+) -> None:
     """One two-rank job, stopped twice, then completed.
 
     First SIGTERM to the elastic launcher (as the agent sends it): the engine would report a rank's 75 as a
     failure and kill ranks 30 s after its SIGTERM, so the launcher keeps SIGTERM to itself, every rank
     commits the checkpoint and the group exits 75. Then SIGTERM to rank 1 alone: rank 0 stops at the same
     step. The resumed job follows the one-process optimisation at the same global batch (the baseline's
-    1 process x 2 accumulation x 8; here 2 ranks x 1 x 8)."""
+    1 process x 2 accumulation x 8; here 2 ranks x 1 x 8). Each life's launcher is forked from the fork
+    server (tests/forkserver.py); its ranks are processes that torch's engine starts, as always."""
     run = make_run("train.processes=2")
-    code, output = _sigterm_to_the_launcher_once_trained(run, 2)
+    code, output = _sigterm_to_the_launcher_once_trained(run, lives, 2)
     assert code == EXIT_STOPPED, output[-3000:]
     assert "ChildFailedError" not in output and "Traceback" not in output
     first = json.loads((run.checkpoints / "latest.json").read_text())["step"]
@@ -59,7 +63,7 @@ def test_two_ranks_stopped_either_way_resume_and_match_one_process(make_run: Mak
     assert manifest["world_size"] == 2
 
     second = first + 3  # the step in flight when rank 1 is signalled is finished, then saved
-    code, output = run.life(fault=f"sigterm:micro-batch:step={second - 1},micro=0,rank=1")
+    code, output = lives.life(run, fault=f"sigterm:micro-batch:step={second - 1},micro=0,rank=1")
     assert code == EXIT_STOPPED, output
     assert f"resuming at step {first} " in output
     assert "[rank 1] WARNING SIGTERM received" in output
@@ -68,7 +72,7 @@ def test_two_ranks_stopped_either_way_resume_and_match_one_process(make_run: Mak
     manifest = json.loads((run.checkpoints / f"step-{second}" / "manifest.json").read_text())
     assert manifest["world_size"] == 2
 
-    code, output = run.life()
+    code, output = lives.life(run)
     assert code == 0, output
     ddp, single = parameters(run), parameters(baseline)
     assert ddp.keys() == single.keys()

@@ -1,5 +1,7 @@
 """One data-parallel job over several "nodes": launcher processes on 127.0.0.1 that join one c10d rendezvous,
-each with its own checkpoint and output folders, as on separate machines."""
+each with its own checkpoint and output folders, as on separate machines. The launchers are forked from the
+fork server (tests/forkserver.py), without torch's imports each; their ranks are processes that torch's
+engine starts, as always."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.training.conftest import _STARTED, REPO, Dataset, MakeRun, Run, make_run_factory
+from tests.forkserver import ForkedLife, ForkServer
+from tests.training.conftest import Dataset, MakeRun, Run, make_run_factory
+from tests.training.lives import Lives
 from training.launch import LISTEN_FD_ENV
 from trainstack_job.contract import JobEnv
 
@@ -70,6 +74,7 @@ class Node:
 
     def start(
         self,
+        lives: Lives,
         port: int,
         run_id: str,
         *,
@@ -77,7 +82,7 @@ class Node:
         listener: socket.socket | None = None,
         nnodes: str = "2:2",
         join_timeout: float = 120,
-    ) -> subprocess.Popen[str]:
+    ) -> ForkedLife:
         """The node's launcher; the host's serves its store on `listener` (then closed here: the launcher
         holds it) when given one."""
         env = {key: value for key, value in os.environ.items() if key not in ENGINE_VARIABLES}
@@ -95,19 +100,11 @@ class Node:
             env[LISTEN_FD_ENV] = str(listener.fileno())
         self.run.root.mkdir(parents=True, exist_ok=True)
         self.exit_file.unlink(missing_ok=True)
-        with self.log.open("w") as log:  # a file, not a pipe: nobody has to drain two nodes at once
-            process = subprocess.Popen(
-                self.run.command(),
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                text=True,
-                pass_fds=() if listener is None else (listener.fileno(),),
-            )
+        # The log a file, not a pipe: nobody has to drain two nodes at once. `lives` kills the launcher if
+        # the test ends first.
+        process = lives.popen(self.run, env, exact_env=True, log=self.log, listener=listener)
         if listener is not None:
             listener.close()
-        _STARTED.append(process)  # conftest's reap_trainers kills it if the test ends first
         return process
 
     def output(self) -> str:
@@ -118,7 +115,7 @@ class Node:
         return record
 
 
-def wait_for(processes: dict[Node, subprocess.Popen[str]], timeout: float = 240) -> dict[Node, int]:
+def wait_for(processes: dict[Node, ForkedLife], timeout: float = 240) -> dict[Node, int]:
     """Every node's exit code; kills them all and fails (with their logs) past `timeout`."""
     deadline = time.monotonic() + timeout
     codes = {}
@@ -134,9 +131,7 @@ def wait_for(processes: dict[Node, subprocess.Popen[str]], timeout: float = 240)
     return codes
 
 
-def poll(
-    process: subprocess.Popen[str], condition: Callable[[], bool], what: str, timeout: float = 180
-) -> None:
+def poll(process: ForkedLife, condition: Callable[[], bool], what: str, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert process.poll() is None, f"exited {process.returncode} before {what}"
@@ -169,31 +164,31 @@ class StoppedPair:
 
 
 @pytest.fixture(scope="module")
-def stopped_pair(tmp_path_factory: pytest.TempPathFactory, image_folders: Dataset) -> StoppedPair:
+def stopped_pair(
+    tmp_path_factory: pytest.TempPathFactory, image_folders: Dataset, fork_server: ForkServer
+) -> StoppedPair:
     """Two nodes, one rank each, training; the non-host node's launcher gets SIGTERM mid-run."""
     make = make_run_factory(tmp_path_factory.mktemp("pair"), image_folders)
+    lives = Lives(fork_server)
     a = Node(make("train.processes=1", f"train.epochs={EPOCHS}", name="a"), "127.0.0.1")
     b = Node(make("train.processes=1", f"train.epochs={EPOCHS}", name="b"), "127.0.0.2")
     listener, run_id = store_listener(), "pair-1"
     port = port_of(listener)
     processes = {
-        a: a.start(port, run_id, host=True, listener=listener),
-        b: b.start(port, run_id, host=False),
+        a: a.start(lives, port, run_id, host=True, listener=listener),
+        b: b.start(lives, port, run_id, host=False),
     }
     try:
         poll(processes[a], lambda: trained_steps(a.run) >= 2, "two trained steps")
         processes[b].send_signal(signal.SIGTERM)
         codes = wait_for(processes)
     finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        lives.reap()
     saved = a.run.checkpoints / "latest.json"
     return StoppedPair(a, b, codes, latest_step(a.run) if saved.exists() else -1)
 
 
-@pytest.mark.slow(seconds=15)
+@pytest.mark.slow(seconds=9)
 def test_sigterm_to_one_node_stops_every_rank_of_both_at_the_same_step(stopped_pair: StoppedPair) -> None:
     a, b = stopped_pair.a, stopped_pair.b
     logs = f"{a.output()[-3000:]}\n---\n{b.output()[-3000:]}"
@@ -218,14 +213,14 @@ def test_sigterm_to_one_node_stops_every_rank_of_both_at_the_same_step(stopped_p
     assert manifest["world_size"] == 2
     assert not list(b.run.checkpoints.glob("step-*"))
     # What a later round with another world size needs to keep the optimisation: the global batch. One node
-    # resuming it alone (2 accumulation steps, not 1) is tests/bootstrap/test_multinode_agent.py's survivor.
+    # resuming it alone (2 accumulation steps, not 1) is tests/bootstrap/test_multinode_faults.py's survivor.
     saved = torch.load(a.run.checkpoints / f"step-{step}" / "state.pt", weights_only=True)["batch"]
     assert saved == {"global_batch": GLOBAL_BATCH, "micro_batch": 8, "accumulation": 1, "world_size": 2}
 
 
-@pytest.mark.slow(seconds=15)
+@pytest.mark.slow(seconds=10)
 def test_a_node_without_the_checkpoint_gets_it_over_the_process_group_and_both_complete(
-    stopped_pair: StoppedPair, make_run: MakeRun
+    stopped_pair: StoppedPair, make_run: MakeRun, lives: Lives
 ) -> None:
     """Relaunched in a new generation, the node that has no checkpoint becomes global rank 0 (its address
     sorts first now): it resumes at the other node's step, so the state came over the process group."""
@@ -238,8 +233,8 @@ def test_a_node_without_the_checkpoint_gets_it_over_the_process_group_and_both_c
     port = port_of(listener)
     codes = wait_for(
         {
-            holder: holder.start(port, "pair-2", host=True, listener=listener),
-            empty: empty.start(port, "pair-2", host=False),
+            holder: holder.start(lives, port, "pair-2", host=True, listener=listener),
+            empty: empty.start(lives, port, "pair-2", host=False),
         }
     )
     logs = f"{holder.output()[-3000:]}\n---\n{empty.output()[-3000:]}"
@@ -266,16 +261,16 @@ def in_rendezvous(node: Node) -> Callable[[], bool]:
     return lambda: "joining rendezvous" in node.output()
 
 
-@pytest.mark.slow(seconds=8)
-def test_sigterm_while_waiting_for_the_other_nodes_exits_75_at_once(make_run: MakeRun) -> None:
+@pytest.mark.slow(seconds=4)
+def test_sigterm_while_waiting_for_the_other_nodes_exits_75_at_once(make_run: MakeRun, lives: Lives) -> None:
     """No rank has run: nothing to save, no reason to wait out the join timeout. The host waits in torch's
     rendezvous, the other node for a store host that never comes."""
     host = Node(make_run("train.processes=1", name="host"), "127.0.0.1")
     guest = Node(make_run("train.processes=1", name="guest"), "127.0.0.1")
     listener, nobody = store_listener(), refusing_port()
     processes = {
-        host: host.start(port_of(listener), "lonely", host=True, listener=listener, join_timeout=300),
-        guest: guest.start(port_of(nobody), "lonely-guest", host=False, join_timeout=300),
+        host: host.start(lives, port_of(listener), "lonely", host=True, listener=listener, join_timeout=300),
+        guest: guest.start(lives, port_of(nobody), "lonely-guest", host=False, join_timeout=300),
     }
     with nobody:
         for node, process in processes.items():
@@ -302,16 +297,16 @@ def test_sigterm_while_waiting_for_the_other_nodes_exits_75_at_once(make_run: Ma
     assert took < 30, f"the launchers took {took:.0f}s to stop"
 
 
-@pytest.mark.slow(seconds=8)
-def test_a_rendezvous_that_cannot_form_fails_as_a_rendezvous_failure(make_run: MakeRun) -> None:
+@pytest.mark.slow(seconds=4)
+def test_a_rendezvous_that_cannot_form_fails_as_a_rendezvous_failure(make_run: MakeRun, lives: Lives) -> None:
     """A store nobody hosts, and a host whose second node never comes: exit 1, and the node exit file tells
     the agent to try a new generation rather than count a failure."""
     unreachable = Node(make_run("train.processes=1", name="unreachable"), "127.0.0.1")
     alone = Node(make_run("train.processes=1", name="alone"), "127.0.0.1")
     listener, nobody = store_listener(), refusing_port()
     processes = {
-        unreachable: unreachable.start(port_of(nobody), "nobody", host=False, join_timeout=2),
-        alone: alone.start(port_of(listener), "too-few", host=True, listener=listener, join_timeout=2),
+        unreachable: unreachable.start(lives, port_of(nobody), "nobody", host=False, join_timeout=2),
+        alone: alone.start(lives, port_of(listener), "too-few", host=True, listener=listener, join_timeout=2),
     }
     with nobody:
         codes = wait_for(processes, timeout=120)

@@ -1,18 +1,17 @@
 """The start gate (`train.start_gate_file`): a warm standby's trainer is ready, waits while the file exists,
 and only once the agent removes it restores the newest checkpoint and trains, exactly as an ungated start.
 
-Two trainer launches (one gated resume, one two-rank stop) plus the session's shared baseline: each
-launch is a few CPU-seconds of imports on the 2 shared cores. The rest runs in-process, without torch.
+Two trainer launches (one gated resume, one two-rank stop) plus the session's shared baseline, each forked
+from the fork server (tests/forkserver.py) without a few CPU-seconds of imports on the 2 shared cores (the
+two ranks are processes torch's engine starts). The rest runs in-process, without torch.
 """
 
 from __future__ import annotations
 
 import json
-import queue
 import re
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from bootstrap.trainer import TrainerPaths
 from tests.training.conftest import TINY, TOTAL_STEPS, Dataset, MakeRun, Run
+from tests.training.lives import Lives
 from training.__main__ import main as trainer_main
 from training.__main__ import start_gate_problems
 from training.config import ConfigError, build_config
@@ -42,41 +42,29 @@ def warm_line(gate: Path) -> re.Pattern[str]:
 
 
 class Output:
-    """A running trainer's merged output, read on a thread so the test can wait for a line with a timeout."""
+    """A running trainer's merged output, read from its log as it grows, so the test can wait for a line
+    with a timeout."""
 
-    def __init__(self, process: subprocess.Popen[str]) -> None:
-        self.process = process
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self._queue.put(line)
-        self._queue.put(None)
+    def __init__(self, lives: Lives, run: Run) -> None:
+        self.log = run.root / "trainer.log"
+        self.process = lives.popen(run, log=self.log)
 
     @property
     def text(self) -> str:
-        return "".join(self.lines)
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def wait_for(self, pattern: re.Pattern[str], timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while not pattern.search(self.text):
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"no {pattern.pattern!r} within {timeout}s:\n{self.text[-3000:]}")
-            if line is None:
+            if self.process.poll() is not None and not pattern.search(self.text):
                 pytest.fail(f"the trainer exited before {pattern.pattern!r}:\n{self.text[-3000:]}")
-            self.lines.append(line)
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {pattern.pattern!r} within {timeout}s:\n{self.text[-3000:]}")
+            time.sleep(0.02)
 
     def finish(self, timeout: float = 180) -> int:
-        """The exit code, with every remaining line read."""
-        code = self.process.wait(timeout=timeout)
-        while (line := self._queue.get(timeout=30)) is not None:
-            self.lines.append(line)
-        return code
+        """The exit code, once the trainer has exited (and written its last line)."""
+        return self.process.wait(timeout=timeout)
 
 
 def oldest_checkpoint(baseline: Run) -> int:
@@ -93,7 +81,7 @@ def metrics(run: Run) -> dict[str, object]:
 
 
 def test_a_gated_trainer_waits_warm_then_restores_only_after_the_gate_and_matches_the_ungated_run(
-    make_run: MakeRun, baseline: Run
+    make_run: MakeRun, baseline: Run, lives: Lives
 ) -> None:
     """The checkpoint is put in checkpoint.dir only after the warm line, as the agent refreshes it right
     before removing the gate: resuming at its step + 1 proves the restore came after the gate. The baseline
@@ -104,7 +92,7 @@ def test_a_gated_trainer_waits_warm_then_restores_only_after_the_gate_and_matche
     run = make_run(f"train.start_gate_file={gate}", "data.num_workers=1")
     gate.parent.mkdir(parents=True, exist_ok=True)
     gate.touch()
-    output = Output(run.popen())
+    output = Output(lives, run)
     output.wait_for(warm_line(gate))
 
     time.sleep(0.5)  # several polls of the gate
@@ -133,15 +121,17 @@ def test_a_gated_trainer_waits_warm_then_restores_only_after_the_gate_and_matche
     assert metrics(run) == metrics(baseline)
 
 
-@pytest.mark.slow(seconds=8)
-def test_sigterm_while_two_ranks_wait_at_the_gate_exits_75_and_writes_no_step(make_run: MakeRun) -> None:
+@pytest.mark.slow(seconds=7)
+def test_sigterm_while_two_ranks_wait_at_the_gate_exits_75_and_writes_no_step(
+    make_run: MakeRun, lives: Lives
+) -> None:
     """Both ranks of the elastic launcher warm up and wait; the launcher forwards the agent's SIGTERM, every
     rank leaves the gate together and the group exits 75 with checkpoint.dir untouched."""
     gate = make_run().root / "START_GATE"
     run = make_run(f"train.start_gate_file={gate}", "train.processes=2")
     gate.parent.mkdir(parents=True, exist_ok=True)
     gate.touch()
-    output = Output(run.popen())
+    output = Output(lives, run)
     output.wait_for(warm_line(gate))
     output.process.send_signal(signal.SIGTERM)
 

@@ -1,0 +1,224 @@
+"""Process lives forked from one interpreter that has already imported what they import (torch, ...).
+
+A trainer life started as `python -m training` spends ~3.7 of its ~5 CPU-seconds importing torch and
+torchvision, a Lightning job's life ~5 of its ~6 importing Lightning; a resume test runs several lives of one
+job. Here one server process pays the imports once, then forks a child per life that runs what `python
+ARGV...` runs (`-m module` as runpy's run_module, a script as run_path, both as `__main__`), with the life's
+own argv, environment, working directory and output file. Each life is still its own process: the test
+kills or signals it by pid, it ends by the interpreter's own shutdown (atexit, thread joins) or by the
+signal, and its exit status reaches the test as `Popen.returncode` would (negative for a signal).
+
+What a fork does not reproduce, and who covers it instead: a stop during the interpreter's start and its
+imports (tests/training/test_startup.py starts real processes); a per-process hash seed (the lives of one
+server share it: the baseline the trainer's resume tests compare with is a real `python -m training`
+process, so a result that depended on string hashing would differ from it); the ranks of a multi-rank job
+(torch's launcher starts them as processes).
+
+The server (`python -m tests.forkserver FD MODULE...`) imports MODULE..., then reads one JSON request per
+message on the SOCK_SEQPACKET socket FD ({"argv", "env", "cwd", "log", "status", "fds"}, with the file
+descriptors the life inherits under the numbers "fds" names, as Popen's pass_fds), answers {"pid"}, and
+writes each child's status as JSON ({"returncode"}) to the request's status file once it has reaped it. It
+exits when the test closes its end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+# What every trainer life imports (an S3 life its persister too, a launcher torch's elastic engine, a
+# completed job pyplot, with the Agg backend training/plots.py picks: MPLBACKEND below).
+TRAINER_MODULES = (
+    "matplotlib.pyplot",
+    "training.launch",
+    "training.loop",
+    "training.store",
+    "bootstrap.persist",
+    "torch.distributed.launcher.api",
+    "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+    "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+)
+# A request (its environment included) fits in one message of this size.
+MESSAGE_BYTES = 1 << 20
+MAX_FDS = 8
+
+# -- the test side ------------------------------------------------------------------------------------------
+
+
+class ForkedLife:
+    """The parts of `subprocess.Popen` the tests use, for a life forked by the server."""
+
+    def __init__(self, pid: int, log: Path, status: Path) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._log = log
+        self._status = status
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._status.exists():
+            self.returncode = int(json.loads(self._status.read_text())["returncode"])
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked life {self.pid}", timeout or 0.0)
+            time.sleep(0.02)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:  # once reaped, the pid may be another process's
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        return self._log.read_text(errors="replace"), None
+
+
+class ForkServer:
+    """One server process that has imported `modules`; `start` forks a life from it. Its environment is
+    this process's: what the libraries read once at import (OMP_NUM_THREADS) is the same in every life.
+    MPLBACKEND=Agg makes a preloaded pyplot the one training/plots.py gets (it selects Agg itself)."""
+
+    def __init__(self, modules: tuple[str, ...]) -> None:
+        self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "tests.forkserver", str(theirs.fileno()), *modules],
+                cwd=REPO,
+                env={key: value for key, value in os.environ.items() if key != "TRAINSTACK_FAULT"}
+                | {"MPLBACKEND": "Agg"},
+                pass_fds=(theirs.fileno(),),
+            )
+        self._count = 0
+
+    def start(
+        self, argv: list[str], env: dict[str, str], cwd: Path, log: Path, pass_fds: tuple[int, ...] = ()
+    ) -> ForkedLife:
+        """`python *argv` in `cwd` with exactly `env`, its stdout and stderr written to `log`, inheriting
+        `pass_fds` under the same numbers."""
+        self._count += 1
+        status = log.with_name(f"{log.name}.status-{self._count}")
+        request = {
+            "argv": argv,
+            "env": env,
+            "cwd": str(cwd),
+            "log": str(log),
+            "status": str(status),
+            "fds": list(pass_fds),
+        }
+        socket.send_fds(self._socket, [json.dumps(request).encode()], list(pass_fds))
+        reply = self._socket.recv(MESSAGE_BYTES)
+        if not reply:
+            raise RuntimeError(f"the fork server exited ({self._process.poll()}) before starting a life")
+        return ForkedLife(int(json.loads(reply)["pid"]), log, status)
+
+    def close(self) -> None:
+        self._socket.close()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+@contextlib.contextmanager
+def serving(*modules: str) -> Iterator[ForkServer]:
+    server = ForkServer(modules)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+# -- the server side --------------------------------------------------------------------------------------
+
+
+def _write_status(path: str, returncode: int) -> None:
+    staging = Path(f"{path}.tmp")
+    staging.write_text(json.dumps({"returncode": returncode}))
+    staging.replace(path)  # the test never reads half a status
+
+
+def _returncode(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _child(request: dict[str, Any], control: socket.socket, fds: list[int]) -> None:
+    """In the forked child: become the life, then run `python *argv`. Never returns: its SystemExit goes up
+    through the server's frames to the interpreter's own shutdown, as the program's would."""
+    control.close()
+    for received, number in zip(fds, request["fds"], strict=True):
+        if received != number:
+            os.dup2(received, number)
+            os.close(received)
+        os.set_inheritable(number, True)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    output = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(output)
+    nothing = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(nothing, 0)
+    os.close(nothing)
+    argv: list[str] = request["argv"]
+    if argv[0] == "-m":
+        sys.argv = ["-m", *argv[2:]]  # run_module sets argv[0] to the module's file, as python -m does
+        sys.path[0] = str(Path.cwd())  # as python -m has it
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = str(Path(argv[0]).resolve().parent)
+        runpy.run_path(argv[0], run_name="__main__")
+    sys.exit(0)
+
+
+def serve(control: socket.socket) -> None:
+    children: dict[int, str] = {}  # pid -> status file
+    while True:
+        readable, _, _ = select.select([control], [], [], 0.05)  # and reap every 50 ms
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            _write_status(children.pop(pid), _returncode(status))
+        if not readable:
+            continue
+        message, fds, _, _ = socket.recv_fds(control, MESSAGE_BYTES, MAX_FDS)
+        if not message:
+            return  # the test process is done or gone; its lives are reaped by its own fixtures
+        request = json.loads(message)
+        pid = os.fork()
+        if pid == 0:
+            _child(request, control, fds)
+        for fd in fds:
+            os.close(fd)
+        children[pid] = request["status"]
+        control.send(json.dumps({"pid": pid}).encode())
+
+
+if __name__ == "__main__":
+    # The lives' imports, paid once here; nothing more: no logging set up, no thread started (a fork
+    # copies only the thread that forks).
+    for module in sys.argv[2:]:
+        importlib.import_module(module)
+    serve(socket.socket(fileno=int(sys.argv[1])))
