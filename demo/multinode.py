@@ -16,10 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 
-from bootstrap.cloud_init import render_user_data
+from demo.environment import (
+    MODEL,
+    STEPS_PER_EPOCH,
+    trainer_config,
+    upload_bundle,
+    upload_dataset,
+    write_demo_dataset,
+    write_user_data,
+)
 from demo.imds import ImdsSimulator, SimulatedInstance
 from demo.instance import (
     AgentEcho,
@@ -29,27 +36,20 @@ from demo.instance import (
     install_bundle,
     kill_running,
 )
-from demo.run import (
-    INTERRUPT_AT_FRACTION,
-    ISOLATED_ENV,
-    JOB_CONFIG,
-    REPO,
-    _upload_tree,
-    _validate_user_data,
-)
+from demo.run import ISOLATED_ENV
 from demo.stack import LocalStack, create_stack, end_state
-from infra.bundle import build_bundle
-from training.sample_data import write_dataset
 
 NODES = 2
-# Smaller than the single-node demo's resnet18: 0.3M parameters against 11M, so a step and its gloo
-# all-reduce take a third of the time on 2 cores and a checkpoint is 2 MB, not 60; it still reaches
-# val accuracy > 0.9 on the generated shapes in 4 epochs.
-MODEL = "shufflenet_v2_x0_5"
 # Long enough for the whole story to happen mid-run: rounds of two nodes, one, two again. Each round costs
-# 10-25 s of start-up on 2 cores (the engine's rendezvous, every rank importing torch and restoring), and
-# the round of one must still have steps left when the replacement has booted and joined: 240 steps.
-EPOCHS = 30
+# 10-25 s of start-up on 2 cores (the engine's rendezvous, every rank importing torch and restoring). The
+# notice comes early, once the round of two has trained NOTICE_FROM_STEP steps (~15 by the stop): a step of
+# two ranks costs twice one's CPU, and the round of two that matters is the one the replacement joins. The
+# round of one then trains while the replacement boots and joins (38-45 steps in 13-20 s measured on a loaded
+# 2-core machine, where steps and start-up slow down alike) and must still have steps left when it does:
+# 172 steps leave ~157 to the round of one, three and a half times what it trains (the 240-step story, its
+# notice at 40%, left 139).
+EPOCHS = 43
+NOTICE_FROM_STEP = 12
 LOG_EVERY_STEPS = 4
 CHECKPOINT_EVERY_STEPS = 40
 # The notice goes to the second node: the first one's launcher is usually the rendezvous host, and
@@ -229,27 +229,20 @@ class MultiNodeDemo:
             f"[bold]stack[/] bucket s3://{stack.bucket} (SSE-KMS), topic, log group, "
             f"group {stack.group_name} (desired {NODES})"
         )
-        dataset = self.workdir / "dataset"
-        write_dataset(dataset)
-        count = _upload_tree(stack, dataset, "data/")
+        count = upload_dataset(stack, write_demo_dataset(self.workdir))
         self.console.print(f"[bold]dataset[/] {count} generated images uploaded to s3://{stack.bucket}/data/")
 
-        bundle = build_bundle(REPO)
+        bundle = upload_bundle(stack)
         bundle_key = bundle.key()
-        stack.client("s3").put_object(Bucket=stack.bucket, Key=bundle_key, Body=bundle.data)
-        job = yaml.safe_load(JOB_CONFIG.read_text())
-        job["model"]["name"] = MODEL
-        job["train"].update(epochs=EPOCHS, processes=1, log_every_steps=LOG_EVERY_STEPS)
+        job = trainer_config(EPOCHS, processes=1, log_every_steps=LOG_EVERY_STEPS)
         job["checkpoint"]["every_steps"] = CHECKPOINT_EVERY_STEPS
         config = stack.agent_config(job=job, instance_count=NODES, min_nodes=1, stall_minutes=5.0)
-        user_data = render_user_data(config, bundle_key=bundle_key, bundle_sha256=bundle.sha256)
-        user_data_path = self.workdir / "user-data.yaml"
-        user_data_path.write_text(user_data)
-        result.user_data_bytes = len(user_data.encode())
-        result.user_data_valid = _validate_user_data(user_data_path)
+        written = write_user_data(self.workdir, config, bundle)
+        user_data = written.text
+        result.user_data_bytes, result.user_data_valid = written.size, written.valid
         self.console.print(
-            f"[bold]user-data[/] {user_data_path} ({result.user_data_bytes} bytes, "
-            f"{result.user_data_valid}); instance_count {NODES}, min_nodes 1, {MODEL}, {EPOCHS} epochs"
+            f"[bold]user-data[/] {written.path} ({result.user_data_bytes} bytes, {result.user_data_valid}); "
+            f"instance_count {NODES}, min_nodes 1, {MODEL}, {EPOCHS} epochs of {STEPS_PER_EPOCH} steps"
         )
 
         try:
@@ -309,8 +302,9 @@ class MultiNodeDemo:
         self._nodes.append(_Node(life, imds, root / "scratch", run))
 
     def _watch(self, stack: LocalStack, user_data: str, bundle_key: str, sha256: str) -> None:
-        """Sample every node's progress until every agent has exited; inject the notice into node 2 at ~40%,
-        and boot the replacement once node 2's agent has let its instance go."""
+        """Sample every node's progress until every agent has exited; inject the notice into node 2 once the
+        round of two has trained NOTICE_FROM_STEP steps, and boot the replacement once node 2's agent has let
+        its instance go."""
         result = self.result
         deadline = time.monotonic() + STORY_TIMEOUT_S
         stop_deadline: float | None = None
@@ -362,12 +356,12 @@ class MultiNodeDemo:
             self.result.samples.append(NodeSample(time.time(), node.life.name, step, world))
 
     def _due(self) -> bool:
-        """The notice is due at ~40% of the steps, once the job trains on both nodes."""
+        """The notice is due from NOTICE_FROM_STEP, once the job trains on both nodes."""
         if not self.result.samples or not self.result.total_steps:
             return False
         latest = max(self.result.samples, key=lambda s: s.time)
         both = latest.world_size in (None, NODES)  # a trainer that does not say its world size: by steps only
-        return both and latest.step >= INTERRUPT_AT_FRACTION * self.result.total_steps
+        return both and NOTICE_FROM_STEP <= latest.step < self.result.total_steps
 
     def _interrupt(self, node: _Node, stack: LocalStack) -> None:
         result = self.result

@@ -15,10 +15,11 @@ process, against the embedded AWS), the group at zero is woken by the first, and
 - job 3, examples/charlm, is cancelled while it waits: it never runs, and with the queue empty the group goes
   to zero.
 
-The trainer's config is training/configs/tiny.yaml lengthened only through `train.epochs` (periodic
-checkpoints off); the example is the one shipped in examples/, shortened only through its job file
-(`--steps`). Each simulated instance is what demo/run.py boots (the rendered user-data, the bundle verified
-and unpacked, the real agent as a subprocess); the agent re-executes itself with each job's own code bundle.
+The trainer's config is training/configs/tiny.yaml on the stories' small model (demo/environment.py),
+lengthened through `train.epochs` (periodic checkpoints off); the example is the one shipped in examples/,
+shortened only through its job file (`--steps`). Each simulated instance is what demo/run.py boots (the
+rendered user-data, the bundle verified and unpacked, the real agent as a subprocess); the agent re-executes
+itself with each job's own code bundle.
 """
 
 from __future__ import annotations
@@ -37,7 +38,18 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
-from bootstrap.cloud_init import AGENT_CONFIG_PATH, render_user_data
+from bootstrap.cloud_init import AGENT_CONFIG_PATH
+from demo.environment import (
+    JOB_CONFIG,
+    MODEL,
+    REPO,
+    STEPS_PER_EPOCH,
+    one_torch_thread,
+    trainer_config,
+    upload_bundle,
+    write_demo_dataset,
+    write_user_data,
+)
 from demo.imds import ImdsSimulator, SimulatedInstance
 from demo.instance import (
     AgentEcho,
@@ -47,10 +59,8 @@ from demo.instance import (
     install_bundle,
     kill_tree,
 )
-from demo.run import ISOLATED_ENV, JOB_CONFIG, REPO, STOPPED_AT, _validate_user_data
+from demo.run import ISOLATED_ENV, STOPPED_AT
 from demo.stack import LocalStack, create_stack
-from infra.bundle import build_bundle
-from training.sample_data import write_dataset
 from trainstack_job.contract import LEDGER
 from trainstack_job.jobs import JobPrefixes
 from trainstack_job.queue import cancel_key
@@ -63,15 +73,16 @@ CLI_STACK = "demo"  # the Pulumi stack name the CLI is pointed at (Pulumi.demo.y
 # boundary, and a job reports its progress every step or two: about 0.4 s and 3 steps. The steps left after
 # the notice step must outlast that several times over.
 POLL_S = 0.1
-# Job 1: tiny.yaml's resnet18 on the 256 generated 32 px training images, 8 steps an epoch, lengthened to 6
-# epochs; the notice from step 16 (after 2 epochs) leaves 32 steps. A step takes 0.25-0.4 s on a loaded 2-core
-# CI machine (one torch thread, as the tests run it; the L4's and T4's precisions emulated on its CPU): about
-# 10 s left, and still 1 s on a machine 10 times faster per step, over twice the 0.4 s. Periodic checkpoints
-# are off (86 MB each through the embedded S3): the story needs only the stop's, which the notice makes, and
-# the final one.
-TRAINER_EPOCHS = 6
-TRAINER_STEPS = TRAINER_EPOCHS * 256 // 32
-TRAINER_NOTICE_FROM = 16
+# Job 1: the stories' small model on the 128 generated 32 px training images, 4 steps an epoch, lengthened to
+# 16 epochs; the notice from step 8 (after 2 epochs) leaves 56 steps. A step takes 0.15-0.45 s on a loaded
+# 2-core CI machine (one torch thread, as the tests run it; the L4's and T4's precisions emulated on its CPU;
+# measured: it stopped within a step of the notice): 8 s left and more, 20 times the 0.4 s, and still 0.8 s on
+# a machine 10 times faster per step, twice the 0.4 s. (resnet18, tiny.yaml's, took twice as long a step
+# for three times the CPU and an 86 MB checkpoint.) Periodic checkpoints are off: the story needs only the
+# stop's, which the notice makes, and the final one.
+TRAINER_EPOCHS = 16
+TRAINER_STEPS = TRAINER_EPOCHS * STEPS_PER_EPOCH
+TRAINER_NOTICE_FROM = 8
 # Job 2: Lightning's small CNN trains about 55 steps a second on that machine, a few times more on a fast one;
 # 240 steps with the notice from step 48 leave 192: 3.5 s there, still 1 s at 200 a second. Its length
 # differs from job 1's, so one job's progress file is never taken for the other's.
@@ -234,10 +245,10 @@ def shortened_example(example: str, steps: int, destination: Path) -> Path:
 
 
 def lengthened_config(epochs: int, destination: Path) -> Path:
-    """training/configs/tiny.yaml as shipped, its `train.epochs` set to `epochs` and its periodic checkpoints
-    off (the stop's and the final one remain): the copy's path, named as tiny.yaml (the job's name)."""
-    config = yaml.safe_load(JOB_CONFIG.read_text())
-    config["train"]["epochs"] = epochs
+    """training/configs/tiny.yaml on the stories' small model, its `train.epochs` set to `epochs` and its
+    periodic checkpoints off (the stop's and the final one remain): the copy's path, named as tiny.yaml (the
+    job's name)."""
+    config = trainer_config(epochs)
     config["checkpoint"]["every_steps"] = 0
     path = destination / JOB_CONFIG.name
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -334,37 +345,33 @@ class QueueDemo:
         result.desired_before = int(stack.group()["DesiredCapacity"])
         # The environment's bundle: the agent every instance boots with (install-agent.sh); each job then
         # runs its own bundle, uploaded by `trainstack run`.
-        bundle = build_bundle(REPO)
-        stack.client("s3").put_object(Bucket=stack.bucket, Key=bundle.key(), Body=bundle.data)
+        bundle = upload_bundle(stack)
         config = stack.agent_config(
             job_id="", stall_minutes=5.0, bundle_key=bundle.key(), bundle_sha256=bundle.sha256
         )
-        user_data = render_user_data(config, bundle_key=bundle.key(), bundle_sha256=bundle.sha256)
-        user_data_path = self.workdir / "user-data.yaml"
-        user_data_path.write_text(user_data)
-        result.user_data_bytes = len(user_data.encode())
-        result.user_data_valid = _validate_user_data(user_data_path)
+        written = write_user_data(self.workdir, config, bundle)
+        user_data = written.text
+        result.user_data_bytes, result.user_data_valid = written.size, written.valid
         files = {f["path"]: f["content"] for f in yaml.safe_load(user_data)["write_files"]}
         rendered = yaml.safe_load(files[AGENT_CONFIG_PATH])
         result.user_data_job = str(
             rendered.get("job_id") or ("a user job" if rendered.get("user_job") else "")
         )
         self.console.print(
-            f"[bold]user-data[/] {user_data_path} ({result.user_data_bytes} bytes, "
+            f"[bold]user-data[/] {written.path} ({result.user_data_bytes} bytes, "
             f"{result.user_data_valid}); the agent only: it runs what the stack's queue holds"
         )
         self._write_cli_stack(stack)
 
         # The built-in trainer reads the stack's dataset: pushed as a user would, checked as an ImageFolder.
-        write_dataset(self.workdir / "dataset")
-        self.trainstack("data", "push", os.path.relpath(self.workdir / "dataset"))
+        self.trainstack("data", "push", os.path.relpath(write_demo_dataset(self.workdir)))
         jobs = self.workdir / "jobs"
         tiny = lengthened_config(TRAINER_EPOCHS, jobs)
         lightning = shortened_example("lightning-mnist-like", LIGHTNING_STEPS, jobs)
         result.jobs = [
             QueuedJob(
                 "job 1",
-                f"the built-in trainer, {TRAINER_STEPS} steps",
+                f"the built-in trainer ({MODEL}), {TRAINER_STEPS} steps",
                 ["run", "--config", os.path.relpath(tiny), "--detach"],
                 notice_from=TRAINER_NOTICE_FROM,
                 total_steps=TRAINER_STEPS,
@@ -454,6 +461,7 @@ class QueueDemo:
             )
             env = {
                 **ISOLATED_ENV,
+                **one_torch_thread(),
                 "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
                 "AWS_EC2_METADATA_SERVICE_ENDPOINT": imds.endpoint,
             }

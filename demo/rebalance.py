@@ -26,10 +26,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 
-from bootstrap.cloud_init import render_user_data
+from demo.environment import (
+    JOB_CONFIG,
+    MODEL,
+    trainer_config,
+    upload_bundle,
+    upload_dataset,
+    write_demo_dataset,
+    write_user_data,
+)
 from demo.imds import ImdsSimulator, SimulatedInstance
 from demo.instance import (
     AgentEcho,
@@ -39,23 +46,22 @@ from demo.instance import (
     install_bundle,
     kill_running,
 )
-from demo.run import ISOLATED_ENV, JOB_CONFIG, REPO, _upload_tree, _validate_user_data
+from demo.run import ISOLATED_ENV
 from demo.stack import LocalStack, create_stack
-from infra.bundle import build_bundle
 from infra.jobdef import define_job
-from training.sample_data import write_dataset
 from trainstack_job.jobs import LEASE, JobPrefixes
 
 HOLDER = "instance-1"
 STANDBY = "instance-2"
-# Longer than tiny.yaml's 3 epochs (24 steps): instance 1 must still be training when instance 2 has booted,
-# synced the data and warmed its gated trainer (about 7 s, 35 steps here: the two share 2 cores); the at-risk
-# holder then hands over within a second of the standby being ready, and instance 2 must still have steps to
-# train after it: of 96, about 45-55 are left.
-EPOCHS = 12
-# resnet18's checkpoint is 86 MB, and the versioned bucket keeps every upload in the moto process's memory:
-# the story needs the early checkpoint on the recommendation, the hand-over's and the last one, not one an
-# epoch.
+# Instance 1 must still be training when instance 2 has booted, synced the data and warmed its gated trainer
+# (about 7 s on a quiet 2-core machine, 12-17 s on a loaded one, where instance 1's steps slow down alike: the
+# two share the cores); the at-risk holder then hands over within a second of the standby being ready, and
+# instance 2 must still have steps to train after it. The small model's step takes about half resnet18's wall
+# time, so instance 1 trains about twice as many steps beside the warming standby: of 144 steps (36 epochs
+# of 4) it handed over at step 60 on a loaded 2-core machine, 84 left (resnet18 left 45-55 of 96).
+EPOCHS = 36
+# Periodic checkpoints beside the one on the recommendation, the hand-over's and the last one: each version
+# stays in the versioned bucket (in the moto process's memory), and the small model's is 3 MB.
 CHECKPOINT_EVERY_STEPS = 32
 # Every step in the trainer's log, stamped on arrival: the two trainers' step timelines the checks compare.
 LOG_EVERY_STEPS = 1
@@ -264,15 +270,11 @@ class RebalanceDemo:
             f"[bold]stack[/] bucket s3://{stack.bucket} (SSE-KMS, versioned), topic, log group, "
             f"group {stack.group_name} (desired 1, capacity rebalancing on)"
         )
-        dataset = self.workdir / "dataset"
-        write_dataset(dataset)
-        count = _upload_tree(stack, dataset, "data/")
+        count = upload_dataset(stack, write_demo_dataset(self.workdir))
         self.console.print(f"[bold]dataset[/] {count} generated images uploaded to s3://{stack.bucket}/data/")
 
-        bundle = build_bundle(REPO)
-        stack.client("s3").put_object(Bucket=stack.bucket, Key=bundle.key(), Body=bundle.data)
-        job = yaml.safe_load(JOB_CONFIG.read_text())
-        job["train"].update(epochs=EPOCHS, log_every_steps=LOG_EVERY_STEPS)
+        bundle = upload_bundle(stack)
+        job = trainer_config(EPOCHS, log_every_steps=LOG_EVERY_STEPS)
         job["checkpoint"]["every_steps"] = CHECKPOINT_EVERY_STEPS
         # As `pulumi up` defines it: the job's id names its prefix (jobs/<id>/), where its lease lives.
         definition = define_job(trainer_config=job, training_config_path=JOB_CONFIG)
@@ -288,14 +290,12 @@ class RebalanceDemo:
             bundle_key=bundle.key(),
             bundle_sha256=bundle.sha256,
         )
-        user_data = render_user_data(config, bundle_key=bundle.key(), bundle_sha256=bundle.sha256)
-        user_data_path = self.workdir / "user-data.yaml"
-        user_data_path.write_text(user_data)
-        result.user_data_bytes = len(user_data.encode())
-        result.user_data_valid = _validate_user_data(user_data_path)
+        written = write_user_data(self.workdir, config, bundle)
+        user_data = written.text
+        result.user_data_bytes, result.user_data_valid = written.size, written.valid
         self.console.print(
-            f"[bold]user-data[/] {user_data_path} ({result.user_data_bytes} bytes, "
-            f"{result.user_data_valid}); job {definition.job_id}, {EPOCHS} epochs"
+            f"[bold]user-data[/] {written.path} ({result.user_data_bytes} bytes, {result.user_data_valid}); "
+            f"job {definition.job_id}, {MODEL}, {EPOCHS} epochs"
         )
 
         boot = (stack, user_data, bundle.key(), bundle.sha256)

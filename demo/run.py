@@ -2,15 +2,14 @@
 default, instance 1 booted and interrupted, instance 2 (another type and zone) resumes it and finishes.
 
 `make demo`'s own story, the built-in trainer and examples through a queue, is demo/queue.py; it shares this
-module's isolated environment and user-data check."""
+module's isolated environment, and every story prepares its dataset, bundle and user-data with
+demo/environment.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,16 +18,20 @@ from typing import Any
 import yaml
 from rich.console import Console
 
+from bootstrap.agent_config import AgentConfig
 from bootstrap.cloud_init import render_user_data
 from bootstrap.job import JobSpec, load_job_spec
+from demo.environment import (
+    JOB_CONFIG,
+    upload_bundle,
+    upload_dataset,
+    write_demo_dataset,
+    write_user_data,
+)
 from demo.imds import ImdsSimulator, SimulatedInstance
 from demo.instance import AgentEcho, AgentRun, agent_config_from_user_data, boot_agent, install_bundle
 from demo.stack import LocalStack, create_stack, end_state
-from infra.bundle import build_bundle
-from training.sample_data import write_dataset
 
-REPO = Path(__file__).resolve().parent.parent
-JOB_CONFIG = REPO / "training" / "configs" / "tiny.yaml"
 # Fake credentials and no config files: nothing in the demo can reach a real AWS account.
 ISOLATED_ENV = {
     "AWS_ACCESS_KEY_ID": "demo",
@@ -91,26 +94,6 @@ class DemoResult:
     devices: list[str] = field(default_factory=list)
     # The trainer's line on what the checkpoint resumed as ("... precision bf16 -> fp16, fresh loss scaler").
     resumed_as: str = ""
-
-
-def _validate_user_data(path: Path) -> str:
-    yaml.safe_load(path.read_text())
-    if shutil.which("cloud-init") is None:
-        return "parses as YAML (cloud-init not installed: schema not checked)"
-    result = subprocess.run(
-        ["cloud-init", "schema", "-c", str(path)], capture_output=True, text=True, check=False
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"{path}: cloud-init schema rejected the user-data: {result.stdout.strip()}")
-    return "valid per cloud-init schema"
-
-
-def _upload_tree(stack: LocalStack, root: Path, prefix: str) -> int:
-    s3 = stack.client("s3")
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    for path in files:
-        s3.upload_file(str(path), stack.bucket, prefix + path.relative_to(root).as_posix())
-    return len(files)
 
 
 def _progress_step(scratch: Path) -> tuple[int, int] | None:
@@ -178,24 +161,19 @@ class Demo:
         )
 
         if self.job.data_sync:
-            dataset = self.workdir / "dataset"
-            write_dataset(dataset)
-            count = _upload_tree(stack, dataset, "data/")
+            count = upload_dataset(stack, write_demo_dataset(self.workdir))
             self.console.print(
                 f"[bold]dataset[/] {count} generated images uploaded to s3://{stack.bucket}/data/"
             )
 
-        bundle = build_bundle(REPO, job_dir=self.job_dir)
+        bundle = upload_bundle(stack, job_dir=self.job_dir)
         result.bundle_key = bundle.key()
-        stack.client("s3").put_object(Bucket=stack.bucket, Key=result.bundle_key, Body=bundle.data)
         self.console.print(f"[bold]job[/] {self.job.name}: {' '.join(self.job.command)} (in {self.job_dir})")
-        user_data = self.user_data(stack, result.bundle_key, bundle.sha256)
-        user_data_path = self.workdir / "user-data.yaml"
-        user_data_path.write_text(user_data)
-        result.user_data_bytes = len(user_data.encode())
-        result.user_data_valid = _validate_user_data(user_data_path)
+        written = write_user_data(self.workdir, self.agent_config(stack), bundle)
+        user_data = written.text
+        result.user_data_bytes, result.user_data_valid = written.size, written.valid
         self.console.print(
-            f"[bold]user-data[/] {user_data_path} ({result.user_data_bytes} bytes, {result.user_data_valid})"
+            f"[bold]user-data[/] {written.path} ({result.user_data_bytes} bytes, {result.user_data_valid})"
         )
 
         env = {**ISOLATED_ENV, "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]}
@@ -221,11 +199,14 @@ class Demo:
         result.desired_capacity, result.alerts = end.desired_capacity, end.alerts
         return result
 
+    def agent_config(self, stack: LocalStack) -> AgentConfig:
+        """What `pulumi up` configures the agent with when the `--job` is the stack's default job."""
+        job = yaml.safe_load(JOB_CONFIG.read_text())
+        return stack.agent_config(job=job, user_job=self.job.to_mapping(), stall_minutes=5.0)
+
     def user_data(self, stack: LocalStack, bundle_key: str, bundle_sha256: str) -> str:
         """What `pulumi up` renders with the `--job` given as the stack's default job."""
-        job = yaml.safe_load(JOB_CONFIG.read_text())
-        config = stack.agent_config(job=job, user_job=self.job.to_mapping(), stall_minutes=5.0)
-        return render_user_data(config, bundle_key=bundle_key, bundle_sha256=bundle_sha256)
+        return render_user_data(self.agent_config(stack), bundle_key=bundle_key, bundle_sha256=bundle_sha256)
 
     def _life(
         self,

@@ -7,15 +7,22 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.iam.plugin import recording_env
 
 REPO = Path(__file__).resolve().parents[2]
+# The suite's counting job, shortened: the queue story (test_demo_queue.py) already takes an example through
+# spot notices under the real agent; this one keeps the `--job` path covered. The job sleeps 0.02 s a step on
+# any machine: the demo's notice from step 64 (40%) leaves 96 steps, 1.9 s or more, four times the ~0.5 s the
+# notice takes to stop it (the demo's 0.2 s poll, the agent's 0.25 s poll, a step).
+USER_JOB_STEPS = 160
 
 
 def run_demo(tmp_path: Path, *extra: str, timeout: float = 240) -> str:
@@ -34,12 +41,23 @@ def run_demo(tmp_path: Path, *extra: str, timeout: float = 240) -> str:
     return output
 
 
-@pytest.mark.slow(seconds=18)
+def short_user_job(destination: Path, steps: int) -> Path:
+    """tests/bootstrap/user_job copied, its job file counting to `steps`: the copy's folder."""
+    shutil.copytree(REPO / "tests" / "bootstrap" / "user_job", destination)
+    job_file = destination / "job.yaml"
+    spec = yaml.safe_load(job_file.read_text())
+    spec["command"] = [*spec["command"][:-1], str(steps)]
+    job_file.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return destination
+
+
+@pytest.mark.slow(seconds=14)
 def test_a_users_job_goes_through_the_spot_story_with_zero_steps_lost(tmp_path: Path) -> None:
     """`python -m demo --job DIR` end to end with the suite's counting job (no torch: about 7 s of CPU): the
     notice stops it mid-run with a confirmed checkpoint, a g4dn.xlarge in another zone resumes it at that
     step, its own results reach S3, the group ends at zero and the timeline is drawn."""
-    output = run_demo(tmp_path, "--job", str(REPO / "tests" / "bootstrap" / "user_job"))
+    job = short_user_job(tmp_path / "user_job", USER_JOB_STEPS)
+    output = run_demo(tmp_path, "--job", str(job))
     for check in (
         "the notice interrupted the job mid-run",
         "instance 1 stopped with a confirmed checkpoint",
@@ -56,6 +74,7 @@ def test_a_users_job_goes_through_the_spot_story_with_zero_steps_lost(tmp_path: 
     assert "FAIL" not in output and "all checks passed" in output
     assert "device profile g4dn.xlarge: 1x T4 16 GiB, fp16" in output
     assert "result.json" in next(line for line in output.splitlines() if line.startswith("PASS results"))
+    assert f"reaches step {USER_JOB_STEPS}/{USER_JOB_STEPS}" in output
     assert (tmp_path / "demo" / "timeline.png").stat().st_size > 10_000
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,7 +33,7 @@ from demo.run import ISOLATED_ENV
 from tests.bootstrap.test_demo import run_demo
 
 
-@pytest.mark.slow(seconds=70)
+@pytest.mark.slow(seconds=60)
 def test_the_trainer_then_an_example_through_spot_notices_on_one_instance_and_a_cancelled_third(
     tmp_path: Path,
 ) -> None:
@@ -82,7 +83,11 @@ def test_the_trainer_then_an_example_through_spot_notices_on_one_instance_and_a_
     # progress bars before it, echoed as they were drawn, may shorten a long path).
     report = output[output.index("─ timeline ─") :]
     assert "s3://trainstack-demo-data/jobs/tiny-" in report and "/results/metrics.json" in report
-    assert "…" not in report
+    # The one cut allowed is the agent's own, at the end of a notification subject over SNS's 100 characters
+    # (bootstrap/notify.py: job 1's names the next job).
+    assert "…" not in re.sub(
+        r"trainstack \[trainstack-demo\]: job \S+: training completed; next: \S*…", "", report
+    )
     costs = [line for line in output.splitlines() if "estimated cost" in line]
     assert "at simulated spot prices (g6.xlarge $0.38/h, g4dn.xlarge $0.22/h)" in costs[0], costs
     assert len(costs) == 2 and not [line for line in costs if "$0.0000 " in line], costs
