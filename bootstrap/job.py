@@ -281,7 +281,7 @@ def load_job_spec(path: Path) -> JobSpec:
         ) from exc
     except UnicodeDecodeError as exc:  # saved in another encoding, or not a text file at all
         raise JobSpecError(
-            [f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save the job file as UTF-8"]
+            [f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"]
         ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)

@@ -143,22 +143,23 @@ def reached(lives: Lives, job_id: str, step: int) -> bool:
 def test_queued_jobs_run_in_fifo_order_on_one_instance_and_a_cancelled_one_is_skipped(
     stack: LocalStack, instance: Callable[..., tuple[Lives, Events]]
 ) -> None:
-    # Submitted out of key order: FIFO is `submitted_at`, not the key.
-    submit(stack, B, {**SHORT, "steps": 9}, "2026-12-01T12:00:02.000Z")
-    submit(stack, A, SHORT, "2026-12-01T12:00:01.000Z")
-    submit(stack, C, SHORT, "2026-12-01T12:00:01.500Z")
+    # Submitted out of key order: FIFO is the order of submission (S3's clock, then `submitted_at` within
+    # one of its seconds), not the key.
+    submit(stack, B, {**SHORT, "steps": 9}, "2026-12-01T12:00:01.000Z")
+    submit(stack, A, SHORT, "2026-12-01T12:00:02.000Z")
+    submit(stack, C, SHORT, "2026-12-01T12:00:03.000Z")
     cancel(stack, C)
     lives, events = instance()
     result = lives.run()
     assert (result.outcome, result.exit_code, result.next_job) == ("completed", 0, None)
     # One boot (one Lives run), two jobs: each its own ledger and results, on the same instance, in order.
-    assert outcomes(stack, A) == ["completed"] and outcomes(stack, B) == ["completed"]
-    assert (steps_of(stack, A), steps_of(stack, B)) == (6, 9)
-    first, second = ledger(stack, A)["lives"][0], ledger(stack, B)["lives"][0]
+    assert outcomes(stack, B) == ["completed"] and outcomes(stack, A) == ["completed"]
+    assert (steps_of(stack, B), steps_of(stack, A)) == (9, 6)
+    first, second = ledger(stack, B)["lives"][0], ledger(stack, A)["lives"][0]
     assert first["instance_id"] == second["instance_id"]
     assert first["ended_at"] <= second["started_at"]
-    assert [e["job_id"] for e in events.said("job bound")] == [A, B]
-    assert not events.said("using the checkpoint already on this instance"), "B never restores A's steps"
+    assert [e["job_id"] for e in events.said("job bound")] == [B, A]
+    assert not events.said("using the checkpoint already on this instance"), "A never restores B's steps"
     # The cancelled job never ran: its status says so, with no life and nothing trained.
     cancelled = ledger(stack, C)
     assert (cancelled["status"], cancelled["lives"]) == ("cancelled", [])
@@ -167,12 +168,12 @@ def test_queued_jobs_run_in_fifo_order_on_one_instance_and_a_cancelled_one_is_sk
     # Only the last job's end scaled the group to zero; each notification names its job.
     assert stack.group()["DesiredCapacity"] == 0
     subjects = [alert["Subject"] for alert in stack.alerts()]
-    assert any(f"job {A}: training completed; next: {B}" in s for s in subjects), subjects
-    assert any(s.endswith(f"job {B}: training completed") for s in subjects), subjects
+    assert any(f"job {B}: training completed; next: {A}" in s for s in subjects), subjects
+    assert any(s.endswith(f"job {A}: training completed") for s in subjects), subjects
     assert stack.read_json("state/current-job.json") | {"since": None} == {  # type: ignore[operator]
-        "job_id": B,
+        "job_id": A,
         "since": None,
-        "previous": A,
+        "previous": B,
     }
     assert stack.read_json("state/ledger.json") is None, "a config without a job writes no legacy ledger"
 

@@ -219,7 +219,7 @@ def test_a_bad_sweep_or_config_is_every_problem_one_line_each_and_nothing_is_sub
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00")
     result = deployed.run("run", str(binary), "--detach")
     assert result.code == 1 and f"{binary}: not UTF-8 text (byte 0: " in result.err, result.err
-    assert "save the job file as UTF-8" in result.err and "Traceback" not in result.err
+    assert "save it as UTF-8" in result.err and "Traceback" not in result.err
     assert _keys(deployed, "") == [] and deployed.group()["DesiredCapacity"] == 0
 
 
