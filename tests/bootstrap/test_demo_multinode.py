@@ -26,7 +26,7 @@ CHECKS = (
 )
 
 
-@pytest.mark.slow(seconds=60)
+@pytest.mark.slow(seconds=79)
 def test_two_nodes_lose_no_step_to_a_spot_notice_and_take_the_replacement_back(tmp_path: Path) -> None:
     # Piped, as in CI, one torch thread per rank (tests/conftest.py); under pytest's 300 s per test.
     result = subprocess.run(

@@ -33,7 +33,7 @@ from demo.run import ISOLATED_ENV
 from tests.bootstrap.test_demo import run_demo
 
 
-@pytest.mark.slow(seconds=60)
+@pytest.mark.slow(seconds=67)
 def test_the_trainer_then_an_example_through_spot_notices_on_one_instance_and_a_cancelled_third(
     tmp_path: Path,
 ) -> None:

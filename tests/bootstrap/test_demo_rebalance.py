@@ -310,7 +310,7 @@ def test_rebalance_refuses_nodes_and_jobs() -> None:
     assert "built-in trainer" in (_refuse_rebalance(True, 1, Path("examples/charlm")) or "")
 
 
-@pytest.mark.slow(seconds=35)
+@pytest.mark.slow(seconds=45)
 def test_rebalance_demo_hands_over_to_the_warm_standby_with_one_writer_at_a_time(tmp_path: Path) -> None:
     """The one real run: two agents and two trainers; every check of the story must pass."""
     output = run_demo(tmp_path, "--rebalance")

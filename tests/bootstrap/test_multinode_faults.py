@@ -61,7 +61,7 @@ def faults_job(aws: Any, tmp_path: Path) -> Iterator[Job]:
         yield job
 
 
-@pytest.mark.slow(seconds=29)
+@pytest.mark.slow(seconds=39)
 def test_a_frozen_rendezvous_host_is_detected_and_the_other_node_regroups_and_completes_in_its_life(
     faults_job: Job,
 ) -> None:
@@ -169,7 +169,7 @@ def three_instances(aws: Any, tmp_path: Path) -> Iterator[Job]:
         yield job
 
 
-@pytest.mark.slow(seconds=53)
+@pytest.mark.slow(seconds=61)
 def test_a_node_leaving_mid_rendezvous_then_a_peer_killed_the_first_node_regroups_within_its_one_life(
     three_instances: Job,
 ) -> None:

@@ -679,17 +679,19 @@ def test_a_lease_check_that_never_answers_gives_up_at_the_deadline_saying_which_
 
 
 class HungManifest:
-    """S3 that takes the files but never answers the manifest's write (a request blackholed mid-upload)."""
+    """S3 that takes the files but never answers the write of an object named `hangs` (a request blackholed
+    mid-upload): by default the manifest."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, hangs: str = "/manifest.json") -> None:
         self._client = client
+        self._hangs = hangs
         self.release = threading.Event()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
     def put_object(self, **kwargs: Any) -> Any:
-        if kwargs["Key"].endswith("/manifest.json"):
+        if kwargs["Key"].endswith(self._hangs):
             self.release.wait(10)
         return self._client.put_object(**kwargs)
 
@@ -1097,26 +1099,10 @@ def test_close_releases_the_transfer_threads(s3: Any, tmp_path: Path) -> None:
         time.sleep(0.02)
 
 
-class HungFileUpload:
-    """S3 that never answers the upload of a checkpoint's file (a request blackholed on the wire)."""
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-        self.release = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-    def put_object(self, **kwargs: Any) -> Any:
-        if kwargs["Key"].endswith("/state.bin"):
-            self.release.wait(10)
-        return self._client.put_object(**kwargs)
-
-
 def test_close_never_holds_up_the_exit_on_a_transfer_hung_in_s3(s3: Any, tmp_path: Path) -> None:
     """The transfer threads wait for a hung request until botocore's own timeout; whatever close() starts to
     shut them down must not keep the agent's process alive after its life has ended."""
-    hung = HungFileUpload(s3)
+    hung = HungManifest(s3, hangs="/state.bin")  # a checkpoint file's upload this time
     local = tmp_path / "a"
     owner = persister(hung, local)
     commit_step(local, 2)

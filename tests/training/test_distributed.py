@@ -41,7 +41,7 @@ def _sigterm_to_the_launcher_once_trained(run: Run, lives: Lives, steps: int) ->
     return process.wait(), output
 
 
-@pytest.mark.slow(seconds=25)
+@pytest.mark.slow(seconds=49)
 def test_two_ranks_stopped_either_way_resume_and_match_one_process(
     make_run: MakeRun, baseline: Run, lives: Lives
 ) -> None:
