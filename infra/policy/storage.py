@@ -246,9 +246,9 @@ def key_rotation_enabled(
     """KMS.4: symmetric customer managed keys rotate yearly (or on their rotation period)."""
     spec = get(props, "customerMasterKeySpec")
     usage = get(props, "keyUsage")
-    if (spec not in (None, "SYMMETRIC_DEFAULT") and not is_unknown(spec)) or (
-        usage not in (None, "ENCRYPT_DECRYPT") and not is_unknown(usage)
-    ):
+    if is_unknown(spec) or is_unknown(usage):
+        return  # whether the key can rotate at all is known on `up`, where the rule runs again
+    if spec not in (None, "SYMMETRIC_DEFAULT") or usage not in (None, "ENCRYPT_DECRYPT"):
         return  # AWS can only rotate symmetric encryption keys
     rotation = get(props, "enableKeyRotation")
     if not is_unknown(rotation) and as_bool(rotation) is not True:

@@ -21,6 +21,7 @@ from infra.policy.patterns import arn_shape, literal_prefix, matches_shape
 from tests.policy.golden import (
     ACCESS_LOG_BUCKET_POLICY,
     ACCOUNT,
+    BUCKET,
     BUCKET_ARN,
     KEY_ARN,
     LOG_BUCKET,
@@ -66,7 +67,7 @@ def test_a_malformed_cidr_never_hides_the_internet_after_it() -> None:
     ]
 
 
-def test_authorized_public_ports_never_cover_a_range_of_more_than_1024_ports() -> None:
+def test_authorized_public_ports_never_cover_a_range_whose_ends_are_more_than_1024_apart() -> None:
     """`authorizedPublicPorts` lists reviewed ports; a range that wide is not a reviewed service."""
     rule = {"protocol": "tcp", "fromPort": 1000, "toPort": 2100, "cidrBlocks": ["0.0.0.0/0"]}
     every_port = {"authorizedPublicPorts": list(range(1000, 2101))}
@@ -744,6 +745,8 @@ def test_a_literal_prefix_ends_at_the_first_wildcard_of_either_kind() -> None:
     assert literal_prefix("arn:aws:s3:::bucket/a?b*c?") == "arn:aws:s3:::bucket/a"
     assert literal_prefix("arn:aws:s3:::bucket/*?") == "arn:aws:s3:::bucket/"
     assert literal_prefix("arn:aws:s3:::bucket") == "arn:aws:s3:::bucket"
+    assert literal_prefix("arn:aws:s3:::b*/data/*") == "arn:aws:s3:::b", "the first `*`, not the last"
+    assert literal_prefix(" *") == literal_prefix("?x") == "", "a wildcard first pins down nothing"
 
 
 # -- lists known only after `up`: never a failure, never a crash of the policy ----------------------------
@@ -1066,3 +1069,220 @@ def test_a_log_bucket_known_by_its_id_only_is_found_through_the_source_buckets_i
     named(resources, "access-logs-policy").props["policy"] = tls_only_log_bucket_policy()
     del named(resources, "access-logs").props["bucket"]
     assert found(resources) == []
+
+
+# -- sample [38]: exact lines on the resource that is wrong, edges, and one bad value never hiding more ------
+
+FLOW_LOG_URN = urn("aws:ec2/flowLog:FlowLog", "flow-log")
+
+
+def test_a_public_access_setting_left_off_is_refused_on_the_block_itself() -> None:
+    resources = compliant_stack()
+    named(resources, "bucket-public-access").props["restrictPublicBuckets"] = False
+    refused = [v for v in check(resources) if v.message.startswith("aws.s3.BucketPublicAccessBlock")]
+    assert refused == [
+        Violation(
+            "s3-public-access-blocked",
+            "aws.s3.BucketPublicAccessBlock 'bucket-public-access': set restrictPublicBuckets = true",
+            urn("aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock", "bucket-public-access"),
+        )
+    ]
+
+
+def test_sse_s3_written_on_the_log_bucket_itself_needs_no_configuration_resource() -> None:
+    """S3 log delivery supports SSE-S3 only; written inline on the log bucket it is the whole answer."""
+    resources = compliant_stack()
+    resources.remove(named(resources, "access-logs-encryption"))
+    rule = {"applyServerSideEncryptionByDefault": {"sseAlgorithm": "AES256"}}
+    named(resources, "access-logs").props["serverSideEncryptionConfiguration"] = {"rule": rule}
+    assert found(resources) == []
+
+
+def test_versioning_known_only_after_up_never_fails_the_lifecycle_rule_at_preview() -> None:
+    """Whether old versions must expire depends on versioning: unknown, the lifecycle is judged on `up`."""
+    resources = compliant_stack()
+    resources.remove(named(resources, "bucket-versioning"))
+    named(resources, "bucket").props["versioning"] = {"enabled": UNKNOWN_BOOLEAN_VALUE}
+    del named(resources, "bucket-lifecycle").props["rules"][0]["noncurrentVersionExpiration"]
+    assert found(resources) == []
+
+
+def test_an_unversioned_bucket_without_a_lifecycle_is_not_asked_to_expire_old_versions() -> None:
+    resources = compliant_stack()
+    for configuration in ("bucket-versioning", "bucket-lifecycle"):
+        resources.remove(named(resources, configuration))
+    assert (
+        "s3-lifecycle-configured",
+        "aws.s3.Bucket 'bucket': add an aws.s3.BucketLifecycleConfiguration (abort incomplete multipart "
+        "uploads)",
+    ) in found(resources)
+
+
+def test_grants_written_on_the_bucket_are_refused_like_an_acl() -> None:
+    resources = compliant_stack()
+    named(resources, "bucket").props["grants"] = [
+        {"type": "Group", "uri": "http://acs.amazonaws.com/groups/global/AllUsers", "permissions": ["READ"]}
+    ]
+    assert found(resources) == [
+        (
+            "s3-no-acls",
+            "aws.s3.Bucket 'bucket': remove acl/grants and grant access through IAM or the bucket policy",
+        )
+    ]
+
+
+def test_object_ownership_known_only_after_up_never_fails_the_preview() -> None:
+    resources = compliant_stack()
+    rule = named(resources, "bucket-ownership").props["rule"]
+    rule["objectOwnership"] = UNKNOWN_STRING_VALUE
+    assert found(resources) == []
+    rule["objectOwnership"] = "ObjectWriter"
+    assert found(resources) == [
+        (
+            "s3-no-acls",
+            "aws.s3.BucketOwnershipControls 'bucket-ownership': set rule.objectOwnership = "
+            '"BucketOwnerEnforced" (it is ObjectWriter)',
+        )
+    ], "known, the same rule fails"
+
+
+def test_a_bucket_logging_into_itself_inline_is_not_logged() -> None:
+    """Every delivery into the bucket would be logged again: inline logging into itself does not count."""
+    resources = compliant_stack()
+    resources.remove(named(resources, "bucket-logging"))
+    named(resources, "bucket").props["logging"] = {"targetBucket": BUCKET, "targetPrefix": "s3-access/"}
+    assert found(resources) == [
+        (
+            "s3-access-logging",
+            "aws.s3.Bucket 'bucket': add an aws.s3.BucketLogging with target_bucket=<a separate log bucket> "
+            "(whose policy lets logging.s3.amazonaws.com write)",
+        )
+    ]
+
+
+def test_a_bucket_logging_without_a_target_names_the_logging_resource() -> None:
+    """The log bucket stays one (its own policy lets log delivery write): only the data bucket is refused."""
+    resources = compliant_stack()
+    del named(resources, "bucket-logging").props["targetBucket"]
+    assert found(resources) == [
+        (
+            "s3-access-logging",
+            "aws.s3.Bucket 'bucket': set targetBucket on aws.s3.BucketLogging 'bucket-logging'",
+        )
+    ]
+
+
+def test_an_unreadable_policy_on_the_log_bucket_never_hides_the_bucket_policy_that_makes_it_one() -> None:
+    """Nothing of this stack logs into it (another stack's buckets do): its BucketPolicy, letting log
+    delivery write, says it is a log bucket (SSE-S3 allowed, not logged itself) past an unreadable one."""
+    resources = compliant_stack()
+    named(resources, "bucket-logging").props["targetBucket"] = "central-access-logs"
+    named(resources, "access-logs").props["policy"] = '{"Statement": ['
+    assert [v for v in found(resources) if v[0] in ("s3-sse-kms", "s3-access-logging")] == []
+
+
+def test_a_log_bucket_whose_id_is_known_only_after_up_is_found_by_its_name() -> None:
+    resources = compliant_stack()
+    resources.remove(named(resources, "bucket-logging"))
+    named(resources, "bucket").props["logging"] = {"targetBucket": LOG_BUCKET, "targetPrefix": "s3-access/"}
+    named(resources, "access-logs-policy").props["policy"] = tls_only_log_bucket_policy()
+    named(resources, "access-logs").props["id"] = UNKNOWN_STRING_VALUE
+    assert found(resources) == []
+
+
+def test_decrypt_on_a_pattern_that_stops_short_of_a_key_arn_is_no_grant_on_every_key() -> None:
+    """`arn:aws:kms:us-east-1:<account>:ke?` matches three-letter names only, never `key/<id>`."""
+    resources = compliant_stack()
+    short = f"arn:aws:kms:us-east-1:{ACCOUNT}:ke?"
+    named(resources, "instance-policy").props["policy"] = document(
+        {"Effect": "Allow", "Action": "kms:Decrypt", "Resource": short}
+    )
+    assert found(resources) == []
+    assert not matches_shape("arn:aws:kms:us-east-?", arn_shape("kms", "key/"))
+
+
+def test_decrypt_on_every_key_is_refused_after_a_statement_without_decrypt() -> None:
+    resources = compliant_stack()
+    named(resources, "instance-policy").props["policy"] = document(
+        {"Effect": "Allow", "Action": "s3:GetObject", "Resource": f"{BUCKET_ARN}/*"},
+        {"Effect": "Allow", "Action": "kms:Decrypt", "Resource": "*"},
+    )
+    assert found(resources) == [
+        (
+            "kms-no-decrypt-on-all-keys",
+            "aws.iam.Policy 'instance-policy': policy Statement[1] allows kms:Decrypt on every KMS key: name "
+            "the key ARNs in Resource",
+        )
+    ]
+
+
+def test_authorized_public_ports_never_cover_a_rule_without_a_protocol() -> None:
+    """No protocol is every protocol and every port, whatever ports the rule carries."""
+    rule = {"fromPort": 22, "toPort": 22, "cidrBlocks": ["0.0.0.0/0"]}
+    assert messages(with_ingress(rule), INGRESS, {"authorizedPublicPorts": [22]}) == [
+        GROUP
+        + "ingress[1] opens all ports to 0.0.0.0/0, more than an IPv4 /8 or IPv6 /32, which counts as the "
+        "internet and is refused: use SSM Session Manager, or allow narrower CIDRs (or list the port in the "
+        "policy's authorizedPublicPorts config)"
+    ]
+
+
+def test_authorized_public_ports_cover_a_range_whose_ends_are_1024_apart_port_by_port() -> None:
+    """The edge of the bound: ends 1024 apart are judged port by port, 1025 apart are refused."""
+    every_port = {"authorizedPublicPorts": list(range(1000, 2026))}
+    edge = {"protocol": "tcp", "fromPort": 1000, "toPort": 2024, "cidrBlocks": ["0.0.0.0/0"]}
+    assert messages(with_ingress(edge), INGRESS, every_port) == []
+    assert messages(with_ingress({**edge, "toPort": 2025}), INGRESS, every_port)
+
+
+def test_a_vpc_without_a_flow_log_says_what_to_add() -> None:
+    resources = compliant_stack()
+    resources.remove(named(resources, "flow-log"))
+    assert found(resources) == [
+        (
+            "vpc-flow-logs-enabled",
+            "aws.ec2.Vpc 'vpc': add an aws.ec2.FlowLog with vpc_id=<this VPC> and traffic_type=\"ALL\"",
+        )
+    ]
+
+
+def test_a_flow_log_into_an_undeclared_group_is_refused_on_the_flow_log() -> None:
+    resources = compliant_stack()
+    named(resources, "flow-log").props["logDestination"] = "arn:aws:logs:us-east-1:123456789012:log-group:x"
+    assert [v.urn for v in check(resources) if v.policy == "vpc-flow-logs-retained"] == [FLOW_LOG_URN]
+
+
+def test_a_flow_log_whose_destination_is_known_only_after_up_finds_its_group_by_dependency() -> None:
+    """The engine says which resource the ARN comes from: that group, and no other, is judged."""
+    resources = compliant_stack()
+    flow_log = named(resources, "flow-log")
+    flow_log.props["logDestination"] = UNKNOWN_STRING_VALUE
+    flow_log.depends_on["logDestination"] = ["flow-logs"]
+    assert found(resources) == [], "the training log group ('logs', 30 days) receives no flow logs"
+    named(resources, "flow-logs").props["retentionInDays"] = 30
+    assert found(resources) == [SHORT]
+
+
+def test_a_flow_log_finds_its_group_by_an_arn_ending_in_a_wildcard() -> None:
+    """`arn:...:log-group:<name>:*` is how the console and older providers write a log group's ARN."""
+    resources = compliant_stack()
+    group = named(resources, "flow-logs").props
+    group.update(retentionInDays=30, arn=UNKNOWN_STRING_VALUE, id=UNKNOWN_STRING_VALUE)
+    named(resources, "flow-log").props["logDestination"] = (
+        f"arn:aws:logs:us-east-1:123456789012:log-group:{group['name']}:*"
+    )
+    assert found(resources) == [SHORT]
+
+
+@pytest.mark.parametrize(
+    "low, high, refused", [(1, 65535, True), (0, 65535, True), (1024, 65535, False), (2, 65535, False)]
+)
+def test_egress_of_every_port_counts_as_all_traffic_whatever_the_protocol(
+    low: int, high: int, refused: bool
+) -> None:
+    """Ports 1-65535 (or 0-65535) is every port; the ephemeral range 1024-65535 is not."""
+    resources = compliant_stack()
+    named(resources, "instances").props["egress"].append(
+        {"protocol": "tcp", "fromPort": low, "toPort": high, "cidrBlocks": ["0.0.0.0/0"]}
+    )
+    assert bool(messages(resources, EGRESS)) is refused

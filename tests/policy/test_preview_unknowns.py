@@ -110,3 +110,14 @@ def test_subnet_ids_unknown_at_preview_still_count_as_two_zones() -> None:
     assert verdict.violations == [] and verdict.deferred == []
     named(resources, "group").props["vpcZoneIdentifiers"] = [UNKNOWN_STRING_VALUE]
     assert [v.policy for v in check(resources)] == ["group-spans-zones-and-types"]
+
+
+@pytest.mark.parametrize("unknown", ["customerMasterKeySpec", "keyUsage"])
+def test_a_key_spec_known_only_after_up_never_fails_the_rotation_rule_at_preview(unknown: str) -> None:
+    """An asymmetric or HMAC key cannot rotate: with its spec or usage unknown, rotation is judged on `up`."""
+    resources = compliant_stack()
+    key = named(resources, "key").props
+    key.update(enableKeyRotation=False, **{unknown: UNKNOWN_STRING_VALUE})
+    assert [v.policy for v in check(resources)] == []
+    key[unknown] = "SYMMETRIC_DEFAULT" if unknown == "customerMasterKeySpec" else "ENCRYPT_DECRYPT"
+    assert [v.policy for v in check(resources)] == ["kms-key-rotation-enabled"], "known, it must rotate"
