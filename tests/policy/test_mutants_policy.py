@@ -438,8 +438,10 @@ LACKS_TLS = (
         ({"Principal": {"AWS": "arn:aws:iam::123456789012:role/x"}}, True),
         ({"Action": "s3:GetObject"}, True),
         ({"Action": "s3:PutObject"}, True),
+        ({"Condition": {"Bool": {"aws:SecureTransport": "true"}}}, True),
+        ({"Condition": {"Bool": {"aws:ViaAWSService": "false"}}}, True),
     ],
-    ids=["bool-if-exists", "one-principal-only", "reads-only", "writes-only"],
+    ids=["bool-if-exists", "one-principal-only", "reads-only", "writes-only", "denies-tls", "other-key"],
 )
 def test_only_a_deny_of_every_plain_http_request_by_anyone_makes_a_bucket_tls_only(
     changes: dict[str, Any], refused: bool
@@ -1286,3 +1288,199 @@ def test_egress_of_every_port_counts_as_all_traffic_whatever_the_protocol(
         {"protocol": "tcp", "fromPort": low, "toPort": high, "cidrBlocks": ["0.0.0.0/0"]}
     )
     assert bool(messages(resources, EGRESS)) is refused
+
+
+# -- the fourth sample ([49]) ---------------------------------------------------------------------------
+
+
+def test_a_bucket_without_a_public_access_block_says_what_to_add() -> None:
+    resources = compliant_stack()
+    resources.remove(named(resources, "bucket-public-access"))
+    assert messages(resources, "s3-public-access-blocked") == [
+        "aws.s3.Bucket 'bucket': add an aws.s3.BucketPublicAccessBlock with all four block/ignore/restrict "
+        "settings true"
+    ]
+
+
+def test_a_bucket_after_one_whose_own_policy_is_tls_only_is_still_judged() -> None:
+    resources = compliant_stack()
+    resources.remove(named(resources, "bucket-policy"))
+    named(resources, "bucket").props["policy"] = document(tls_deny())
+    resources.append(Resource("aws:s3/bucket:Bucket", "late", {"bucket": "late", "id": "late"}))
+    assert messages(resources, "s3-tls-only") == [
+        "aws.s3.Bucket 'late': add an aws.s3.BucketPolicy with a Deny of s3:* for Principal * when "
+        '{"Bool": {"aws:SecureTransport": "false"}}'
+    ]
+
+
+def test_a_bucket_acl_known_only_after_up_never_fails_the_preview() -> None:
+    resources = compliant_stack()
+    named(resources, "bucket").props["acl"] = UNKNOWN_STRING_VALUE
+    assert found(resources) == []
+
+
+def test_a_bucket_logging_into_itself_is_refused_saying_where_to_send_the_logs() -> None:
+    resources = compliant_stack()
+    named(resources, "bucket-logging").props["targetBucket"] = BUCKET
+    assert messages(resources, "s3-access-logging") == [
+        "aws.s3.Bucket 'bucket': aws.s3.BucketLogging 'bucket-logging' logs the bucket into itself (every "
+        "delivery is logged again): send the logs to a separate log bucket"
+    ]
+
+
+def test_a_flow_log_of_rejected_traffic_only_passes() -> None:
+    """REJECT flow logs are what Security Hub's EC2.6 asks for at least."""
+    resources = compliant_stack()
+    named(resources, "flow-log").props["trafficType"] = "REJECT"
+    assert found(resources) == []
+    named(resources, "flow-log").props["trafficType"] = "ACCEPT"
+    assert messages(resources, "vpc-flow-logs-enabled")
+
+
+def test_an_endpoint_policy_naming_buckets_by_a_single_character_wildcard_reaches_every_bucket() -> None:
+    resources = compliant_stack()
+    named(resources, "s3-endpoint").props["policy"] = document(
+        {
+            "Effect": "Allow",
+            "Principal": "*",
+            "Action": "s3:GetObject",
+            "Resource": "arn:aws:s3:::trainstack-?",
+        }
+    )
+    assert [v.message for v in check(resources) if v.policy == ENDPOINT] == [
+        "aws.ec2.VpcEndpoint 's3-endpoint': policy Statement[0] allows s3:GetObject on "
+        "arn:aws:s3:::trainstack-?, every bucket: name the stack's bucket (arn:aws:s3:::<bucket> and "
+        "arn:aws:s3:::<bucket>/*)"
+    ]
+
+
+def test_an_endpoint_without_a_service_name_is_no_s3_endpoint() -> None:
+    resources = compliant_stack()
+    resources.insert(0, Resource("aws:ec2/vpcEndpoint:VpcEndpoint", "unnamed", {"vpcId": "vpc-0abc"}))
+    assert found(resources) == []
+
+
+def test_a_source_group_known_only_after_up_never_fails_the_preview() -> None:
+    rule = {"protocol": "tcp", "fromPort": 22, "toPort": 22, "securityGroups": [UNKNOWN_STRING_VALUE]}
+    assert messages(with_ingress(rule), INGRESS) == []
+
+
+def test_an_empty_source_group_entry_is_no_group_and_never_hides_the_next() -> None:
+    rule = {"protocol": "tcp", "fromPort": 22, "toPort": 22, "securityGroups": [None, "sg-other"]}
+    assert messages(with_ingress(rule), INGRESS) == [
+        GROUP
+        + "ingress[1] admits security group sg-other, not only this group's own members: allow peers with a "
+        "self-referencing rule (self = true) and reach instances with SSM Session Manager"
+    ]
+
+
+def test_a_cidr_with_host_bits_set_is_judged_by_its_network() -> None:
+    """AWS takes 1.2.3.4/0 as 0.0.0.0/0; so does the pack."""
+    rule = {"protocol": "tcp", "fromPort": 22, "toPort": 22, "cidrBlocks": ["1.2.3.4/0"]}
+    assert messages(with_ingress(rule), INGRESS) == [
+        GROUP
+        + "ingress[1] opens ports 22-22 to 0.0.0.0/0, more than an IPv4 /8 or IPv6 /32, which counts as the "
+        "internet and is refused: use SSM Session Manager, or allow narrower CIDRs (or list the port in the "
+        "policy's authorizedPublicPorts config)"
+    ]
+
+
+# -- the fifth sample ([05]) ----------------------------------------------------------------------------
+
+
+def test_every_wildcard_action_of_a_statement_is_named_in_one_line() -> None:
+    resources = compliant_stack()
+    named(resources, "instance-policy").props["policy"] = document(
+        {"Effect": "Allow", "Action": ["s3:Get*", "s3:Put*"], "Resource": f"{BUCKET_ARN}/*"}
+    )
+    assert found(resources) == [
+        (
+            "iam-no-wildcard-actions",
+            "aws.iam.Policy 'instance-policy': policy Statement[0] allows s3:Get*, s3:Put*: list the actions "
+            "it needs instead",
+        )
+    ]
+
+
+def test_a_flow_log_traffic_type_known_only_after_up_never_fails_the_preview() -> None:
+    resources = compliant_stack()
+    named(resources, "flow-log").props["trafficType"] = UNKNOWN_STRING_VALUE
+    assert found(resources) == []
+
+
+def test_a_flow_log_after_one_delivering_to_s3_is_still_judged() -> None:
+    resources = compliant_stack()
+    to_s3 = Resource(
+        "aws:ec2/flowLog:FlowLog",
+        "s3-flow-log",
+        {"vpcId": "vpc-0abc", "trafficType": "ALL", "logDestinationType": "s3", "logDestination": BUCKET_ARN},
+    )
+    resources.insert(resources.index(named(resources, "flow-log")), to_s3)
+    named(resources, "flow-logs").props["retentionInDays"] = 30
+    assert [f for f in found(resources) if f[0] == SHORT[0]] == [SHORT]
+
+
+def test_an_endpoint_policy_on_every_bucket_by_arn_reaches_every_bucket() -> None:
+    resources = compliant_stack()
+    named(resources, "s3-endpoint").props["policy"] = document(
+        {"Effect": "Allow", "Principal": "*", "Action": "s3:GetObject", "Resource": "arn:aws:s3:::*"}
+    )
+    assert [v.message for v in check(resources) if v.policy == ENDPOINT] == [
+        "aws.ec2.VpcEndpoint 's3-endpoint': policy Statement[0] allows s3:GetObject on arn:aws:s3:::*, every "
+        "bucket: name the stack's bucket (arn:aws:s3:::<bucket> and arn:aws:s3:::<bucket>/*)"
+    ]
+
+
+def test_sse_kms_without_a_key_says_to_name_a_customer_managed_key() -> None:
+    resources = compliant_stack()
+    del named(resources, "bucket-encryption").props["rules"][0]["applyServerSideEncryptionByDefault"][
+        "kmsMasterKeyId"
+    ]
+    assert found(resources) == [
+        (
+            "s3-sse-kms",
+            "aws.s3.Bucket 'bucket': set kmsMasterKeyId to a customer managed KMS key (not the AWS managed "
+            "aws/s3 key)",
+        )
+    ]
+
+
+def test_decrypt_and_re_encrypt_through_not_resource_are_named_together() -> None:
+    resources = compliant_stack()
+    named(resources, "instance-policy").props["policy"] = document(
+        {"Effect": "Allow", "Action": ["kms:Decrypt", "kms:ReEncryptFrom"], "NotResource": KEY_ARN}
+    )
+    assert found(resources) == [
+        (
+            "kms-no-decrypt-on-all-keys",
+            "aws.iam.Policy 'instance-policy': policy Statement[0] allows kms:Decrypt, kms:ReEncryptFrom "
+            "with NotResource, which is every KMS key it does not list: name the key ARNs in Resource",
+        )
+    ]
+
+
+def test_the_log_buckets_own_logging_listed_first_never_hides_the_logging_into_it() -> None:
+    resources = compliant_stack()
+    named(resources, "access-logs-policy").props["policy"] = tls_only_log_bucket_policy()
+    own = Resource(
+        "aws:s3/bucketLogging:BucketLogging",
+        "access-logs-logging",
+        {"bucket": LOG_BUCKET, "targetBucket": "audit-logs", "targetPrefix": "s3-access/"},
+    )
+    resources.insert(resources.index(named(resources, "bucket-logging")), own)
+    assert found(resources) == []
+
+
+def test_an_s3_endpoint_after_one_without_a_policy_is_still_judged() -> None:
+    resources = compliant_stack()
+    first = Resource(
+        "aws:ec2/vpcEndpoint:VpcEndpoint",
+        "first-s3-endpoint",
+        {"vpcId": "vpc-0abc", "serviceName": "com.amazonaws.us-east-1.s3", "vpcEndpointType": "Gateway"},
+    )
+    resources.insert(resources.index(named(resources, "s3-endpoint")), first)
+    del named(resources, "s3-endpoint").props["policy"]
+    assert [v.urn for v in check(resources) if v.policy == ENDPOINT] == [
+        urn("aws:ec2/vpcEndpoint:VpcEndpoint", "first-s3-endpoint"),
+        ENDPOINT_URN,
+    ]
