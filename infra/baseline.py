@@ -1,12 +1,38 @@
 """The launch-template baseline every trainstack instance gets (the job group's and the dev box's): IMDSv2
 only with one hop, an encrypted gp3 root volume under the stack's key, a primary interface in the stack's
-security group (no inbound rule). One definition, so the two templates can never drift apart; the policy pack
-(infra/policy/) checks each template against the same rules."""
+security group (no inbound rule); and the code bundle each boots, stored the same way. One definition, so the
+two templates can never drift apart; the policy pack (infra/policy/) checks each template against the same
+rules."""
 
 from __future__ import annotations
 
+import base64
+from typing import Any
+
 import pulumi
 import pulumi_aws as aws
+
+from infra.bundle import CodeBundle
+
+
+def code_bundle_object(
+    name: str, *, bucket: Any, bundle: CodeBundle, kms_key_arn: Any, tags: Any, parent: pulumi.Resource
+) -> aws.s3.BucketObjectv2:
+    """The bundle an instance boots, content-addressed under the stack's key and retained when a later
+    `pulumi up` replaces it: an instance (or a job) started from the template version before still finds the
+    code it names."""
+    return aws.s3.BucketObjectv2(
+        f"{name}-bundle",
+        bucket=bucket,
+        key=bundle.key(),
+        content_base64=base64.b64encode(bundle.data).decode(),
+        content_type="application/gzip",
+        server_side_encryption="aws:kms",
+        kms_key_id=kms_key_arn,
+        bucket_key_enabled=True,
+        tags=tags,
+        opts=pulumi.ResourceOptions(parent=parent, retain_on_delete=True),
+    )
 
 
 def metadata_options() -> aws.ec2.LaunchTemplateMetadataOptionsArgs:

@@ -22,7 +22,7 @@ import pulumi_aws as aws
 from bootstrap.cloud_init import UserDataError
 from bootstrap.devbox.cloud_init import render_dev_user_data
 from infra import policies
-from infra.baseline import encrypted_root, metadata_options, primary_interface
+from infra.baseline import code_bundle_object, encrypted_root, metadata_options, primary_interface
 from infra.bundle import CodeBundle
 from infra.config import NAMESPACE, StackConfig, StackConfigError
 from infra.fleet import MachineImage
@@ -84,17 +84,13 @@ class DevBox(pulumi.ComponentResource):
         args = self._args
         # As the agent's (infra/fleet.py): content-addressed, and retained when a later `pulumi up` replaces
         # it, so a box launched from the template version before still finds the bundle it names.
-        return aws.s3.BucketObjectv2(
-            f"{self._name}-bundle",
+        return code_bundle_object(
+            self._name,
             bucket=args.bucket_name,
-            key=args.bundle.key(),
-            content_base64=base64.b64encode(args.bundle.data).decode(),
-            content_type="application/gzip",
-            server_side_encryption="aws:kms",
-            kms_key_id=args.kms_key_arn,
-            bucket_key_enabled=True,
+            bundle=args.bundle,
+            kms_key_arn=args.kms_key_arn,
             tags=args.tags,
-            opts=pulumi.ResourceOptions(parent=self, retain_on_delete=True),
+            parent=self,
         )
 
     def _create_role(self) -> aws.iam.Role:

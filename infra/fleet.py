@@ -14,7 +14,7 @@ import pulumi_aws as aws
 
 from bootstrap.agent_config import AgentConfig
 from bootstrap.cloud_init import UserDataError, render_user_data
-from infra.baseline import encrypted_root, metadata_options, primary_interface
+from infra.baseline import code_bundle_object, encrypted_root, metadata_options, primary_interface
 from infra.bundle import CodeBundle
 from infra.config import NAMESPACE, StackConfig, StackConfigError
 from infra.efa import EfaTableError, efa_interfaces
@@ -105,17 +105,13 @@ class Fleet(pulumi.ComponentResource):
         # hence new user-data and a new template version; a job's code never is. Retained when a later
         # `pulumi up` replaces it: a job started on this code keeps it, and the built-in trainer's jobs name
         # it in their records (docs/internals.md, "Binding a life to its job").
-        self.bundle_object = aws.s3.BucketObjectv2(
-            f"{name}-bundle",
+        self.bundle_object = code_bundle_object(
+            name,
             bucket=args.bucket_name,
-            key=bundle_key,
-            content_base64=base64.b64encode(args.bundle.data).decode(),
-            content_type="application/gzip",
-            server_side_encryption="aws:kms",
-            kms_key_id=args.kms_key_arn,
-            bucket_key_enabled=True,
+            bundle=args.bundle,
+            kms_key_arn=args.kms_key_arn,
             tags=args.tags,
-            opts=pulumi.ResourceOptions(parent=self, retain_on_delete=True),
+            parent=self,
         )
         user_data = pulumi.Output.all(args.bucket_name, args.topic_arn).apply(
             lambda values: _user_data(
