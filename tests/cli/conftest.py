@@ -101,25 +101,32 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> 
     return run
 
 
-@pytest.fixture()
-def deployed(aws: Any, tmp_path: Path, cli: Callable[..., Result]) -> Deployed:
+def create_stack_resources(bucket: str = BUCKET, group: str = GROUP, log_group: str = LOG_GROUP) -> str:
+    """What `pulumi up` makes that the CLI talks to, in moto: the stack's key, bucket, template, job group
+    (at zero, two at most) and log group. Returns the key's ARN."""
     ec2 = boto3.client("ec2", region_name=REGION)
-    kms_key_arn = boto3.client("kms", region_name=REGION).create_key()["KeyMetadata"]["Arn"]
-    boto3.client("s3", region_name=REGION).create_bucket(Bucket=BUCKET)
-    image = STAND_IN_AMI
+    kms_key_arn = str(boto3.client("kms", region_name=REGION).create_key()["KeyMetadata"]["Arn"])
+    boto3.client("s3", region_name=REGION).create_bucket(Bucket=bucket)
     subnets = [s["SubnetId"] for s in ec2.describe_subnets()["Subnets"][:2]]
     ec2.create_launch_template(
-        LaunchTemplateName=f"{GROUP}-lt", LaunchTemplateData={"ImageId": image, "InstanceType": "g6.xlarge"}
+        LaunchTemplateName=f"{group}-lt",
+        LaunchTemplateData={"ImageId": STAND_IN_AMI, "InstanceType": "g6.xlarge"},
     )
     boto3.client("autoscaling", region_name=REGION).create_auto_scaling_group(
-        AutoScalingGroupName=GROUP,
+        AutoScalingGroupName=group,
         MinSize=0,
         MaxSize=2,
         DesiredCapacity=0,
-        LaunchTemplate={"LaunchTemplateName": f"{GROUP}-lt", "Version": "$Latest"},
+        LaunchTemplate={"LaunchTemplateName": f"{group}-lt", "Version": "$Latest"},
         VPCZoneIdentifier=",".join(subnets),
     )
-    boto3.client("logs", region_name=REGION).create_log_group(logGroupName=LOG_GROUP)
+    boto3.client("logs", region_name=REGION).create_log_group(logGroupName=log_group)
+    return kms_key_arn
+
+
+@pytest.fixture()
+def deployed(aws: Any, tmp_path: Path, cli: Callable[..., Result]) -> Deployed:
+    kms_key_arn = create_stack_resources()
     project = write_project(
         tmp_path,
         {"aws:region": REGION, "trainstack:instanceCount": 2, "trainstack:amiParameter": AMI_PARAMETER},

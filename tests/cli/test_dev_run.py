@@ -23,9 +23,9 @@ import pytest
 import yaml
 
 from bootstrap.devbox.cloud_init import render_dev_user_data
-from demo.stack import STAND_IN_AMI
 from infra.bundle import DEV_BOX_PACKAGES, CodeBundle, build_bundle
 from tests.bootstrap.test_install_agent import _probe_wheel
+from tests.cli.conftest import create_stack_resources
 from tests.conftest import MotoServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,23 +167,7 @@ def test_install_cli_refuses_a_bundle_without_the_cli(tmp_path: Path) -> None:
 @pytest.fixture()
 def stack(aws: MotoServer, box: Box) -> dict[str, Any]:
     """What `pulumi up` made, and the outputs the dev user-data writes to /etc/trainstack on the box."""
-    ec2 = boto3.client("ec2", region_name=REGION)
-    key = boto3.client("kms", region_name=REGION).create_key()["KeyMetadata"]["Arn"]
-    boto3.client("s3", region_name=REGION).create_bucket(Bucket=BUCKET)
-    subnets = [s["SubnetId"] for s in ec2.describe_subnets()["Subnets"][:2]]
-    ec2.create_launch_template(
-        LaunchTemplateName=f"{GROUP}-lt",
-        LaunchTemplateData={"ImageId": STAND_IN_AMI, "InstanceType": "g6.xlarge"},
-    )
-    boto3.client("autoscaling", region_name=REGION).create_auto_scaling_group(
-        AutoScalingGroupName=GROUP,
-        MinSize=0,
-        MaxSize=2,
-        DesiredCapacity=0,
-        LaunchTemplate={"LaunchTemplateName": f"{GROUP}-lt", "Version": "$Latest"},
-        VPCZoneIdentifier=",".join(subnets),
-    )
-    boto3.client("logs", region_name=REGION).create_log_group(logGroupName=LOG_GROUP)
+    key = create_stack_resources(BUCKET, GROUP, LOG_GROUP)
     topic = boto3.client("sns", region_name=REGION).create_topic(Name=f"{STACK}-alerts")["TopicArn"]
     # The keys infra/__main__.py passes the dev box.
     outputs = {
