@@ -225,6 +225,7 @@ def _run(
     """(exit code, whether the elastic launcher ran)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
+    from bootstrap.persist import CheckpointRefusedError
     from training.config import ConfigError
     from training.dataset_layout import BadDataError
 
@@ -255,7 +256,7 @@ def _run(
     except BadDataError as exc:
         print(f"data error: {exc}", file=sys.stderr)
         return ExitCode.DATA_ERROR, False
-    except S3UnreachableError as exc:
+    except (S3UnreachableError, CheckpointRefusedError) as exc:  # each names the object and the fix
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.FAILED, False
     except (ClientError, BotoCoreError) as exc:

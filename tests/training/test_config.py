@@ -242,3 +242,23 @@ def test_an_unreachable_s3_is_a_transient_failure_in_one_line(image_folders: Dat
     assert line.startswith("error: output.uri: could not check s3://job/results (")
     assert line.endswith("a network or credentials problem, the next start retries")
     assert result.stdout.strip() == "torch imported: False"
+
+
+def test_a_checkpoint_s3_refuses_at_restore_is_one_line_not_a_traceback(
+    image_folders: Dataset, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Run by hand with checkpoint.uri, a restore S3 refuses (bootstrap/persist.py: CheckpointRefusedError)
+    ends the trainer with its one line naming the object and the fix, exit 1, as the agent reports it."""
+    import training.loop
+    from bootstrap.persist import CheckpointRefusedError
+    from training.__main__ import main
+
+    refusal = "s3://job/ckpt/step-5/state.bin: S3 refused to read it (AccessDenied) and no older checkpoint"
+
+    class RefusedTrainer:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise CheckpointRefusedError(refusal)
+
+    monkeypatch.setattr(training.loop, "Trainer", RefusedTrainer)
+    assert main(["--config", str(TINY), *image_folders.overrides()]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"error: {refusal}"]
