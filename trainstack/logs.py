@@ -62,17 +62,31 @@ def parse_since(text: str) -> timedelta:
 
 
 class LogReader:
-    """Reads a log group from a start time on, never returning the same event twice."""
+    """Reads a log group from a start time on, never returning the same event twice.
+
+    Each instance ships two streams (agent, trainer), each batched every few seconds (longer while CloudWatch
+    refuses), and CloudWatch makes events searchable seconds after they are put: an event can arrive after
+    a newer one from another stream was already read. So every read looks back LOOKBACK past the newest
+    event seen and leaves out, by event id, what it already returned; a reader that only moved its start
+    forward lost such events for good (a drill missed the replacement's "trainer starting")."""
+
+    LOOKBACK = timedelta(seconds=90)
 
     def __init__(
         self, clients: Clients, group: str, start: datetime, stream_prefix: str | None = None
     ) -> None:
         self.clients = clients
         self.group = group
-        self.start_ms = int(start.timestamp() * 1000)
+        self.first_ms = int(start.timestamp() * 1000)
+        self.newest_ms = self.first_ms
         self.stream_prefix = stream_prefix
-        # Events that share the newest timestamp may arrive across two polls: remember their ids.
-        self._seen_at_start: set[str] = set()
+        # The ids returned within the look-back window, with their timestamps (older ones are forgotten).
+        self._returned: dict[str, int] = {}
+
+    @property
+    def start_ms(self) -> int:
+        """Where the next read starts: LOOKBACK before the newest event returned, never before the start."""
+        return max(self.first_ms, self.newest_ms - int(self.LOOKBACK.total_seconds() * 1000))
 
     def read(self) -> list[LogEvent]:
         request: dict[str, Any] = {"logGroupName": self.group, "startTime": self.start_ms}
@@ -89,7 +103,7 @@ class LogReader:
                     # server that ignores it from mixing in another job's streams.
                     if self.stream_prefix and not event.stream.startswith(self.stream_prefix):
                         continue
-                    if event.event_id not in self._seen_at_start:
+                    if event.event_id not in self._returned:
                         events.append(event)
         except ClientError as error:
             if error_code(error) == "ResourceNotFoundException":
@@ -99,12 +113,11 @@ class LogReader:
                 ) from None
             raise
         events.sort(key=lambda e: (e.timestamp_ms, e.event_id))
-        if events:
-            newest = events[-1].timestamp_ms
-            if newest > self.start_ms:
-                self._seen_at_start = set()
-            self.start_ms = newest
-            self._seen_at_start |= {e.event_id for e in events if e.timestamp_ms == newest}
+        for event in events:
+            self._returned[event.event_id] = event.timestamp_ms
+            self.newest_ms = max(self.newest_ms, event.timestamp_ms)
+        horizon = self.start_ms
+        self._returned = {key: at for key, at in self._returned.items() if at >= horizon}
         return events
 
 

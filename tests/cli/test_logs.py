@@ -119,6 +119,26 @@ def test_follow_prints_each_new_event_once(aws, deployed: Deployed, capsys: pyte
     assert messages == ["first", "second", "second twin", "third"]
 
 
+def test_follow_returns_an_event_another_stream_shipped_late(aws, deployed: Deployed):
+    """Each instance ships its agent and trainer streams in batches of its own: the trainer's newer lines can
+    be searchable before the agent's older "trainer starting". The reader still returns that line, once."""
+    now = _now_ms()
+    reader = LogReader(Clients(REGION), LOG_GROUP, datetime.now(timezone.utc) - timedelta(minutes=5))
+    _put("job/i-bbb/trainer", (now - 2000, "trainer: resuming at step 21"), (now, "trainer: step 22"))
+    assert [e.message for e in reader.read()] == ["trainer: resuming at step 21", "trainer: step 22"]
+
+    _put("job/i-bbb/agent", (now - 3000, "agent: trainer starting"))
+    assert [e.message for e in reader.read()] == ["agent: trainer starting"]
+    assert reader.read() == []
+
+    # Older than the look-back behind the newest event: left out, not returned again when its id is forgotten.
+    far = now + int(LogReader.LOOKBACK.total_seconds() * 1000) + 5000
+    _put("job/i-bbb/trainer", (far, "trainer: step 99"))
+    assert [e.message for e in reader.read()] == ["trainer: step 99"]
+    _put("job/i-bbb/agent", (now - 1000, "agent: too late to follow"))
+    assert reader.read() == []
+
+
 def test_logs_of_a_missing_log_group_is_one_line(deployed: Deployed):
     boto3.client("logs", region_name=REGION).delete_log_group(logGroupName=LOG_GROUP)
     result = deployed.run("logs")
