@@ -243,7 +243,12 @@ def test_a_node_leaving_mid_rendezvous_then_a_peer_killed_the_first_node_regroup
     )
     assert lost["generation"] == 2 and lost.get("vanished", peer.instance_id) == peer.instance_id, story()
     resumed = lost["resume_step"]
-    assert resumed is not None and confirmed <= resumed <= reached, story()
+    # The ranks went on between the sample above and the SIGKILL (a step or two under load; the step the
+    # dead peer logged last is where it stopped: it logs every step) and their checkpoint's upload may finish
+    # after the kill: the promise is a confirmed checkpoint no older than the one confirmed before the kill,
+    # and at most an interval behind the step reached.
+    reached = max(reached, peer.progress().get("step", 0))
+    assert resumed is not None and confirmed <= resumed <= (job.confirmed_step() or 0), story()
     assert reached - resumed <= CHECKPOINT_EVERY, f"lost {reached - resumed} steps\n{story()}"
     again = job.wait_for(lambda: resumed_at(first, resumed, lost_at), 90, "node 1 training again")
     print(
