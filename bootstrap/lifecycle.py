@@ -36,7 +36,7 @@ from bootstrap.lease import LeaseLostError
 from bootstrap.ledger import TERMINAL_STATUSES, JobLedger
 from bootstrap.notify import Notifier
 from bootstrap.outcomes import Failure, LifeEnd, LifeFacts, LifeResult, Outcomes
-from bootstrap.persist import CheckpointPersister, UploadAbandonedError
+from bootstrap.persist import CheckpointPersister, CheckpointRefusedError, UploadAbandonedError
 from bootstrap.pinned import run_pinned
 from bootstrap.pricing import BucketUsage, PriceLookup
 from bootstrap.scratch import prepare_scratch
@@ -352,8 +352,11 @@ class InstanceLife:
         try:
             outcome = self._prepare_and_train()
         except Exception as exc:
-            self.log.event("failed", "instance life failed", error=f"{type(exc).__name__}: {exc}")
-            outcome = Failure(LifeEnd.FAILED, f"{type(exc).__name__}: {exc}", list(self.log.tail))
+            # A refused checkpoint already says which object and the fix; anything else is unexpected and
+            # named by its type.
+            error = str(exc) if isinstance(exc, CheckpointRefusedError) else f"{type(exc).__name__}: {exc}"
+            self.log.event("failed", "instance life failed", error=error)
+            outcome = Failure(LifeEnd.FAILED, error, list(self.log.tail))
         finally:
             # No more heartbeats or polls: the outcome below is the last word on this life.
             self._background_stop.set()
