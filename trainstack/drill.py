@@ -35,7 +35,9 @@ NOTICE_SECONDS = 120.0
 # The instance's clock and this machine's may differ by a few seconds: events read from a little earlier.
 CLOCK_SLACK = timedelta(seconds=30)
 # The agent ships its events every 5 s and flushes them when it exits: a job seen ended is given this long
-# for its last events (the replacement's resume among them) to arrive before the drill calls it ended.
+# for its last events (the replacement's resume among them) to arrive before the drill calls it ended, and
+# a resume seen before the interrupted instance's stop (a warm standby can take over within a second, while
+# the old holder's stop is still in its next batch) this long for that stop to arrive.
 LOG_GRACE_SECONDS = 15.0
 _EXPERIMENT_FAILED = {"failed", "stopped", "cancelled"}
 _RESUMED = {"trainer starting": False, "start gate opened: the standby trains": True}
@@ -369,6 +371,7 @@ def watch(
     said: set[str] = set()
     deadline = time.monotonic() + timeout_s
     ended_at: float | None = None
+    resumed_at: float | None = None
     while True:
         _raise_if_failed(fis.get_experiment(id=started.experiment_id)["experiment"])
         events.extend(agent_events(reader.read()))
@@ -388,14 +391,18 @@ def watch(
                     said.add(text)
                     announce(f"{moment:7.1f}s  {text}")
         if timeline.resumed is not None:
-            return timeline, "resumed"
-        status = str(ledger.get("status", ""))
-        if timeline.notice is not None and status and status != JobStatus.RUNNING.value:
-            ended_at = time.monotonic() if ended_at is None else ended_at
-            if time.monotonic() - ended_at >= LOG_GRACE_SECONDS:
-                return timeline, "job_ended"
+            # Without the stop the checks would fail the drill for an event that is only still in flight.
+            resumed_at = time.monotonic() if resumed_at is None else resumed_at
+            if timeline.stopped is not None or time.monotonic() - resumed_at >= LOG_GRACE_SECONDS:
+                return timeline, "resumed"
+        else:
+            status = str(ledger.get("status", ""))
+            if timeline.notice is not None and status and status != JobStatus.RUNNING.value:
+                ended_at = time.monotonic() if ended_at is None else ended_at
+                if time.monotonic() - ended_at >= LOG_GRACE_SECONDS:
+                    return timeline, "job_ended"
         if time.monotonic() >= deadline:
-            return timeline, "timed_out"
+            return timeline, "resumed" if timeline.resumed is not None else "timed_out"
         sleep(poll_seconds)
 
 

@@ -3,6 +3,8 @@ date in place, and the job's log lines above it. Ctrl-C leaves the job as it is:
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +28,9 @@ from trainstack_job.jobs import JobPrefixes
 
 # One FilterLogEvents and a few S3 reads per poll: CloudWatch Logs allows 5 filter calls a second.
 POLL_SECONDS = 2.0
+# The agent writes the job's end to its ledger first and ships a life's last log lines (every 5 s, and a
+# flush when it exits) after: a job seen ended is read this much longer, or its last lines would be lost.
+LOG_GRACE_SECONDS = 15.0
 
 
 def again(job_id: str) -> str:
@@ -129,14 +134,17 @@ def follow(clients: Clients, outputs: StackOutputs, job_id: str, *, since: datet
     speed = Speed()
     try:
         with StatusLine(out) as line:
+            ended: set[str] = set()
             while True:
-                row, progress, cost = _observe(clients, outputs, job)
+                row, progress, cost, last_instance = _observe(clients, outputs, job)
                 speed.see(progress)
-                print_events(reader.read(), as_json=False)
+                ended |= _print_and_see_ends(reader)
                 if row["status"] in ENDED:
                     break
                 line.update(status_line(row, progress, cost, speed))
                 wait(POLL_SECONDS)
+            if last_instance is not None and last_instance not in ended:
+                _last_lines(reader, line, row, last_instance)
     except KeyboardInterrupt:
         out.print(
             f"detached; job {job_id} goes on (Ctrl-C never cancels it): follow again with {again(job_id)}",
@@ -147,12 +155,43 @@ def follow(clients: Clients, outputs: StackOutputs, job_id: str, *, since: datet
     return 0 if row["status"] == JobStatus.COMPLETED else 1
 
 
+def _print_and_see_ends(reader: LogReader) -> set[str]:
+    """Print what arrived; the instances whose agent said its life's last word (an `end` event) in it."""
+    events = reader.read()
+    print_events(events, as_json=False)
+    ended = set()
+    for event in events:
+        parts = event.stream.split("/")
+        if len(parts) < 2 or parts[-1] != "agent":
+            continue
+        with contextlib.suppress(ValueError):
+            record = json.loads(event.message)
+            if isinstance(record, dict) and record.get("stage") == "end":
+                ended.add(parts[-2])
+    return ended
+
+
+def _last_lines(reader: LogReader, line: StatusLine, row: Mapping[str, Any], instance: str) -> None:
+    """Print the log lines that arrive after the job's end until the last life's `end` event (the agent
+    ships it last, with the lines before it), for at most LOG_GRACE_SECONDS. Ctrl-C skips the rest of the
+    wait: the job is over, the summary still follows."""
+    line.update(f"{row['job_id']}: {row['status']}; reading its last log lines (Ctrl-C skips)")
+    deadline = time.monotonic() + LOG_GRACE_SECONDS
+    with contextlib.suppress(KeyboardInterrupt):
+        while time.monotonic() < deadline:
+            wait(POLL_SECONDS)
+            if instance in _print_and_see_ends(reader):
+                return
+
+
 def _observe(
     clients: Clients, outputs: StackOutputs, job: JobPrefixes
-) -> tuple[dict[str, Any], dict[str, Any], float | None]:
+) -> tuple[dict[str, Any], dict[str, Any], float | None, str | None]:
+    """The job's row, progress, cost so far, and the instance of its newest life (None: it never ran)."""
     now = datetime.now(timezone.utc)
     row = describe(clients, outputs, job.job_id, now)
     ledger = read_json(clients, outputs.bucket, job.state + LEDGER)
     progress = read_json(clients, outputs.bucket, job.state + PROGRESS) or {}
     cost = estimate_cost(JobState(ledger, progress, None, None, job.job_id), now).so_far_usd
-    return row, progress, cost
+    lives = (ledger or {}).get("lives") or []
+    return row, progress, cost, (str(lives[-1].get("instance_id")) if lives else None)

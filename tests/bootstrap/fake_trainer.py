@@ -4,7 +4,11 @@ Checkpoints and results stay local: the agent uploads them.
 
 Behaviour is steered by the job config's `fake:` mapping: steps, step_seconds, checkpoint_every,
 crash_at_step, exit_code (of the crash), hang_at_step, ignore_stop, checkpoint_bytes, complete_on_stop,
-log_steps (one `{"event": "step", "step": N, "pid": P}` line per step: what the one-writer tests read).
+log_steps (one `{"event": "step", "step": N, "pid": P}` line per step: what the one-writer tests read),
+hold_at_step and hold_until. A fresh trainer (one that restored nothing) holds at `hold_at_step` until the
+stop comes (then it checkpoints that step and exits 75, as mid-run) or the file `hold_until` exists (then it
+trains on): a test that injects a notice, stop or second instance "while the job trains" holds it there, so
+a fast machine cannot finish the job before the event lands. A resumed trainer never holds.
 A `train.start_gate_file` that exists at start holds it warm, as the built-in trainer does: no checkpoint is
 restored or written until the file is gone; a stop while held exits 75 without writing anything.
 """
@@ -96,6 +100,9 @@ def main() -> int:
         staging.rename(root / f"step-{step}")
         print(json.dumps({"event": "checkpoint", "step": step}), flush=True)
 
+    def stop_requested() -> bool:
+        return STOP["requested"] or stop_file.exists()
+
     gate = Path(overrides["train.start_gate_file"]) if overrides.get("train.start_gate_file") else None
     if gate is not None and gate.exists():
         print(
@@ -104,7 +111,7 @@ def main() -> int:
         )
         waited = time.monotonic()
         while gate.exists():
-            if STOP["requested"] or stop_file.exists():
+            if stop_requested():
                 print("standby: stopped before the start gate opened; no checkpoint written", flush=True)
                 return 75
             time.sleep(0.02)
@@ -112,6 +119,8 @@ def main() -> int:
     step = restore(root)
     if step:
         print(json.dumps({"event": "resumed", "step": step}), flush=True)
+    hold_at = fake.get("hold_at_step") if not step else None
+    release = Path(str(fake["hold_until"])) if fake.get("hold_until") else None
     while step < steps:
         if step == fake.get("hang_at_step"):
             time.sleep(3600)
@@ -128,7 +137,10 @@ def main() -> int:
             request_file.unlink()
         elif step % every == 0:
             save(step)
-        stop = STOP["requested"] or stop_file.exists()
+        if step == hold_at:
+            while not stop_requested() and not (release is not None and release.exists()):
+                time.sleep(0.02)
+        stop = stop_requested()
         if stop and not fake.get("ignore_stop") and not fake.get("complete_on_stop"):
             save(step)
             return 75

@@ -88,7 +88,9 @@ def test_giving_up_on_a_job_marks_that_jobs_ledger_not_the_stacks_top_level(
 def test_spot_interruption_exits_with_a_confirmed_checkpoint_and_the_replacement_resumes_at_that_step(
     make_life: MakeLife, stack: LocalStack, imds: ImdsSimulator, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fake = {"steps": 400, "step_seconds": 0.02, "checkpoint_every": 1000}
+    # Steps without end: only the notice can stop the first trainer, however late it lands on a loaded
+    # machine (400 steps of 20 ms could end before it did); the replacement is given a few steps past it.
+    fake = {"steps": 10**9, "step_seconds": 0.02, "checkpoint_every": 1000}
     first = make_life(fake=fake)
     running = start(first)
     wait_for_step(first, 15)
@@ -190,7 +192,8 @@ def test_a_config_or_dataset_error_stops_the_job_at_once_with_the_fix(
 def test_imds_outage_keeps_training_and_the_watcher_retries(
     make_life: MakeLife, stack: LocalStack, imds: ImdsSimulator
 ) -> None:
-    life = make_life(fake={"steps": 120, "step_seconds": 0.03})
+    # Steps without end: 120 steps of 30 ms left under 2 s after the outage for the notice to land.
+    life = make_life(fake={"steps": 10**9, "step_seconds": 0.03})
     lines: list[str] = []
     life.log.add_sink(lines.append)
     running = start(life)
@@ -208,7 +211,8 @@ def test_imds_outage_keeps_training_and_the_watcher_retries(
 def test_stop_request_from_the_cli_checkpoints_and_scales_to_zero(
     make_life: MakeLife, stack: LocalStack
 ) -> None:
-    life = make_life(fake={"steps": 2000, "step_seconds": 0.02, "checkpoint_every": 1000})
+    # Steps without end: only the stop request can end this life.
+    life = make_life(fake={"steps": 10**9, "step_seconds": 0.02, "checkpoint_every": 1000})
     running = start(life)
     wait_for_step(life, 5)
     stack.client("s3").put_object(

@@ -70,7 +70,9 @@ def test_imds_outage_raises_unavailable_and_recovers(simulator: ImdsSimulator, m
     assert client.get("instance-id") == "i-0abc"
 
 
-def wait_for(condition: object, timeout: float = 5.0) -> None:
+def wait_for(condition: object, timeout: float = 30.0) -> None:
+    """Waits for the watcher thread (polls of 50 ms); the bound only says when to give up: generous, since a
+    loaded 2-core machine can stall a thread for seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if callable(condition) and condition():
@@ -168,13 +170,19 @@ def test_the_simulated_lifecycle_state_asks_the_group_at_most_once_a_second_and_
         asked.append(instance_id)
         return held["state"]
 
+    def at_most_once_a_second() -> None:
+        # Counted against the time taken, not assumed: five reads can take over a second on a loaded machine.
+        assert 1 <= len(asked) <= 1 + (time.monotonic() - began) // LIFECYCLE_REFRESH_S, asked
+
     with ImdsSimulator(SimulatedInstance(instance_id="i-1"), lifecycle_state=group) as sim:
         client = ImdsClient(sim.endpoint)
+        began = time.monotonic()
         assert [client.get("autoscaling/target-lifecycle-state") for _ in range(5)] == ["InService"] * 5
-        assert asked == ["i-1"]
+        at_most_once_a_second()
         held["state"] = "Terminated"
-        deadline = time.monotonic() + LIFECYCLE_REFRESH_S + 2
+        # A generous bound: the next refresh is a second away, on a loaded machine perhaps several.
+        deadline = time.monotonic() + LIFECYCLE_REFRESH_S + 30
         while client.get("autoscaling/target-lifecycle-state") != "Terminated":
             assert time.monotonic() < deadline, "the group's decision never reached IMDS"
             time.sleep(0.05)
-        assert len(asked) == 2
+        at_most_once_a_second()

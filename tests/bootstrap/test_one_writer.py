@@ -201,7 +201,7 @@ def _assert_one_linear_history(stack: LocalStack, first: Agent, second: Agent) -
 
 
 def test_a_manual_scale_up_gives_one_standby_and_surplus_instances_leave(
-    stack: LocalStack, agents: Callable[..., Agent]
+    stack: LocalStack, agents: Callable[..., Agent], tmp_path: Path
 ) -> None:
     """Desired capacity raised by hand on a single-node job: the second instance waits as the standby, a
     third leaves (lowering the capacity it was launched for), and the job completes once, on the holder."""
@@ -209,7 +209,10 @@ def test_a_manual_scale_up_gives_one_standby_and_surplus_instances_leave(
     autoscaling.set_desired_capacity(AutoScalingGroupName=stack.group_name, DesiredCapacity=3)
     ids = stack.instance_ids()
     assert len(ids) == 3
-    first = agents("first", ids[0], fake={"steps": 45}).start()
+    # The holder trains until the other two have booted and decided: it holds at step 3 until released
+    # (45 steps of 80 ms could end while a slow machine still boots them, and they would see no job).
+    release = tmp_path / "release-the-holder"
+    first = agents("first", ids[0], fake={"steps": 45, "hold_at_step": 3, "hold_until": str(release)}).start()
     first.wait_for("trainer starting")
     second = agents("second", ids[1]).start()
     second.wait_for("standby ready")
@@ -217,6 +220,7 @@ def test_a_manual_scale_up_gives_one_standby_and_surplus_instances_leave(
     assert third.join().outcome == "surplus"
     assert third.said("left the group")[0]["decrement"] is True
     assert stack.group()["DesiredCapacity"] == 2
+    release.touch()
     assert first.join().outcome == "completed"
     assert second.join().outcome == "standby_ended"
     assert not second.steps and not third.steps
@@ -234,7 +238,8 @@ def test_a_replacement_launched_while_the_old_instance_drains_waits_and_resumes_
     already boots. The replacement must not train beside it, nor close its life as interrupted; it takes
     the lease when the old one lets go and resumes at exactly its stop step."""
     holder_id = stack.instance_ids()[0]
-    first = agents("first", holder_id, fake={"checkpoint_bytes": 2_000_000}).start()
+    # A fresh holder holds at step 3 until the stop: 60 steps of 80 ms could end before the notice landed.
+    first = agents("first", holder_id, fake={"checkpoint_bytes": 2_000_000, "hold_at_step": 3}).start()
     first.wait_for("trainer starting")
     _wait_until(lambda: bool(first.steps), "the holder's first step")  # the notice comes mid-training
     first.imds.inject_spot_notice()
@@ -324,7 +329,10 @@ def test_a_replacement_after_a_mid_job_pulumi_up_runs_the_jobs_own_code(
 ) -> None:
     """The running job's record pins its bundle; a replacement whose user-data carries a newer definition
     hands itself over to that code (here recorded instead of exec'd: the test runs in-process)."""
-    first = agents("first", stack.instance_ids()[0], bundle_key="code/aaa/bundle.tar.gz").start()
+    # Steps without end: the job must still be running when the replacement decides (it is ended below).
+    first = agents(
+        "first", stack.instance_ids()[0], fake={"steps": 10**9}, bundle_key="code/aaa/bundle.tar.gz"
+    ).start()
     first.wait_for("trainer starting")
     second = agents("second", "i-0replacement0000", in_group=False, job_id="vit-22222222", job_name="vit")
     pinned: list[dict[str, Any]] = []

@@ -182,7 +182,8 @@ def test_a_spot_interrupted_job_resumes_before_the_next_queued_job_and_a_defined
     stack: LocalStack, make_life: MakeLife, imds: ImdsSimulator, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The agent config still defines job A (the stack's default job): every life submits it, once."""
-    defined = {"job_id": A, "job_name": "alpha", "fake": {**LONG, "steps": 60}}
+    # A fresh A holds at step 20 until the stop: 60 steps of 20 ms could end before the notice landed.
+    defined = {"job_id": A, "job_name": "alpha", "fake": {**LONG, "steps": 60, "hold_at_step": 20}}
     first = Lives(make_life(**defined))
     running = start(first)
     wait_until(lambda: reached(first, A, 8), "job A training")
@@ -245,7 +246,9 @@ def test_cancel_of_a_running_job_leaves_a_confirmed_checkpoint_then_the_next_job
 def test_a_now_job_makes_the_running_job_yield_and_that_job_resumes_from_its_checkpoint_after_it(
     stack: LocalStack, instance: Callable[..., tuple[Lives, Events]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    submit(stack, A, {**LONG, "steps": 200}, "2026-12-01T12:00:01.000Z")
+    # A fresh A holds at step 20 until it is told to yield (a fixed run could end before the agent saw B);
+    # resumed, it trains on to 60.
+    submit(stack, A, {**LONG, "steps": 60, "hold_at_step": 20}, "2026-12-01T12:00:01.000Z")
     lives, events = instance()
     running = start(lives)
     wait_until(lambda: reached(lives, A, 10), "job A training")
@@ -266,7 +269,7 @@ def test_a_now_job_makes_the_running_job_yield_and_that_job_resumes_from_its_che
     out = capsys.readouterr().out
     assert json.dumps({"event": "resumed", "step": stopped["checkpoint_step"]}) in out
     assert out.count('"event": "resumed"') == 1
-    assert steps_of(stack, A) == 200 and steps_of(stack, B) == 6
+    assert steps_of(stack, A) == 60 and steps_of(stack, B) == 6
     assert [e["job_id"] for e in events.said("job bound")] == [A, B, A]
     assert stack.group()["DesiredCapacity"] == 0
 

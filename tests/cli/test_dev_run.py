@@ -265,7 +265,8 @@ def _agent_ends_the_queued_job(end: str) -> threading.Thread:
 
     def run() -> None:
         s3 = boto3.client("s3", region_name=REGION)
-        deadline = time.monotonic() + 30
+        # The CLI's own bound (_finish): a loaded machine may take most of it to start the CLI and submit.
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             found = s3.list_objects_v2(Bucket=BUCKET, Prefix="queue/").get("Contents", [])
             if found:

@@ -25,6 +25,7 @@ from infra import drill as template
 from trainstack import drill
 from trainstack.aws import Clients
 from trainstack.logs import LogEvent
+from trainstack_job.jobs import JobPrefixes
 
 from .conftest import REGION, Deployed, Result, write_project
 
@@ -115,6 +116,56 @@ def test_a_warm_standby_taking_over_is_the_recovery() -> None:
     assert drill.rows(timeline, experiment_id="E", target="i-aaa")[-1][1] == (
         "the standby i-ccc takes over: training from step 1200"
     )
+
+
+class Batches:
+    """Stands for the drill's LogReader: each read returns the next batch CloudWatch made searchable."""
+
+    def __init__(self, *batches: list[LogEvent]) -> None:
+        self.batches = list(batches)
+
+    def read(self) -> list[LogEvent]:
+        return self.batches.pop(0) if self.batches else []
+
+
+class RunningExperiment:
+    def get_experiment(self, **_: Any) -> Any:
+        return {"experiment": {"id": "EXP1", "state": {"status": "running"}}}
+
+
+class Outputs:
+    bucket = "trainstack-test-data"
+
+    def text(self, _name: str) -> str:
+        return "/trainstack/test"
+
+
+class Stack:
+    outputs = Outputs()
+
+
+def test_a_standby_seen_training_before_the_old_holders_stop_arrives_waits_for_that_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A warm standby trains a second after the old holder's stop, but each instance ships its events in
+    batches of its own: the standby's line can be read before the stop. The drill waits for the stop (up to
+    LOG_GRACE_SECONDS) instead of failing its checks on an event still in flight."""
+    standby = _event(20, "i-ccc", "train", "start gate opened: the standby trains", restored_step=1200)
+    batches = Batches([*RECORDED[:3], standby], [], [RECORDED[3]])
+    monkeypatch.setattr(drill, "LogReader", lambda *args, **kwargs: batches)
+    monkeypatch.setattr(drill, "resolve_job", lambda *args: JobPrefixes.of(JOB))
+    monkeypatch.setattr(drill, "read_json", lambda *args: {"status": "running", "lives": []})
+    started = drill.Started("EXP1", "EXT1", JOB, T0, "i-aaa", 1190, 5000)
+    clients = Clients(None, overrides={"fis": RunningExperiment()})
+
+    stack: Any = Stack()
+    timeline, ending = drill.watch(
+        clients, stack, started, timeout_s=60, poll_seconds=0, sleep=lambda _: None
+    )
+
+    assert ending == "resumed" and timeline.by_standby
+    assert timeline.stopped is not None and not batches.batches, "the stop's batch was read"
+    assert all(check.passed for check in timeline.checks()), timeline.checks()
 
 
 # -- refusals, each one line --------------------------------------------------------------------------------
@@ -327,7 +378,9 @@ def test_drill_end_to_end_interrupts_the_real_agent_and_times_its_recovery(
     }
     outputs.write_text(json.dumps(stack_outputs))
     pool = ThreadPoolExecutor(max_workers=2)
-    first = pool.submit(_life(local, tmp_path / "instance-1", 400).run)
+    # Steps without end: only the drill's notice can stop the first life, however long the drill takes to
+    # start on a loaded machine (400 steps of 20 ms could end first); the replacement trains 5 past it.
+    first = pool.submit(_life(local, tmp_path / "instance-1", 10**9).run)
     _wait_for_step(tmp_path / "instance-1", 10)
     replaced = threading.Event()
     second = pool.submit(_replacement, local, imds, first, tmp_path / "instance-2", replaced)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -248,7 +249,9 @@ def test_jobs_lists_every_job_with_status_step_cost_age_and_the_current_one(depl
     table = deployed.run("jobs")
     assert table.code == 0, table.err
     line = next(line for line in table.out.splitlines() if NEW in line)
-    assert "*" in line and "running" in line and "120/1000" in line and "$0.50" in line and "1h 00m" in line
+    assert "*" in line and "running" in line and "120/1000" in line and "$0.50" in line
+    # An hour old when written; the minutes it took this machine to get here are not part of the promise.
+    assert re.search(r"\b1h 0\dm\b", line), line
     assert f"the stack's default job is {DEFINED}" in table.out
 
 

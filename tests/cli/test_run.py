@@ -36,6 +36,7 @@ env: {EPOCHS: "3"}
 @pytest.fixture(autouse=True)
 def _fast_follow(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(follow_module, "POLL_SECONDS", 0.05)
+    monkeypatch.setattr(follow_module, "LOG_GRACE_SECONDS", 0.2)
 
 
 @pytest.fixture()
@@ -368,11 +369,42 @@ def test_a_corrupt_queue_entry_is_one_line_naming_it(deployed: Deployed):
     assert "queue/x-12345678.json is not a queue entry" in result.err
 
 
-class FakeAgent:
-    """Plays the agent for a followed job: takes it from the queue, logs, reports progress, ends it."""
+class Polls:
+    """Counts the follower's pauses between two polls (its `wait`), so that a fake agent acts between polls
+    instead of sleeping for a time a loaded machine overruns; and plays a Ctrl-C at a chosen pause."""
 
-    def __init__(self, deployed: Deployed, end: str) -> None:
-        self.deployed, self.end = deployed, end
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        self._ctrl_c_at: int | None = None
+        self._changed = threading.Condition()
+        monkeypatch.setattr(follow_module, "wait", self._wait)
+
+    def _wait(self, seconds: float) -> None:
+        time.sleep(seconds)
+        with self._changed:
+            if self._ctrl_c_at is not None and self.count >= self._ctrl_c_at:
+                raise KeyboardInterrupt
+            self.count += 1
+            self._changed.notify_all()
+
+    def seen(self) -> None:
+        """Return once the follower has made a whole poll that began after this call: the count moves as
+        a poll begins, so the first move may be a poll under way and the second ends a whole one."""
+        with self._changed:
+            target = self.count + 2
+            assert self._changed.wait_for(lambda: self.count >= target, timeout=60), "the follower hung"
+
+    def ctrl_c_after_the_next_poll(self) -> None:
+        with self._changed:
+            self._ctrl_c_at = self.count + 1
+
+
+class FakeAgent:
+    """Plays the agent for a followed job: takes it from the queue, logs, reports progress, ends it, and
+    ships its last log line after the end, as the real agent's exit flush does."""
+
+    def __init__(self, deployed: Deployed, end: str, polls: Polls, *, ships_end: bool = True) -> None:
+        self.deployed, self.end, self.polls, self.ships_end = deployed, end, polls, ships_end
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
@@ -386,34 +418,70 @@ class FakeAgent:
         logs_client = boto3.client("logs", region_name=REGION)
         stream = f"{job_id}/i-0123456789abcdef0/trainer"
         logs_client.create_log_stream(logGroupName=LOG_GROUP, logStreamName=stream)
-        logs_client.put_log_events(
-            logGroupName=LOG_GROUP,
-            logStreamName=stream,
-            logEvents=[{"timestamp": int(time.time() * 1000), "message": "epoch 1/1 step 5/10 loss 1.0"}],
-        )
-        ledger = {"status": "running", "lives": [], "total_cost_usd": 0.25}
+
+        def log(message: str) -> None:
+            logs_client.put_log_events(
+                logGroupName=LOG_GROUP,
+                logStreamName=stream,
+                logEvents=[{"timestamp": int(time.time() * 1000), "message": message}],
+            )
+
+        log("epoch 1/1 step 5/10 loss 1.0")
+        life = {"instance_id": "i-0123456789abcdef0", "outcome": "running"}
+        ledger = {"status": "running", "lives": [life], "total_cost_usd": 0.25}
         _put(self.deployed, state + "ledger.json", ledger)
         _put(self.deployed, state + "progress.json", {"step": 5, "total_steps": 10, "updated_at": _now()})
-        time.sleep(0.3)
+        # Running until the follower has seen it: a fixed pause can fall between two polls of a slow one.
+        self.polls.seen()
         _put(self.deployed, state + "progress.json", {"step": 10, "total_steps": 10, "updated_at": _now()})
-        _put(self.deployed, state + "ledger.json", {**ledger, "status": self.end, "total_cost_usd": 0.5})
+        ended = {**life, "outcome": self.end, "ended_at": _now()}
+        _put(
+            self.deployed,
+            state + "ledger.json",
+            {**ledger, "lives": [ended], "status": self.end, "total_cost_usd": 0.5},
+        )
+        # The follower has seen the end; only then the last lines: shipped after the end, they must still
+        # print, and the agent's `end` event (its life's last word) ends the wait for late lines.
+        self.polls.seen()
+        log("final line, shipped as the agent exits")
+        if not self.ships_end:
+            # Its `end` event never comes (an instance gone mid-flush): a Ctrl-C skips the rest of the wait.
+            self.polls.ctrl_c_after_the_next_poll()
+            return
+        agent_stream = f"{job_id}/i-0123456789abcdef0/agent"
+        logs_client.create_log_stream(logGroupName=LOG_GROUP, logStreamName=agent_stream)
+        logs_client.put_log_events(
+            logGroupName=LOG_GROUP,
+            logStreamName=agent_stream,
+            logEvents=[
+                {
+                    "timestamp": int(time.time() * 1000),
+                    "message": json.dumps({"stage": "end", "message": self.end}),
+                }
+            ],
+        )
 
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-@pytest.mark.parametrize(("end", "code"), [("completed", 0), ("failed", 1)])
-def test_following_a_job_prints_its_logs_and_exits_by_its_outcome(deployed: Deployed, end: str, code: int):
-    agent = FakeAgent(deployed, end)
+@pytest.mark.parametrize(("end", "code", "ships_end"), [("completed", 0, True), ("failed", 1, False)])
+def test_following_a_job_prints_its_logs_and_exits_by_its_outcome(
+    deployed: Deployed, end: str, code: int, ships_end: bool, monkeypatch: pytest.MonkeyPatch
+):
+    # Long enough that only the agent's `end` event can end the wait for late lines within the test's time.
+    monkeypatch.setattr(follow_module, "LOG_GRACE_SECONDS", 600.0)
+    agent = FakeAgent(deployed, end, Polls(monkeypatch), ships_end=ships_end)
     agent.thread.start()
     result = deployed.run("run", "--config", str(CONFIG))
     agent.thread.join(5)
     assert result.code == code, result.out + result.err
     assert "epoch 1/1 step 5/10 loss 1.0" in result.out, "the job's log lines"
     assert "running, step 5/10" in result.out or "running, step 10/10" in result.out, "the status line"
-    last = result.out.strip().splitlines()[-1]
-    assert last.startswith("job default-") and f" {end}: step 10/10, cost $0.50" in last
+    lines = result.out.strip().splitlines()
+    assert "final line, shipped as the agent exits" in result.out, "a line shipped after the job's end"
+    assert lines[-1].startswith("job default-") and f" {end}: step 10/10, cost $0.50" in lines[-1]
 
 
 def test_ctrl_c_while_following_detaches_and_never_cancels(

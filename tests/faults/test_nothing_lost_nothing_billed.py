@@ -169,7 +169,9 @@ def latest_history(s3: Any, bucket: str) -> list[int]:
     """Every step `checkpoints/latest.json` ever named, oldest first (the bucket is versioned)."""
     versions = s3.list_object_versions(Bucket=bucket, Prefix="checkpoints/latest.json").get("Versions", [])
     steps = []
-    for version in sorted(versions, key=lambda v: v["LastModified"]):
+    # S3 lists a key's versions newest first. Not sorted by LastModified: it has one-second resolution, and
+    # two writes in one second (a fast machine) would tie and keep the listing's newest-first order.
+    for version in reversed(versions):
         body = s3.get_object(Bucket=bucket, Key=version["Key"], VersionId=version["VersionId"])["Body"].read()
         steps.append(int(json.loads(body)["step"]))
     return steps

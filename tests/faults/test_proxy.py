@@ -46,7 +46,9 @@ def raw_request(proxy: S3FaultProxy) -> socket.socket:
     return sock
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float = 2) -> None:
+def wait_until(condition: Callable[[], bool], timeout_s: float = 20) -> None:
+    """Waits for the proxy's threads; the bound only says when to give up (a loaded 2-core machine can stall
+    a thread for seconds, more than the 2 s this once allowed)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"condition not met within {timeout_s} s"
