@@ -48,11 +48,15 @@ IAM_RECORD_ENV = "TRAINSTACK_IAM_RECORD"
 INSTANCE_PRINCIPAL = "instance-role"
 _record_lock = threading.Lock()
 _clients_recorded = itertools.count(1)
+_calls_recorded = itertools.count(1)
+# Where the call's id travels from the request to its answer: botocore hands both events the same context.
+_CALL_ID = "trainstack_iam_call"
 
 
 def record_calls(made: Any, principal: str, folder: str) -> None:
     """Append one JSON line per API call of `made` to FOLDER/<principal>-<pid>.jsonl: the operation and its
-    parameters as the caller passed them (bodies left out), before botocore sends anything."""
+    parameters as the caller passed them (bodies left out), before botocore sends anything; and, for a call
+    answered with an error, one line `answer_to` its id with the error's code and HTTP status."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     path = Path(folder) / f"{principal}-{os.getpid()}.jsonl"
     service = made.meta.service_model.service_name
@@ -60,22 +64,44 @@ def record_calls(made: Any, principal: str, folder: str) -> None:
     # Which client made the call: the check binds each client to the first stack it names (tests/iam).
     client_id = next(_clients_recorded)
 
-    def record(params: dict[str, Any], model: Any, **_: Any) -> None:
-        line = json.dumps(
+    def write(line: dict[str, Any]) -> None:
+        with _record_lock, path.open("a", encoding="utf-8") as out:
+            out.write(json.dumps(line) + "\n")
+
+    def record(params: dict[str, Any], model: Any, context: dict[str, Any], **_: Any) -> None:
+        call_id = context[_CALL_ID] = next(_calls_recorded)
+        write(
             {
                 "principal": principal,
                 "service": service,
                 "operation": model.name,
                 "region": region,
                 "client": client_id,
+                "call": call_id,
                 "params": _plain(params),
             }
         )
-        with _record_lock, path.open("a", encoding="utf-8") as out:
-            out.write(line + "\n")
 
-    # provide-client-params: once per API call (not per retry), with the parameters as the caller named them.
+    def answered(http_response: Any, parsed: Any, context: dict[str, Any], **_: Any) -> None:
+        # The answer matters where AWS's would differ from moto's: a read of a missing object is NoSuchKey
+        # only for a caller that may list the key, AccessDenied for any other (tests/iam/requests.py).
+        if _CALL_ID not in context or http_response.status_code < 300:
+            return
+        error = parsed.get("Error", {}) if isinstance(parsed, dict) else {}
+        code = context.get("error_code_override") or error.get("Code")
+        write(
+            {
+                "principal": principal,
+                "answer_to": context[_CALL_ID],
+                "status": http_response.status_code,
+                "error": code,
+            }
+        )
+
+    # provide-client-params: once per API call (not per retry), with the parameters as the caller named them;
+    # after-call: once per call answered (after the retries), with the same context.
     made.meta.events.register("provide-client-params", record)
+    made.meta.events.register("after-call", answered)
 
 
 def _plain(value: Any) -> Any:

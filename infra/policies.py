@@ -75,6 +75,11 @@ def _doc(*statements: Document) -> Document:
     return {"Version": "2012-10-17", "Statement": list(statements)}
 
 
+def _via(region: str, *services: str) -> list[str]:
+    """`kms:ViaService` values: the regional endpoints of the services that use the key for the caller."""
+    return [f"{service}.{region}.amazonaws.com" for service in services]
+
+
 def key_policy(*, partition: str, account_id: str, region: str, log_group_arns_like: str) -> Document:
     """The CMK's key policy: this account's IAM decides who uses it; AWS services get exactly what they need.
 
@@ -247,6 +252,7 @@ def instance_policy(
     """What an instance may do: this bucket's prefixes, this key, this topic, this log group, this group,
     and (with `job_role_arn`) take the stack's job role to hand its job narrower credentials."""
     prefixes = prefixes or Prefixes()
+    _, _, region = secret_arn_patterns(log_group_arn)
     # code/: the bundle this config names, and a running job's pinned bundle from an earlier `pulumi up`;
     # datasets/: the named datasets a job may train on (their manifests are under state/).
     read_prefixes = [prefixes.data, prefixes.code, DATASETS_PREFIX]
@@ -297,10 +303,15 @@ def instance_policy(
             "Resource": f"{bucket_arn}/{QUEUE_PREFIX}*",
         },
         {
-            "Sid": "UseStackKey",
+            # Only S3 (SSE-KMS objects) and SNS (the encrypted topic) use the key for the instance; nothing on
+            # it calls KMS itself, so no DescribeKey and no direct Decrypt. CloudWatch Logs encrypts with its
+            # own service principal (key policy), and secrets are decrypted through SSM or Secrets Manager
+            # by the statements below.
+            "Sid": "UseStackKeyThroughS3AndSns",
             "Effect": "Allow",
-            "Action": ["kms:Decrypt", "kms:GenerateDataKey", "kms:DescribeKey"],
+            "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
             "Resource": key_arn,
+            "Condition": {"StringEquals": {"kms:ViaService": _via(region, "s3", "sns")}},
         },
         *secret_read_statements(key_arn=key_arn, log_group_arn=log_group_arn),
         {
@@ -599,11 +610,7 @@ def dev_role_policy(
             "Effect": "Allow",
             "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
             "Resource": key_arn,
-            "Condition": {
-                "StringEquals": {
-                    "kms:ViaService": [f"s3.{region}.amazonaws.com", f"sns.{region}.amazonaws.com"]
-                }
-            },
+            "Condition": {"StringEquals": {"kms:ViaService": _via(region, "s3", "sns")}},
         },
         {
             "Sid": "EmailWhenStoppingIdle",
@@ -704,38 +711,48 @@ def capacity_fallback_policy(
     return _doc(*statements)
 
 
+def cost_cap_keys(prefixes: Prefixes) -> tuple[str, str, str]:
+    """The keys the cost cap reads (infra/capacity_fallback/handler.py CostCap): the stack's current-job
+    pointer, any job's ledger, the legacy job's ledger."""
+    return (
+        f"{prefixes.state}current-job.json",
+        f"{prefixes.jobs}*/state/ledger.json",
+        f"{prefixes.state}ledger.json",
+    )
+
+
 def _cost_cap_statements(group_arn: str, access: CostCapAccess) -> list[Document]:
     """The cost cap outside the instance: read the current job's ledger, scale the group to zero, say so.
 
-    Reads exactly two keys per job: the stack's pointer and the ledger it names (and the legacy job's ledger);
-    nothing is listed or written. KMS only through S3 (the ledger is SSE-KMS) and SNS (the topic is
-    encrypted: a publisher needs kms:GenerateDataKey and kms:Decrypt on its key).
+    Reads exactly two keys per job: the stack's pointer and the ledger it names (and the legacy job's ledger),
+    and may list exactly those keys, nothing else; nothing is written. The listing is what makes a missing
+    ledger (a new job before its first instance) NoSuchKey rather than AccessDenied: S3 tells a caller that
+    a key is missing only if it may s3:ListBucket with that key as `s3:prefix` (S3 API reference, GetObject,
+    "Permissions"). KMS only through S3 (the ledger is SSE-KMS) and SNS (the topic is encrypted: a publisher
+    needs kms:GenerateDataKey and kms:Decrypt on its key).
     """
-    bucket, state, jobs = access.bucket_arn, access.prefixes.state, access.prefixes.jobs
+    bucket = access.bucket_arn
+    keys = cost_cap_keys(access.prefixes)
     return [
         {
             "Sid": "ReadTheCurrentJobsLedger",
             "Effect": "Allow",
             "Action": "s3:GetObject",
-            "Resource": [
-                f"{bucket}/{state}current-job.json",
-                f"{bucket}/{jobs}*/state/ledger.json",
-                f"{bucket}/{state}ledger.json",
-            ],
+            "Resource": [f"{bucket}/{key}" for key in keys],
+        },
+        {
+            "Sid": "KnowAMissingLedgerIsMissing",
+            "Effect": "Allow",
+            "Action": "s3:ListBucket",
+            "Resource": bucket,
+            "Condition": {"StringLike": {"s3:prefix": list(keys)}},
         },
         {
             "Sid": "UseStackKeyThroughS3AndSns",
             "Effect": "Allow",
             "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
             "Resource": access.key_arn,
-            "Condition": {
-                "StringEquals": {
-                    "kms:ViaService": [
-                        f"s3.{access.region}.amazonaws.com",
-                        f"sns.{access.region}.amazonaws.com",
-                    ]
-                }
-            },
+            "Condition": {"StringEquals": {"kms:ViaService": _via(access.region, "s3", "sns")}},
         },
         {
             "Sid": "StopTheGroupAtTheCap",

@@ -226,7 +226,8 @@ def test_t11_bucket_through_the_endpoint_only_and_endpoint_scoped(stack: StackRu
         assert all("*" not in s.resources for s in parsed if s.allows())
 
 
-# [T12] Data at rest is on the stack's own key: the bucket (SSE-KMS, TLS only), every EBS volume, the logs.
+# [T12] Data at rest is on the stack's own key: the bucket (SSE-KMS, TLS only), every EBS volume, the logs;
+# every role uses the key only through the service holding the data (kms:ViaService), never directly.
 def test_t12_data_at_rest_on_the_stacks_key(stack: StackRun) -> None:
     key_arn = f"arn:aws:kms:{REGION}:{ACCOUNT_ID}:key/1234abcd-12ab-34cd-56ef-1234567890ab"
     defaults = [
@@ -241,6 +242,16 @@ def test_t12_data_at_rest_on_the_stacks_key(stack: StackRun) -> None:
         assert mapping["ebs"]["encrypted"] == "true" and mapping["ebs"]["kmsKeyId"] == key_arn
     for group in stack.of_type("aws:cloudwatch/logGroup:LogGroup"):
         assert group.inputs["kmsKeyId"] == key_arn, group.name
+    key_uses = [
+        (policy.name, statement)
+        for policy in stack.of_type(ROLE_POLICY)
+        for statement in _allows(_document(policy.inputs["policy"]))
+        if any(action.startswith("kms:") for action in _listed(statement["Action"]))
+    ]
+    assert any(name.startswith("identity-instance") for name, _ in key_uses)
+    for name, statement in key_uses:
+        assert "kms:DescribeKey" not in _listed(statement["Action"]), (name, statement["Sid"])
+        assert statement["Condition"]["StringEquals"]["kms:ViaService"], (name, statement["Sid"])
 
 
 # [T13] Boot supply chain: what boots is hashed; user data neither holds a secret nor pipes a download into

@@ -171,9 +171,17 @@ def explain(error: Exception) -> CliError:
         message = error.response.get("Error", {}).get("Message", "") or code
         operation = error.operation_name
         if code in _DENIED:
+            # S3 answers a read of a missing key AccessDenied, not NoSuchKey, to an identity that may not
+            # list the bucket: the CLI reads keys that are not there yet (a job's ledger, state/...).
+            missing = (
+                "; S3 also answers so for a key that does not exist yet when your identity lacks "
+                "s3:ListBucket on the bucket: grant that too"
+                if operation in ("GetObject", "HeadObject")
+                else ""
+            )
             return CliError(
                 f"permission denied: {operation} was refused ({message}); grant your identity that action "
-                "(see `aws sts get-caller-identity`) or use a profile that has it"
+                f"(see `aws sts get-caller-identity`) or use a profile that has it{missing}"
             )
         if code in _BAD_CREDENTIALS:
             return CliError(

@@ -225,8 +225,10 @@ def estimated_cost(
 
 
 def read_json(s3: Any, bucket: str, key: str) -> dict[str, Any] | None:
-    """The object as JSON; None when it does not exist (no job started yet). Access denied is not "none":
-    it is raised, so a role missing its read fails the invocation loudly instead of disabling the cap."""
+    """The object as JSON; None when it does not exist (no job yet, or a new job before its first instance
+    wrote its ledger: nothing to cap). The role may list exactly the keys it reads, so S3 answers a missing
+    one NoSuchKey, not AccessDenied (infra/policies.py). Access denied is not "none": it is raised, so a
+    real refusal fails the cap check loudly instead of disabling the cap."""
     try:
         body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     except s3.exceptions.NoSuchKey:
@@ -295,16 +297,17 @@ def run(
         try:
             stopped = enforce_cost_cap(cost_cap, description, s3, autoscaling, sns, settings.group_name, now)
         except Exception as exc:
-            # Loud, but never at the fallback's expense: S3 answers a missing object with AccessDenied to a
-            # role that may not list the bucket (a new job before its first instance), and a spot drought
-            # then must still reach on-demand. The agent's own cap still holds on the instance.
+            # Loud, but never at the fallback's expense: a refused read (the role's statements changed, a
+            # bucket policy or the key refuses it) or a corrupt object must not keep a spot drought from
+            # reaching on-demand. The agent's own cap still holds on the instance.
             LOG.error(
                 json.dumps(
                     {
                         "action": CAP_UNREADABLE,
                         "reason": f"cannot read the current job's ledger for the cost cap: {exc}"[:300],
-                        "fix": "check this function's s3:GetObject on state/current-job.json and "
-                        "jobs/*/state/ledger.json; the spot fallback goes on",
+                        "fix": "check this function's s3:GetObject and s3:ListBucket (s3:prefix) on "
+                        "state/current-job.json and jobs/*/state/ledger.json, and kms:Decrypt through S3 "
+                        "on the stack's key; the spot fallback goes on",
                         "group": settings.group_name,
                     }
                 )

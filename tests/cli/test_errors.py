@@ -25,6 +25,13 @@ def _client_error(code: str, operation: str = "DescribeAutoScalingGroups") -> Cl
         (NoCredentialsError(), "no AWS credentials found: run `aws configure`"),
         (_client_error("AccessDenied"), "permission denied: DescribeAutoScalingGroups was refused"),
         (_client_error("UnauthorizedOperation"), "permission denied: DescribeAutoScalingGroups was refused"),
+        # A missing key read without s3:ListBucket is AccessDenied on AWS: the line says so.
+        (
+            _client_error("AccessDenied", "GetObject"),
+            "permission denied: GetObject was refused (AccessDenied message); grant your identity that "
+            "action (see `aws sts get-caller-identity`) or use a profile that has it; S3 also answers so for "
+            "a key that does not exist yet when your identity lacks s3:ListBucket on the bucket",
+        ),
         (_client_error("ExpiredToken"), "AWS credentials expired (ExpiredToken): refresh them"),
         (_client_error("InvalidClientTokenId"), "AWS rejected the credentials (InvalidClientTokenId)"),
         (_client_error("Throttling"), "AWS DescribeAutoScalingGroups failed: Throttling: Throttling message"),

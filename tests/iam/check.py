@@ -33,10 +33,27 @@ class Finding:
 
 
 def calls_in(folder: Path) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """Each recording file's calls in the order its process made them."""
+    """Each recording file's calls in the order its process made them, each with its `answer` (the error's
+    code and status) when it was answered with an error."""
     for path in sorted(folder.glob("*.jsonl")):
         lines = path.read_text(encoding="utf-8").splitlines()
-        yield path.name, [json.loads(line) for line in lines if line.strip()]
+        yield path.name, with_answers(json.loads(line) for line in lines if line.strip())
+
+
+def with_answers(lines: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calls of one recording, an `answer_to` line folded into the latest call of that id before it."""
+    calls: list[dict[str, Any]] = []
+    by_id: dict[Any, dict[str, Any]] = {}
+    for line in lines:
+        if "answer_to" in line:
+            call = by_id.get(line["answer_to"])
+            if call is not None:
+                call["answer"] = {"status": line.get("status"), "error": line.get("error")}
+            continue
+        calls.append(line)
+        if "call" in line:
+            by_id[line["call"]] = line
+    return calls
 
 
 def check_calls(calls: Iterable[Mapping[str, Any]]) -> tuple[list[Finding], int]:
@@ -94,7 +111,8 @@ def _judge(principal: str, request: Request, stack: Stack) -> Finding | None:
         return Finding(principal, request.action, request.resource, request.why, f"cannot evaluate {error}")
     if decision.allowed:
         return None
-    return Finding(principal, request.action, request.resource, request.why, decision.reason)
+    reason = f"{request.refusal} ({decision.reason})" if request.refusal else decision.reason
+    return Finding(principal, request.action, request.resource, request.why, reason)
 
 
 def check_folder(folder: Path) -> tuple[list[Finding], int, Counter[str]]:
@@ -111,7 +129,8 @@ def check_folder(folder: Path) -> tuple[list[Finding], int, Counter[str]]:
 
 
 def report(findings: list[Finding], *, limit: int = 30) -> list[str]:
-    """One line per principal, action, call and reason (most frequent first), naming its first resource."""
+    """One line per principal, action, operation and reason (most frequent first), naming its first resource
+    and call."""
     groups: dict[tuple[str, str, str, str], list[Finding]] = {}
     for finding in findings:
         operation = finding.call.split(" ", 1)[0]
@@ -119,8 +138,9 @@ def report(findings: list[Finding], *, limit: int = 30) -> list[str]:
     ordered = sorted(groups.values(), key=len, reverse=True)
     lines = []
     for group in ordered[:limit]:
-        others = len({f.resource for f in group}) - 1
-        more = f" and {others} more resource(s)" if others else ""
+        # A missing key's listing is one resource (the bucket) for many keys: the calls name the keys.
+        others = len({(f.resource, f.call) for f in group}) - 1
+        more = f" and {others} more resource(s) or key(s)" if others else ""
         lines.append(f"{group[0].line()}{more}{f'  [x{len(group)}]' if len(group) > 1 else ''}")
     if len(ordered) > limit:
         lines.append(f"... and {len(ordered) - limit} more")

@@ -46,6 +46,9 @@ class Request:
     context: Mapping[str, Sequence[str]] = field(default_factory=dict)
     known: frozenset[str] = frozenset()
     why: str = ""  # which call or rule asked for it, for the failure message
+    # What a refusal means to the caller when it is not the call's own AccessDenied (a missing object read
+    # without s3:ListBucket is AccessDenied where the code expects NoSuchKey), and how to fix it.
+    refusal: str = ""
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -1,5 +1,5 @@
 """The policies the program declares, per principal, for one stack: built by the same functions the Pulumi
-program calls (infra/policies.py, infra/capacity.py). tests/iam/test_declared.py runs the program under the
+program calls (infra/policies.py, infra/capacity.py). tests/infra/test_capacity.py runs the program under the
 Pulumi mocks and checks that what it attaches to each role is exactly what these return for its ARNs.
 
 The instance role carries two documents: the stack's instance policy and its own Session Manager policy

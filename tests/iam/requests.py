@@ -14,6 +14,11 @@ is s3:GetObjectVersion; DeleteObjects is s3:DeleteObject per key), AWS checks, f
   Scaling User Guide, "Control Amazon EC2 launch template usage in Auto Scaling groups": checked "when an
   Auto Scaling group is created or updated using a launch template"). An update that names no template,
   only the instances distribution, is checked for autoscaling:UpdateAutoScalingGroup alone.
+- GetObject or HeadObject of a key that does not exist (moto answered NoSuchKey or 404, as the recording's
+  `answer` says): AWS answers 404 only to a caller that may also s3:ListBucket the bucket, AccessDenied to
+  any other (S3 API reference, GetObject and HeadObject, "Permissions"). That listing is authorized with the
+  object's key as `s3:prefix` (as AWS does; Ceph's RGW adds the key the same way to match it), so a
+  prefix-conditioned ListBucket covering the key is enough. Nothing is decrypted for a missing object.
 
 Which stack a resource belongs to is read from its name, as the embedded stack names them (demo/stack.py):
 `<stack>-data` (bucket), `<stack>-gpu` (group), `/trainstack/<stack>` (log group), `<stack>-alerts`
@@ -164,7 +169,7 @@ def requests_for(call: Mapping[str, Any], stack: Stack | None) -> list[Request]:
         # The caller's side; the role's trust policy is checked in tests/infra (job role scoping).
         return [_request("sts:AssumeRole", params["RoleArn"], why)]
     if service == "s3":
-        return list(_s3(operation, params, stack, why))
+        return list(_s3(operation, params, stack, why, call.get("answer")))
     if service == "autoscaling":
         return list(_autoscaling(operation, params, stack, why))
     # FilterLogEvents, GetLogEvents: `trainstack logs` and `run`'s following, as the dev box's role.
@@ -305,7 +310,25 @@ def _put_context(params: Mapping[str, Any], stack: Stack | None) -> dict[str, li
     return context
 
 
-def _s3(operation: str, params: Mapping[str, Any], stack: Stack | None, why: str) -> Iterator[Request]:
+# What moto (and AWS, to a caller that may list the key) answers a read of a missing object: GetObject's
+# NoSuchKey, HeadObject's bare 404 (a HEAD has no body to carry a code).
+MISSING_OBJECT_ERRORS = frozenset({"NoSuchKey", "404", "NotFound"})
+
+
+def _missing(answer: Mapping[str, Any] | None) -> str | None:
+    """The error a read was answered with when it says the object is missing, else None."""
+    if answer and answer.get("status") == 404 and answer.get("error") in MISSING_OBJECT_ERRORS:
+        return "NoSuchKey" if answer["error"] == "NoSuchKey" else "404 Not Found"
+    return None
+
+
+def _s3(
+    operation: str,
+    params: Mapping[str, Any],
+    stack: Stack | None,
+    why: str,
+    answer: Mapping[str, Any] | None = None,
+) -> Iterator[Request]:
     bucket = params.get("Bucket", "")
     bucket_arn = f"arn:{PARTITION}:s3:::{bucket}"
 
@@ -322,11 +345,21 @@ def _s3(operation: str, params: Mapping[str, Any], stack: Stack | None, why: str
     elif operation == "GetBucketLocation":
         yield s3("s3:GetBucketLocation", bucket_arn)
     elif operation in ("GetObject", "HeadObject"):
-        yield s3(
-            "s3:GetObjectVersion" if params.get("VersionId") else "s3:GetObject",
-            _object(bucket, params["Key"]),
-        )
-        if operation == "GetObject":
+        key = params["Key"]
+        yield s3("s3:GetObjectVersion" if params.get("VersionId") else "s3:GetObject", _object(bucket, key))
+        missing = _missing(answer)
+        if missing:
+            yield Request(
+                "s3:ListBucket",
+                bucket_arn,
+                {"s3:prefix": [key]},
+                _S3_KEYS,
+                f"{why} of {key}, answered {missing}",
+                refusal=f"AWS would answer AccessDenied here, not {missing}: S3 tells a missing key only to "
+                "a caller that may list it; grant s3:ListBucket on the bucket with an s3:prefix condition "
+                "matching the key (or make the code read AccessDenied there as possibly missing)",
+            )
+        elif operation == "GetObject":
             yield from _kms("kms:Decrypt", stack, bucket, why)
     elif operation in ("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload"):
         yield s3("s3:PutObject", _object(bucket, params["Key"]), **_put_context(params, stack))

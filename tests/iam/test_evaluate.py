@@ -17,7 +17,7 @@ from tests.iam.evaluate import (
     conditions_hold,
     decide,
 )
-from tests.iam.principals import CAPACITY_FALLBACK, CLI, INSTANCE
+from tests.iam.principals import CAPACITY_FALLBACK, CLI, INSTANCE, caller, resource_policy
 from tests.iam.requests import Stack, requests_for
 
 STACK = Stack("trainstack-test", "us-east-1")
@@ -132,6 +132,30 @@ def test_an_update_naming_a_launch_template_is_checked_for_launching_from_it() -
     assert {r.action for r in requests_for(named, STACK)} == {
         "autoscaling:UpdateAutoScalingGroup", "ec2:RunInstances", "iam:PassRole", "ec2:CreateTags"
     }  # fmt: skip
+
+
+def test_the_instance_uses_the_stacks_key_only_through_s3_and_sns() -> None:
+    """S3 (SSE-KMS objects) and SNS (the encrypted topic) call KMS for the instance, with kms:ViaService
+    their endpoint; nothing on the instance calls KMS itself, so a direct call is refused."""
+    who = caller(INSTANCE, STACK)
+    key_policy, _ = resource_policy(STACK.key_arn, STACK)
+
+    def allowed(action: str, **context: list[str]) -> bool:
+        # A direct call carries no kms:ViaService: the key is known to the model, and absent.
+        request = Request(action, STACK.key_arn, context, frozenset({"kms:viaservice"}))
+        return decide(request, who, key_policy, key_policy=True).allowed
+
+    for service in ("s3", "sns"):
+        via = {"kms:viaservice": [f"{service}.{REGION}.amazonaws.com"]}
+        assert allowed("kms:Decrypt", **via) and allowed("kms:GenerateDataKey", **via)
+    assert not allowed("kms:Decrypt", **{"kms:viaservice": [f"ec2.{REGION}.amazonaws.com"]})
+    assert not allowed("kms:GenerateDataKey", **{"kms:viaservice": [f"logs.{REGION}.amazonaws.com"]})
+    for action in ("kms:Decrypt", "kms:GenerateDataKey", "kms:DescribeKey"):
+        assert not allowed(action), f"{action} called directly"
+    # What the recorded calls ask for: an SSE-KMS read and a publish to the encrypted topic.
+    read = _call(INSTANCE, "s3", "GetObject", Bucket=STACK.bucket, Key="jobs/a/checkpoints/latest.json")
+    publish = _call(INSTANCE, "sns", "Publish", TopicArn=STACK.topic_arn, Message="m")
+    assert _refusals(read, publish) == set()
 
 
 # --- the check against the declared policies ---------------------------------------------------------------

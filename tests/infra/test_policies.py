@@ -107,7 +107,21 @@ def test_instance_policy_is_scoped_to_this_stacks_resources(example_stack: Stack
         f"{bucket}/results/*",
         f"{bucket}/state/*",
     ]
-    assert by_sid["UseStackKey"]["Resource"] == example_stack.outputs["kms_key_arn"]
+    # The key only as S3 and SNS use it for the instance: nothing on it calls KMS itself (no DescribeKey).
+    region = example_stack.outputs["region"]
+    assert by_sid["UseStackKeyThroughS3AndSns"] == {
+        "Sid": "UseStackKeyThroughS3AndSns",
+        "Effect": "Allow",
+        "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
+        "Resource": example_stack.outputs["kms_key_arn"],
+        "Condition": {
+            "StringEquals": {"kms:ViaService": [f"s3.{region}.amazonaws.com", f"sns.{region}.amazonaws.com"]}
+        },
+    }
+    # Every other use of the key names the service it goes through (secrets: SSM, Secrets Manager).
+    for statement in _statements(document):
+        if any(str(a).startswith("kms:") for a in _as_list(statement["Action"])):
+            assert "kms:ViaService" in statement["Condition"]["StringEquals"], statement["Sid"]
     assert by_sid["PublishAlerts"]["Resource"] == example_stack.outputs["topic_arn"]
     assert by_sid["ScaleOwnGroup"]["Resource"].endswith(
         f"autoScalingGroupName/{example_stack.outputs['group_name']}"
