@@ -10,6 +10,12 @@ word"). Every node watches the others' heartbeats at each state poll: one that s
 `silent_after` is taken for gone, its life closed as interrupted, and a generation it was in is ended here.
 A generation that trained and ended without a stop (that, or a peer's sockets closing under the ranks) is
 lost, not failed: the survivors restore the newest confirmed checkpoint and regroup within their lives.
+
+Commits are fenced by generation (bootstrap/generation_fence.py): the fence's token follows the generation
+this node launches in. A node that finds its generation replaced while it holds a step S3 has not confirmed
+(it was frozen or cut off, and the others went on from the confirmed step) ends its life `superseded`
+rather than regroup: the next generation's ranks resume from the newest step any node holds, so regrouping
+would bring the lost generation's step back into the job.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 from bootstrap.agent_config import AgentConfig
 from bootstrap.errors import one_line
 from bootstrap.eventlog import EventLog, iso, utc_now
+from bootstrap.generation_fence import GenerationFence, GenerationSupersededError
 from bootstrap.imds import ImdsClient, ImdsUnavailableError, InstanceIdentity
 from bootstrap.jobstate import JobState
 from bootstrap.ledger import JobLedger
@@ -100,6 +107,7 @@ class Generations:
         nodes: NodeGroup,
         *,
         poll_seconds: float,
+        fence: GenerationFence | None = None,
     ) -> None:
         self.config = config
         self.log = log
@@ -108,6 +116,8 @@ class Generations:
         self.supervisor = supervisor
         self.nodes = nodes
         self._poll_seconds = poll_seconds
+        # The persister's fence (None: commits unfenced): told each generation this node launches in.
+        self.fence = fence
         # Set when this node's generation completed but global rank 0 (and the results) ran elsewhere.
         self.follower = False
         self._left = False
@@ -136,10 +146,11 @@ class Generations:
         paths: TrainerPaths,
         *,
         poll_seconds: float,
+        fence: GenerationFence | None = None,
     ) -> Generations:
         """This node's generations; a node is given up on once silent for three polls and 30 s."""
         nodes = node_group(config, s3, imds, identity, paths, stale_seconds=3 * poll_seconds + 30)
-        return cls(config, log, stops, job, supervisor, nodes, poll_seconds=poll_seconds)
+        return cls(config, log, stops, job, supervisor, nodes, poll_seconds=poll_seconds, fence=fence)
 
     def heartbeat(self) -> None:
         """This node's heartbeat in the rendezvous (the state poller's), until it left, and the other nodes'
@@ -242,6 +253,9 @@ class Generations:
                     return int(ExitCode.STOPPED)
                 continue
             generation = membership.generation
+            if self.fence is not None:
+                # Before the trainer saves a step in it: that step's commit carries this generation.
+                self.fence.enter(generation.number)
             self.job.record(_in_generation(generation.number))
             try:
                 trainer.update_env(nodes.trainer_env(membership))
@@ -302,6 +316,8 @@ class Generations:
                 continue
             failed_rendezvous = 0
             lost = _lost(code, ended, lost_member)
+            if lost is not None and self._superseded(persister):
+                return code
             if lost is not None:
                 # Nobody stopped it: a node vanished (killed, powered off, frozen) and took the ranks' peers
                 # or the store with it. Not a failure of this life: the survivors regroup, each from the
@@ -342,6 +358,36 @@ class Generations:
                 world_size=ended.world_size if ended else None,
             )
             restored = self._catch_up(persister, ended)
+
+    def _superseded(self, persister: CheckpointPersister) -> bool:
+        """Before regrouping after a lost generation: does a newer generation own the job while this node
+        holds a step S3 has not confirmed? Then the life ends (stop `generation_superseded`), as when the
+        persister finds it first: the next generation's ranks would resume from that step, a lost
+        generation's. A fence that cannot be read now is no finding: the persister's own checks still fence
+        every commit."""
+        if self.fence is None:
+            return False
+        if persister.lease_lost is not None:
+            return True  # the persister found it first; its stop is already requested
+        newest, confirmed = persister.newest_local_step(), persister.confirmed_step
+        if newest is None or (confirmed is not None and newest <= confirmed):
+            return False  # nothing of this node's own to carry over: it regroups like any survivor
+        try:
+            self.fence.check()
+        except GenerationSupersededError as exc:
+            self.log.event(
+                "rendezvous",
+                f"generation {exc.newer} owns the job: step {newest} saved here in generation "
+                f"{exc.generation} is NOT confirmed and is not the job's; ending this life",
+                level="warning",
+                newest_local_step=newest,
+                confirmed_step=confirmed,
+            )
+            self.stops.request("generation_superseded", generation=exc.generation, newer_generation=exc.newer)
+            return True
+        except Exception as exc:
+            self.log.event("rendezvous", "cannot read the generation record; regrouping", error=one_line(exc))
+        return False
 
     def _start(self, trainer: TrainerProcess, membership: Membership, restored: int | None) -> TrainerProcess:
         generation = membership.generation
@@ -426,7 +472,7 @@ class Generations:
         """On a node whose ranks stopped without rank 0, the job's checkpoint is the rank-0 node's to
         upload: wait (to the stop deadline) for S3 latest.json to reach the step every rank stopped at."""
         ended = self.nodes.node_exit()
-        if ended is None or ended.rank0_here or ended.stopped_step is None:
+        if persisted.lease_lost or ended is None or ended.rank0_here or ended.stopped_step is None:
             return persisted
         if persisted.confirmed_step is not None and persisted.confirmed_step >= ended.stopped_step:
             return PersistResult(ended.stopped_step, persisted.confirmed_step)

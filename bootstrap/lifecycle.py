@@ -26,13 +26,14 @@ from bootstrap.boot import AwsClients, Boot
 from bootstrap.datasync import DatasetVersionError, DataSync, DiskSpaceError, JobDataset, SyncAborted
 from bootstrap.eventlog import EventLog, utc_now
 from bootstrap.fleet import Fleet
+from bootstrap.generation_fence import GenerationFence, GenerationSupersededError
 from bootstrap.generations import Generations
 from bootstrap.gpumetrics import GpuMetricPublisher
 from bootstrap.imds import ImdsClient, InstanceIdentity
 from bootstrap.job import BUNDLE_JOB_DIR, JobSpec, JobSpecError
 from bootstrap.jobbinding import JobBinding, JobDirectory, bind_job, claim_scratch
 from bootstrap.jobstate import JobState
-from bootstrap.lease import LeaseLostError
+from bootstrap.lease import JobLease, LeaseLostError
 from bootstrap.ledger import TERMINAL_STATUSES, JobLedger
 from bootstrap.notify import Notifier
 from bootstrap.outcomes import Failure, LifeEnd, LifeFacts, LifeResult, Outcomes
@@ -128,6 +129,8 @@ class InstanceLife:
         # One writer per single-node job (bootstrap/standby.py); set once the life is in the ledger.
         self._writer: OneWriter | None = None
         self._persister: CheckpointPersister | None = None
+        # A multi-node job's commits are fenced by this node's generation (bootstrap/generation_fence.py).
+        self._generation_fence: GenerationFence | None = None
         # Replaced in tests: an in-process agent must not exec another program.
         self.run_pinned: Callable[..., Any] = run_pinned
         # The watcher, the sentinel and the state poller run until the outcome is decided.
@@ -524,9 +527,18 @@ class InstanceLife:
 
     def _persister_for(self, paths: TrainerPaths, *, fenced: bool = False) -> CheckpointPersister:
         """The job's checkpoints in S3 ↔ this instance's checkpoint folder; `fenced`: as the lease's holder,
-        every commit checked against the lease (a standby only reads)."""
+        every commit checked against the lease (a standby only reads). A multi-node job has no lease: its
+        commits are always fenced by the generation this node trains in."""
         keep = self.user_job.checkpoint_keep if self.user_job else 3
         lease = self._writer.lease if fenced and self._writer is not None else None
+        fence: JobLease | GenerationFence | None = lease
+        if fence is None and self.multi_node and self.identity is not None:
+            fence = self._generation_fence = GenerationFence(
+                self.clients.s3,
+                self.config.bucket,
+                self.config.prefixes.state,
+                instance_id=self.identity.instance_id,
+            )
         return CheckpointPersister(
             self.clients.s3,
             self.config.bucket,
@@ -534,11 +546,17 @@ class InstanceLife:
             paths.checkpoint_dir,
             self.log,
             keep=keep,
-            fence=lease,
-            on_lease_lost=self._lease_lost if lease is not None else None,
+            fence=fence,
+            on_lease_lost=self._lease_lost if fence is not None else None,
         )
 
     def _lease_lost(self, error: LeaseLostError) -> None:
+        if isinstance(error, GenerationSupersededError):
+            # The others declared this node's generation lost and train on from the confirmed checkpoint.
+            self.stops.request(
+                "generation_superseded", generation=error.generation, newer_generation=error.newer
+            )
+            return
         self.stops.request("lease_lost", holder=error.holder, token=error.token)
 
     def _restore(self, persister: CheckpointPersister) -> int | None:
@@ -646,6 +664,7 @@ class InstanceLife:
                 self.identity,
                 paths,
                 poll_seconds=self._state_poll_seconds,
+                fence=self._generation_fence,
             )
 
         def start() -> TrainerProcess | None:

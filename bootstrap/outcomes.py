@@ -509,7 +509,11 @@ class Outcomes:
             LifeEnd.SURPLUS: "surplus: the job has its writer and its standby",
             LifeEnd.STANDBY_ENDED: "standby ended without taking the job over",
         }
-        self.log.event("end", messages[outcome])
+        message = messages[outcome]
+        if outcome is LifeEnd.SUPERSEDED and self.config.instance_count > 1 and not self.config.user_job:
+            # A multi-node job has no lease: its commits are fenced by generation (generation_fence.py).
+            message = "superseded: a newer generation owns the job; this node stopped writing"
+        self.log.event("end", message)
         if outcome is not LifeEnd.STANDBY_ENDED and life.identity is not None:
             try:
                 decrement = self.fleet.leave(

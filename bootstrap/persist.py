@@ -10,7 +10,11 @@ Guarantees (docs/job-contract.md):
 - with a fence (the job's lease, bootstrap/lease.py) only the lease's holder writes: the lease is checked
   before a step's first file, before its manifest and before `latest.json`, which carries the holder's token
   and is never overwritten by a writer with a lower token. A writer that lost the lease stops writing for
-  good, says so once and reports its checkpoint as not confirmed.
+  good, says so once and reports its checkpoint as not confirmed;
+- a multi-node job is fenced by its generation instead (bootstrap/generation_fence.py): the token is the
+  generation the node trains in, carried under `latest.json`'s `"generation"` key, never `"token"`, so a
+  lease's tokens and generation numbers are never compared: a `latest.json` without the fence's key (the
+  other kind's, an unfenced or older writer's) counts as an earlier writer's and is replaced.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class Fence(Protocol):
 
     `check()` returns when the lease still names `token` and raises `LeaseLostError` when it does not; any
     other error (S3 unreachable) means "unknown", and the persister retries rather than write unchecked.
+    A fence may also name the key `latest.json` carries its token under (`latest_key`, default "token") and
+    word a loss to a newer `latest.json` (`superseded(token, uri)`): bootstrap/generation_fence.py does.
     """
 
     @property
@@ -184,6 +190,9 @@ class CheckpointPersister:
         # Files of a step already in S3 (relative key → sha256), uploaded by this persister.
         self._uploaded: dict[str, Any] = {}
         self._fence = fence
+        # Tokens of different fences count different things (lease acquisitions, generations): each is read
+        # and written under its own key, so they are never compared.
+        self._token_key: str = getattr(fence, "latest_key", "token")
         self._on_lease_lost = on_lease_lost
         self._lease_lost: LeaseLostError | None = None
 
@@ -232,7 +241,7 @@ class CheckpointPersister:
         etag = str(response["ETag"])
         try:
             value = json.loads(response["Body"].read())
-            token = value.get("token")
+            token = value.get(self._token_key)
             valid = isinstance(token, int) and not isinstance(token, bool)
             return int(value["step"]), (token if valid else None), etag
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -454,7 +463,8 @@ class CheckpointPersister:
             self._stopping.set()
             self._log.event(
                 "checkpoint",
-                f"lease lost to {error.holder} (token {error.token}): "
+                getattr(error, "lost_line", None)
+                or f"lease lost to {error.holder} (token {error.token}): "
                 "this instance no longer writes the job's checkpoints",
                 level="warning",
                 uri=error.uri or self.uri,
@@ -557,7 +567,13 @@ class CheckpointPersister:
                 # A newer holder moved latest.json between our check and now: the lease names it.
                 self._fence_check(deadline)
                 uri = f"{self.uri}/{LATEST}"
-                raise self._lose(LeaseLostError(f"the writer of {LATEST}", current_token, uri))
+                superseded = getattr(self._fence, "superseded", None)
+                lost = (
+                    superseded(current_token, uri)
+                    if superseded is not None
+                    else LeaseLostError(f"the writer of {LATEST}", current_token, uri)
+                )
+                raise self._lose(lost)
             ours = token is None or current_token == token
             if current is not None and current >= step and ours:
                 # Someone (an earlier upload, another life) already moved past this step: never move it back.
@@ -569,7 +585,7 @@ class CheckpointPersister:
                 return self._s3.put_object(
                     Bucket=self.bucket,
                     Key=self._key(LATEST),
-                    Body=latest_json(step, epoch, token),
+                    Body=self._latest_body(step, epoch, token),
                     ContentType="application/json",
                     **condition,
                 )
@@ -581,9 +597,17 @@ class CheckpointPersister:
                     continue
                 raise
             self._confirm(step)
-            write_atomic(self.local_dir / LATEST, latest_json(step, epoch, token))
+            write_atomic(self.local_dir / LATEST, self._latest_body(step, epoch, token))
             return
         raise RuntimeError(f"{self.uri}/{LATEST}: too many concurrent writers; will retry")
+
+    def _latest_body(self, step: int, epoch: Any, token: int | None) -> bytes:
+        """`latest.json` with the fence's token under the fence's own key."""
+        if token is None or self._token_key == "token":
+            return latest_json(step, epoch, token)
+        value = json.loads(latest_json(step, epoch))
+        value[self._token_key] = token
+        return json.dumps(value).encode()
 
     def _prune_remote(self, latest: int) -> None:
         """Keep the newest `keep` steps at or below latest.json; older ones (and old partial uploads) go."""
@@ -637,7 +661,8 @@ class CheckpointPersister:
         if result.lease_lost:
             self._log.event(
                 "checkpoint",
-                "this instance's checkpoints were not confirmed: it lost the job's lease, "
+                getattr(self._lease_lost, "not_confirmed_line", None)
+                or "this instance's checkpoints were not confirmed: it lost the job's lease, "
                 "and the new holder continues the job from its own",
                 level="warning",
                 newest_local_step=newest,

@@ -28,6 +28,8 @@ STOP_OUTCOMES = {
     # One writer per job (bootstrap/standby.py): a ready standby continues, or a newer holder took over.
     "handover": LifeEnd.HANDED_OVER,
     "lease_lost": LifeEnd.SUPERSEDED,
+    # A multi-node node whose generation the others declared lost (bootstrap/generation_fence.py).
+    "generation_superseded": LifeEnd.SUPERSEDED,
     # The job queue (bootstrap/jobbinding.py): `trainstack cancel`, or a `--now` job asking for the instance.
     "cancel": LifeEnd.CANCELLED,
     "yield": LifeEnd.YIELDED,

@@ -328,6 +328,12 @@ class Supervisor:
         kept = f"the confirmed checkpoint (step {persisted.confirmed_step}) is kept"
         if code == ExitCode.COMPLETED:
             message = "trainer completed before the stop took effect (exit 0); nothing to resume"
+        elif reason == "generation_superseded":
+            # Whatever the ranks exited with, the reason decides: their steps belong to a lost generation.
+            message = (
+                f"checkpoint step {persisted.newest_local_step} NOT confirmed: a newer generation owns the "
+                f"job and trains on from the confirmed one; {kept}"
+            )
         elif code == ExitCode.STOPPED and confirmed and persisted.newest_local_step is None:
             # Stopped before this life wrote a checkpoint (e.g. while its rendezvous formed): nothing of this
             # life's is missing, but there is no step to name as confirmed either.
