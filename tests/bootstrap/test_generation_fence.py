@@ -30,6 +30,7 @@ from bootstrap.rendezvous import RECORD, Generation, Membership, Rendezvous
 from bootstrap.stops import STOP_OUTCOMES, StopRequests
 from bootstrap.supervisor import Supervisor
 from bootstrap.trainer import TrainerPaths, TrainerProcess
+from tests.bootstrap.test_fencing import Events
 from tests.checkpoints import commit_step
 from tests.conftest import MotoServer
 from trainstack_job.contract import NodeExit
@@ -42,19 +43,6 @@ LATEST_KEY = f"{PREFIX}/latest.json"
 RECORD_KEY = f"{STATE}{RECORD}"
 T0 = 1_800_000_000.0
 GONE = "no longer writes the job's checkpoints"
-
-
-class Events:
-    """The persister's event sink, kept for assertions."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[str, str, dict[str, Any]]] = []
-
-    def event(self, stage: str, message: str, **fields: Any) -> None:
-        self.records.append((stage, message, fields))
-
-    def messages(self, containing: str) -> list[str]:
-        return [message for _, message, _ in self.records if containing in message]
 
 
 @pytest.fixture()
