@@ -38,6 +38,9 @@ POLL_S = 0.5
 SILENT_AFTER_S = SILENT_POLLS * POLL_S + SILENT_MARGIN_SECONDS
 STORY_TIMEOUT_S = 180
 CHECKPOINT_EVERY = 3
+# The least a rank's step takes (HOOKS): a checkpoint interval of about a second, the confirmed step's
+# upload (about 0.15 s) well within it, whatever the machine's speed.
+STEP_SECONDS = 0.3
 # 64 images, global batch 16.
 STEPS_PER_EPOCH = 4
 # The agent as systemd runs it, with the test's quick polls (python -m demo.agent does the same for prices).
@@ -59,10 +62,25 @@ sys.exit(agent.main(sys.argv[1:]))
 #   rendezvous waits for the file `go.g<number>`, so nodes that boot apart enter the same round.
 # - MULTINODE_HOLD_COUNTED: once counted into its first formed round, before the engine writes this node's
 #   rank information, the launcher waits (until a stop reaches it): a node leaving mid-rendezvous.
+# - MULTINODE_STEP_SECONDS (every node): each rank's step takes at least this long. On an idle machine the
+#   small model trains a step in a few hundredths of a second and the persister skips superseded uploads, so
+#   "killed within one checkpoint interval of the confirmed step" was a window a 0.1 s poll could miss.
 HOOKS = """
 import os
 import time
 from pathlib import Path
+
+if os.environ.get("MULTINODE_STEP_SECONDS"):
+    from training import faults
+
+    _pace, _fault_point = float(os.environ["MULTINODE_STEP_SECONDS"]), faults.fault_point
+
+    def _paced(point, **context):
+        if point == "micro-batch" and context.get("micro") == 0:
+            time.sleep(_pace)
+        _fault_point(point, **context)
+
+    faults.fault_point = _paced
 
 if os.environ.get("MULTINODE_HOOKS"):
     from training import launch
@@ -314,7 +332,9 @@ def multinode_job(tmp_path: Path, *, name: str, instances: int = 2, epochs: int 
         return {
             **os.environ,
             "AWS_EC2_METADATA_SERVICE_ENDPOINT": node.imds.endpoint,
-            "PYTHONPATH": str(REPO),
+            # The hooks folder's sitecustomize paces every rank's steps (HOOKS); `Node.hold` adds its moments.
+            "PYTHONPATH": f"{REPO}{os.pathsep}{hooks}",
+            "MULTINODE_STEP_SECONDS": str(STEP_SECONDS),
             "PYTHONUNBUFFERED": "1",
             # Two simulated instances share 2 cores: one thread per rank.
             "OMP_NUM_THREADS": "1",
