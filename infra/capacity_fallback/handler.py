@@ -39,6 +39,10 @@ _LAUNCH_FAILED = ("Failed", "Cancelled")
 CAP_STOP = "stop_at_cost_cap"
 CAP_UNREADABLE = "cost_cap_unreadable"
 LEGACY_JOB_ID = "legacy"
+# The ledger statuses of a job that still wants instances (trainstack_job/contract.py JobStatus; this file
+# is packaged alone). Any other status is an end the agent already acted on: it notified and scaled the group
+# to zero, or it moved on to the next queued job on the same instance.
+ACTIVE_JOB_STATUSES = ("waiting_for_data", "running")
 _JOB_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 
@@ -256,7 +260,9 @@ def enforce_cost_cap(
     if not (_JOB_ID.match(job_id) or job_id == LEGACY_JOB_ID):
         return None
     ledger = read_json(s3, cap.bucket, cap.ledger_key(job_id))
-    if ledger is None:
+    if ledger is None or str(ledger.get("status", "running")) not in ACTIVE_JOB_STATUSES:
+        # An ended job (its own cost cap among them): a second notification, or the next queued job's
+        # instance scaled away in the moment before the agent moves the pointer on.
         return None
     instances = {str(i.get("InstanceId")) for i in description.get("Instances", [])}
     cost = estimated_cost(ledger, now, instances)

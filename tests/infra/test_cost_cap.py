@@ -19,6 +19,7 @@ from infra.capacity_fallback import handler
 from infra.capacity_fallback.handler import CAP_STOP, STAY, CostCap, Settings, estimated_cost
 from tests.iam.plugin import record_as
 from tests.iam.principals import CAPACITY_FALLBACK
+from trainstack_job.contract import JobStatus
 
 REGION = "us-east-1"
 STACK = "trainstack-test"
@@ -125,6 +126,21 @@ def test_at_the_cap_the_group_goes_to_zero_and_the_topic_gets_one_line(world: Wo
     # Five minutes later: the group is at zero already, so nothing is done and nothing is said again.
     assert world.tick(NOW + timedelta(minutes=5))["action"] == STAY
     assert world.lines() == []
+
+
+@pytest.mark.parametrize("status", ["cost_cap", "completed", "cancelled", "failed"])
+def test_a_job_the_agent_already_ended_is_left_to_it(world: World, status: str) -> None:
+    # The agent's own cap wrote `cost_cap` and is notifying, or it moved on to the next queued job on this
+    # instance: scaling the group to zero now would notify twice or stop the next job.
+    world.put("state/current-job.json", {"job_id": JOB})
+    world.put(f"jobs/{JOB}/state/ledger.json", {**ledger(50.0), "status": status})
+    assert world.tick()["action"] == STAY
+    assert world.desired() == 1 and world.lines() == []
+
+
+def test_the_active_statuses_are_the_contracts_billing_ones() -> None:
+    assert set(handler.ACTIVE_JOB_STATUSES) == {JobStatus.WAITING_FOR_DATA.value, JobStatus.RUNNING.value}
+    assert set(handler.ACTIVE_JOB_STATUSES) < {status.value for status in JobStatus}
 
 
 def test_under_the_cap_nothing_happens(world: World) -> None:
