@@ -116,24 +116,43 @@ def boot_agent(
     )
     run = AgentRun(name, process)
 
+    def event(now: float, record: dict[str, Any]) -> None:
+        run.events.append((now, record))
+        on_event(run, record)
+
+    def line(now: float, text: str) -> None:
+        run.trainer_lines.append((now, text))
+        on_line(run, text)
+
+    read_agent_output(process, name, event, line)
+    return run
+
+
+def read_agent_output(
+    process: subprocess.Popen[str],
+    name: str,
+    on_event: Callable[[float, dict[str, Any]], None],
+    on_line: Callable[[float, str], None],
+) -> threading.Thread:
+    """Read an agent's piped output on a thread of its own: each JSON event (a line with a `stage`) and each
+    other line (the trainer's, passed through), with the time it was read."""
+
     def pump() -> None:
         assert process.stdout is not None
         for raw in process.stdout:
-            line = raw.rstrip("\n")
-            now = time.time()
+            line, now = raw.rstrip("\n"), time.time()
             try:
-                event = json.loads(line)
+                record = json.loads(line)
             except ValueError:
-                event = None
-            if isinstance(event, dict) and "stage" in event:
-                run.events.append((now, event))
-                on_event(run, event)
+                record = None
+            if isinstance(record, dict) and "stage" in record:
+                on_event(now, record)
             else:
-                run.trainer_lines.append((now, line))
-                on_line(run, line)
+                on_line(now, line)
 
-    threading.Thread(target=pump, name=f"{name}-output", daemon=True).start()
-    return run
+    thread = threading.Thread(target=pump, name=f"{name}-output", daemon=True)
+    thread.start()
+    return thread
 
 
 def descendants(pid: int) -> list[int]:

@@ -26,7 +26,7 @@ import yaml
 
 from bootstrap.generations import SILENT_MARGIN_SECONDS, SILENT_POLLS
 from demo.imds import ImdsSimulator, SimulatedInstance
-from demo.instance import descendants
+from demo.instance import descendants, read_agent_output
 from demo.stack import LocalStack, create_stack
 from training.sample_data import write_dataset
 from trainstack_job.contract import NodeExit
@@ -195,20 +195,12 @@ def _start_agent(node: Node, env: dict[str, str]) -> None:
     )
     node.process = process
 
-    def pump() -> None:
-        assert process.stdout is not None
-        for raw in process.stdout:
-            line, now = raw.rstrip("\n"), time.time()
-            try:
-                event = json.loads(line)
-            except ValueError:
-                event = None
-            if isinstance(event, dict) and "stage" in event:
-                node.events.append((now, event))
-            else:
-                node.lines.append((now, line))
-
-    threading.Thread(target=pump, name=f"{node.name}-output", daemon=True).start()
+    read_agent_output(
+        process,
+        node.name,
+        lambda now, event: node.events.append((now, event)),
+        lambda now, line: node.lines.append((now, line)),
+    )
 
 
 class Supervisor:
