@@ -39,10 +39,11 @@ _LAUNCH_FAILED = ("Failed", "Cancelled")
 CAP_STOP = "stop_at_cost_cap"
 CAP_UNREADABLE = "cost_cap_unreadable"
 LEGACY_JOB_ID = "legacy"
-# The ledger statuses of a job that still wants instances (trainstack_job/contract.py JobStatus; this file
-# is packaged alone). Any other status is an end the agent already acted on: it notified and scaled the group
-# to zero, or it moved on to the next queued job on the same instance.
-ACTIVE_JOB_STATUSES = ("waiting_for_data", "running")
+# The ledger statuses of a job no instance trains (trainstack_job/contract.py JobStatus; this file is packaged
+# alone): it ended, and the agent already acted on that (notified and scaled the group to zero, or moved on to
+# the next queued job on the same instance), or it yielded to a `--now` job and waits in the queue. Any other
+# status, one this function does not know included, still bills: the cap is enforced.
+ENDED_JOB_STATUSES = ("completed", "failed", "stopped", "cost_cap", "no_data", "cancelled", "queued")
 _JOB_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 
@@ -260,7 +261,7 @@ def enforce_cost_cap(
     if not (_JOB_ID.match(job_id) or job_id == LEGACY_JOB_ID):
         return None
     ledger = read_json(s3, cap.bucket, cap.ledger_key(job_id))
-    if ledger is None or str(ledger.get("status", "running")) not in ACTIVE_JOB_STATUSES:
+    if ledger is None or ledger.get("status") in ENDED_JOB_STATUSES:
         # An ended job (its own cost cap among them): a second notification, or the next queued job's
         # instance scaled away in the moment before the agent moves the pointer on.
         return None

@@ -128,7 +128,7 @@ def test_at_the_cap_the_group_goes_to_zero_and_the_topic_gets_one_line(world: Wo
     assert world.lines() == []
 
 
-@pytest.mark.parametrize("status", ["cost_cap", "completed", "cancelled", "failed"])
+@pytest.mark.parametrize("status", ["cost_cap", "completed", "cancelled", "failed", "queued"])
 def test_a_job_the_agent_already_ended_is_left_to_it(world: World, status: str) -> None:
     # The agent's own cap wrote `cost_cap` and is notifying, or it moved on to the next queued job on this
     # instance: scaling the group to zero now would notify twice or stop the next job.
@@ -138,9 +138,18 @@ def test_a_job_the_agent_already_ended_is_left_to_it(world: World, status: str) 
     assert world.desired() == 1 and world.lines() == []
 
 
-def test_the_active_statuses_are_the_contracts_billing_ones() -> None:
-    assert set(handler.ACTIVE_JOB_STATUSES) == {JobStatus.WAITING_FOR_DATA.value, JobStatus.RUNNING.value}
-    assert set(handler.ACTIVE_JOB_STATUSES) < {status.value for status in JobStatus}
+def test_the_statuses_left_alone_are_every_status_of_the_contract_but_the_billing_ones() -> None:
+    billing = {JobStatus.WAITING_FOR_DATA.value, JobStatus.RUNNING.value}
+    assert set(handler.ENDED_JOB_STATUSES) == {status.value for status in JobStatus} - billing
+
+
+@pytest.mark.parametrize("status", ["waiting_for_data", "runing", None])
+def test_a_job_still_billing_or_of_a_status_unknown_here_is_capped(world: World, status: str | None) -> None:
+    # Never disarmed by a status this function does not know (a newer agent's, a damaged ledger's).
+    world.put("state/current-job.json", {"job_id": JOB})
+    world.put(f"jobs/{JOB}/state/ledger.json", {**ledger(50.0), "status": status})
+    assert world.tick()["action"] == CAP_STOP
+    assert world.desired() == 0 and len(world.lines()) == 1
 
 
 def test_under_the_cap_nothing_happens(world: World) -> None:
