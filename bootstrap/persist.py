@@ -319,10 +319,17 @@ class CheckpointPersister:
 
     def _refused(self, key: str, step: int, exc: ClientError) -> CheckpointRefusedError:
         code = exc.response.get("Error", {}).get("Code") or "no error code"
+        # A refusal needs a grant; anything else (throttling, an outage past botocore's retries) passes, and
+        # each later life tries again until the crash-loop guard gives up.
+        fix = (
+            "grant the identity reading it (on an instance, the instance role) s3:GetObject on it and "
+            "kms:Decrypt on its key"
+            if code == "AccessDenied" or code.startswith("KMS")
+            else "S3 did not serve it; a later start tries again"
+        )
         return CheckpointRefusedError(
             f"s3://{self.bucket}/{key}: S3 refused to read it ({code}) and no older checkpoint is left: "
-            f"not starting the job over without its step {step}; the next start tries again (for "
-            "AccessDenied, grant the instance role s3:GetObject and kms:Decrypt on it)"
+            f"not starting the job over without its step {step}; {fix}"
         )
 
     def _remote_manifest(self, step: int) -> dict[str, Any] | None:

@@ -931,16 +931,21 @@ def test_with_no_older_checkpoint_a_refused_restore_fails_naming_the_object_rath
 ) -> None:
     """Starting over would write step 1 over the step latest.json names (a new lease holder's token wins):
     the confirmed checkpoint would be lost to a permission or an outage. The life fails instead, saying
-    which object; the next start tries again."""
+    which object and the fix: a grant for a refusal, a later start for an outage."""
     upload(s3, tmp_path / "first", 2, 5)
     fresh = tmp_path / "replacement"
     events = Events()
     with pytest.raises(CheckpointRefusedError) as refused:
         persister(RefusingReads(s3, 2, 5, code=code), fresh, events).restore()
+    fix = (
+        "grant the identity reading it (on an instance, the instance role) s3:GetObject on it and "
+        "kms:Decrypt on its key"
+        if code == "AccessDenied"
+        else "S3 did not serve it; a later start tries again"
+    )
     assert str(refused.value) == (
         f"s3://{BUCKET}/{PREFIX}/step-5/state.bin: S3 refused to read it ({code or 'no error code'}) and no "
-        "older checkpoint is left: not starting the job over without its step 5; the next start tries again "
-        "(for AccessDenied, grant the instance role s3:GetObject and kms:Decrypt on it)"
+        f"older checkpoint is left: not starting the job over without its step 5; {fix}"
     ), "the newest checkpoint S3 refused is the one named"
     assert [f["step"] for _, m, f in events.records if m.startswith("skipping an S3")] == [5, 2]
     assert sorted(p.name for p in fresh.iterdir()) == [], "nothing half-restored, no latest.json claimed"

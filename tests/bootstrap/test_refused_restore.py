@@ -92,8 +92,8 @@ def refusal(stack: LocalStack, step: int) -> str:
     return (
         f"s3://{stack.bucket}/checkpoints/step-{step}/manifest.json: S3 refused to "
         f"read it (AccessDenied) and no older checkpoint is left: not starting the job over without its step "
-        f"{step}; the next start tries again (for AccessDenied, grant the instance role s3:GetObject and "
-        "kms:Decrypt on it)"
+        f"{step}; grant the identity reading it (on an instance, the instance role) s3:GetObject on it and "
+        "kms:Decrypt on its key"
     )
 
 
