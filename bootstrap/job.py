@@ -19,6 +19,7 @@ import yaml
 from bootstrap.bootlock import has_hashes
 from bootstrap.secrets import env_secret_problem, parse_secrets, refs_to_mapping
 from trainstack_job.contract import JobEnv
+from trainstack_job.text import not_utf8
 
 # Where the job's workdir sits inside the code bundle (infra/bundle.py puts it there).
 BUNDLE_JOB_DIR = "job"
@@ -147,6 +148,9 @@ class JobSpec:
                 problems.append(f"{source}: workdir: {root} is not a folder")
             elif requirements and not (root / requirements).is_file():
                 problems.append(f"{source}: requirements: {root / requirements} does not exist")
+            elif requirements and (encoding := _not_utf8_file(root / requirements)) is not None:
+                # Read as UTF-8 on the instance (pip_install_args): refused at preview, not at boot.
+                problems.append(f"{source}: requirements: {root / requirements}: {encoding}")
             else:
                 # Only the folder the job ships is known here: a typo in its script's name fails preview.
                 argv = tuple(str(a) for a in command) if isinstance(command, list) else ()
@@ -271,6 +275,15 @@ def _env_value(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def _not_utf8_file(path: Path) -> str | None:
+    """Why `path` cannot be read as UTF-8 text, or None when it can."""
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return not_utf8(exc)
+    return None
+
+
 def load_job_spec(path: Path) -> JobSpec:
     """Read and validate a job file, its workdir and requirements included."""
     try:
@@ -280,9 +293,7 @@ def load_job_spec(path: Path) -> JobSpec:
             [f"{path}: cannot read the job file ({exc.strerror}); check trainstack:job"]
         ) from exc
     except UnicodeDecodeError as exc:  # saved in another encoding, or not a text file at all
-        raise JobSpecError(
-            [f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"]
-        ) from None
+        raise JobSpecError([f"{path}: {not_utf8(exc)}"]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

@@ -21,6 +21,7 @@ from infra.efa import EfaTableError, all_support_efa, efa_interfaces, unknown_ef
 from infra.jobdef import define_job
 from infra.submission import training_config_problems
 from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, check_job_id
+from trainstack_job.text import not_utf8
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "trainstack"
@@ -779,7 +780,7 @@ def _load_training_config(path_text: str, problems: _Problems) -> tuple[Path, di
     except UnicodeDecodeError as exc:  # a file saved in another encoding, or not text at all
         problems.add(
             "trainingConfig",
-            f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8",
+            f"{path}: {not_utf8(exc)}",
             example,
         )
         return path, {}
@@ -806,11 +807,6 @@ def _load_user_job(path_text: str, problems: _Problems) -> tuple[JobSpec | None,
         spec = load_job_spec(path)
     except JobSpecError as exc:
         problems.lines.extend(f"{NAMESPACE}:job: {problem}" for problem in exc.problems)
-        return None, None
-    except UnicodeDecodeError as exc:  # load_job_spec reads it as text: another encoding, or not text
-        problems.lines.append(
-            f"{NAMESPACE}:job: {path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"
-        )
         return None, None
     workdir = (path.parent / spec.workdir).resolve()
     try:

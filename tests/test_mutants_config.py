@@ -617,7 +617,7 @@ def test_a_training_config_that_cannot_be_read_is_named_with_its_path(tmp_path: 
     latin = tmp_path / "latin.yaml"
     latin.write_bytes("# réglages\ntrain: {lr: 1}\n".encode("latin-1"))
     assert problems({"trainingConfig": str(latin)}) == [
-        f"{NAMESPACE}:trainingConfig: {latin} is not UTF-8 text (byte 3: invalid continuation byte); save it "
+        f"{NAMESPACE}:trainingConfig: {latin}: not UTF-8 text (byte 3: invalid continuation byte); save it "
         "as UTF-8" + example
     ]
 
@@ -787,6 +787,13 @@ def test_a_bad_job_file_names_the_key(tmp_path: Path, monkeypatch: pytest.Monkey
     latin.write_bytes("# réglages\nname: x\n".encode("latin-1"))
     assert problems({"job": str(latin)}) == [
         f"{NAMESPACE}:job: {latin}: not UTF-8 text (byte 3: invalid continuation byte); save it as UTF-8"
+    ]
+    # Its requirements are read as UTF-8 on the instance: refused here, not at boot.
+    job = user_job(tmp_path / "reqs", requirements="")
+    (tmp_path / "reqs" / "requirements.txt").write_bytes("# paquets réglés\nrich\n".encode("latin-1"))
+    assert problems({"job": job}) == [
+        f"{NAMESPACE}:job: {job}: requirements: {tmp_path / 'reqs' / 'requirements.txt'}: not UTF-8 text "
+        "(byte 11: invalid continuation byte); save it as UTF-8"
     ]
     # A workdir too big to bundle (data kept beside the code).
     monkeypatch.setattr(bundle, "MAX_JOB_BYTES", 4)

@@ -18,6 +18,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
+from trainstack_job.text import not_utf8
+
 
 class ConfigError(Exception):
     """One or more config problems, each a single line naming the key and the fix.
@@ -345,9 +347,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
             [f"--config {path}: cannot read ({exc.strerror}); pass an existing YAML file"]
         ) from None
     except UnicodeDecodeError as exc:  # a file saved in another encoding, or not text at all
-        raise ConfigError(
-            [f"--config {path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"]
-        ) from None
+        raise ConfigError([f"--config {path}: {not_utf8(exc)}"]) from None
     try:
         tree = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:

@@ -31,6 +31,7 @@ from trainstack.sweep import SweepError, SweepPoint, grid, parse_axes, trainer_p
 from trainstack_job.contract import StackOutput
 from trainstack_job.datasets import DEFAULT_DATASET, DatasetError, check_dataset_name, label, push_command
 from trainstack_job.queue import SOURCE_RUN
+from trainstack_job.text import not_utf8
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 EXAMPLE_CONFIG = "training/configs/default.yaml"
@@ -77,7 +78,7 @@ def _read_training_config(path: Path) -> tuple[dict[str, Any] | None, list[str]]
     except OSError as exc:
         return None, [f"--config {path}: cannot read it ({exc.strerror})"]
     except UnicodeDecodeError as exc:  # saved in another encoding, or not a text file at all
-        return None, [f"--config {path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"]
+        return None, [f"--config {path}: {not_utf8(exc)}"]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

@@ -15,6 +15,7 @@ import yaml
 
 from trainstack.errors import CliError
 from trainstack_job.contract import StackOutput
+from trainstack_job.text import not_utf8
 
 if TYPE_CHECKING:
     from infra.config import StackConfig as ProgramConfig
@@ -258,9 +259,7 @@ def _load_yaml(path: Path) -> dict[str, Any]:
     try:
         document = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as error:  # saved in another encoding, or not a text file at all
-        raise CliError(
-            f"{path}: not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8"
-        ) from None
+        raise CliError(f"{path}: {not_utf8(error)}") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
