@@ -77,6 +77,11 @@ TARGETS: dict[str, Target] = {
             "tests/bootstrap/test_mutants_lease.py",
         ),
     ),
+    # The lease's counterpart on a multi-node job: the generation record as the fencing token.
+    "fence": Target(
+        ("bootstrap/generation_fence.py",),
+        ("tests/bootstrap/test_generation_fence.py", "tests/bootstrap/test_fencing.py"),
+    ),
     "ledger": Target(
         ("bootstrap/ledger.py",),
         (

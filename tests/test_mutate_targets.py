@@ -1,0 +1,29 @@
+"""`make mutate`'s targets (bench/mutate.py) and the workflow that runs them on a pull request: a guarantee
+module left out of either is one nobody mutation-tests again after a change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from bench.mutate import TARGETS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_targets_modules_and_tests_exist() -> None:
+    for name, target in TARGETS.items():
+        for module in target.modules:
+            assert (ROOT / module).is_file(), f"target {name}: no module {module}"
+        for test in target.tests:
+            assert (ROOT / test.split("::")[0]).is_file(), f"target {name}: no test file {test}"
+
+
+def test_a_pull_request_changing_any_targets_module_runs_the_mutate_workflow() -> None:
+    workflow = yaml.safe_load((ROOT / ".github/workflows/mutate.yml").read_text(encoding="utf-8"))
+    # PyYAML reads the bare key `on` as True (YAML 1.1).
+    paths = set(workflow[True]["pull_request"]["paths"])
+    modules = {module for target in TARGETS.values() for module in target.modules}
+    assert not modules - paths, f"add to mutate.yml's pull_request paths: {sorted(modules - paths)}"
+    assert "bench/mutate.py" in paths
