@@ -80,7 +80,11 @@ TARGETS: dict[str, Target] = {
     # The lease's counterpart on a multi-node job: the generation record as the fencing token.
     "fence": Target(
         ("bootstrap/generation_fence.py",),
-        ("tests/bootstrap/test_generation_fence.py", "tests/bootstrap/test_fencing.py"),
+        (
+            "tests/bootstrap/test_generation_fence.py",
+            "tests/bootstrap/test_fencing.py",
+            "tests/bootstrap/test_mutants_fence.py",
+        ),
     ),
     "ledger": Target(
         ("bootstrap/ledger.py",),
