@@ -62,6 +62,8 @@ TARGETS: dict[str, Target] = {
         (
             "tests/bootstrap/test_fencing.py",
             "tests/bootstrap/test_mutants_persist.py",
+            # The persister's side of the multi-node fence: `latest.json`'s generation, the superseded node.
+            "tests/bootstrap/test_generation_fence.py",
             # The persister alone against the S3 fault proxy (a few seconds each; no agent, no trainer).
             f"{FAULTS}::test_after_an_s3_outage_at_a_stop_latest_names_the_newest_step_and_never_moved_back",
             f"{FAULTS}::test_a_draining_old_life_cannot_move_latest_back",

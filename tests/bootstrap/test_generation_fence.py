@@ -334,10 +334,35 @@ def test_a_latest_json_without_a_generation_is_an_earlier_writers_and_replaced(
     s3.put_object(Bucket=BUCKET, Key=LATEST_KEY, Body=json.dumps(before).encode())
     record(s3, 1, "i-a")
     member = node(s3, tmp_path / "a", fence(s3, "i-a", 1))
-    commit_step(tmp_path / "a", 3)
+    commit_step(tmp_path / "a", 3, epoch=2)
     assert member.persist_newest(soon()) == 3
-    assert (latest(s3)["step"], latest(s3)["generation"]) == (3, 1)
+    # Everything the job's own readers take from it (step, epoch, folder), and the generation beside them.
+    assert {k: latest(s3)[k] for k in ("step", "epoch", "dir", "generation")} == {
+        "step": 3,
+        "epoch": 2,
+        "dir": "step-3",
+        "generation": 1,
+    }
     assert "token" not in latest(s3)
+
+
+def test_a_newer_generation_found_in_latest_json_alone_is_a_loss_named_at_latest_json(
+    s3: Any, tmp_path: Path
+) -> None:
+    """The record names nothing newer (absent here; damaged or deleted by hand in life), but `latest.json`
+    carries a newer generation: that alone keeps this node out, and the loss names the object that showed
+    it."""
+    newer = {"step": 10, "dir": "step-10", "generation": 5}
+    s3.put_object(Bucket=BUCKET, Key=LATEST_KEY, Body=json.dumps(newer).encode())
+    events, lost = Events(), list[LeaseLostError]()
+    member = node(s3, tmp_path / "a", fence(s3, "i-a", 1), events, lost.append)
+    commit_step(tmp_path / "a", 3)
+    with pytest.raises(GenerationSupersededError) as raised:
+        member.persist_newest(soon())
+    assert (raised.value.generation, raised.value.newer) == (1, 5)
+    assert raised.value.uri == f"s3://{BUCKET}/{LATEST_KEY}"
+    assert (latest(s3)["step"], latest(s3)["generation"]) == (10, 5)
+    assert member.confirmed_step is None and lost == [raised.value]
 
 
 def test_generation_numbers_never_reach_the_lease_and_its_tokens_never_reach_a_generation(

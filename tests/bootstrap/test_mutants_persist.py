@@ -925,7 +925,8 @@ def test_a_checkpoint_s3_refuses_mid_restore_is_never_restored_and_the_older_one
     assert events.messages("restored checkpoint from S3")
 
 
-@pytest.mark.parametrize("code", ["AccessDenied", "SlowDown", None])
+# KMS.DisabledException: the object's key disabled (S3 passes KMS's refusal on under its own code).
+@pytest.mark.parametrize("code", ["AccessDenied", "KMS.DisabledException", "SlowDown", None])
 def test_with_no_older_checkpoint_a_refused_restore_fails_naming_the_object_rather_than_start_over(
     s3: Any, tmp_path: Path, code: str | None
 ) -> None:
@@ -940,7 +941,7 @@ def test_with_no_older_checkpoint_a_refused_restore_fails_naming_the_object_rath
     fix = (
         "grant the identity reading it (on an instance, the instance role) s3:GetObject on it and "
         "kms:Decrypt on its key"
-        if code == "AccessDenied"
+        if code in ("AccessDenied", "KMS.DisabledException")
         else "S3 did not serve it; a later start tries again"
     )
     assert str(refused.value) == (
