@@ -315,10 +315,14 @@ def recorded(tree: Path) -> dict[str, str]:
     return results(tree)
 
 
-def refresh_tests(tree: Path) -> None:
-    """The checkout's mutant-killing tests as they are now, into an earlier run's copy (new tests get
-    mutmut's stats). Only those: other tests may have moved on with sources the copy does not have."""
-    for name in mutant_tests():
+def refresh_tests(tree: Path, target: Target) -> None:
+    """The checkout's mutant-killing tests and the target's own test files as they are now, into an earlier
+    run's copy (new tests get mutmut's stats); a test added to a target's file since would otherwise be
+    rerun as it was. Only those: other tests may have moved on with sources the copy does not have. One of
+    these that needs such a source fails mutmut's clean run, which stops the rerun: never a false kill."""
+    for name in sorted({*mutant_tests(), *(test.split("::")[0] for test in target.tests)}):
+        if not (ROOT / name).is_file():
+            continue
         for base in (tree, tree / "mutants"):
             (base / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, base / name)
@@ -349,7 +353,7 @@ def run_target(
         print(
             f"    again: the {len(survivors)} survivors of the last run, with the current tests", flush=True
         )
-        refresh_tests(tree)
+        refresh_tests(tree, target)
         tests = configure(tree, target)
         print(f"    tests: {' '.join(tests)}", flush=True)
         if survivors:
