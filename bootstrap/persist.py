@@ -56,6 +56,11 @@ class EventSink(Protocol):
     def event(self, stage: str, message: str, **fields: Any) -> None: ...
 
 
+# S3's codes for an SSE-KMS object whose key KMS refuses to use: off (disabled, or pending deletion), or gone.
+_KMS_KEY_OFF = frozenset({"KMS.DisabledException", "KMS.KMSInvalidStateException"})
+_KMS_KEY_GONE = "KMS.NotFoundException"
+
+
 class Fence(Protocol):
     """Who may write the job's checkpoints: `bootstrap.lease.JobLease` once acquired.
 
@@ -319,14 +324,27 @@ class CheckpointPersister:
 
     def _refused(self, key: str, step: int, exc: ClientError) -> CheckpointRefusedError:
         code = exc.response.get("Error", {}).get("Code") or "no error code"
-        # A refusal needs a grant; anything else (throttling, an outage past botocore's retries) passes, and
-        # each later life tries again until the crash-loop guard gives up.
-        fix = (
-            "grant the identity reading it (on an instance, the instance role) s3:GetObject on it and "
-            "kms:Decrypt on its key"
-            if code == "AccessDenied" or code.startswith("KMS")
-            else "S3 did not serve it; a later start tries again"
-        )
+        # S3 passes a KMS refusal of the object's key on under KMS's own code. A key that is off needs turning
+        # on, a key that is gone can never decrypt it, any other refusal needs a grant; anything else
+        # (throttling, an outage past botocore's retries) passes, and each later life tries again until the
+        # crash-loop guard gives up.
+        if code in _KMS_KEY_OFF:
+            fix = (
+                "its KMS key is disabled or pending deletion: enable it (aws kms enable-key; first aws kms "
+                "cancel-key-deletion if its deletion is scheduled)"
+            )
+        elif code == _KMS_KEY_GONE:
+            fix = (
+                "its KMS key no longer exists, so S3 can never decrypt it: delete the job's checkpoints "
+                f"under {self.uri}/ to start the job over"
+            )
+        elif code == "AccessDenied" or code.startswith("KMS"):
+            fix = (
+                "grant the identity reading it (on an instance, the instance role) s3:GetObject on it and "
+                "kms:Decrypt on its key"
+            )
+        else:
+            fix = "S3 did not serve it; a later start tries again"
         return CheckpointRefusedError(
             f"s3://{self.bucket}/{key}: S3 refused to read it ({code}) and no older checkpoint is left: "
             f"not starting the job over without its step {step}; {fix}"

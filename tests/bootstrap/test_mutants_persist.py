@@ -925,25 +925,45 @@ def test_a_checkpoint_s3_refuses_mid_restore_is_never_restored_and_the_older_one
     assert events.messages("restored checkpoint from S3")
 
 
-# KMS.DisabledException: the object's key disabled (S3 passes KMS's refusal on under its own code).
-@pytest.mark.parametrize("code", ["AccessDenied", "KMS.DisabledException", "SlowDown", None])
+GRANT = (
+    "grant the identity reading it (on an instance, the instance role) s3:GetObject on it and kms:Decrypt on "
+    "its key"
+)
+KEY_OFF = (
+    "its KMS key is disabled or pending deletion: enable it (aws kms enable-key; first aws kms "
+    "cancel-key-deletion if its deletion is scheduled)"
+)
+LATER = "S3 did not serve it; a later start tries again"
+
+
+# S3 passes KMS's refusal of an SSE-KMS object's key on under KMS's own code.
+@pytest.mark.parametrize(
+    ("code", "fix"),
+    [
+        ("AccessDenied", GRANT),
+        ("KMS.AccessDeniedException", GRANT),
+        ("KMS.DisabledException", KEY_OFF),
+        ("KMS.KMSInvalidStateException", KEY_OFF),
+        (
+            "KMS.NotFoundException",
+            "its KMS key no longer exists, so S3 can never decrypt it: delete the job's checkpoints under "
+            f"s3://{BUCKET}/{PREFIX}/ to start the job over",
+        ),
+        ("SlowDown", LATER),
+        (None, LATER),
+    ],
+)
 def test_with_no_older_checkpoint_a_refused_restore_fails_naming_the_object_rather_than_start_over(
-    s3: Any, tmp_path: Path, code: str | None
+    s3: Any, tmp_path: Path, code: str | None, fix: str
 ) -> None:
     """Starting over would write step 1 over the step latest.json names (a new lease holder's token wins):
-    the confirmed checkpoint would be lost to a permission or an outage. The life fails instead, saying
-    which object and the fix: a grant for a refusal, a later start for an outage."""
+    the confirmed checkpoint would be lost to a permission, a key or an outage. The life fails instead,
+    saying which object and the fix S3's answer calls for: a grant, the key enabled, a later start."""
     upload(s3, tmp_path / "first", 2, 5)
     fresh = tmp_path / "replacement"
     events = Events()
     with pytest.raises(CheckpointRefusedError) as refused:
         persister(RefusingReads(s3, 2, 5, code=code), fresh, events).restore()
-    fix = (
-        "grant the identity reading it (on an instance, the instance role) s3:GetObject on it and "
-        "kms:Decrypt on its key"
-        if code in ("AccessDenied", "KMS.DisabledException")
-        else "S3 did not serve it; a later start tries again"
-    )
     assert str(refused.value) == (
         f"s3://{BUCKET}/{PREFIX}/step-5/state.bin: S3 refused to read it ({code or 'no error code'}) and no "
         f"older checkpoint is left: not starting the job over without its step 5; {fix}"
