@@ -12,6 +12,13 @@ other gets 412 (or 409 for a concurrent conditional write) and decides again fro
 epoch seconds (`time.time()`), injected by the caller; EC2 clocks are NTP-synced (Amazon Time Sync), and
 the stale limit is tens of seconds, so skew only shifts ages a little.
 
+A holder must assume it lost the lease when it cannot prove otherwise (the etcd/Chubby rule; docs/internals.md,
+"A partition: the holder stops on its own clock"). Every write that proves the lease (acquire, renew)
+carries its expiry, `expires_at` = the wall time read when the proof started + `stale_seconds`, and the holder
+notes the same instant on its own monotonic clock (`own_deadline`). Another life takes an unreleased lease
+only after `expires_at` + `drift_seconds` by its own wall clock, so a holder that stops training by its own
+deadline has stopped before anyone else may start, as long as the two clocks disagree by less than the margin.
+
 Errors: S3 unreachable raises botocore's errors to the caller (the state poller retries on its next poll;
 a fence check that cannot read makes the persister retry the upload later, never write unchecked). A record
 that is not a record (hand-edited, truncated) counts as absent and is replaced by the next conditional write
@@ -21,6 +28,7 @@ against its ETag.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,6 +41,11 @@ from bootstrap.ledger import _is_conflict
 ATTEMPTS = 8
 # docs/internals.md: 3 × state_poll_seconds (10 s) + 30 s; a holder that has not renewed for this long died.
 STALE_SECONDS = 60.0
+# What another life adds to a lease's expiry before it takes the lease over: the clock error between two
+# instances (Amazon Time Sync keeps it under a millisecond; an instance whose chrony has not synced yet after
+# boot can be off by seconds) plus the time a killed trainer takes to die. The holder stops on its own clock
+# at the expiry; the taker waits this much longer, so the two never train at once.
+DRIFT_SECONDS = 10.0
 
 
 def _number(value: Any) -> bool:
@@ -58,6 +71,23 @@ class LeaseLostError(Exception):
         )
 
 
+class LeaseExpiredError(LeaseLostError):
+    """This life could not prove its lease before the lease's expiry by its own clock: it must act as if
+    another life holds it (it may: S3 was unreachable from here, not from there)."""
+
+    def __init__(self, holder: str, token: int, uri: str = "", unproven_seconds: float = 0.0) -> None:
+        self.unproven_seconds = unproven_seconds
+        super().__init__(holder, token, uri)
+        where = f"{uri}: " if uri else ""
+        self.args = (
+            f"{where}lease not renewed for {unproven_seconds:.1f} s, past its expiry on this instance's "
+            "clock: this instance stops writing the job's checkpoints",
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 @dataclass(frozen=True)
 class LeaseState:
     """The lease as stored: who holds it, with which token, since when, and whether it was let go."""
@@ -70,10 +100,17 @@ class LeaseState:
     released_at: float | None = None
     stop_step: int | None = None
     job_id: str | None = None
+    # When the holder's last proof ends (wall clock); None in records written before leases carried it.
+    expires_at: float | None = None
 
-    def live(self, now: float, stale_seconds: float) -> bool:
-        """Held by a holder that still renews: not released and renewed less than `stale_seconds` ago."""
-        return self.released_at is None and now - self.heartbeat_at < stale_seconds
+    def expiry(self, stale_seconds: float) -> float:
+        """When the lease ends unless renewed: its own `expires_at`, else `stale_seconds` after its heartbeat."""
+        return self.expires_at if self.expires_at is not None else self.heartbeat_at + stale_seconds
+
+    def live(self, now: float, stale_seconds: float, drift_seconds: float = 0.0) -> bool:
+        """Held by a holder that still renews: not released, and `now` before its expiry plus
+        `drift_seconds` (the margin another life waits past the expiry for clock error)."""
+        return self.released_at is None and now < self.expiry(stale_seconds) + drift_seconds
 
     def to_record(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +129,7 @@ class LeaseState:
             and (raw.get("released_at") is None or _number(raw["released_at"]))
             and (raw.get("stop_step") is None or _count(raw["stop_step"]))
             and (raw.get("job_id") is None or isinstance(raw["job_id"], str))
+            and (raw.get("expires_at") is None or _number(raw["expires_at"]))
         ):
             return None
         return cls(
@@ -103,6 +141,7 @@ class LeaseState:
             released_at=None if raw.get("released_at") is None else float(raw["released_at"]),
             stop_step=raw.get("stop_step"),
             job_id=raw.get("job_id"),
+            expires_at=None if raw.get("expires_at") is None else float(raw["expires_at"]),
         )
 
 
@@ -185,13 +224,18 @@ class JobLease(_Record):
         life_id: str,
         stale_seconds: float = STALE_SECONDS,
         job_id: str | None = None,
+        drift_seconds: float = DRIFT_SECONDS,
     ) -> None:
         super().__init__(s3, bucket, key)
         self.holder = holder
         self.life_id = life_id
         self.stale_seconds = stale_seconds
+        self.drift_seconds = drift_seconds
         self.job_id = job_id
         self.held_token: int | None = None
+        # time.monotonic() when this life's newest proof of the lease (acquire, renew) started: the lease is
+        # this life's until `stale_seconds` after it, by this instance's own clock.
+        self.proven_at: float | None = None
         # The lease this life replaced when it acquired (None: there was none): its `stop_step` is where the
         # previous holder stopped, the checkpoint a standby resumes from.
         self.replaced: LeaseState | None = None
@@ -207,6 +251,25 @@ class JobLease(_Record):
         """The lease as stored now (None when absent or not a lease record)."""
         raw, _ = self._get()
         return LeaseState.from_record(raw)
+
+    def own_deadline(self) -> float | None:
+        """When this life's lease ends by its own monotonic clock (None: never proved): past it, this life
+        must act as if another holds the lease."""
+        return None if self.proven_at is None else self.proven_at + self.stale_seconds
+
+    def unproven_seconds(self, mono: float | None = None) -> float:
+        """Seconds since this life last proved the lease (inf: never)."""
+        if self.proven_at is None:
+            return float("inf")
+        return (time.monotonic() if mono is None else mono) - self.proven_at
+
+    def expired(self, mono: float | None = None) -> bool:
+        """Past this life's own deadline (or never proved)."""
+        deadline = self.own_deadline()
+        return deadline is None or (time.monotonic() if mono is None else mono) >= deadline
+
+    def _expired_error(self) -> LeaseExpiredError:
+        return LeaseExpiredError(self.holder, self.held_token or 0, self.uri, self.unproven_seconds())
 
     def _ours(self, state: LeaseState | None) -> bool:
         return (
@@ -226,20 +289,24 @@ class JobLease(_Record):
     def _free(self, state: LeaseState | None, now: float, gone: str | None = None) -> bool:
         """May this life take the lease as it is now? `gone`: a life id whose instance is known to be gone
         (the group no longer has it), whose lease need not wait for the stale limit."""
-        if state is None or not state.live(now, self.stale_seconds):
+        if state is None or not state.live(now, self.stale_seconds, self.drift_seconds):
             return True
         if gone is not None and state.life_id == gone:
             return True
         # An earlier agent on this instance holds it: that agent died (one agent per instance).
         return state.holder == self.holder and state.life_id != self.life_id
 
-    def try_acquire(self, now: float, *, floor: int = 0, gone: str | None = None) -> int | None:
+    def try_acquire(
+        self, now: float, *, floor: int = 0, gone: str | None = None, proof_at: float | None = None
+    ) -> int | None:
         """The token this life now holds, or None while a live holder has the lease.
 
         Acquiring writes the previous token + 1 (at least `floor` + 1: pass the token `latest.json` carries,
         so a lease that was deleted or damaged by hand never hands out a token below one already used).
-        Called again while this life holds the lease, it returns the same token.
+        Called again while this life holds the lease, it returns the same token. `proof_at`: time.monotonic()
+        read before `now` (default: on entry), from which this life's own deadline counts.
         """
+        mark = time.monotonic() if proof_at is None else proof_at
         for _ in range(ATTEMPTS):
             raw, etag = self._get()
             state = LeaseState.from_record(raw)
@@ -250,6 +317,7 @@ class JobLease(_Record):
                 and state.released_at is None
             ):
                 # Already this life's: a repeated call, or a put that got in although its answer was lost.
+                # No new proof: the stored expiry may be older than this call.
                 self.held_token = state.token
                 return state.token
             if not self._free(state, now, gone):
@@ -262,22 +330,35 @@ class JobLease(_Record):
                 acquired_at=now,
                 heartbeat_at=now,
                 job_id=self.job_id,
+                expires_at=now + self.stale_seconds,
             )
             if self._put(acquired.to_record(), etag):
                 self.held_token = token
                 self.replaced = state
+                self.proven_at = mark
                 return token
         raise self._contended()
 
-    def renew(self, now: float) -> LeaseState:
-        """Move the heartbeat forward; `LeaseLostError` when the lease no longer names this life's token."""
+    def renew(self, now: float, *, proof_at: float | None = None) -> LeaseState:
+        """Move the heartbeat and the expiry forward; `LeaseLostError` when the lease no longer names this
+        life's token. `proof_at` as for `try_acquire`: on success this life's own deadline counts from it."""
+        mark = time.monotonic() if proof_at is None else proof_at
         for _ in range(ATTEMPTS):
             raw, etag = self._get()
             state = LeaseState.from_record(raw)
             if state is None or not self._ours(state) or state.released_at is not None:
                 raise self._lost(state)
-            renewed = LeaseState(**{**state.to_record(), "heartbeat_at": max(now, state.heartbeat_at)})
+            heartbeat = max(now, state.heartbeat_at)
+            renewed = LeaseState(
+                **{
+                    **state.to_record(),
+                    "heartbeat_at": heartbeat,
+                    "expires_at": max(now + self.stale_seconds, state.expiry(self.stale_seconds)),
+                }
+            )
             if self._put(renewed.to_record(), etag):
+                # A proof only moves forward: a slow call must not pull the deadline back.
+                self.proven_at = mark if self.proven_at is None else max(self.proven_at, mark)
                 return renewed
         raise self._contended()
 
@@ -303,7 +384,20 @@ class JobLease(_Record):
 
     def check(self) -> LeaseState:
         """The fence: one GET; `LeaseLostError` unless the lease still names this life's token and is not
-        released. A read error propagates: the caller must not write unchecked."""
+        released. Once half the lease has passed without a renewal (the state poller is late, S3 slow) a GET
+        no longer leaves the commit time to finish before the lease's expiry, so the lease is renewed instead;
+        past this life's own deadline a failed renewal raises `LeaseExpiredError`. Any other read error
+        propagates: the caller must not write unchecked."""
+        if self.proven_at is not None and self.unproven_seconds() >= self.stale_seconds / 2:
+            mark = time.monotonic()  # read before the wall clock: the own deadline never ends later
+            try:
+                return self.renew(time.time(), proof_at=mark)
+            except LeaseLostError:
+                raise
+            except Exception as exc:
+                if self.expired():
+                    raise self._expired_error() from exc
+                raise
         state = self.read()
         if state is None or not self._ours(state) or state.released_at is not None:
             raise self._lost(state)

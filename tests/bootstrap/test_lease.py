@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,7 +17,8 @@ from botocore.exceptions import ClientError
 
 from bootstrap.agent_config import AgentConfig, Prefixes
 from bootstrap.eventlog import EventLog
-from bootstrap.lease import JobLease, LeaseLostError, LeaseState, StandbyRecord
+from bootstrap.lease import DRIFT_SECONDS as DRIFT
+from bootstrap.lease import JobLease, LeaseExpiredError, LeaseLostError, LeaseState, StandbyRecord
 from bootstrap.ledger import _is_conflict
 from bootstrap.standby import OneWriter, Role
 from tests.conftest import MotoServer
@@ -134,20 +136,24 @@ def test_the_first_life_acquires_token_1_and_a_second_waits_while_the_holder_bea
         "released_at": None,
         "stop_step": None,
         "job_id": "demo-1a2b3c4d",
+        "expires_at": T0 + STALE,
     }
     assert b.try_acquire(T0 + 1) is None
     a.renew(T0 + 50)
-    # 59 s after the last renewal the holder is still alive, though 109 s after it acquired.
-    assert b.try_acquire(T0 + 109) is None
+    # The expiry moved with the renewal; another life waits past it by the clock-drift margin too.
+    assert stored(s3)["expires_at"] == T0 + 50 + STALE
+    assert b.try_acquire(T0 + 50 + STALE + DRIFT - 1) is None, "expired, but within the drift margin"
     assert stored(s3)["token"] == 1 and stored(s3)["heartbeat_at"] == T0 + 50
     state = b.read()
     assert state is not None and state.live(T0 + 109, STALE) and not state.live(T0 + 110, STALE)
+    assert state.live(T0 + 119, STALE, DRIFT) and not state.live(T0 + 120, STALE, DRIFT)
+    assert b.try_acquire(T0 + 50 + STALE + DRIFT) == 2
 
 
 def test_an_expired_lease_is_taken_with_the_next_token_and_the_old_holder_learns_it_lost(s3: Any) -> None:
     a, b = lease(s3, "i-a"), lease(s3, "i-b")
     assert a.try_acquire(T0) == 1
-    assert b.try_acquire(T0 + STALE) == 2, "a holder silent for the stale limit is dead"
+    assert b.try_acquire(T0 + STALE + DRIFT) == 2, "a holder silent past its expiry and the margin is dead"
     assert b.replaced is not None and b.replaced.holder == "i-a"
     with pytest.raises(LeaseLostError) as lost:
         a.renew(T0 + STALE + 1)
@@ -191,7 +197,7 @@ def test_release_hands_over_at_once_with_the_stop_step_and_is_idempotent(s3: Any
 def test_release_after_losing_the_lease_returns_false_without_raising(s3: Any) -> None:
     a, b = lease(s3, "i-a"), lease(s3, "i-b")
     a.try_acquire(T0)
-    b.try_acquire(T0 + STALE)
+    assert b.try_acquire(T0 + STALE + DRIFT) == 2
     assert a.release(T0 + STALE + 1, stop_step=5) is False
     assert stored(s3)["released_at"] is None and stored(s3)["holder"] == "i-b"
 
@@ -366,3 +372,94 @@ def test_a_holder_whose_instance_left_the_group_is_taken_over_before_the_stale_l
     in_group["i-dead"] = False
     assert writer._acquire(T0 + 2, floor=0) == 2
     assert writer.dead_holder() == "i-dead@1", "its life is closed as interrupted at its heartbeat"
+
+
+# -- the holder's own clock (docs/internals.md, "A partition: the holder stops on its own clock") ---------
+
+
+class Unreachable:
+    """The S3 client of an instance whose link is cut: every call fails as botocore does then."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.cut = False
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+
+        def call(**kwargs: Any) -> Any:
+            if self.cut:
+                from botocore.exceptions import EndpointConnectionError
+
+                raise EndpointConnectionError(endpoint_url="https://s3.example.invalid")
+            return method(**kwargs)
+
+        return call
+
+
+def test_every_proof_sets_the_holders_own_deadline_from_its_monotonic_clock(s3: Any) -> None:
+    a = lease(s3, "i-a")
+    assert a.own_deadline() is None and a.expired(), "never proved: never held by its own clock"
+    assert a.try_acquire(T0, proof_at=100.0) == 1
+    assert a.own_deadline() == 100.0 + STALE
+    assert not a.expired(100.0 + STALE - 0.001) and a.expired(100.0 + STALE)
+    assert a.unproven_seconds(130.0) == 30.0
+    a.renew(T0 + 20, proof_at=120.0)
+    assert a.own_deadline() == 120.0 + STALE
+    a.renew(T0 + 21, proof_at=110.0)  # a slow renewal's answer: the proof never moves back
+    assert a.own_deadline() == 120.0 + STALE
+    assert stored(s3)["expires_at"] == T0 + 21 + STALE
+
+
+def test_check_renews_once_half_the_lease_is_unproven_and_past_the_deadline_an_outage_is_an_expiry(
+    s3: Any,
+) -> None:
+    link = Unreachable(s3)
+    a = lease(link, "i-a")
+    a.try_acquire(time.time() - STALE / 2)  # check() renews with the wall clock: the lease is that old
+    written = etag(s3)
+    a.check()
+    assert etag(s3) == written, "fresh proof: the fence is one GET, nothing written"
+    assert a.proven_at is not None
+    a.proven_at -= STALE / 2  # the state poller has not renewed for half the lease
+    a.check()
+    assert etag(s3) != written, "half the lease unproven: the fence renews"
+    link.cut = True
+    a.proven_at -= STALE / 2  # within the deadline: an outage is an outage, the caller retries
+    from botocore.exceptions import EndpointConnectionError
+
+    with pytest.raises(EndpointConnectionError):
+        a.check()
+    a.proven_at -= STALE / 2  # past the deadline: the holder must assume the lease is gone
+    with pytest.raises(LeaseExpiredError, match=r"lease not renewed for 6\d\.\d s, past its expiry"):
+        a.check()
+
+
+def test_a_holder_past_its_own_deadline_and_a_taker_past_the_margin_race_and_exactly_one_wins(s3: Any) -> None:
+    """The partition healed just as the taker's wait ended: the holder's renewal and the taker's acquisition
+    are both conditional writes on the lease, so one gets in and the other learns it at once."""
+    a = lease(s3, "i-a")
+    a.try_acquire(T0)
+    racing = RacingS3(s3, LEASE_KEY, race=2)
+    a._s3 = racing  # from here on both lives read before either writes
+    b = lease(racing, "i-b")
+    outcomes: dict[str, Any] = {}
+
+    def renew() -> None:
+        try:
+            outcomes["a"] = a.renew(T0 + STALE + DRIFT).token
+        except LeaseLostError as exc:
+            outcomes["a"] = exc
+
+    def take() -> None:
+        outcomes["b"] = b.try_acquire(T0 + STALE + DRIFT)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda f: f(), [renew, take]))
+    racing.race_done()
+    holder = stored(s3)["holder"]
+    if holder == "i-a":
+        assert outcomes == {"a": 1, "b": None}
+    else:
+        assert outcomes["b"] == 2 and isinstance(outcomes["a"], LeaseLostError)
+    assert racing.conflicts == 1
