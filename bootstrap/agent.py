@@ -43,7 +43,7 @@ class Lives:
                 ended_job=self.current.config.job_id,
                 next_job=result.next_job,
             )
-            self.current = self.current.successor()
+            self.current = self.current.successor(again=result.again)
             if self._shutdown:  # the signal came while the next life was being made
                 self.current.request_shutdown()
 

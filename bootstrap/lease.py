@@ -12,12 +12,13 @@ other gets 412 (or 409 for a concurrent conditional write) and decides again fro
 epoch seconds (`time.time()`), injected by the caller; EC2 clocks are NTP-synced (Amazon Time Sync), and
 the stale limit is tens of seconds, so skew only shifts ages a little.
 
-A holder must assume it lost the lease when it cannot prove otherwise (the etcd/Chubby rule; docs/internals.md,
-"A partition: the holder stops on its own clock"). Every write that proves the lease (acquire, renew)
-carries its expiry, `expires_at` = the wall time read when the proof started + `stale_seconds`, and the holder
-notes the same instant on its own monotonic clock (`own_deadline`). Another life takes an unreleased lease
-only after `expires_at` + `drift_seconds` by its own wall clock, so a holder that stops training by its own
-deadline has stopped before anyone else may start, as long as the two clocks disagree by less than the margin.
+A holder must assume it lost the lease when it cannot prove otherwise (the etcd/Chubby rule;
+docs/internals.md, "A partition: the holder stops on its own clock"). Every write that proves the lease
+(acquire, renew) carries its expiry, `expires_at` = the wall time read when the proof started +
+`stale_seconds`, and the holder notes the same instant on its own monotonic clock (`own_deadline`).
+Another life takes an unreleased lease only after `expires_at` + `drift_seconds` by its own wall clock, so a
+holder that stops training by its own deadline has stopped before anyone else may start, as long as the two
+clocks disagree by less than the margin.
 
 Errors: S3 unreachable raises botocore's errors to the caller (the state poller retries on its next poll;
 a fence check that cannot read makes the persister retry the upload later, never write unchecked). A record
@@ -104,7 +105,7 @@ class LeaseState:
     expires_at: float | None = None
 
     def expiry(self, stale_seconds: float) -> float:
-        """When the lease ends unless renewed: its own `expires_at`, else `stale_seconds` after its heartbeat."""
+        """When the lease ends unless renewed: its `expires_at`, else `stale_seconds` after its heartbeat."""
         return self.expires_at if self.expires_at is not None else self.heartbeat_at + stale_seconds
 
     def live(self, now: float, stale_seconds: float, drift_seconds: float = 0.0) -> bool:

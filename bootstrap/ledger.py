@@ -42,7 +42,9 @@ INTERRUPTED_OUTCOMES = frozenset({LifeOutcome.PREEMPTED, LifeOutcome.INTERRUPTED
 # holder, and it is that holder's lives that tell whether the job works: resetting here would hide a crash
 # loop of the new holder behind the old one's late report. HANDED_OVER is not here: the holder trained up to
 # a confirmed checkpoint and passed it on, which is progress, and resets the counter like any good end.
-NEUTRAL_OUTCOMES = frozenset({LifeOutcome.SUPERSEDED, LifeOutcome.SURPLUS, LifeOutcome.STANDBY_ENDED})
+NEUTRAL_OUTCOMES = frozenset(
+    {LifeOutcome.SUPERSEDED, LifeOutcome.LEASE_EXPIRED, LifeOutcome.SURPLUS, LifeOutcome.STANDBY_ENDED}
+)
 # Lives that never trained the job: not "the life before" when a failure is compared with the previous one.
 UNTRAINED_OUTCOMES = frozenset({LifeOutcome.SURPLUS, LifeOutcome.STANDBY_ENDED})
 _T = TypeVar("_T")

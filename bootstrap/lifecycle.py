@@ -33,7 +33,7 @@ from bootstrap.imds import ImdsClient, InstanceIdentity
 from bootstrap.job import BUNDLE_JOB_DIR, JobSpec, JobSpecError
 from bootstrap.jobbinding import JobBinding, JobDirectory, bind_job, claim_scratch
 from bootstrap.jobstate import JobState
-from bootstrap.lease import JobLease, LeaseLostError
+from bootstrap.lease import DRIFT_SECONDS, JobLease, LeaseExpiredError, LeaseLostError
 from bootstrap.ledger import TERMINAL_STATUSES, JobLedger
 from bootstrap.notify import Notifier
 from bootstrap.outcomes import Failure, LifeEnd, LifeFacts, LifeResult, Outcomes
@@ -77,6 +77,8 @@ class InstanceLife:
         tick_seconds: float = 0.5,
         job_root: Path | None = None,
         after: str | None = None,
+        lease_seconds: float | None = None,
+        drift_seconds: float = DRIFT_SECONDS,
     ) -> None:
         # How to build the next life on this instance (`successor`): the same collaborators; a log made here
         # is made afresh, so the ended life's shippers are not fed any more.
@@ -91,6 +93,8 @@ class InstanceLife:
             "state_poll_seconds": state_poll_seconds,
             "tick_seconds": tick_seconds,
             "job_root": job_root,
+            "lease_seconds": lease_seconds,
+            "drift_seconds": drift_seconds,
         }
         # The job this instance's previous life just ended or yielded: this life goes on to the next one.
         self._after = after
@@ -111,6 +115,10 @@ class InstanceLife:
         self._life_started: datetime | None = None
         # How often control.json is read and the ledger's heartbeat and cost written.
         self._state_poll_seconds = state_poll_seconds
+        # The job's lease: its length (None: the stale limit, 3 polls + 30 s) and the clock-drift margin a
+        # taker waits past its end (bootstrap/lease.py). Tests shorten both.
+        self._lease_seconds = lease_seconds
+        self._drift_seconds = drift_seconds
         self._paths: TrainerPaths | None = None
         # Several instances train one job (docs/multi-node.md): the built-in trainer across nodes.
         self.multi_node = config.instance_count > 1 and self.user_job is None
@@ -163,6 +171,7 @@ class InstanceLife:
             builtin_trainer=self.user_job is None,
             release_wait_seconds=self._release_wait_seconds,
             next_job=self._queued_next,
+            holds_lease=self._holds_lease,
         )
         if getattr(self, "_identity", None) is not None:
             self.job.identity = self._identity
@@ -240,10 +249,20 @@ class InstanceLife:
             self.log.event("job", "cannot read the stack's current job", error=f"{type(exc).__name__}: {exc}")
             return None
 
-    def successor(self) -> InstanceLife:
+    def successor(self, *, again: bool = False) -> InstanceLife:
         """The next life on this instance, after this one's job ended (or yielded) with another queued: the
-        same agent config and collaborators, bound afresh. Scratch disk and the synced dataset stay."""
-        return InstanceLife(self._stack_config, after=self.config.job_id, **self._init_args)
+        same agent config and collaborators, bound afresh. Scratch disk and the synced dataset stay.
+        `again`: the same job served afresh, as after a reboot (this life stopped on its lease's clock)."""
+        return InstanceLife(
+            self._stack_config, after=None if again else self.config.job_id, **self._init_args
+        )
+
+    def _holds_lease(self) -> bool | None:
+        """For the outcome handlers: whether this life may end the job (bootstrap/outcomes.py)."""
+        writer = self._writer
+        if writer is None or writer.role is not Role.HOLDER:
+            return True
+        return writer.confirm()
 
     def _queued_next(self) -> str | None:
         """The queued job this instance takes once its job has ended (asked by the outcome handlers)."""
@@ -373,6 +392,8 @@ class InstanceLife:
     @property
     def _stale_seconds(self) -> float:
         """A life (or lease, or standby) silent this long is dead: three missed polls and half a minute."""
+        if self._lease_seconds is not None:
+            return self._lease_seconds
         return 3 * self._state_poll_seconds + 30
 
     def _bind_job(self) -> bool:
@@ -510,8 +531,13 @@ class InstanceLife:
             life_id=life_id,
             stale_seconds=self._stale_seconds,
             instance_gone=self.fleet.instance_gone,
+            drift_seconds=self._drift_seconds,
         )
         role = self._writer.take(floor=self._persister_for(paths).latest_token() or 0)
+        writer = self._writer
+        # From now on the holder (or the standby once it takes over) stops on its own clock when it cannot
+        # renew: no network in this thread, so it works while S3 and the state poller hang.
+        self._spawn("lease-clock", lambda: writer.watch_own_clock(self.stops, self._background_stop.wait))
         if role is Role.STANDBY:
             self.job.record(lambda ledger: ledger.mark_standby(utc_now()))
         self._close_dead_holder()
@@ -556,6 +582,10 @@ class InstanceLife:
             self.stops.request(
                 "generation_superseded", generation=error.generation, newer_generation=error.newer
             )
+            return
+        if isinstance(error, LeaseExpiredError):
+            # Not known lost: unproven past its end by this instance's clock; the same stop as the clock's.
+            self.stops.request("lease_expiring", unrenewed_s=round(error.unproven_seconds, 1))
             return
         self.stops.request("lease_lost", holder=error.holder, token=error.token)
 
@@ -699,11 +729,17 @@ class InstanceLife:
             if seen_at is not None
             else time.monotonic() + FINAL_UPLOAD_SECONDS
         )
+        kill_at = self.stops.kill_at
+        if kill_at is not None:
+            # Past the lease's end by this clock the fence refuses every commit anyway.
+            deadline = min(deadline, kill_at)
         persisted = persister.finish(deadline)
         persister.close()
         if self._generations is not None:
             persisted = self._generations.job_checkpoint_confirmed(persisted, persister, deadline)
         self.job.upload_progress_quietly()
+        # Read again: the final upload may have found the lease lost (or past its end) after the exit.
+        reason = self.stops.reason
         return self.supervisor.classify_exit(code, reason, persisted, trainer)
 
     def _job_process(self, paths: TrainerPaths, gpu_count: int, restored: int | None) -> TrainerProcess:
@@ -722,6 +758,23 @@ class InstanceLife:
         return self.boot.trainer_log_sink(self.identity)
 
     def _finish(self, outcome: LifeEnd | Failure) -> LifeResult:
+        writer = self._writer
+        if writer is None or writer.role is not Role.HOLDER:
+            return self._outcome(outcome)
+        # The state poller has stopped: the lease is kept renewed while the outcome is acted on (results
+        # uploads take minutes), so no standby takes over a job that this life is ending.
+        done = threading.Event()
+        keeper = threading.Thread(
+            target=writer.keep, args=(done, self._state_poll_seconds), name="lease-keeper", daemon=True
+        )
+        keeper.start()
+        try:
+            return self._outcome(outcome)
+        finally:
+            done.set()
+            keeper.join(timeout=5)
+
+    def _outcome(self, outcome: LifeEnd | Failure) -> LifeResult:
         life = LifeFacts(
             identity=self.identity,
             phase=self.phase,

@@ -52,6 +52,7 @@ class LifeEnd(str, Enum):
     NO_DATA = LifeOutcome.NO_DATA.value
     HANDED_OVER = LifeOutcome.HANDED_OVER.value
     SUPERSEDED = LifeOutcome.SUPERSEDED.value
+    LEASE_EXPIRED = LifeOutcome.LEASE_EXPIRED.value
     SURPLUS = LifeOutcome.SURPLUS.value
     STANDBY_ENDED = LifeOutcome.STANDBY_ENDED.value
     CANCELLED = LifeOutcome.CANCELLED.value
@@ -69,6 +70,20 @@ class LifeEnd(str, Enum):
         return LifeOutcome(self.value)
 
 
+# Ends that say nothing about the job as a whole: no lease check before them. Any other end of a life that
+# held the lease (completion, a failure, a stop, the cost cap, a cancel…) may end the job, notify or scale
+# in, so the lease is proved first (docs/internals.md, "Only the lease's holder ends a job").
+_NOT_JOB_ENDS = frozenset(
+    {
+        "handed_over",
+        "preempted",
+        "superseded",
+        "lease_expired",
+        "surplus",
+        "standby_ended",
+    }
+)
+
 # Ends after which this instance has nothing left to do; any other ends the life with exit 1 so that
 # systemd starts the next life on this instance (and the crash counter decides when to give up). Besides the
 # ledger's outcomes, a life can end having replaced its broken instance, skipped (the group was already at
@@ -83,6 +98,7 @@ FINAL_ENDS = frozenset(
         LifeEnd.NO_DATA,
         LifeEnd.HANDED_OVER,
         LifeEnd.SUPERSEDED,
+        LifeEnd.LEASE_EXPIRED,
         LifeEnd.SURPLUS,
         LifeEnd.STANDBY_ENDED,
         LifeEnd.REPLACED,
@@ -100,6 +116,9 @@ class LifeResult:
     outcome: LifeEnd
     # The queued job this instance takes next, without a reboot (the group was not scaled to zero).
     next_job: str | None = None
+    # The next life here serves `next_job` afresh, as a new boot would (the lease's holder, its standby, or
+    # nobody): a life that stopped on its own clock does not know who holds the job now.
+    again: bool = False
 
     @property
     def exit_code(self) -> int:
@@ -146,6 +165,7 @@ class Outcomes:
         builtin_trainer: bool,
         release_wait_seconds: float,
         next_job: Callable[[], str | None] | None = None,
+        holds_lease: Callable[[], bool | None] | None = None,
     ) -> None:
         self.config = config
         self.log = log
@@ -159,8 +179,18 @@ class Outcomes:
         self._release_wait_seconds = release_wait_seconds
         # The head of the stack's queue once this job has ended (None: no queue, the group goes to zero).
         self._next_job = next_job
+        # Proves this life still holds the job's lease with a conditional write (bootstrap/standby.py
+        # OneWriter.confirm): True held, False another life holds it, None unknown before the lease's end.
+        # None: the life holds no lease (a multi-node job, a life that never took one).
+        self._holds_lease = holds_lease
 
     def finish(self, outcome: LifeEnd | Failure, life: LifeFacts) -> LifeResult:
+        if outcome == LifeEnd.LEASE_EXPIRED:
+            return self.lease_expired(life)
+        if isinstance(outcome, Failure) or outcome.value not in _NOT_JOB_ENDS:
+            lost = self.not_the_holder(life)
+            if lost is not None:
+                return lost
         if isinstance(outcome, Failure):
             return self.failed(outcome, life)
         if outcome == LifeEnd.COMPLETED:
@@ -191,6 +221,33 @@ class Outcomes:
             return self.yielded(life)
         raise AssertionError(f"unknown outcome {outcome}")
 
+    def not_the_holder(self, life: LifeFacts) -> LifeResult | None:
+        """None while this life holds the job's lease (proved now) or holds none; else how it ends instead:
+        `superseded` when another life holds the lease (it ends the job: no results, status, e-mail or
+        scale-in from here), `lease_expired` when S3 could not say before the lease's end."""
+        if self._holds_lease is None:
+            return None
+        held = self._holds_lease()
+        if held is True:
+            return None
+        if held is False:
+            return self.one_writer_end(LifeEnd.SUPERSEDED, life)
+        return self.lease_expired(life)
+
+    def lease_expired(self, life: LifeFacts) -> LifeResult:
+        """The lease could not be renewed before its end by this instance's clock (S3 unreachable from here):
+        the trainer was stopped (or ended) before that end, the job is left as it is, and the next life on
+        this instance serves it again: holder if the lease is still free, else standby, else it leaves."""
+        self.job.record(
+            lambda ledger: ledger.end_life(LifeOutcome.LEASE_EXPIRED, utc_now(), phase=life.phase)
+        )
+        self.log.event(
+            "end",
+            "lease expired on this instance's clock: stopped writing the job; the next life here serves it "
+            "again (a standby may hold it by now)",
+        )
+        return LifeResult(LifeEnd.LEASE_EXPIRED, next_job=self.config.job_id, again=True)
+
     def completed(self, life: LifeFacts) -> LifeResult:
         if life.follower:
             # The node that ran global rank 0 holds the results: it uploaded them, marked the job completed,
@@ -217,6 +274,10 @@ class Outcomes:
         self.log.event(
             "results", "results uploaded", uri=f"s3://{self.config.bucket}/{results}", files=len(keys)
         )
+        # The upload may have taken long: the status is the job's end, written only by the lease's holder.
+        lost = self.not_the_holder(life)
+        if lost is not None:
+            return lost
         metrics = _metrics(output)
 
         def complete(ledger: JobLedger) -> None:

@@ -12,6 +12,7 @@ nothing here is on the stop path.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from enum import Enum
@@ -19,7 +20,7 @@ from enum import Enum
 from bootstrap.agent_config import AgentConfig
 from bootstrap.errors import one_line
 from bootstrap.eventlog import EventLog
-from bootstrap.lease import JobLease, LeaseLostError, StandbyRecord
+from bootstrap.lease import DRIFT_SECONDS, JobLease, LeaseLostError, StandbyRecord
 from bootstrap.outcomes import Failure, LifeEnd
 from bootstrap.stops import StopRequests
 from bootstrap.trainer import TrainerProcess
@@ -34,6 +35,13 @@ STANDBY_POLL_SECONDS = 1.0
 HANDOVER_POLL_SECONDS = 1.0
 # …and beats its own record (and asks whether the job ended) this often.
 STANDBY_BEAT_SECONDS = 5.0
+# A holder that could not renew its lease for this share of it asks its trainer to stop at the next step
+# boundary (docs/internals.md, "A partition: the holder stops on its own clock"): the rest of the lease is
+# the trainer's time to reach the boundary and write its stop checkpoint; at the lease's end by the
+# holder's own clock the trainer is killed.
+LEASE_STOP_SHARE = 0.5
+# How often the holder looks at its own clock: a local comparison, no network.
+CLOCK_TICK_SECONDS = 0.2
 
 
 class Role(str, Enum):
@@ -57,6 +65,7 @@ class OneWriter:
         life_id: str,
         stale_seconds: float,
         instance_gone: Callable[[str], bool] | None = None,
+        drift_seconds: float = DRIFT_SECONDS,
     ) -> None:
         state = config.prefixes.state
         # Whether the group no longer has an instance (bootstrap/fleet.py): a holder whose instance is gone
@@ -72,6 +81,7 @@ class OneWriter:
             life_id=life_id,
             stale_seconds=stale_seconds,
             job_id=config.job_id,
+            drift_seconds=drift_seconds,
         )
         self.standby = StandbyRecord(
             s3,
@@ -91,9 +101,11 @@ class OneWriter:
     def holding(self) -> bool:
         return self.role is Role.HOLDER
 
-    def _acquire(self, now: float, floor: int) -> int | None:
-        """The lease if it is free, or if its holder's instance has left the group (it died silently)."""
-        token = self.lease.try_acquire(now, floor=floor)
+    def _acquire(self, now: float, floor: int, mark: float | None = None) -> int | None:
+        """The lease if it is free, or if its holder's instance has left the group (it died silently).
+        `mark`: time.monotonic() read before `now`, from which the holder's own deadline counts."""
+        mark = time.monotonic() if mark is None else mark
+        token = self.lease.try_acquire(now, floor=floor, proof_at=mark)
         if token is not None or self._instance_gone is None:
             return token
         state = self.lease.read()
@@ -106,12 +118,13 @@ class OneWriter:
         if not gone:
             return None
         self.log.event("lease", "the lease's holder has left the group: taking over now", holder=state.holder)
-        return self.lease.try_acquire(now, floor=floor, gone=state.life_id)
+        return self.lease.try_acquire(now, floor=floor, gone=state.life_id, proof_at=mark)
 
     def take(self, floor: int) -> Role:
         """Holder if the lease is free (`floor`: the token latest.json carries), else standby or surplus."""
+        mark = time.monotonic()
         now = time.time()
-        token = self._acquire(now, floor)
+        token = self._acquire(now, floor, mark)
         if token is not None:
             self.role = Role.HOLDER
             replaced = self.lease.replaced
@@ -174,10 +187,11 @@ class OneWriter:
                 if beat:
                     next_gone_check = time.monotonic() + STANDBY_BEAT_SECONDS
                 # Asking the group costs an API call: once per beat, the lease itself every poll.
+                mark = time.monotonic()
                 token = (
-                    self._acquire(time.time(), floor)
+                    self._acquire(time.time(), floor, mark)
                     if beat
-                    else self.lease.try_acquire(time.time(), floor=floor)
+                    else self.lease.try_acquire(time.time(), floor=floor, proof_at=mark)
                 )
             except Exception as exc:  # S3 hiccup: keep waiting; the holder's lease cannot expire unseen
                 self._wait_errors += 1
@@ -216,13 +230,78 @@ class OneWriter:
         (`lease_lost`, `handover`), or None. Raises what S3 raises (the poller retries next time)."""
         if not self.holding:
             return None
+        mark = time.monotonic()
         now = time.time()
         try:
-            self.lease.renew(now)
+            self.lease.renew(now, proof_at=mark)
         except LeaseLostError as exc:
             self.log.event("lease", "lease lost: this instance stops writing the job", error=str(exc))
             return "lease_lost"
         return self.handover_due(now)
+
+    def confirm(self, *, retry_seconds: float = 1.0) -> bool | None:
+        """As the holder, before an act that ends the job (results, status, e-mail, scale-in): prove the
+        lease with a conditional write now. True: held, and no other life may take it for `stale_seconds`
+        + the drift margin; False: another life holds it (this one must end `superseded`); None: S3 could
+        not say before this life's own deadline (the next life here decides). Retries an outage until then.
+        """
+        if not self.holding:
+            return False
+        while True:
+            mark = time.monotonic()
+            try:
+                self.lease.renew(time.time(), proof_at=mark)
+                return True
+            except LeaseLostError as exc:
+                self.log.event(
+                    "lease", "lease lost before the job's end: this life ends superseded", error=str(exc)
+                )
+                return False
+            except Exception as exc:
+                if self.lease.expired(time.monotonic() + retry_seconds):
+                    self.log.event(
+                        "lease",
+                        "cannot prove the lease before its expiry on this instance's clock: the job's end is "
+                        "left to the next life",
+                        error=one_line(exc),
+                    )
+                    return None
+            time.sleep(retry_seconds)
+
+    def keep(self, done: threading.Event, every_seconds: float) -> None:
+        """As the holder, while the life's outcome is acted on: renew every `every_seconds` until `done`.
+        Quiet: a failed renewal only means the next `confirm` decides."""
+        while not done.wait(every_seconds):
+            if not self.holding:
+                return
+            mark = time.monotonic()
+            try:
+                self.lease.renew(time.time(), proof_at=mark)
+            except Exception:  # confirm() before each act of the end decides, not this
+                continue
+
+    def watch_own_clock(self, stops: StopRequests, done: Callable[[float], bool]) -> None:
+        """As the holder, until `done(timeout)` says so: once `LEASE_STOP_SHARE` of the lease passed without
+        a proof, ask the trainer to stop (`lease_expiring`) and have it killed at the lease's end by this
+        instance's own clock. Local only: it keeps working while S3 and the state poller hang."""
+        lease = self.lease
+        while not done(CLOCK_TICK_SECONDS):
+            deadline = lease.own_deadline()
+            if not self.holding or deadline is None:
+                continue
+            if stops.kill_at is not None:
+                stops.kill_by(deadline)  # a renewal since moved the lease's end: so moves the kill
+            now = time.monotonic()
+            if now < deadline - (1 - LEASE_STOP_SHARE) * lease.stale_seconds:
+                continue
+            # Whatever stop is under way (a spot notice, a cancel) must also end before the lease does.
+            stops.kill_by(deadline)
+            if stops.reason is None:
+                stops.request(
+                    "lease_expiring",
+                    unrenewed_s=round(now - (lease.proven_at or now), 1),
+                    kill_in_s=round(deadline - now, 1),
+                )
 
     def handover_due(self, now: float | None = None) -> str | None:
         """`handover` once this holder is at risk (a rebalance recommendation) and a standby is ready."""

@@ -28,6 +28,8 @@ STOP_OUTCOMES = {
     # One writer per job (bootstrap/standby.py): a ready standby continues, or a newer holder took over.
     "handover": LifeEnd.HANDED_OVER,
     "lease_lost": LifeEnd.SUPERSEDED,
+    # The holder could not renew its lease: it stops on its own clock before the lease ends.
+    "lease_expiring": LifeEnd.LEASE_EXPIRED,
     # A multi-node node whose generation the others declared lost (bootstrap/generation_fence.py).
     "generation_superseded": LifeEnd.SUPERSEDED,
     # The job queue (bootstrap/jobbinding.py): `trainstack cancel`, or a `--now` job asking for the instance.
@@ -51,6 +53,9 @@ class StopRequests:
         self._seen_at: float | None = None
         self._stopping = threading.Event()
         self._trainer: TrainerProcess | None = None
+        # time.monotonic() by which the trainer must be gone whatever the stop (the lease's end by this
+        # instance's own clock); None: only the stop deadline applies.
+        self._kill_at: float | None = None
         # SIGTERM only flips this flag (a signal handler must not take locks); the sentinel acts on it.
         self._shutdown_flag = False
 
@@ -83,6 +88,16 @@ class StopRequests:
     @property
     def reason(self) -> str | None:
         return self.state()[0]
+
+    def kill_by(self, deadline: float) -> None:
+        """The trainer must be gone by `deadline` (time.monotonic()), whatever the stop's own deadline."""
+        with self._lock:
+            self._kill_at = deadline
+
+    @property
+    def kill_at(self) -> float | None:
+        with self._lock:
+            return self._kill_at
 
     def is_set(self) -> bool:
         """Whether a stop was requested: the `should_abort` of the data sync, the restore and installs."""

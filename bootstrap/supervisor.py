@@ -242,6 +242,17 @@ class Supervisor:
                 return code
             reason, seen_at = self.stops.state()
             if seen_at is not None:
+                kill_at = self.stops.kill_at
+                if kill_at is not None and time.monotonic() >= kill_at:
+                    # The lease ends now by this instance's clock: another life may start training at
+                    # its end plus the drift margin, so this trainer goes now, checkpoint or not.
+                    self.log.event(
+                        "stop",
+                        "trainer still running at the lease's end on this instance's clock; killing it",
+                        reason=reason,
+                    )
+                    trainer.kill()
+                    return LifeEnd.KILLED
                 if time.monotonic() > self.trainer_deadline(seen_at, persister):
                     self.log.event(
                         "stop",
@@ -275,8 +286,9 @@ class Supervisor:
         progress = read_progress(trainer.paths.progress_file) or {}
         if reason is not None:
             self._log_stop(code, reason, persisted, progress)
-        if code == ExitCode.COMPLETED:
-            # A job that completed wins over a stop request that arrived meanwhile.
+        if code == ExitCode.COMPLETED and reason != "lease_lost":
+            # A job that completed wins over a stop request that arrived meanwhile, unless another life
+            # holds the lease: then that life ends the job (bootstrap/outcomes.py, only the holder ends it).
             return LifeEnd.COMPLETED
         if reason is not None:
             return STOP_OUTCOMES[reason]

@@ -123,6 +123,9 @@ class LifeOutcome(str, Enum):
     # counts as a failure or an interruption.
     HANDED_OVER = "handed_over"  # stopped at a step boundary so that the warm standby continues from it
     SUPERSEDED = "superseded"  # lost the job's lease to a newer holder: stopped writing at once
+    # could not renew the lease (S3 unreachable from this instance): stopped on its own clock before the
+    # lease's end, so that a standby may take over; the next life on this instance serves the job again
+    LEASE_EXPIRED = "lease_expired"
     SURPLUS = "surplus"  # found a holder and a standby already: left without training
     STANDBY_ENDED = "standby_ended"  # a standby whose wait ended (the job ended, its own notice) untaken
     # The job queue: stopped with a confirmed checkpoint on `trainstack cancel`, or to let a `--now` job run
