@@ -24,7 +24,7 @@ from bootstrap.agent_config import AgentConfig, AgentConfigError
 from bootstrap.eventlog import EventLog, iso
 from bootstrap.ledger import JobLedger, LedgerStore
 from trainstack_job.contract import CONTROL, LEDGER, JobStatus
-from trainstack_job.jobs import CURRENT_JOB, LEGACY_JOB_ID, JobPrefixes
+from trainstack_job.jobs import CURRENT_JOB, LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
 from trainstack_job.queue import (
     QUEUE_PREFIX,
     SOURCE_PULUMI,
@@ -81,6 +81,8 @@ _FIELD_DEFAULTS: dict[str, Any] = {
 # Stack settings a record may set for its own job (`trainstack run`): its cost cap and instance count.
 OVERRIDE_FIELDS = ("max_cost_usd", "instance_count")
 _ATTEMPTS = 10
+# The most a job record, ledger or the pointer may weigh before the agent refuses to read it.
+MAX_OBJECT_BYTES = 1024 * 1024
 # In the instance's scratch folder: the job whose checkpoints/, output/ and control/ files are there.
 SCRATCH_OWNER = ".trainstack-job"
 # What a job leaves on the instance's scratch disk besides the dataset (bootstrap/trainer.py TrainerPaths).
@@ -114,6 +116,14 @@ def _missing(exc: ClientError) -> bool:
 def _conflict(exc: ClientError) -> bool:
     status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return _code(exc) in {"PreconditionFailed", "ConditionalRequestConflict"} or status in {409, 412}
+
+
+def _is_job_id(value: str) -> bool:
+    try:
+        check_job_id(value)
+    except JobIdError:
+        return value == LEGACY_JOB_ID
+    return True
 
 
 def record_fields(config: AgentConfig, record: dict[str, Any]) -> dict[str, Any]:
@@ -150,7 +160,13 @@ class JobDirectory:
     logged line and never block the others."""
 
     def __init__(
-        self, s3: Any, config: AgentConfig, log: EventLog | None = None, *, group_max: int | None = None
+        self,
+        s3: Any,
+        config: AgentConfig,
+        log: EventLog | None = None,
+        *,
+        group_max: int | None = None,
+        reported: set[str] | None = None,
     ) -> None:
         self._s3 = s3
         self.config = config
@@ -163,6 +179,14 @@ class JobDirectory:
         self._entries: dict[str, tuple[str, QueueEntry | None]] = {}
         # Jobs whose end is final (not resumable): their status never changes again.
         self._ended: dict[str, str] = {}
+        # Bad objects already reported, shared by the life's directories: one line per object per life.
+        self._reported = reported if reported is not None else set()
+
+    def _report_once(self, what: str, message: str, **fields: Any) -> None:
+        if what in self._reported:
+            return
+        self._reported.add(what)
+        self.log.event("queue", message, level="error", **fields)
 
     # -- objects ------------------------------------------------------------------------------------
 
@@ -173,11 +197,21 @@ class JobDirectory:
             if _missing(exc):
                 return None, None
             raise
+        etag = str(response["ETag"])
+        if int(response.get("ContentLength") or 0) > MAX_OBJECT_BYTES:
+            # Read no further: a record or pointer is a few KiB, and a huge one must not cost the memory.
+            response["Body"].close()
+            self._report_once(
+                key,
+                f"s3://{self.bucket}/{key} is over {MAX_OBJECT_BYTES} bytes: not read; delete it",
+                key=key,
+            )
+            return None, etag
         try:
             value = json.loads(response["Body"].read())
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested deeper than the parser goes
             value = None
-        return (value if isinstance(value, dict) else None), str(response["ETag"])
+        return (value if isinstance(value, dict) else None), etag
 
     def _put_once(self, key: str, value: dict[str, Any]) -> bool:
         """Write `key` unless it exists (If-None-Match); False when it did."""
@@ -198,12 +232,17 @@ class JobDirectory:
     def current(self) -> tuple[str | None, str | None]:
         """(job id, ETag) of the pointer; (None, None) when the stack has none yet."""
         value, etag = self._get_json(self.pointer_key)
-        if etag is not None and (value is None or not isinstance(value.get("job_id"), str)):
-            raise JobBindingError(
+        job_id = value.get("job_id") if value is not None else None
+        if etag is not None and (not isinstance(job_id, str) or not _is_job_id(job_id)):
+            # Replaced by the next conditional move against this ETag: a damaged pointer must not stop the
+            # stack (its queue still says what runs next).
+            self._report_once(
+                self.pointer_key,
                 f's3://{self.bucket}/{self.pointer_key} is not a job pointer ({{"job_id": ...}}): '
-                "delete it and the next life points it at the oldest queued job"
+                "pointing it at the oldest queued job",
             )
-        return (str(value["job_id"]) if value else None), etag
+            return None, etag
+        return job_id, etag
 
     def status(self, job_id: str) -> str | None:
         """The job's ledger status; None when the job has no ledger (it never started a life)."""
@@ -280,7 +319,7 @@ class JobDirectory:
 
     def refuse(self, job_id: str, reason: str) -> None:
         """A job that cannot run on this stack fails with a one-line reason; the queue moves on."""
-        self.log.event("queue", f"job {job_id} refused: {reason}", job_id=job_id, level="error")
+        self._report_once(f"job:{job_id}", f"job {job_id} refused: {reason}", job_id=job_id)
         self._end_unstarted(job_id, JobStatus.FAILED, reason)
 
     # -- the queue ----------------------------------------------------------------------------------
@@ -316,8 +355,8 @@ class JobDirectory:
             raise
         try:
             return True, parse_entry(key, body)
-        except QueueError as exc:
-            self.log.event("queue", f"s3://{self.bucket}/{exc}", key=key, level="error")
+        except (QueueError, ValueError, RecursionError) as exc:
+            self._report_once(key, f"s3://{self.bucket}/{str(exc)[:300]}", key=key[:200])
             return True, None
 
     def _runnable(self, job_id: str) -> bool:
@@ -455,11 +494,12 @@ def bind_job(
     after: str | None = None,
     log: EventLog | None = None,
     group_max: int | None = None,
+    reported: set[str] | None = None,
 ) -> JobBinding | None:
     """Resolve the job this life serves, moving the stack's pointer to the queue's head when the current job
     has ended; None when no job runs and none is queued. `after`: the job this instance's previous life
     just ended (or yielded), so that this life goes on to the next one instead of resuming it."""
-    jobs = JobDirectory(s3, config, log, group_max=group_max)
+    jobs = JobDirectory(s3, config, log, group_max=group_max, reported=reported)
     mine = config.job_id
     # The record and entry first: a job the pointer names always has a record, so a racing life never
     # mistakes a job that is starting for one that is gone.

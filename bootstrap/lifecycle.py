@@ -31,14 +31,14 @@ from bootstrap.generations import Generations
 from bootstrap.gpumetrics import GpuMetricPublisher
 from bootstrap.imds import ImdsClient, InstanceIdentity
 from bootstrap.job import BUNDLE_JOB_DIR, JobSpec, JobSpecError
-from bootstrap.jobbinding import JobBinding, JobDirectory, bind_job, claim_scratch
+from bootstrap.jobbinding import JobBinding, JobBindingError, JobDirectory, bind_job, claim_scratch
 from bootstrap.jobstate import JobState
 from bootstrap.lease import DRIFT_SECONDS, JobLease, LeaseExpiredError, LeaseLostError
 from bootstrap.ledger import TERMINAL_STATUSES, JobLedger
 from bootstrap.notify import Notifier
 from bootstrap.outcomes import Failure, LifeEnd, LifeFacts, LifeResult, Outcomes
 from bootstrap.persist import CheckpointPersister, CheckpointRefusedError, UploadAbandonedError
-from bootstrap.pinned import run_pinned
+from bootstrap.pinned import PinnedCodeError, prepare_pinned, run_pinned
 from bootstrap.pricing import BucketUsage, PriceLookup
 from bootstrap.scratch import prepare_scratch
 from bootstrap.standby import HANDOVER_POLL_SECONDS, OneWriter, Role, wait_warm
@@ -57,6 +57,8 @@ FINAL_UPLOAD_SECONDS = 300.0
 # confirmed step while this life is still closing. After any other end the job's status is written first,
 # so a standby never takes over a job that just completed or was given up.
 _RELEASE_FIRST = {LifeEnd.HANDED_OVER, LifeEnd.PREEMPTED}
+# Jobs one life refuses before it leaves the rest to the next life (each refusal is a few S3 calls).
+MAX_REFUSED_PER_LIFE = 50
 
 
 class InstanceLife:
@@ -141,6 +143,10 @@ class InstanceLife:
         self._generation_fence: GenerationFence | None = None
         # Replaced in tests: an in-process agent must not exec another program.
         self.run_pinned: Callable[..., Any] = run_pinned
+        # The pinned code fetched and checked before this agent lets go of its own threads and logs.
+        self.prepare_pinned: Callable[..., Any] = prepare_pinned
+        # Queue objects and jobs this life already reported as bad: each is one line per life, not per read.
+        self._reported: set[str] = set()
         # The watcher, the sentinel and the state poller run until the outcome is decided.
         self._background_stop = threading.Event()
         self._background: list[threading.Thread] = []
@@ -270,7 +276,13 @@ class InstanceLife:
 
     def _queue(self) -> JobDirectory:
         """The stack's jobs and queue, checked against what the group allows."""
-        return JobDirectory(self.clients.s3, self._stack_config, self.log, group_max=self._group_max_size())
+        return JobDirectory(
+            self.clients.s3,
+            self._stack_config,
+            self.log,
+            group_max=self._group_max_size(),
+            reported=self._reported,
+        )
 
     def _group_max_size(self) -> int | None:
         try:
@@ -398,17 +410,45 @@ class InstanceLife:
 
     def _bind_job(self) -> bool:
         """Serve the stack's current job while it runs, else the head of its queue (bootstrap/jobbinding.py),
-        here or with the job's own code. False: no job runs and none is queued."""
-        binding = bind_job(
-            self.clients.s3,
-            self._stack_config,
-            utc_now(),
-            after=self._after,
-            log=self.log,
-            group_max=self._group_max_size(),
+        here or with the job's own code. False: no job runs and none is queued. A job whose code can never
+        run (its bundle missing, replaced or corrupt) fails with one line naming the object and the fix, and
+        the queue moves on to the next: one bad job never stops the stack."""
+        after = self._after
+        group_max = self._group_max_size()
+        for _ in range(MAX_REFUSED_PER_LIFE):
+            binding = bind_job(
+                self.clients.s3,
+                self._stack_config,
+                utc_now(),
+                after=after,
+                log=self.log,
+                group_max=group_max,
+                reported=self._reported,
+            )
+            if binding is None:
+                return False
+            if binding.pinned is not None:
+                try:
+                    self.prepare_pinned(self.clients.s3, self._stack_config, binding.pinned)
+                except PinnedCodeError as exc:
+                    self._refuse(binding.job_id, str(exc))
+                    after = binding.job_id
+                    continue
+            return self._start_bound(binding)
+        raise JobBindingError(
+            f"{MAX_REFUSED_PER_LIFE} jobs in a row refused in one life; the next life goes on with the queue"
         )
-        if binding is None:
-            return False
+
+    def _refuse(self, job_id: str, reason: str) -> None:
+        """The job fails for good (its ledger says why, `trainstack jobs` shows it) and its submitter hears
+        it once; the pointer moves on at the next bind."""
+        JobDirectory(self.clients.s3, self._stack_config, self.log, reported=self._reported).refuse(
+            job_id, reason
+        )
+        subject = f"job {job_id}: training failed: its code cannot run"
+        self.notifier.publish(subject, [reason, "The next queued job runs instead."])
+
+    def _start_bound(self, binding: JobBinding) -> bool:
         if binding.pinned is not None:
             self.log.event(
                 "job",

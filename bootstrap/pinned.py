@@ -14,15 +14,18 @@ import hashlib
 import io
 import os
 import re
+import shutil
 import sys
 import tarfile
 import tempfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import MISSING, asdict, is_dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
+from botocore.exceptions import ClientError
 
 from bootstrap.agent_config import AgentConfig
 from bootstrap.jobbinding import OVERRIDE_FIELDS, record_fields
@@ -65,29 +68,76 @@ def _at_default(name: str, value: Any) -> bool:
 
 
 def unpack_bundle(s3: Any, bucket: str, record: dict[str, Any], install_root: Path) -> Path:
-    """The job's bundle unpacked at `<install_root>/<sha256>` (reused when already there)."""
+    """The job's bundle unpacked at `<install_root>/<sha256>` (reused when already there).
+
+    A bundle that is missing, replaced or not a gzipped tar raises PinnedCodeError: no instance can ever run
+    the job with it, so the job fails and the queue moves on. S3 unreachable raises botocore's error: the
+    next life tries again."""
     key, sha256 = str(record.get("bundle_key") or ""), str(record.get("bundle_sha256") or "")
-    job = record.get("job_id", "?")
+    job = str(record.get("job_id", "?"))[:80]
     if not key or not sha256:
         raise PinnedCodeError(
-            f"job {job}: its record names no code bundle; stop it with `trainstack stop` and resume"
+            f"job {job}: its record names no code bundle; submit the job again with `trainstack run`"
+        )
+    if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        # It names the folder the bundle is unpacked to: nothing but 64 hex digits may.
+        raise PinnedCodeError(
+            f"job {job}: its record's bundle_sha256 is not a sha256; submit the job again with "
+            "`trainstack run`"
         )
     destination = install_root / sha256
     if (destination / "bootstrap" / "agent.py").is_file():
         return destination
-    data = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    uri = f"s3://{bucket}/{key[:200]}"
+    try:
+        data = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
+            raise PinnedCodeError(
+                f"{uri}: job {job}'s code bundle is missing; submit the job again with `trainstack run`"
+            ) from None
+        raise
     actual = hashlib.sha256(data).hexdigest()
     if actual != sha256:
         raise PinnedCodeError(
-            f"s3://{bucket}/{key}: sha256 {actual} is not job {job}'s {sha256}; the object was replaced: "
-            "stop the job with `trainstack stop`"
+            f"{uri}: sha256 {actual} is not job {job}'s {sha256}; the object was replaced: submit the job "
+            "again with `trainstack run`"
         )
     install_root.mkdir(parents=True, exist_ok=True)
     staging = install_root / f".{sha256}.unpack-{os.getpid()}"
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
-        archive.extractall(staging, filter="data")
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+            archive.extractall(staging, filter="data")
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise PinnedCodeError(
+            f"{uri}: job {job}'s code bundle cannot be unpacked ({type(exc).__name__}); submit the job "
+            "again with `trainstack run`"
+        ) from None
+    if not (staging / "bootstrap" / "agent.py").is_file():
+        shutil.rmtree(staging, ignore_errors=True)
+        raise PinnedCodeError(
+            f"{uri}: job {job}'s code bundle holds no bootstrap/agent.py; submit the job again with "
+            "`trainstack run`"
+        )
     staging.replace(destination)
     return destination
+
+
+def prepare_pinned(
+    s3: Any, config: AgentConfig, record: dict[str, Any], *, install_root: Path | None = None
+) -> Path:
+    """The job's code unpacked and checked, and its agent config written (readable by root only: it names the
+    stack's resources); the config's path. Raises PinnedCodeError for a job whose code can never run."""
+    root = install_root or default_install_root()
+    code = unpack_bundle(s3, config.bucket, record, root)
+    config_path = code / f"agent-{record.get('job_id', 'job')}.yaml"
+    text = yaml.safe_dump(pinned_config(config, record), sort_keys=False)
+    fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)
+        out.write(text)
+    return config_path
 
 
 def default_install_root() -> Path:
@@ -116,10 +166,8 @@ def run_pinned(
             f"job {record.get('job_id')}: already running its pinned code, yet asked to hop again; "
             "its record's bundle_key/bundle_sha256 must name the bundle it runs from"
         )
-    root = install_root or default_install_root()
-    code = unpack_bundle(s3, config.bucket, record, root)
-    config_path = code / f"agent-{record.get('job_id', 'job')}.yaml"
-    config_path.write_text(yaml.safe_dump(pinned_config(config, record), sort_keys=False))
+    config_path = prepare_pinned(s3, config, record, install_root=install_root)
+    code = config_path.parent
     own = str(CODE_ROOT)
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != own]
     env = {

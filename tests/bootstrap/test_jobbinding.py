@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from bootstrap.agent_config import AgentConfig
-from bootstrap.jobbinding import JobBinding, JobBindingError, JobDirectory, bind_job
+from bootstrap.eventlog import EventLog
+from bootstrap.jobbinding import JobBinding, JobDirectory, bind_job
 from bootstrap.pinned import PinnedCodeError, pinned_config, reexec_argv, unpack_bundle
 from demo.stack import LocalStack, create_stack
 from trainstack_job.queue import list_entries
@@ -169,10 +170,42 @@ def test_two_nodes_of_a_config_from_before_jobs_booting_together_both_serve_it(s
     assert mine is not None and mine.job_id == "resnet-11111111"
 
 
-def test_an_unreadable_pointer_is_one_line_naming_it(stack: LocalStack) -> None:
-    stack.client("s3").put_object(Bucket=stack.bucket, Key="state/current-job.json", Body=b"[]")
-    with pytest.raises(JobBindingError, match=r"state/current-job.json is not a job pointer.*delete it"):
-        _bind(stack.client("s3"), _config(stack, "resnet-11111111"))
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[]",
+        b"{}",
+        b'{"job_id": 7}',
+        b'{"job_id": "../x"}',
+        b"\xff\xfe",
+        b"[" * 200_000,
+        b" " * (1024 * 1024 + 1),
+    ],
+    ids=["list", "empty", "number", "bad-id", "not-utf8", "nested", "huge"],
+)
+def test_a_damaged_pointer_is_named_once_and_replaced_by_the_queues_head(
+    stack: LocalStack, body: bytes
+) -> None:
+    """One damaged object must not stop the stack: the pointer is replaced (conditionally, against the
+    damaged object's ETag) by the oldest queued job, and the damage is one line for the whole life."""
+    s3 = stack.client("s3")
+    s3.put_object(Bucket=stack.bucket, Key="state/current-job.json", Body=body)
+    events = io.StringIO()
+    log = EventLog(stream=events)
+    reported: set[str] = set()
+    config = _config(stack, "resnet-11111111")
+    for _ in range(3):
+        binding = bind_job(s3, config, NOW, log=log, reported=reported)
+        assert binding is not None and binding.job_id == "resnet-11111111"
+    assert _get(stack, "state/current-job.json")["job_id"] == "resnet-11111111"
+    lines = [json.loads(line) for line in events.getvalue().splitlines()]
+    damaged = [
+        line
+        for line in lines
+        if "is not a job pointer" in line["message"] or "bytes: not read" in line["message"]
+    ]
+    assert len(damaged) == 1 and len(damaged[0]["message"]) < 300, damaged
+    assert "current-job.json" in damaged[0]["message"]
 
 
 def _bundle(files: dict[str, str]) -> bytes:
@@ -198,6 +231,28 @@ def test_pinned_code_is_checked_before_it_is_unpacked(stack: LocalStack, tmp_pat
     # The object replaced after the job started: refused, naming the object.
     with pytest.raises(PinnedCodeError, match=r"code/x/bundle.tar.gz: sha256 .* is not job resnet-11111111"):
         unpack_bundle(s3, stack.bucket, record | {"bundle_sha256": "f" * 64}, tmp_path / "other")
+    # Missing, not a gzipped tar, without the agent, a sha256 that is not one: each refused in one line.
+    record = {"job_id": "resnet-11111111", "bundle_key": "code/gone/bundle.tar.gz", "bundle_sha256": "e" * 64}
+    with pytest.raises(
+        PinnedCodeError,
+        match=r"code/gone/bundle.tar.gz: job resnet-11111111's code bundle is missing; submit",
+    ):
+        unpack_bundle(s3, stack.bucket, record, tmp_path / "gone")
+    for name, body, why in [
+        ("corrupt", b"not a tar at all", "cannot be unpacked"),
+        ("empty", _bundle({"README": "hi"}), "holds no bootstrap/agent.py"),
+    ]:
+        s3.put_object(Bucket=stack.bucket, Key=f"code/{name}/bundle.tar.gz", Body=body)
+        bad = {
+            **record,
+            "bundle_key": f"code/{name}/bundle.tar.gz",
+            "bundle_sha256": hashlib.sha256(body).hexdigest(),
+        }
+        with pytest.raises(PinnedCodeError, match=why):
+            unpack_bundle(s3, stack.bucket, bad, tmp_path / name)
+        assert not list((tmp_path / name).glob("*")), "nothing half-unpacked is left"
+    with pytest.raises(PinnedCodeError, match="bundle_sha256 is not a sha256"):
+        unpack_bundle(s3, stack.bucket, {**record, "bundle_sha256": "../../etc"}, tmp_path / "x")
     argv = reexec_argv(["-m", "bootstrap.agent", "--config", "/etc/trainstack/agent.yaml"], code / "a.yaml")
     assert argv == [sys.executable, "-m", "bootstrap.agent", "--config", str(code / "a.yaml")]
 

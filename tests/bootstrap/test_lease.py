@@ -435,7 +435,9 @@ def test_check_renews_once_half_the_lease_is_unproven_and_past_the_deadline_an_o
         a.check()
 
 
-def test_a_holder_past_its_own_deadline_and_a_taker_past_the_margin_race_and_exactly_one_wins(s3: Any) -> None:
+def test_a_holder_past_its_own_deadline_and_a_taker_past_the_margin_race_and_exactly_one_wins(
+    s3: Any,
+) -> None:
     """The partition healed just as the taker's wait ended: the holder's renewal and the taker's acquisition
     are both conditional writes on the lease, so one gets in and the other learns it at once."""
     a = lease(s3, "i-a")

@@ -27,14 +27,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
+from botocore.config import Config
 
+from bootstrap.boot import AwsClients
 from bootstrap.eventlog import EventLog
+from bootstrap.lease import DRIFT_SECONDS
 from bootstrap.imds import ImdsClient
 from bootstrap.lifecycle import InstanceLife, LifeResult
 from demo.imds import ImdsSimulator, SimulatedInstance
 from demo.stack import LocalStack
 from tests.bootstrap.conftest import FAKE_TRAINER, upload_dataset
+from tests.conftest import MotoServer
+from tests.faults.proxy import Cut, Pass, S3FaultProxy
 
 # Slow enough steps that the second agent boots, syncs and warms while the first one trains.
 STEPS = {"steps": 60, "step_seconds": 0.08, "checkpoint_every": 10, "log_steps": True}
@@ -99,6 +105,9 @@ def agents(stack: LocalStack, tmp_path: Path) -> Iterator[Callable[..., Agent]]:
         *,
         fake: dict[str, Any] | None = None,
         in_group: bool = True,
+        clients: AwsClients | None = None,
+        lease_seconds: float | None = None,
+        drift_seconds: float = DRIFT_SECONDS,
         **config: Any,
     ) -> Agent:
         # A replacement launched by capacity rebalancing is InService beside the instance it replaces.
@@ -117,12 +126,15 @@ def agents(stack: LocalStack, tmp_path: Path) -> Iterator[Callable[..., Agent]]:
         life = InstanceLife(
             stack.agent_config(**values),
             log=EventLog(stream=events),
+            clients=clients,
             imds=ImdsClient(simulator.endpoint),
             trainer_command=FAKE_TRAINER,
             identity_wait_seconds=2,
             release_wait_seconds=0,
             state_poll_seconds=0.5,
             tick_seconds=0.1,
+            lease_seconds=lease_seconds,
+            drift_seconds=drift_seconds,
         )
         agent = Agent(name, instance_id, simulator, life, events)
 
@@ -348,3 +360,150 @@ def test_a_replacement_after_a_mid_job_pulumi_up_runs_the_jobs_own_code(
     assert second.said("continuing it with the code it started with")[0]["defined_job"] == "vit-22222222"
     first.life.request_shutdown()
     first.join()
+
+
+# -- a partition of the holder (docs/internals.md, "A partition: the holder stops on its own clock") ------
+
+# Short leases so that a partition longer than one costs seconds: the holder asks its trainer to stop after
+# half of it unrenewed and kills it at its end; the standby takes over one drift margin later.
+LEASE = 4.0
+DRIFT = 1.0
+
+
+@pytest.fixture()
+def cut_off(moto_server: MotoServer) -> Iterator[Callable[[], tuple[AwsClients, S3FaultProxy]]]:
+    """One instance's own link to AWS, through a fault proxy the test cuts (the others reach moto directly):
+    a partition of that instance only. Its clients give up fast, as the production bounds do in minutes."""
+    proxies: list[S3FaultProxy] = []
+
+    def make() -> tuple[AwsClients, S3FaultProxy]:
+        proxy = S3FaultProxy(moto_server.endpoint_url).start()
+        proxies.append(proxy)
+        fast = Config(retries={"mode": "standard", "max_attempts": 2}, connect_timeout=1, read_timeout=3)
+        names = ("s3", "autoscaling", "sns", "logs", "ec2", "cloudwatch")
+        made = [
+            boto3.client(name, region_name="us-east-1", endpoint_url=proxy.endpoint_url, config=fast)  # type: ignore[call-overload]
+            for name in names
+        ]
+        return AwsClients(*made), proxy
+
+    yield make
+    for proxy in proxies:
+        proxy.set_mode(Pass())
+        proxy.stop()
+
+
+def _no_two_trainers(first: Agent, second: Agent) -> None:
+    assert first.steps and second.steps, "both instances trained"
+    overlap = first.steps[-1][0] - second.steps[0][0]
+    assert overlap < 0, f"the standby trained {overlap:.2f} s before the cut-off holder's last step"
+
+
+def test_a_partition_longer_than_the_lease_the_holder_stops_on_its_own_clock_before_the_standby_starts(
+    stack: LocalStack,
+    agents: Callable[..., Agent],
+    cut_off: Callable[[], tuple[AwsClients, S3FaultProxy]],
+) -> None:
+    """The holder's link to S3 is cut for longer than its lease while a warm standby waits: the holder
+    cannot renew, stops its trainer at a step boundary before the lease's end by its own clock, and the
+    standby takes over after the end plus the drift margin. Never two trainers; one completion, by the
+    standby; the holder's life says lease_expired, and it sent nothing."""
+    clients, link = cut_off()
+    holder_id = stack.instance_ids()[0]
+    # Endless steps: only the partition can stop the holder.
+    first = agents(
+        "first", holder_id, fake={"steps": 10**9}, clients=clients, lease_seconds=LEASE, drift_seconds=DRIFT
+    ).start()
+    first.wait_for("trainer starting")
+    second = agents(
+        "second",
+        "i-0standby00000000",
+        in_group=False,
+        fake={"steps": 10**9},
+        lease_seconds=LEASE,
+        drift_seconds=DRIFT,
+    ).start()
+    second.wait_for("standby ready")
+    _wait_until(lambda: len(first.steps) > 5, "the holder training")
+    link.set_mode(Cut())
+    cut_at = time.monotonic()
+    took = second.wait_for("lease taken over", timeout=60)
+    assert took["expired"] is True and took["from"] == holder_id
+    assert first.join(timeout=60).outcome == "lease_expired"
+    stop = first.said("stop requested")[0]
+    assert stop["reason"] == "lease_expiring" and stop["unrenewed_s"] >= LEASE / 2
+    stopped = first.said("trainer stopped")
+    assert stopped and stopped[0]["exit_code"] == 75, "stopped at a step boundary, not killed"
+    _wait_until(lambda: bool(second.steps), "the standby's first step")
+    _no_two_trainers(first, second)
+    # What the partition cost (docs/internals.md): seconds without a trainer, steps trained again.
+    gap = second.steps[0][0] - first.steps[-1][0]
+    redone = first.steps[-1][1] - second.steps[0][1] + 1
+    assert first.steps[-1][0] - cut_at < LEASE, "the holder trained on past its lease's end"
+    assert 0 < gap < LEASE + DRIFT + 10, gap
+    assert redone >= 0
+    print(f"partition cost: {gap:.2f} s without a trainer, {redone} steps trained again")
+    link.set_mode(Pass())
+    second.life.stops.request("control")  # the standby trains on; end the story
+    second.join(timeout=60)
+    ledger = _ledger(stack)
+    outcomes = {life["instance_id"]: life["outcome"] for life in ledger["lives"]}
+    assert outcomes[holder_id] in ("running", "interrupted", "lease_expired"), outcomes
+    versions = _versions(stack, f"jobs/{JOB}/checkpoints/")
+    steps = [
+        json.loads(
+            stack.client("s3")
+            .get_object(Bucket=stack.bucket, Key=v["Key"], VersionId=v["VersionId"])["Body"]
+            .read()
+        )["step"]
+        for v in versions[f"jobs/{JOB}/checkpoints/latest.json"]
+    ]
+    assert steps == sorted(steps), f"latest.json moved back: {steps}"
+
+
+def test_a_holder_that_reaches_its_last_step_cut_off_ends_nothing_and_the_standby_completes_the_job(
+    stack: LocalStack,
+    agents: Callable[..., Agent],
+    cut_off: Callable[[], tuple[AwsClients, S3FaultProxy]],
+    tmp_path: Path,
+) -> None:
+    """The cut-off holder's trainer finishes during the partition: it cannot prove its lease, so it
+    uploads no results, writes no status, sends no e-mail and does not scale the group in; the standby takes
+    over from the last confirmed checkpoint, completes the job, and the one completion e-mail is its."""
+    clients, link = cut_off()
+    holder_id = stack.instance_ids()[0]
+    release = tmp_path / "release-the-holder"
+    first = agents(
+        "first",
+        holder_id,
+        fake={"steps": 40, "hold_at_step": 20, "hold_until": str(release)},
+        clients=clients,
+        lease_seconds=LEASE,
+        drift_seconds=DRIFT,
+    ).start()
+    first.wait_for("trainer starting")
+    second = agents(
+        "second", "i-0standby00000000", in_group=False, lease_seconds=LEASE, drift_seconds=DRIFT
+    ).start()
+    second.wait_for("standby ready")
+    _wait_until(lambda: bool(first.steps) and first.steps[-1][1] >= 20, "the holder at its held step")
+    stack.alerts()  # what was sent before the cut is not the question
+    link.set_mode(Cut())
+    release.touch()  # the holder's last 20 steps take 1.6 s: well within half its lease
+    result = first.join(timeout=60)
+    assert result.outcome == "lease_expired", first.events.getvalue()[-2000:]
+    assert first.steps[-1][1] == 40, "the holder's trainer reached its last step"
+    assert not first.said("results uploaded") and not first.said("scaled to zero")
+    link.set_mode(Pass())
+    assert second.join(timeout=90).outcome == "completed"
+    assert stack.group()["DesiredCapacity"] == 0, "the standby, now the holder, scaled the group in"
+    completions = [a for a in stack.alerts() if "completed" in a["Subject"]]
+    assert len(completions) == 1, completions
+    assert _ledger(stack)["status"] == "completed"
+    # The holder's results never reached the job's results; the standby's are there.
+    metrics = json.loads(
+        stack.client("s3")
+        .get_object(Bucket=stack.bucket, Key=f"jobs/{JOB}/results/metrics.json")["Body"]
+        .read()
+    )
+    assert metrics["steps"] == 40
