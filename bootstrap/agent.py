@@ -14,7 +14,10 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 from bootstrap.agent_config import DEFAULT_PATH, AgentConfig, AgentConfigError
+from bootstrap.errors import one_line
 from bootstrap.lifecycle import InstanceLife, LifeResult
 
 # The agent's own exit status for an unreadable agent config, as argparse exits on bad usage; not a job's
@@ -77,12 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         result = lives.current.give_up() if args.give_up else lives.run()
+    except (BotoCoreError, ClientError) as exc:
+        # AWS unreachable or refusing for minutes (every call retried first): not a bug, one line, then
+        # systemd starts the next life, and the ledger counts this one as failed when it finds it still
+        # marked running.
+        lives.current.log.event("failed", "agent stopped: AWS unreachable or refusing", error=one_line(exc))
+        return 1
     except Exception as exc:
-        # Unexpected (S3 or the group unreachable for minutes): one line, then systemd starts the next
-        # life, and the ledger counts this one as failed when it finds it still marked running.
-        lives.current.log.event(
-            "failed", "agent stopped by an unexpected error", error=f"{type(exc).__name__}: {exc}"
-        )
+        # Every per-job fault is a job outcome (bootstrap/lifecycle.py): reaching here is an agent bug.
+        lives.current.report_agent_bug(exc)
         return 1
     return result.exit_code
 

@@ -266,6 +266,10 @@ class JobDirectory:
         value, _ = self._get_json(JobPrefixes.of(job_id).state + CONTROL)
         return value is not None and value.get("action") == "stop"
 
+    def queued(self, job_id: str) -> bool:
+        """The job's queue entry is there (whatever it holds: an unreadable one is the queue's to name)."""
+        return self._get_json(queue_key(job_id))[1] is not None
+
     def point_at(self, job_id: str, etag: str | None, previous: str | None, now: datetime) -> bool:
         """Move the pointer to `job_id` unless someone moved it since `etag` was read (then False)."""
         body = json.dumps({"job_id": job_id, "since": iso(now), "previous": previous}).encode()
@@ -287,7 +291,12 @@ class JobDirectory:
     def submit(self, config: AgentConfig, now: datetime) -> bool:
         """Queue the job an agent config defines (the stack's default job): its record, then its entry, each
         written once, so however many lives boot with this config the job is queued exactly once. True when
-        this call queued it."""
+        this call queued it.
+
+        A job that already started is never queued again: it was queued once, and an entry gone since was
+        taken away on purpose (`pulumi up` deletes a default job's entry when a new definition replaces it).
+        The agent re-executed for a job's pinned code defines that job, and must not bring it back: a stopped
+        job that is queued again would be resumed instead of the new default job (`serving`)."""
         prefixes = JobPrefixes.of(config.job_id)
         agent = {name: getattr(config, name) for name in JOB_FIELDS}
         record = job_record(
@@ -297,7 +306,8 @@ class JobDirectory:
             submitted_at=iso(now),
             source=SOURCE_PULUMI,
         )
-        self._put_once(prefixes.record, record)
+        if not self._put_once(prefixes.record, record) and self.status(config.job_id) is not None:
+            return False
         return self._put_once(queue_key(config.job_id), queue_entry(config.job_id, iso(now)))
 
     # -- the job's ledger, for jobs that never start a life here ------------------------------------
@@ -438,7 +448,12 @@ class JobDirectory:
 
     def serving(self, current: str, *, fresh: bool) -> JobBinding | None:
         """The current job, if it goes on: it has not ended, or (`fresh`: a new boot, `trainstack resume`)
-        it ended in a resumable way with no stop or cancel request in force. None: move on to the queue."""
+        it ended in a resumable way with no stop or cancel request in force and is still queued. None: move
+        on to the queue.
+
+        Still queued: a default job whose definition a `pulumi up` replaced has lost its entry
+        (infra/defaultjob.py). Resuming it would restore the previous job's checkpoint when the user asked
+        for a new job; the new default job starts instead, at step 0 or from its own `resume_from`."""
         status = self.status(current)
         if current == LEGACY_JOB_ID:
             if status is None:
@@ -456,6 +471,7 @@ class JobDirectory:
                 and status in RESUMABLE
                 and not self.stop_requested(current)
                 and not self.cancel_requested(current)
+                and self.queued(current)
             )
             if not resumed:
                 return None

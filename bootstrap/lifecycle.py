@@ -24,11 +24,13 @@ from typing import Any
 from bootstrap.agent_config import AgentConfig
 from bootstrap.boot import AwsClients, Boot
 from bootstrap.datasync import DatasetVersionError, DataSync, DiskSpaceError, JobDataset, SyncAborted
+from bootstrap.errors import one_line
 from bootstrap.eventlog import EventLog, utc_now
 from bootstrap.fleet import Fleet
 from bootstrap.generation_fence import GenerationFence, GenerationSupersededError
 from bootstrap.generations import Generations
 from bootstrap.gpumetrics import GpuMetricPublisher
+from bootstrap.hostmetrics import NAMESPACE as METRIC_NAMESPACE
 from bootstrap.imds import ImdsClient, InstanceIdentity
 from bootstrap.job import BUNDLE_JOB_DIR, JobSpec, JobSpecError
 from bootstrap.jobbinding import JobBinding, JobBindingError, JobDirectory, bind_job, claim_scratch
@@ -247,6 +249,35 @@ class InstanceLife:
             return self.outcomes.gave_up_on_starting(identity, has_job=has_job)
         finally:
             self.boot.close_logs()
+
+    def report_agent_bug(self, exc: BaseException) -> None:
+        """The agent's catch-all was reached: a bug, not a job's fault. One line, one count in CloudWatch
+        (`AgentErrors`, alarmable) and one e-mail, each best effort: the agent exits next either way."""
+        error = f"{type(exc).__name__}: {one_line(exc)}"[:500]
+        instance = self._identity.instance_id if self._identity is not None else "?"
+        self.log.event("failed", "agent stopped by an unexpected error (a trainstack bug)", error=error)
+        try:
+            self.clients.cloudwatch.put_metric_data(
+                Namespace=METRIC_NAMESPACE,
+                MetricData=[
+                    {
+                        "MetricName": "AgentErrors",
+                        "Dimensions": [{"Name": "AutoScalingGroupName", "Value": self.config.group_name}],
+                        "Value": 1.0,
+                        "Unit": "Count",
+                    }
+                ],
+            )
+        except Exception as metric_error:  # the e-mail below still tells
+            self.log.event("failed", "could not count the agent error", error=one_line(metric_error))
+        self.notifier.publish(
+            f"agent error on {instance}",
+            [
+                f"The trainstack agent on {instance} stopped on an unexpected error: {error}",
+                "This is a trainstack bug, not your job's: systemd starts the agent again in 30 s.",
+                "Please report it with the agent's log: trainstack logs, or journalctl -u trainstack-agent.",
+            ],
+        )
 
     def _current_job_quietly(self) -> str | None:
         try:

@@ -9,13 +9,13 @@ from typing import Any
 
 from trainstack.aws import Clients
 from trainstack.errors import CliError
-from trainstack.jobs import CANCELLED, ENDED, NOT_STARTED, QUEUED, describe, read_queue, still_waiting
+from trainstack.jobs import CANCELLED, ENDED, NOT_STARTED, QUEUED, describe, still_waiting
 from trainstack.output import console, print_json
 from trainstack.stack import Stack, StackOutputs
 from trainstack.state import current_job_id, encryption_args, read_group, read_job
 from trainstack_job.contract import JobStatus
 from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
-from trainstack_job.queue import cancel_key
+from trainstack_job.queue import cancel_key, scan_queue
 
 REQUESTED_BY = "trainstack cancel"
 
@@ -66,7 +66,9 @@ def _sleep_if_idle(clients: Clients, outputs: StackOutputs) -> bool:
     if group.desired == 0:
         return False
     bucket = outputs.bucket
-    if any(still_waiting(clients, bucket, entry.job_id) for entry in read_queue(clients, bucket)):
+    # The good entries only: a damaged queue object must not keep the group up, nor stop the cancel.
+    entries = scan_queue(clients.s3(), bucket).entries
+    if any(still_waiting(clients, bucket, entry.job_id) for entry in entries):
         return False
     current = read_job(clients, outputs, JobPrefixes.of(current_job_id(clients, outputs)))
     if current.status in (JobStatus.RUNNING, JobStatus.WAITING_FOR_DATA):

@@ -12,13 +12,13 @@ from rich.table import Table
 
 from trainstack.aws import Clients
 from trainstack.errors import CliError
-from trainstack.output import console, format_duration, format_usd, parse_time, print_json
+from trainstack.output import console, format_duration, format_usd, parse_time, print_error, print_json
 from trainstack.stack import Stack, StackOutputs
 from trainstack.state import current_job_id, job_exists, read_json
 from trainstack.sweep import DEFAULT_METRIC, metric_value, rank
 from trainstack_job.contract import LEDGER, PROGRESS, JobStatus, StackOutput
 from trainstack_job.jobs import JOBS_PREFIX, LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
-from trainstack_job.queue import CANCEL_REQUEST, QueueEntry, QueueError, list_entries
+from trainstack_job.queue import CANCEL_REQUEST, QueueEntry, QueueError, list_entries, scan_queue
 
 NOT_STARTED = "not started"
 # Also what the CLI calls a job no instance has taken yet: waiting in the queue, or withdrawn from it.
@@ -53,7 +53,8 @@ def job_ids(clients: Clients, bucket: str) -> list[str]:
 
 
 def read_queue(clients: Clients, bucket: str) -> list[QueueEntry]:
-    """The queue's entries in the order the agent takes them."""
+    """The queue's entries in the order the agent takes them; CliError for the first object under queue/
+    that is not an entry (collect and describe read past it with scan_queue)."""
     try:
         return list_entries(clients.s3(), bucket)
     except QueueError as error:
@@ -108,7 +109,10 @@ def collect(clients: Clients, outputs: StackOutputs, now: datetime | None = None
     job even before an instance has started it. Waiting jobs carry their place in the queue (1 = next)."""
     now = now or datetime.now(timezone.utc)
     bucket = outputs.bucket
-    entries = read_queue(clients, bucket)
+    # The agent leaves out an object under queue/ that is not an entry and runs the rest; so does the
+    # listing, which names each such object (`bad_entries`) instead of refusing to list anything.
+    scan = scan_queue(clients.s3(), bucket)
+    entries = scan.entries
     ids = job_ids(clients, bucket)
     ids += [entry.job_id for entry in entries if entry.job_id not in ids]
     if job_exists(clients, outputs, JobPrefixes.of(LEGACY_JOB_ID)):
@@ -130,7 +134,8 @@ def collect(clients: Clients, outputs: StackOutputs, now: datetime | None = None
         rows.values(),
         key=lambda row: (row["created_at"] is None, str(row["created_at"] or ""), row["job_id"]),
     )
-    return {"bucket": bucket, "current": current, "defined": defined, "jobs": ordered}
+    bad = [{"key": key, "error": f"s3://{bucket}/{error}"} for key, error in scan.bad]
+    return {"bucket": bucket, "current": current, "defined": defined, "jobs": ordered, "bad_entries": bad}
 
 
 def describe(
@@ -144,7 +149,8 @@ def describe(
     row = _row(clients, bucket, job, current="", queued=job_id != LEGACY_JOB_ID, now=now)
     if row["status"] != QUEUED:
         return row
-    ids = [entry.job_id for entry in read_queue(clients, bucket)]
+    # Positions count entries alone, as the agent takes them; `trainstack jobs` names the other objects.
+    ids = [entry.job_id for entry in scan_queue(clients.s3(), bucket).entries]
     if job_id not in ids:
         row["status"] = row["status"] if row["started"] else NOT_STARTED
         return row
@@ -228,14 +234,14 @@ def run(
     report = collect(clients, stack.outputs)
     if as_json:
         print_json(report)
-        return 0
+        return _bad_entries(report)
     out = console()
     if not report["jobs"]:
         out.print(
             f"no jobs yet in s3://{report['bucket']}/{JOBS_PREFIX}: `trainstack run JOB.yaml` submits one",
             markup=False,
         )
-        return 0
+        return _bad_entries(report)
     table = Table("", "job", "status", "step", "cost", "age")
     for row in report["jobs"]:
         table.add_row(
@@ -251,7 +257,16 @@ def run(
         f"* current job; queued #1 runs next; the stack's default job is {report['defined'] or '-'}",
         markup=False,
     )
-    return 0
+    return _bad_entries(report)
+
+
+def _bad_entries(report: Mapping[str, Any]) -> int:
+    """Each object under queue/ that is not an entry, one stderr line apiece (after the listing: the last
+    lines above the prompt; off stdout, which stays the table or the JSON). The exit status: 0 when jobs
+    were listed, whatever else the queue holds; 1 when the bad objects are all there was to show."""
+    for bad in report["bad_entries"]:
+        print_error(bad["error"])
+    return 1 if report["bad_entries"] and not report["jobs"] else 0
 
 
 def _run_sweep(

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from trainstack_job.text import CLIP, clip
+
 JOBS_PREFIX = "jobs/"
 # Under the stack's state/ prefix: {"job_id": ..., "since": ISO}, moved only by conditional writes.
 CURRENT_JOB = "current-job.json"
@@ -51,9 +53,12 @@ def make_job_id(name: str, digest: str) -> str:
 
 
 def check_job_id(value: str, key: str = "job id") -> str:
+    """`value` when it is a job id; else JobIdError, `key` saying where the value came from. Both are clipped:
+    callers put the value in `key` too (`--job VALUE`), and either may be as long as the user typed it."""
     if not isinstance(value, str) or not _ID.match(value):
+        label = key if len(key) <= CLIP else clip(key)
         raise JobIdError(
-            f"{key}: {value!r} is not a job id (lowercase letters, digits and dashes, "
+            f"{label}: {clip(value)} is not a job id (lowercase letters, digits and dashes, "
             "e.g. 'default-1a2b3c4d'; `trainstack jobs` lists them)"
         )
     return value

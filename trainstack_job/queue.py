@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from trainstack_job.jobs import JobIdError, JobPrefixes, check_job_id
+from trainstack_job.text import clip
 
 QUEUE_PREFIX = "queue/"
 # Under a job's state/ prefix, written by `trainstack cancel ID`: the job checkpoints, stops, is `cancelled`
@@ -32,6 +33,9 @@ CANCEL_REQUEST = "cancel.json"
 # Who submitted a job (the record's `source`).
 SOURCE_PULUMI = "pulumi"  # the stack's default job, from trainstack:job / trainingConfig
 SOURCE_RUN = "run"  # `trainstack run`
+# An entry is three short fields (~100 bytes); the bound keeps a stray upload from being read whole into the
+# memory of every agent and CLI that lists the queue.
+MAX_ENTRY_BYTES = 64 * 1024
 
 
 class QueueError(RuntimeError):
@@ -103,33 +107,123 @@ def stored_at(item: Mapping[str, Any]) -> str:
     return aware.astimezone(timezone.utc).isoformat()
 
 
+def _shown(key: str) -> str:
+    """The key as the user can paste it into `aws s3 rm`; quoted when it holds a character (a newline) that
+    would break the one-line message. S3 bounds keys to 1,024 bytes, so it is never cut."""
+    return key if key.isprintable() else repr(key)
+
+
+def _refused(key: str, why: str) -> QueueError:
+    return QueueError(
+        f"{_shown(key)} is not a queue entry ({{'job_id', 'submitted_at', 'now'}}): {why}; delete it "
+        "(`trainstack cancel` never needs it) and submit the job again with `trainstack run`"
+    )
+
+
+def _too_big(key: str, size: int | None = None) -> QueueError:
+    held = f"{size} bytes, " if size is not None else ""
+    return _refused(key, f"{held}more than the {MAX_ENTRY_BYTES} bytes a queue entry may hold")
+
+
+def _described(value: Any) -> str:
+    """What a JSON value is, with the value itself (clipped) when it is a string or a number: a list or an
+    object is not echoed, as its repr would recurse as deep as the JSON did."""
+    kind = _kind(value)
+    return f"{kind} ({clip(value)})" if isinstance(value, str | int | float) else kind
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    names = {dict: "an object", list: "a list", str: "a string", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+# An entry's fields and their JSON types; `now` may be left out (False).
+_FIELDS: tuple[tuple[str, type, bool], ...] = (
+    ("job_id", str, True),
+    ("submitted_at", str, True),
+    ("now", bool, False),
+)
+
+
 def parse_entry(key: str, body: bytes, queued_at: str = "") -> QueueEntry:
-    """One queue object; a body that is not an entry raises QueueError naming the key."""
+    """One queue object; a body that is not an entry raises QueueError, one line naming the key and the fix
+    (never KeyError, TypeError, RecursionError or UnicodeDecodeError: the agent and `trainstack jobs` catch
+    QueueError alone, and any other error would stop them at someone's stray upload)."""
+    if len(body) > MAX_ENTRY_BYTES:
+        raise _too_big(key)
     try:
-        value = json.loads(body)
-        job_id = check_job_id(str(value["job_id"]))
-        submitted_at = str(value["submitted_at"])
-    except (ValueError, KeyError, TypeError, JobIdError) as exc:
-        raise QueueError(
-            f"{key} is not a queue entry ({{'job_id', 'submitted_at'}}): {exc}; delete it "
-            "(`trainstack cancel` never needs it) and submit the job again with `trainstack run`"
-        ) from exc
+        text = body.decode("utf-8")  # what submitters write; json.loads(bytes) would also take UTF-16/32
+    except UnicodeDecodeError as exc:
+        raise _refused(key, f"not UTF-8 (byte {exc.start}: {exc.reason})") from None
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise _refused(key, "JSON nested too deep to read") from None
+    except ValueError as exc:
+        raise _refused(key, f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise _refused(key, f"{_described(value)}, not an object")
+    for field, kind, required in _FIELDS:
+        if field not in value:
+            if required:
+                raise _refused(key, f"no {field!r}")
+            continue
+        if not isinstance(value[field], kind):
+            raise _refused(key, f"{field!r} is {_described(value[field])}, not {_kind(kind())}")
+    try:
+        job_id = check_job_id(value["job_id"])
+    except JobIdError:
+        # check_job_id's own wording points at `trainstack jobs`, no help for an object to delete.
+        why = f"'job_id' is {clip(value['job_id'])}, not a job id (lowercase letters, digits and dashes)"
+        raise _refused(key, why) from None
     if key != queue_key(job_id):
-        raise QueueError(f"{key} names job {job_id}: a queue entry's key is {queue_key(job_id)}; delete it")
-    return QueueEntry(job_id, submitted_at, bool(value.get("now", False)), queued_at)
+        raise _refused(key, f"it names job {job_id}, whose entry's key is {queue_key(job_id)}")
+    return QueueEntry(job_id, value["submitted_at"], value.get("now", False), queued_at)
 
 
-def list_entries(s3: Any, bucket: str) -> list[QueueEntry]:
-    """Every queue entry in queue order (a boto3 S3 client). Entries that cannot be read are skipped only
-    by the caller's choice: this raises QueueError for the first one."""
+@dataclass(frozen=True)
+class QueueScan:
+    """The queue as read: its entries in queue order, and the objects under queue/ that are not entries
+    (key, why) in key order, for a caller that lists what it can and names the rest."""
+
+    entries: list[QueueEntry]
+    bad: list[tuple[str, QueueError]]
+
+
+def scan_queue(s3: Any, bucket: str) -> QueueScan:
+    """Every queue object (a boto3 S3 client): the entries, and each object that is not one with its
+    QueueError; one bad object stops nothing."""
     entries: list[QueueEntry] = []
+    bad: list[tuple[str, QueueError]] = []
     paginator = s3.get_paginator("list_objects_v2")
     for page in paginator.paginate(Bucket=bucket, Prefix=QUEUE_PREFIX):
         for item in page.get("Contents", []):
             key = str(item["Key"])
             if not key.endswith(".json"):
                 continue
-            body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-            entries.append(parse_entry(key, body, stored_at(item)))
+            size = item.get("Size")
+            if isinstance(size, int) and size > MAX_ENTRY_BYTES:
+                bad.append((key, _too_big(key, size)))
+                continue
+            # Bounded even when the listing has no size (or the object grew since): one byte over is enough
+            # for parse_entry to refuse it.
+            body = s3.get_object(Bucket=bucket, Key=key)["Body"].read(MAX_ENTRY_BYTES + 1)
+            try:
+                entries.append(parse_entry(key, body, stored_at(item)))
+            except QueueError as error:
+                bad.append((key, error))
     entries.sort(key=lambda entry: entry.order)
-    return entries
+    return QueueScan(entries, bad)
+
+
+def list_entries(s3: Any, bucket: str) -> list[QueueEntry]:
+    """Every queue entry in queue order (a boto3 S3 client); QueueError for the first object (by key) that
+    is not one. scan_queue reads past it."""
+    scan = scan_queue(s3, bucket)
+    if scan.bad:
+        raise scan.bad[0][1]
+    return scan.entries

@@ -203,3 +203,36 @@ def test_trainer_overrides_follow_the_internals_contract() -> None:
         # A standby's trainer waits warm at the gate until the agent removes it.
         "train.start_gate_file=/s/control/START_GATE",
     ]
+
+
+def test_the_agents_catch_all_is_for_bugs_only_counted_in_cloudwatch_and_mailed_once(
+    stack: Any, make_life: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-job faults are job outcomes; what still reaches the catch-all is a bug: one line, one count
+    (`trainstack/AgentErrors`) and one e-mail. AWS unreachable is no bug: one line, no alert."""
+    from botocore.exceptions import EndpointConnectionError
+
+    from bootstrap import agent
+
+    life = make_life()
+    monkeypatch.setattr(agent, "InstanceLife", lambda config: life)
+    monkeypatch.setattr(agent.AgentConfig, "load", staticmethod(lambda path: life.config))
+    stack.alerts()
+
+    def outage() -> Any:
+        raise EndpointConnectionError(endpoint_url="https://s3.example.invalid")
+
+    monkeypatch.setattr(life, "run", outage)
+    assert agent.main(["--config", "unused.yaml"]) == 1
+    assert stack.alerts() == [], "an outage is not a bug: nothing mailed"
+
+    def bug() -> Any:
+        raise KeyError("x" * 10_000)
+
+    monkeypatch.setattr(life, "run", bug)
+    assert agent.main(["--config", "unused.yaml"]) == 1
+    alerts = stack.alerts()
+    assert len(alerts) == 1 and "agent error on" in alerts[0]["Subject"], alerts
+    assert "KeyError" in alerts[0]["Message"] and len(alerts[0]["Message"]) < 1200
+    metrics = stack.client("cloudwatch").list_metrics(Namespace="trainstack", MetricName="AgentErrors")
+    assert metrics["Metrics"], "the bug was not counted"

@@ -33,8 +33,8 @@ from botocore.config import Config
 
 from bootstrap.boot import AwsClients
 from bootstrap.eventlog import EventLog
-from bootstrap.lease import DRIFT_SECONDS
 from bootstrap.imds import ImdsClient
+from bootstrap.lease import DRIFT_SECONDS
 from bootstrap.lifecycle import InstanceLife, LifeResult
 from demo.imds import ImdsSimulator, SimulatedInstance
 from demo.stack import LocalStack
@@ -354,6 +354,7 @@ def test_a_replacement_after_a_mid_job_pulumi_up_runs_the_jobs_own_code(
         raise SystemExit(0)
 
     second.life.run_pinned = record
+    second.life.prepare_pinned = lambda *args, **kwargs: None  # the bundle's own checks: test_jobbinding.py
     with pytest.raises(SystemExit):
         second.life.run()
     assert pinned and pinned[0]["job_id"] == JOB and pinned[0]["bundle_key"] == "code/aaa/bundle.tar.gz"
@@ -507,3 +508,49 @@ def test_a_holder_that_reaches_its_last_step_cut_off_ends_nothing_and_the_standb
         .read()
     )
     assert metrics["steps"] == 40
+
+
+def test_one_bad_queue_object_never_stops_the_stack_the_good_job_behind_it_runs(
+    stack: LocalStack, agents: Callable[..., Agent]
+) -> None:
+    """Ahead of a good job: a job whose code bundle is missing, a 1 MB job id and an entry nested 200,000
+    levels deep. The bad job fails with one line naming its bundle (one e-mail), each bad object is named
+    once in the life however often the queue is read, and the good job runs and completes on the instance."""
+    s3 = stack.client("s3")
+    bad = "broken-0000aaaa"
+    record = {
+        "job_id": bad,
+        "name": "broken",
+        "submitted_at": "2026-12-06T10:00:00+00:00",
+        "source": "run",
+        "bundle_key": "code/gone/bundle.tar.gz",
+        "bundle_sha256": "e" * 64,
+        "agent": {
+            "job_id": bad,
+            "job_name": "broken",
+            "job": {"fake": STEPS},
+            "bundle_key": "code/gone/bundle.tar.gz",
+            "bundle_sha256": "e" * 64,
+        },
+    }
+    s3.put_object(Bucket=stack.bucket, Key=f"jobs/{bad}/job.json", Body=json.dumps(record).encode())
+    entry = {"job_id": bad, "submitted_at": "2026-12-06T10:00:00+00:00", "now": False}
+    s3.put_object(Bucket=stack.bucket, Key=f"queue/{bad}.json", Body=json.dumps(entry).encode())
+    s3.put_object(
+        Bucket=stack.bucket, Key="queue/huge.json", Body=json.dumps({"job_id": "a" * 1_000_000}).encode()
+    )
+    s3.put_object(Bucket=stack.bucket, Key="queue/nested.json", Body=b"[" * 200_000)
+    time.sleep(1.1)  # the good job is queued after the bad ones by S3's one-second clock
+    good = agents("good", stack.instance_ids()[0], fake={"steps": 6}, bundle_key="", bundle_sha256="").start()
+    assert good.join(timeout=90).outcome == "completed"
+    assert _ledger(stack)["status"] == "completed"
+    refused = _ledger(stack, bad)
+    assert refused["status"] == "failed" and "code/gone/bundle.tar.gz" in refused["reason"], refused
+    assert "is missing; submit the job again" in refused["reason"]
+    lines = good.events.getvalue().splitlines()
+    assert all(len(line) < 2000 for line in lines), "a value echoed whole into the log"
+    for name in ("queue/huge.json", "queue/nested.json", f"job {bad} refused"):
+        said = [line for line in lines if name in line]
+        assert len(said) == 1, (name, said)
+    alerts = [a["Subject"] for a in stack.alerts()]
+    assert sum(f"job {bad}" in subject for subject in alerts) == 1, alerts

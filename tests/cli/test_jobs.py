@@ -260,3 +260,77 @@ def test_jobs_of_an_empty_stack_says_what_defines_one(deployed: Deployed):
     result = deployed.run("jobs")
     assert result.code == 0, result.err
     assert f"no jobs yet in s3://{BUCKET}/jobs/" in result.out
+
+
+QUEUED_ID = "bert-44444444"
+GARBAGE = {
+    "queue/garbage.json": b"{not json",
+    "queue/empty-55555555.json": b"{}",
+    "queue/deep-66666666.json": b"[" * 200_000,
+    # Under the entry bound, so the id itself is refused: echoed clipped, not 60,000 characters of it.
+    "queue/long-77777777.json": json.dumps({"job_id": "a" * 60_000, "submitted_at": "t"}).encode(),
+}
+
+
+def _queued(deployed: Deployed, job_id: str) -> None:
+    """A job `trainstack run` submitted and no instance took yet: its record, then its entry."""
+    created = datetime.now(timezone.utc).isoformat()
+    _put(deployed, f"jobs/{job_id}/job.json", {"job_id": job_id, "name": "bert", "created_at": created})
+    _put(deployed, f"queue/{job_id}.json", {"job_id": job_id, "submitted_at": created})
+
+
+def _garbage(deployed: Deployed) -> None:
+    for key, body in GARBAGE.items():
+        deployed.s3().put_object(Bucket=BUCKET, Key=key, Body=body)
+
+
+def test_jobs_lists_the_good_jobs_and_names_each_bad_queue_object_on_its_own_line(deployed: Deployed):
+    _define(deployed, DEFINED)
+    _job(deployed, OLD, status="completed", step=1000, cost=4.0, age_h=30)
+    _queued(deployed, QUEUED_ID)
+    _garbage(deployed)
+
+    table = deployed.run("jobs")
+    assert table.code == 0, table.err
+    assert {OLD, QUEUED_ID, DEFINED} <= set(re.findall(r"[a-z]+-\d{8}", table.out)), table.out
+    line = next(line for line in table.out.splitlines() if QUEUED_ID in line)
+    assert "queued #1" in line, "bad objects take no place in the queue"
+    assert not any(key in table.out for key in GARBAGE), "stdout stays the table"
+    errors = table.err.splitlines()
+    assert len(errors) == len(GARBAGE), table.err
+    for key, line in zip(sorted(GARBAGE), errors, strict=True):
+        assert line.startswith(f"trainstack: error: s3://{BUCKET}/{key} is not a queue entry"), line
+        assert "delete it" in line and "`trainstack run`" in line, line
+        assert len(line) < 500, len(line)
+    assert "more than the 65536 bytes" in errors[0] and "(60000 characters), not a job id" in errors[3]
+
+    report = deployed.run("jobs", "--json")
+    assert report.code == 0 and report.err == table.err
+    document = report.json()
+    assert [row["job_id"] for row in document["jobs"]] == [OLD, QUEUED_ID, DEFINED]
+    assert [bad["key"] for bad in document["bad_entries"]] == sorted(GARBAGE)
+    assert [bad["error"] for bad in document["bad_entries"]] == [
+        line.removeprefix("trainstack: error: ") for line in errors
+    ]
+
+
+def test_a_queued_jobs_place_reads_past_a_bad_queue_object(deployed: Deployed):
+    _define(deployed, DEFINED)
+    _queued(deployed, QUEUED_ID)
+    _garbage(deployed)
+    status = deployed.run("status", "--json", "--job", QUEUED_ID)
+    assert status.code == 0, status.err
+    report = status.json()
+    assert report["status"] == "queued", report
+    assert f"job {QUEUED_ID} is queued, position 1:" in report["next_step"], report
+
+
+def test_jobs_with_nothing_but_bad_queue_objects_fails_naming_them(deployed: Deployed):
+    _define(deployed, None)
+    deployed.s3().put_object(Bucket=BUCKET, Key="queue/garbage.json", Body=b"[]")
+    report = deployed.run("jobs", "--json")
+    assert report.code == 1 and report.err.count("\n") == 1, report.err
+    assert f"s3://{BUCKET}/queue/garbage.json is not a queue entry" in report.err
+    assert report.json()["jobs"] == [] and [b["key"] for b in report.json()["bad_entries"]] == [
+        "queue/garbage.json"
+    ]

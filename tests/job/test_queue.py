@@ -1,0 +1,182 @@
+"""The queue's reading of its own objects (trainstack_job/queue.py): a queue object that is not an entry is
+one bounded line naming its key and the fix, and never stops the reading of the others."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import boto3
+import pytest
+
+from trainstack_job.jobs import JobIdError, check_job_id
+from trainstack_job.queue import (
+    MAX_ENTRY_BYTES,
+    QueueEntry,
+    QueueError,
+    list_entries,
+    parse_entry,
+    queue_entry,
+    scan_queue,
+)
+from trainstack_job.text import clip
+
+KEY = "queue/a-12345678.json"
+BUCKET = "trainstack-queue-test"
+# A message that echoes user data stays readable: the key, the reason, a clipped value and the fix.
+BOUNDED = 400
+MEGABYTE_ID = "a" * 1_000_000
+
+
+def _entry(**fields: Any) -> bytes:
+    return json.dumps(fields).encode()
+
+
+def _refusal(key: str, body: bytes) -> str:
+    """parse_entry's refusal, checked for what every refusal holds: one line, the key first, the fix."""
+    with pytest.raises(QueueError) as caught:
+        parse_entry(key, body)
+    message = str(caught.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"{key} is not a queue entry"), message
+    assert "delete it" in message and "`trainstack run`" in message, message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"{}", "no 'job_id'"),
+        (b"[]", "a list, not an object"),
+        (b'[{"job_id": "a-12345678", "submitted_at": "t"}]', "a list, not an object"),
+        (b'"a-12345678"', "a string ('a-12345678'), not an object"),
+        (b"42", "a number (42), not an object"),
+        (b"null", "null, not an object"),
+        (_entry(submitted_at="t"), "no 'job_id'"),
+        (_entry(job_id="a-12345678"), "no 'submitted_at'"),
+        (_entry(job_id=12345678, submitted_at="t"), "'job_id' is a number (12345678), not a string"),
+        (_entry(job_id=None, submitted_at="t"), "'job_id' is null, not a string"),
+        (_entry(job_id=["a-12345678"], submitted_at="t"), "'job_id' is a list, not a string"),
+        (_entry(job_id="a-12345678", submitted_at=1.5), "'submitted_at' is a number (1.5), not a string"),
+        (
+            _entry(job_id="a-12345678", submitted_at="t", now="yes"),
+            "'now' is a string ('yes'), not a boolean",
+        ),
+        (_entry(job_id="a-12345678", submitted_at="t", now=1), "'now' is a number (1), not a boolean"),
+        (_entry(job_id="A B", submitted_at="t"), "'job_id' is 'A B', not a job id"),
+        (_entry(job_id="b-12345678", submitted_at="t"), "it names job b-12345678, whose entry's key is"),
+        (b"{not json", "not JSON (Expecting property name"),
+        (b'{"job_id": "a-12345678", "submitted_at": "t\xff"}', "not UTF-8 (byte 43: invalid start byte)"),
+        # json.loads(bytes) reads UTF-16 too; no submitter writes it, and the agent must not guess.
+        (_entry(job_id="a-12345678", submitted_at="t").decode().encode("utf-16"), "not UTF-8 (byte 0"),
+        (b"[" * 5000, "JSON nested too deep to read"),
+        (b"[" * 200_000, f"more than the {MAX_ENTRY_BYTES} bytes a queue entry may hold"),
+        # Valid JSON, but no entry is this big: the bound holds whatever the body says.
+        (b" " * MAX_ENTRY_BYTES + _entry(job_id="a-12345678", submitted_at="t"), "more than the 65536 bytes"),
+    ],
+)
+def test_a_body_that_is_not_an_entry_is_a_queue_error_naming_the_key_why_and_the_fix(
+    body: bytes, why: str
+) -> None:
+    message = _refusal(KEY, body)
+    assert f": {why}" in message, message
+    assert len(message) < BOUNDED, message
+
+
+def test_a_long_value_is_echoed_clipped_with_its_length() -> None:
+    long_id = "a" * 60_000  # under the entry's bound: the id itself is refused, and clipped
+    message = _refusal(KEY, _entry(job_id=long_id, submitted_at="t"))
+    assert "'job_id' is 'aaaa" in message and "… (60000 characters), not a job id" in message, message
+    assert len(message) < BOUNDED, len(message)
+
+    message = _refusal(KEY, _entry(job_id="a-12345678", submitted_at="t", now="y" * 60_000))
+    assert "'now' is a string ('yyy" in message and "(60000 characters)" in message, message
+    assert len(message) < BOUNDED, len(message)
+
+
+def test_a_megabyte_job_id_is_refused_in_a_bounded_message_naming_the_key() -> None:
+    message = _refusal(KEY, _entry(job_id=MEGABYTE_ID, submitted_at="t"))
+    assert len(message) < BOUNDED, len(message)
+
+    with pytest.raises(JobIdError) as caught:
+        check_job_id(MEGABYTE_ID)
+    assert len(str(caught.value)) < BOUNDED and "(1000000 characters)" in str(caught.value)
+    # Callers name where the id came from with the id itself (`--job VALUE`): that label is clipped too.
+    with pytest.raises(JobIdError) as caught:
+        check_job_id(MEGABYTE_ID, f"--job {MEGABYTE_ID}")
+    assert len(str(caught.value)) < BOUNDED, len(str(caught.value))
+    assert str(caught.value).startswith("'--job aaa")
+
+
+def test_a_key_with_a_newline_stays_one_line() -> None:
+    with pytest.raises(QueueError) as caught:
+        parse_entry("queue/a\nb.json", b"{}")
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("'queue/a\\nb.json' is not")
+
+
+def test_clip_keeps_a_short_repr_and_cuts_a_long_one_saying_how_long_it_was() -> None:
+    assert clip("default-1a2b3c4d") == "'default-1a2b3c4d'"
+    assert clip(42) == "42"
+    assert clip("x" * 1_000_000) == "'" + "x" * 79 + "… (1000000 characters)"
+    assert clip(b"\x00" * 100, limit=10) == "b'\\x00\\x00… (100 bytes)"
+    assert clip(list(range(100)), limit=5) == "[0, 1… (390 characters as text)"
+    assert len(clip("x" * 1_000_000, limit=8)) == len("'xxxxxxx… (1000000 characters)")
+
+
+class CountingS3:
+    """The moto client, remembering which objects were downloaded."""
+
+    def __init__(self, s3: Any) -> None:
+        self._s3 = s3
+        self.downloaded: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._s3, name)
+
+    def get_object(self, **request: Any) -> Any:
+        self.downloaded.append(str(request["Key"]))
+        return self._s3.get_object(**request)
+
+
+def test_scan_queue_returns_the_entries_in_order_and_each_bad_object_with_its_error(aws: Any) -> None:
+    s3 = boto3.client("s3", region_name="us-east-1")
+    s3.create_bucket(Bucket=BUCKET)
+    objects = {
+        "queue/early-11111111.json": json.dumps(queue_entry("early-11111111", "2026-12-01T12:00:01+00:00")),
+        "queue/urgent-22222222.json": json.dumps(
+            queue_entry("urgent-22222222", "2026-12-01T12:00:02+00:00", now=True)
+        ),
+        "queue/garbage.json": "{not json",
+        "queue/empty-33333333.json": "{}",
+        "queue/huge-44444444.json": " " * (2 * MAX_ENTRY_BYTES),
+        "queue/notes.txt": "not a .json object: never read",
+    }
+    for key, body in objects.items():
+        s3.put_object(Bucket=BUCKET, Key=key, Body=body.encode())
+    counting = CountingS3(s3)
+
+    scan = scan_queue(counting, BUCKET)
+
+    assert [(e.job_id, e.submitted_at, e.now) for e in scan.entries] == [
+        ("urgent-22222222", "2026-12-01T12:00:02+00:00", True),
+        ("early-11111111", "2026-12-01T12:00:01+00:00", False),
+    ]
+    assert all(isinstance(e, QueueEntry) and e.queued_at for e in scan.entries)
+    assert [key for key, _ in scan.bad] == [
+        "queue/empty-33333333.json",
+        "queue/garbage.json",
+        "queue/huge-44444444.json",
+    ]
+    for key, error in scan.bad:
+        assert isinstance(error, QueueError) and str(error).startswith(f"{key} is not a queue entry")
+    assert f"{2 * MAX_ENTRY_BYTES} bytes, more than the {MAX_ENTRY_BYTES} bytes" in str(scan.bad[2][1])
+    # The listing's size refuses an oversized object before anyone downloads it.
+    assert "queue/huge-44444444.json" not in counting.downloaded
+    assert "queue/notes.txt" not in counting.downloaded
+
+    # The old reader keeps its contract for its callers: the first bad object (by key) is its error.
+    with pytest.raises(QueueError, match=r"^queue/empty-33333333\.json is not a queue entry"):
+        list_entries(s3, BUCKET)
+    for key in [key for key, _ in scan.bad]:
+        s3.delete_object(Bucket=BUCKET, Key=key)
+    assert [e.job_id for e in list_entries(s3, BUCKET)] == ["urgent-22222222", "early-11111111"]
