@@ -63,7 +63,9 @@ class DefaultJob(pulumi.ComponentResource):
 
     Its bundle and record are retained when the definition changes: a job already running keeps its code and
     record (`bootstrap/pinned.py`). Its queue entry is not: a superseded default job that has not started
-    leaves the queue, as a new `trainstack:job` replaced the stack's job before there was a queue.
+    leaves the queue, as a new `trainstack:job` replaced the stack's job before there was a queue, and one
+    that was stopped is not resumed (`bootstrap/jobbinding.py` resumes only a job still queued): the new
+    job starts at step 0, not from the old job's checkpoint.
     """
 
     bundle_object: aws.s3.BucketObjectv2
