@@ -20,7 +20,7 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
-from bootstrap.lease import JobLease, LeaseLostError
+from bootstrap.lease import DRIFT_SECONDS, JobLease, LeaseLostError
 from bootstrap.ledger import _is_conflict
 from bootstrap.persist import CheckpointPersister, Fence
 from tests.checkpoints import commit_step
@@ -163,7 +163,7 @@ def test_a_holder_that_lost_the_lease_stops_writing_for_good_says_so_once_and_is
     commit_step(tmp_path / "a", 3)
     wait_until(lambda: old.confirmed_step == 3, "step 3 confirmed")
     # The old holder stalled past the stale limit; a standby took the lease and resumed from step 3.
-    assert new_lease.try_acquire(T0 + STALE) == 2
+    assert new_lease.try_acquire(T0 + STALE + DRIFT_SECONDS) == 2
     new = persister(s3, tmp_path / "b", new_lease)
     assert new.restore() == 3
     before = keys(s3)
@@ -205,7 +205,7 @@ def test_losing_the_lease_between_the_manifest_and_latest_keeps_latest_with_the_
             checks += 1
             old_lease.check()
             if checks == 2:  # the old holder's manifest check passed; then it stalled, and lost
-                assert new_lease.try_acquire(T0 + STALE) == 2
+                assert new_lease.try_acquire(T0 + STALE + DRIFT_SECONDS) == 2
                 new = persister(s3, tmp_path / "b", new_lease)
                 assert new.restore() == 3
                 commit_step(tmp_path / "b", 4)
