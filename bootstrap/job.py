@@ -7,16 +7,18 @@ import difflib
 import hashlib
 import os
 import re
+import stat
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import yaml
 
 from bootstrap.bootlock import has_hashes
+from bootstrap.safefiles import remove_entry, replace_file
 from bootstrap.secrets import env_secret_problem, parse_secrets, refs_to_mapping
 from trainstack_job.contract import JobEnv
 from trainstack_job.text import not_utf8
@@ -32,6 +34,8 @@ _KNOWN = {"name", "command", "workdir", "requirements", "env", "secrets", "data"
 VENDORED_WHEELS_DIR = "wheels"
 # Packages a job's requirements may not replace: the AMI's builds match its CUDA driver.
 PINNED_PACKAGES = ("torch", "torchvision", "torchaudio")
+# The agent's mark, inside a job's venv, that the venv was built completely (prepare_python).
+VENV_READY = ".trainstack-ready"
 
 
 class JobSpecError(ValueError):
@@ -376,6 +380,29 @@ class RunsAs(Protocol):
     def give(self, directories: Iterable[Path]) -> None: ...
 
 
+@runtime_checkable
+class RunsInScope(RunsAs, Protocol):
+    """A RunsAs that also puts the job in its own scope with its own environment (JobLaunch does): pip
+    then runs as the job does, and whatever its build steps leave running is killed with the scope."""
+
+    def unit_name(self) -> str | None: ...
+
+    def stop(self, unit: str | None) -> None: ...
+
+    def inherited_environment(self, environ: Mapping[str, str], home: Path | None) -> dict[str, str]: ...
+
+
+def _venv_ready(marker: Path) -> bool:
+    """The venv was completed by this agent: its marker is a regular file (not a link) of the agent's own
+    user. The job's user owns the venv: it may delete the marker or put its own there, never make one of
+    root's, so a venv the job tampered with that way is rebuilt, never repaired."""
+    try:
+        info = os.lstat(marker)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+
+
 def pip_install_args(requirements: Path) -> list[str]:
     """How pip reads the job's requirements: --require-hashes (and wheels only) when they pin hashes, as the
     instance's own lock is installed; offline from a `wheels/` folder next to them when the job vendors one
@@ -403,8 +430,13 @@ def prepare_python(
     would see the interpreter's base, not the AMI's own venv) and pip is constrained to their torch version,
     so torch is found installed and never reinstalled. It is keyed by the requirements' content and reused
     by later lives on this instance. Never root's env: the venv is the job's own, and with `launch` (the
-    job's unprivileged user) it is that user's and pip runs as that user, so no package's install code runs
-    as root. Hashed requirements are installed with --require-hashes (pip_install_args).
+    job's unprivileged user) it is that user's and pip runs as that user (in the job's scope when `launch`
+    has one), so no package's install code runs as root. Hashed requirements are installed with
+    --require-hashes (pip_install_args).
+
+    Root never runs or repairs anything in a venv the job has owned: one without the agent's ready marker
+    (_venv_ready) is removed, links never followed, and built again from nothing; root runs only the base
+    interpreter and the fresh venv's own Python before the venv is given to the job.
     """
     if requirements is None:
         return base_python
@@ -414,11 +446,16 @@ def prepare_python(
     key = digest.hexdigest()[:16]
     venv = cache_root / f"venv-{key}"
     python = venv / "bin" / "python"
-    ready = venv / ".trainstack-ready"
-    if ready.is_file():
+    ready = venv / VENV_READY
+    if _venv_ready(ready):
         log("job", "job environment reused", requirements=str(requirements), venv=str(venv))
         return str(python)
     cache_root.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(venv):
+        # Half-built, or the job deleted the marker (after replacing bin/python, say): `python -m venv` and
+        # the sysconfig probe below would run the job's own files as root.
+        log("job", "job environment rebuilt from scratch (not marked complete by the agent)", venv=str(venv))
+        remove_entry(venv, ignore_errors=False)
     # No pip of its own: `python -m pip` in the venv runs the base env's pip (seen through the .pth below) and
     # installs into the venv. ensurepip would copy a second pip in, about 4 s, and run it uncompiled.
     subprocess.run([base_python, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
@@ -427,10 +464,16 @@ def prepare_python(
     constraints_file.write_text(constraints)
     pip_cache = cache_root / "pip-cache"
     pip_env = {**os.environ, "PIP_CACHE_DIR": str(pip_cache)}
+    unit: str | None = None
     if launch is not None:
         # The job user's venv and cache; its HOME is the cache (root's home is not its).
         launch.give([venv, pip_cache])
         pip_env["HOME"] = str(pip_cache)
+        if isinstance(launch, RunsInScope):
+            # The job's environment (none of the agent's credentials) and a scope of its own.
+            inherited = launch.inherited_environment(os.environ, pip_cache)
+            pip_env = {**inherited, "PIP_CACHE_DIR": str(pip_cache), "HOME": str(pip_cache)}
+            unit = launch.unit_name()
     log(
         "job", "installing the job's requirements", requirements=str(requirements), pinned=constraints.split()
     )
@@ -445,26 +488,32 @@ def prepare_python(
         "-c",
         str(constraints_file),
     ]
-    process = subprocess.Popen(
-        launch.wrap(argv, None) if launch is not None else argv,
-        env=pip_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    while True:
-        try:
-            output, _ = process.communicate(timeout=0.5)
-            break
-        except subprocess.TimeoutExpired:
-            if should_abort():
-                process.kill()
-                process.communicate()
-                raise InterruptedError("requirements install interrupted by a stop") from None
+    try:
+        process = subprocess.Popen(
+            launch.wrap(argv, unit) if launch is not None else argv,
+            env=pip_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        while True:
+            try:
+                output, _ = process.communicate(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if should_abort():
+                    process.kill()
+                    process.communicate()
+                    raise InterruptedError("requirements install interrupted by a stop") from None
+    finally:
+        if unit is not None and isinstance(launch, RunsInScope):
+            launch.stop(unit)  # whatever a build step started and left running
     if process.returncode != 0:
         tail = " | ".join(output.strip().splitlines()[-3:])
         raise JobSpecError(
             [f"{requirements}: pip install failed ({tail}); fix the requirements (torch stays the AMI's)"]
         )
-    ready.write_text(sys.version)
+    # Root's own file in the job's venv, written without following a link pip's build steps (run as the job's
+    # user) may have put at the name.
+    replace_file(ready, sys.version.encode(), say=lambda line: log("job", line, level="warning"))
     return str(python)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +34,15 @@ from boto3.s3.transfer import TransferConfig, create_transfer_manager
 from botocore.exceptions import ClientError
 
 from bootstrap.lease import LeaseLostError
+from bootstrap.safefiles import (
+    PlantedLinkError,
+    fd_path,
+    open_directory,
+    open_inside,
+    outside_name,
+    remove_entry,
+    replace_file,
+)
 from trainstack_job.layout import (
     LATEST,
     MANIFEST,
@@ -43,7 +52,6 @@ from trainstack_job.layout import (
     read_manifest,
     step_dir_name,
     verify_dir,
-    write_atomic,
 )
 
 # 64 MiB parts: a multi-GB checkpoint goes up as parallel parts, each with its own SHA256 checksum.
@@ -82,9 +90,10 @@ class UploadAbandonedError(Exception):
 
 class CheckpointRefusedError(Exception):
     """S3 refused to hand over a file of a confirmed checkpoint (access denied, a key it cannot decrypt with,
-    an outage outlasting botocore's retries). Unlike a damaged checkpoint it is not skipped for nothing: with
-    no older checkpoint left, restore fails rather than start the job over, which would write a lower step
-    over the one `latest.json` names."""
+    an outage outlasting botocore's retries), or the agent refused it: its manifest names a file outside the
+    step's folder, which restoring (as root) would write anywhere on the instance. Unlike a damaged checkpoint
+    it is not skipped for nothing: with no older checkpoint left, restore fails rather than start the job
+    over, which would write a lower step over the one `latest.json` names."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,16 @@ def bounded(fn: Callable[[], _T], deadline: float | None, what: str) -> _T:
         raise box["error"]
     value: _T = box["value"]
     return value
+
+
+def _close_when_done(future: Any, handle: int) -> None:
+    """Close an upload's file descriptor once its transfer (cancelled or not) has no task left."""
+    try:
+        # A cancelled transfer's error was reported where it was cancelled.
+        with contextlib.suppress(BaseException):
+            future.result()
+    finally:
+        os.close(handle)
 
 
 def _refuse_outside(directory: Path, file_name: str, step: int) -> None:
@@ -279,16 +298,18 @@ class CheckpointPersister:
         verified against its manifest's sha256 before it replaces anything local. A local step at least as
         new (this instance's earlier life) wins and is uploaded by `start()` if S3 lacks it. A step S3 refuses
         to hand over is skipped for an older one; with none left, `CheckpointRefusedError` names the object.
+        So is a step whose manifest names a file outside the step's folder: nothing of it is written.
         """
         self.local_dir.mkdir(parents=True, exist_ok=True)
         for leftover in self.local_dir.glob(".step-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            remove_entry(leftover)  # a link the job left here goes, never what it points to
         local = self._newest_verified_local()
         latest, _ = self.read_latest()
         if latest is not None:
             # A refused manifest here is judged again, step by step, below.
             with contextlib.suppress(CheckpointRefusedError):
-                if self._remote_manifest(latest) is not None:
+                manifest = self._remote_manifest(latest)
+                if manifest is not None and self._outside(latest, manifest) is None:
                     self._confirm(latest)
         candidates = [s for s in self.remote_steps() if latest is None or s <= latest]
         refused: CheckpointRefusedError | None = None
@@ -366,6 +387,24 @@ class CheckpointPersister:
             return None
         return value if isinstance(value, dict) and isinstance(value.get("files"), dict) else None
 
+    def _outside(self, step: int, manifest: dict[str, Any]) -> CheckpointRefusedError | None:
+        """The refusal of a manifest that names a file outside its step's folder (`../../etc/x`, `/abs/x`),
+        or None. Whoever can write the job's S3 prefix (the job itself) writes its manifests: restored as
+        listed, such a name is a file root writes anywhere on the instance."""
+        key = self._key(f"{step_dir_name(step)}/{MANIFEST}")
+        for file_name in manifest["files"]:
+            why = outside_name(file_name)
+            if why is not None:
+                folder = f"{self.uri}/{step_dir_name(step)}/"
+                return CheckpointRefusedError(
+                    f"s3://{self.bucket}/{key}: names {file_name!r} ({why}), outside the step's folder, so "
+                    f"it is never restored, and no older checkpoint is left: not starting the job over "
+                    f"without its step {step}; delete the step (aws s3 rm --recursive {folder}) to resume "
+                    "from an older checkpoint or start over, and fix what wrote that manifest (its names "
+                    "are relative to the step's folder)"
+                )
+        return None
+
     def _download(self, step: int, should_abort: Callable[[], bool]) -> bool:
         name = step_dir_name(step)
         manifest = self._remote_manifest(step)
@@ -374,32 +413,62 @@ class CheckpointPersister:
                 "checkpoint", "skipping an S3 checkpoint without a manifest", level="warning", step=step
             )
             return False
-        staging = self.local_dir / f".{name}.download"
-        shutil.rmtree(staging, ignore_errors=True)
+        outside = self._outside(step, manifest)
+        if outside is not None:
+            self._log.event(
+                "checkpoint",
+                "skipping an S3 checkpoint whose manifest names a file outside its folder",
+                level="warning",
+                step=step,
+                uri=f"{self.uri}/{name}/{MANIFEST}",
+                error=str(outside),
+            )
+            raise outside
+        # The job owns local_dir and may run meanwhile (a standby's warm trainer): a fresh random name it
+        # cannot have prepared, a folder only the agent can write in, and every write through the folder's
+        # descriptor (fd_path), so even a link the job puts at the staging folder's name is never followed.
+        staging = self.local_dir / f".{name}.download-{secrets.token_hex(4)}"
         staging.mkdir()
         try:
-            for file_name in manifest["files"]:
-                if should_abort():
-                    raise UploadAbandonedError("restore interrupted")
-                target = staging / file_name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                key = self._key(f"{name}/{file_name}")
-                self._s3.download_file(self.bucket, key, str(target), Config=TRANSFER)
-            (staging / MANIFEST).write_text(json.dumps(manifest))
-            verified, why = verify_dir(staging)
-            if verified is None:
-                self._log.event(
-                    "checkpoint",
-                    "skipping an S3 checkpoint that fails verification",
-                    level="warning",
-                    step=step,
-                    why=why,
-                )
-                return False
-            final = self.local_dir / name
-            shutil.rmtree(final, ignore_errors=True)
-            staging.rename(final)
-            write_atomic(self.local_dir / LATEST, latest_json(step, manifest.get("epoch")))
+            with open_directory(staging) as held:
+                into = fd_path(held, staging)
+                for file_name in manifest["files"]:
+                    if should_abort():
+                        raise UploadAbandonedError("restore interrupted")
+                    target = into / file_name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    key = self._key(f"{name}/{file_name}")
+                    self._s3.download_file(self.bucket, key, str(target), Config=TRANSFER)
+                (into / MANIFEST).write_text(json.dumps(manifest))
+                verified, why = verify_dir(into)
+                if verified is None:
+                    self._log.event(
+                        "checkpoint",
+                        "skipping an S3 checkpoint that fails verification",
+                        level="warning",
+                        step=step,
+                        why=why.replace(str(into), str(staging)),
+                    )
+                    return False
+                final = self.local_dir / name
+                remove_entry(final)  # a link the job put at the step's name is removed, not followed
+                staging.rename(final)
+                # Only the folder verified here counts as restored, not one the job renamed into its place.
+                placed = os.lstat(final)
+                held_stat = os.fstat(held)
+                if (placed.st_dev, placed.st_ino) != (held_stat.st_dev, held_stat.st_ino):
+                    self._log.event(
+                        "checkpoint",
+                        "skipping an S3 checkpoint whose folder was replaced while it was restored",
+                        level="warning",
+                        step=step,
+                        uri=f"{self.uri}/{name}/",
+                    )
+                    remove_entry(final)
+                    return False
+            replace_file(
+                self.local_dir / LATEST, latest_json(step, manifest.get("epoch")), say=self._planted_link
+            )
             self._confirm(step)
             return True
         except ClientError as exc:
@@ -414,7 +483,10 @@ class CheckpointPersister:
                 return False  # a file gone from S3: a damaged checkpoint, like one that fails verification
             raise self._refused(key, step, exc) from None
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_entry(staging)
+
+    def _planted_link(self, line: str) -> None:
+        self._log.event("checkpoint", line, level="warning")
 
     # -- upload -----------------------------------------------------------------------------------------
 
@@ -563,18 +635,45 @@ class CheckpointPersister:
     ) -> None:
         if not path.is_file():
             raise UploadAbandonedError(f"step {step}: {path} removed locally before its upload")
-        future = self._transfers.upload(
-            str(path), self.bucket, self._key(relative), extra_args={"ChecksumAlgorithm": "SHA256"}
-        )
+        step_name, file_name = relative.split("/", 1)
+        # _refuse_outside looked at the names; the job may swap a link in since. The upload reads the file
+        # it opened here, without following a link at any step of the way, not whatever the name says later.
+        try:
+            handle = open_inside(self.local_dir / step_name, file_name)
+        except FileNotFoundError:
+            raise UploadAbandonedError(f"step {step}: {path} removed locally before its upload") from None
+        except PlantedLinkError:
+            raise UploadAbandonedError(
+                f"step {step}: {file_name!r} is not a regular file inside {self.local_dir / step_name}; not "
+                "uploaded (the job's checkpoint must hold plain files)"
+            ) from None
+        try:
+            future = self._transfers.upload(
+                str(fd_path(handle, path)),
+                self.bucket,
+                self._key(relative),
+                extra_args={"ChecksumAlgorithm": "SHA256"},
+            )
+        except BaseException:
+            os.close(handle)
+            raise
         while not future.done():
             try:
                 self._abandon_check(step, deadline, background)
             except UploadAbandonedError:
-                # Stops the remaining parts; a request already on the wire ends at its own timeout.
+                # Stops the remaining parts; a request already on the wire ends at its own timeout. Its
+                # part may still open the descriptor's path: the descriptor stays open until the transfer's
+                # last task ends, else a file the agent opens meanwhile could take its number.
                 future.cancel()
+                threading.Thread(
+                    target=_close_when_done, args=(future, handle), name="s3-upload-close", daemon=True
+                ).start()
                 raise
             time.sleep(_WAIT_TICK)
-        future.result()
+        try:
+            future.result()  # returns once every part's task has ended, not only when the status is set
+        finally:
+            os.close(handle)
 
     def _advance_latest(self, step: int, epoch: Any, deadline: float | None) -> None:
         """Move S3 `latest.json` to `step` unless it already names this step or a newer one.
@@ -622,7 +721,11 @@ class CheckpointPersister:
                     continue
                 raise
             self._confirm(step)
-            write_atomic(self.local_dir / LATEST, self._latest_body(step, epoch, token))
+            # The job owns local_dir: a link it put at latest.json (or at the temporary name) is never
+            # followed, so it cannot make the agent write over another file.
+            replace_file(
+                self.local_dir / LATEST, self._latest_body(step, epoch, token), say=self._planted_link
+            )
             return
         raise RuntimeError(f"{self.uri}/{LATEST}: too many concurrent writers; will retry")
 

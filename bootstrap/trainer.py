@@ -18,6 +18,7 @@ import yaml
 
 from bootstrap.job import contract_env
 from bootstrap.jobuser import AS_AGENT, JobLaunch
+from bootstrap.safefiles import replace_file
 from training.launch import LISTEN_FD_ENV
 from training.stop import stop_signals_blocked
 from trainstack_job.contract import PROGRESS, RESUME_COMMAND, ExitCode
@@ -157,6 +158,7 @@ class TrainerProcess:
         cwd: Path | None = None,
         env: dict[str, str] | None = None,
         launch: JobLaunch = AS_AGENT,
+        say: Callable[[str], None] | None = None,
     ) -> None:
         self._command = list(command)
         # As whom and in which cgroup the job runs (bootstrap/jobuser.py); the agent's own user by default.
@@ -173,6 +175,9 @@ class TrainerProcess:
         self.paths = paths
         self._job = job
         self._on_line = on_line
+        # Where the agent says it found a link the job planted at a signal file: the agent's log when the
+        # caller gives it, else the job's own output (prefixed), so the line is never lost.
+        self._say = say or (lambda line: on_line(f"trainstack agent: {line}"))
         self.tail: deque[str] = deque(maxlen=40)
         self._process: subprocess.Popen[str] | None = None
         self._pump: threading.Thread | None = None
@@ -200,7 +205,7 @@ class TrainerProcess:
         self.paths.progress_file.unlink(missing_ok=True)
         # A gate left by an earlier standby must never hold a holder's start.
         if gated and not self._user_job:
-            self.paths.start_gate_file.touch()
+            self._signal(self.paths.start_gate_file)
         else:
             self.paths.start_gate_file.unlink(missing_ok=True)
         # The directories the job writes are its user's; nothing else in scratch is (bootstrap/jobuser.py).
@@ -230,6 +235,13 @@ class TrainerProcess:
             )
         self._pump = threading.Thread(target=self._pump_output, name="trainer-output", daemon=True)
         self._pump.start()
+
+    def _signal(self, path: Path) -> None:
+        """Create a signal file in control/, which the job's user owns: it may have put a link at the name
+        (to /etc/ld.so.preload), and `touch()` as root would create the file the link names. The link is
+        replaced, never followed, so the signal still reaches the job. Not fsynced: the job reads it live,
+        and a stop must not wait behind a checkpoint's writeback."""
+        replace_file(path, durable=False, say=self._say)
 
     def open_gate(self) -> None:
         """Let a gated trainer restore the (refreshed) checkpoint directory and train."""
@@ -268,14 +280,14 @@ class TrainerProcess:
     def request_stop(self) -> None:
         """Stop at the next step boundary with a committed local checkpoint (exit 75). No network: safe to
         call from the spot watcher the moment a notice is seen."""
-        self.paths.stop_file.touch()
+        self._signal(self.paths.stop_file)
         if self._process is not None and self._process.poll() is None:
             # The stop file reaches every rank; SIGTERM also wakes a trainer blocked outside the step loop.
             self._process.send_signal(signal.SIGTERM)
 
     def request_checkpoint(self) -> None:
         """Save a checkpoint at the next optimizer step (the persister uploads it), then carry on."""
-        self.paths.checkpoint_request_file.touch()
+        self._signal(self.paths.checkpoint_request_file)
 
     def kill(self) -> None:
         if self._process is not None and self._process.poll() is None:

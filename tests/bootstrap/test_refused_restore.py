@@ -11,6 +11,7 @@ and the dataset stay readable. Each life builds its own clients, so the next lif
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -219,3 +220,36 @@ def test_a_refusal_that_persists_ends_in_the_crash_loop_guard_scaled_to_zero_wit
     (alert,) = stack.alerts()
     assert "failed 3 times in a row; group scaled to zero" in alert["Subject"]
     assert f"Last failure on {ledger['lives'][-1]['instance_id']}: {refusal(stack, 7)}" in alert["Message"]
+
+
+def test_a_manifest_naming_a_file_outside_its_step_fails_the_life_and_root_writes_nothing_there(
+    make_life: MakeLife, stack: LocalStack, confirmed_step_7: int, tmp_path: Path
+) -> None:
+    """The job writes its own S3 prefix: a manifest naming `/etc/ld.so.preload` (here a stand-in) would have
+    the agent, root, write that file at restore. The step is refused like one S3 refuses: the life fails
+    naming the manifest and the fix, nothing is written there, and the job is never said to be restored."""
+    preload = tmp_path / "etc" / "ld.so.preload"
+    preload.parent.mkdir()
+    preload.write_bytes(b"root's own\n")
+    planted = b"/tmp/job-owned.so\n"
+    s3 = stack.client("s3")
+    key = f"checkpoints/step-{confirmed_step_7}/manifest.json"
+    manifest = json.loads(s3.get_object(Bucket=stack.bucket, Key=key)["Body"].read())
+    manifest["files"][str(preload)] = {"sha256": hashlib.sha256(planted).hexdigest(), "size": len(planted)}
+    s3.put_object(Bucket=stack.bucket, Key=f"checkpoints/step-7/{preload}", Body=planted)
+    s3.put_object(Bucket=stack.bucket, Key=key, Body=json.dumps(manifest).encode())
+    life = make_life()
+    events = Events(life)
+    result = life.run()
+    assert preload.read_bytes() == b"root's own\n", "the restore wrote outside the checkpoint folder"
+    assert (result.outcome, result.exit_code) == ("failed", 1)
+    folder = f"s3://{stack.bucket}/checkpoints/step-7/"
+    assert events.one("instance life failed")["error"] == (
+        f"{folder}manifest.json: names {str(preload)!r} (an absolute path), outside the step's folder, so it "
+        "is never restored, and no older checkpoint is left: not starting the job over without its step 7; "
+        f"delete the step (aws s3 rm --recursive {folder}) to resume from an older checkpoint or start "
+        "over, and fix what wrote that manifest (its names are relative to the step's folder)"
+    )
+    assert "restored checkpoint from S3" not in events.messages()
+    assert "trainer starting" not in events.messages(), "the job started over without its checkpoint"
+    assert stack.read_json("checkpoints/latest.json")["step"] == 7  # type: ignore[index]
