@@ -124,6 +124,8 @@ TARGETS: dict[str, Target] = {
             ),
         ),
     ),
+    # A stop is acted on in every phase: before the launch nothing starts, each reason ends its own way.
+    "stops": Target(("bootstrap/stops.py",), ("tests/bootstrap/test_stops.py",)),
     "watcher": Target(
         ("bootstrap/watcher.py",),
         ("tests/bootstrap/test_imds_and_watcher.py", "tests/bootstrap/test_mutants_watcher.py"),
