@@ -5,6 +5,7 @@ then the real agent (in-process, against moto) with the stop landing in each pha
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
@@ -17,6 +18,7 @@ from bootstrap.eventlog import EventLog
 from bootstrap.lifecycle import InstanceLife
 from bootstrap.outcomes import LifeEnd
 from bootstrap.stops import STOP_OUTCOMES, StopRequests
+from bootstrap.watcher import RebalanceRecommendation, TerminationNotice
 from demo.stack import LocalStack
 
 MakeLife = Callable[..., InstanceLife]
@@ -99,6 +101,125 @@ def test_the_leases_end_bounds_the_kill_whatever_stop_is_under_way() -> None:
     stops.kill_by(123.0)
     stops.kill_by(125.0)  # a renewal moved the lease's end: so moves the kill
     assert stops.kill_at == 125.0 and stops.reason == "spot"
+
+
+class Watched(Trainer):
+    """A trainer that also records early-checkpoint requests (a rebalance recommendation asks for one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checkpoints = 0
+
+    def request_checkpoint(self) -> None:
+        self.checkpoints += 1
+
+
+def _starting(trainer: Trainer) -> Callable[[], Any]:
+    """A `start` for StopRequests.launch that "starts" the stand-in."""
+    return lambda: trainer
+
+
+def _events(lines: list[str]) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in lines]
+
+
+def _logged() -> tuple[EventLog, list[str]]:
+    log = EventLog(stream=io.StringIO())
+    lines: list[str] = []
+    log.add_sink(lines.append)
+    return log, lines
+
+
+def test_a_stop_is_one_line_naming_its_reason_phase_and_deadline_and_signals_the_running_trainer() -> None:
+    log, lines = _logged()
+    stops = StopRequests(log, deadline_seconds=42)
+    assert stops.state() == (None, None) and not stops.is_set() and stops.reason is None
+    trainer = Watched()
+    assert stops.launch(_starting(trainer)) is True and stops.trainer is trainer
+    stops.phase = "training"
+    before = time.monotonic()
+    stops.request("cost_cap", cost_usd=12.5)
+    reason, seen_at = stops.state()
+    assert reason == "cost_cap" and seen_at is not None and before <= seen_at <= time.monotonic()
+    assert stops.is_set() and trainer.stops == 1
+    (event,) = _events(lines)
+    assert event["stage"] == "stop" and event["message"] == "stop requested from the trainer"
+    assert (event["reason"], event["phase"], event["deadline_s"], event["cost_usd"]) == (
+        "cost_cap",
+        "training",
+        42,
+        12.5,
+    )
+
+
+def test_a_stop_before_any_trainer_says_so_and_the_report_names_reason_and_phase() -> None:
+    log, lines = _logged()
+    stops = StopRequests(log, deadline_seconds=5)
+    stops.phase = "data-sync"
+    stops.request("spot")
+    assert _events(lines)[0]["message"] == "stop requested"
+    assert stops.stopped_before_training() is LifeEnd.PREEMPTED
+    report = _events(lines)[-1]
+    assert report["message"] == "stopped before training; nothing new to persist"
+    assert (report["reason"], report["phase"]) == ("spot", "data-sync")
+
+
+def test_wait_sleeps_until_its_timeout_and_wakes_at_once_on_a_stop() -> None:
+    stops = StopRequests(EventLog(stream=io.StringIO()), deadline_seconds=5)
+    started = time.monotonic()
+    assert stops.wait(0.2) is False and time.monotonic() - started >= 0.2
+    threading.Timer(0.1, stops.request, args=["control"]).start()
+    started = time.monotonic()
+    assert stops.wait(10) is True and time.monotonic() - started < 5
+
+
+def test_a_notice_is_logged_with_its_action_and_time_and_stops_with_its_source() -> None:
+    log, lines = _logged()
+    stops = StopRequests(log, deadline_seconds=100)
+    trainer = Watched()
+    stops.launch(_starting(trainer))
+    stops.on_notice(TerminationNotice("scale-in", "terminate", "2026-12-06T10:00:00Z"))
+    notice, stop = _events(lines)
+    assert notice["stage"] == "interruption" and notice["message"] == "scale-in termination notice"
+    assert (notice["action"], notice["at"]) == ("terminate", "2026-12-06T10:00:00Z")
+    assert stop["reason"] == "scale-in" and stops.reason == "scale-in" and trainer.stops == 1
+
+
+def test_a_rebalance_recommendation_asks_the_running_trainer_for_an_early_checkpoint_only() -> None:
+    log, lines = _logged()
+    stops = StopRequests(log, deadline_seconds=100)
+    stops.on_rebalance(RebalanceRecommendation("2026-12-06T10:00:00Z"))
+    assert _events(lines)[-1]["message"] == "rebalance recommendation (no trainer running yet)"
+    trainer = Watched()
+    stops.launch(_starting(trainer))
+    stops.on_rebalance(RebalanceRecommendation("2026-12-06T10:01:00Z"))
+    event = _events(lines)[-1]
+    assert event["message"] == "rebalance recommendation: early checkpoint requested"
+    assert event["notice_time"] == "2026-12-06T10:01:00Z"
+    assert trainer.checkpoints == 1 and trainer.stops == 0 and not stops.is_set(), (
+        "a recommendation is no stop"
+    )
+
+
+def test_sigterm_only_flips_a_flag_and_the_sentinel_turns_it_into_a_shutdown_stop() -> None:
+    stops = StopRequests(EventLog(stream=io.StringIO()), deadline_seconds=100)
+    done = threading.Event()
+    sentinel = threading.Thread(target=stops.sentinel, args=[done])
+    sentinel.start()
+    time.sleep(0.3)
+    assert not stops.is_set(), "the sentinel stopped a life nobody asked to stop"
+    stops.request_shutdown()
+    assert stops.wait(5), "the sentinel never acted on SIGTERM's flag"
+    assert stops.reason == "shutdown"
+    sentinel.join(5)
+    assert not sentinel.is_alive(), "the sentinel goes once it has acted"
+    quiet = StopRequests(EventLog(stream=io.StringIO()), deadline_seconds=100)
+    finished = threading.Event()
+    other = threading.Thread(target=quiet.sentinel, args=[finished])
+    other.start()
+    finished.set()
+    other.join(5)
+    assert not other.is_alive() and not quiet.is_set(), "the sentinel ends with the life, stopping nothing"
 
 
 # -- the real agent: the stop lands in each phase before the launch -------------------------------------
