@@ -30,6 +30,7 @@ from bootstrap.jobstate import JobState
 from bootstrap.ledger import FAILED_OUTCOMES, TERMINAL_STATUSES, JobLedger
 from bootstrap.notify import Notifier, format_duration, format_metrics
 from bootstrap.results import upload_results
+from bootstrap.safefiles import read_regular
 from trainstack_job.contract import RESUME_COMMAND, JobStatus, LifeOutcome
 from trainstack_job.datasets import DatasetPlace, push_command
 from trainstack_job.jobs import LEGACY_JOB_ID
@@ -266,7 +267,13 @@ class Outcomes:
                 reason = f"trainer exited 0 but {missing} is missing"
                 return self.failed(Failure(LifeEnd.FAILED, reason, list(self.log.tail)), life)
         try:
-            keys = upload_results(self.s3, self.config.bucket, results, output)
+            keys = upload_results(
+                self.s3,
+                self.config.bucket,
+                results,
+                output,
+                say=lambda line: self.log.event("results", line, level="warning"),
+            )
         except Exception as exc:
             # The next life restores the final checkpoint, finishes at once and uploads again.
             reason = f"results upload failed: {one_line(exc)}"
@@ -645,9 +652,18 @@ class Outcomes:
         self.log.event("release", "drain hook completed; the group terminates this instance now", hook=hook)
 
 
+# metrics.json is a few lines; the job owns the folder, so it may put anything there.
+MAX_METRICS_BYTES = 2**20
+
+
 def _metrics(output: Path) -> dict[str, Any] | None:
+    """The job's final metrics, read as the job wrote them: never through a link, a FIFO or past a bound
+    (the job owns output/; root reads it)."""
+    raw = read_regular(output / "metrics.json", MAX_METRICS_BYTES)
+    if raw is None:
+        return None
     try:
-        value = json.loads((output / "metrics.json").read_text())
-    except (OSError, ValueError):
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None

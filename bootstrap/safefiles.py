@@ -187,3 +187,92 @@ def remove_entry(path: Path, *, ignore_errors: bool = True) -> None:
     except OSError:
         if not ignore_errors:
             raise
+
+
+def read_regular(path: Path, limit: int) -> bytes | None:
+    """The bytes of the regular file at `path` itself, or None when there is none to read there: missing, a
+    link (never followed), a FIFO, socket or device (opened without blocking, never read), or over `limit`
+    bytes. For a small file the job writes and root polls: whatever the job puts at the name, the read
+    neither blocks nor grows past `limit`, nor reads what a link there points to."""
+    try:
+        with open_directory(path.parent) as fd:
+            handle = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+    except OSError:  # missing, a link (ELOOP), a socket (ENXIO): nothing to read, all alike
+        return None
+    try:
+        info = os.fstat(handle)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            return None
+        # The size may grow while it is read: one byte past `limit` is enough to refuse it.
+        chunks: list[bytes] = []
+        remaining = limit + 1
+        while remaining > 0:
+            chunk = os.read(handle, remaining)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+    except OSError:
+        return None
+    finally:
+        os.close(handle)
+    data = b"".join(chunks)
+    return data if len(data) <= limit else None
+
+
+def regular_files(
+    directory: Path, say: Callable[[str], None], *, skip: Callable[[str], bool] = lambda name: False
+) -> Iterator[tuple[PurePosixPath, int]]:
+    """Each regular file under `directory`, in name order, as (its path relative to `directory`, a read-only
+    descriptor of it, closed once the next one is asked for); names `skip` says yes to are left out, folders
+    too, with all they hold.
+
+    The walk goes by descriptors, each name opened with O_NOFOLLOW|O_NONBLOCK relative to its folder's: a link
+    (to a file or a folder, or swapped in during the walk) is never followed, nor a FIFO opened for reading
+    blocked on; `say` gets one line naming each such name left out. `directory` itself being a link raises
+    PlantedLinkError; missing, it holds nothing."""
+    try:
+        top = _open_folder(directory, str(directory))
+    except FileNotFoundError:
+        return
+    try:
+        yield from _regular_files(top, directory, PurePosixPath(), say, skip)
+    finally:
+        os.close(top)
+
+
+def _regular_files(
+    fd: int,
+    directory: Path,
+    relative: PurePosixPath,
+    say: Callable[[str], None],
+    skip: Callable[[str], bool],
+) -> Iterator[tuple[PurePosixPath, int]]:
+    for name in sorted(os.listdir(fd)):
+        if skip(name):
+            continue
+        inner = relative / name
+        try:
+            handle = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+        except FileNotFoundError:
+            continue  # removed since the listing
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                target = _link_target(fd, name)
+                say(f"{directory / inner}: a link (to {target}); not followed, left out")
+                continue
+            if exc.errno == errno.ENXIO:  # a socket: nothing to read
+                say(f"{directory / inner}: not a regular file or folder; left out")
+                continue
+            raise
+        try:
+            mode = os.fstat(handle).st_mode
+            if stat.S_ISDIR(mode):
+                yield from _regular_files(handle, directory, inner, say, skip)
+            elif stat.S_ISREG(mode):
+                os.set_blocking(handle, True)
+                yield inner, handle
+            else:
+                say(f"{directory / inner}: not a regular file or folder; left out")
+        finally:
+            os.close(handle)

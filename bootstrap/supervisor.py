@@ -117,6 +117,8 @@ class Supervisor:
                 defer_early_signals=self._trainer_command is None,
                 env={**env, **secrets},
                 launch=self.launch,
+                # A link the job planted at a signal file is named in the agent's log, not the job's output.
+                say=lambda line: self.log.event("job", line, level="warning"),
             )
         workdir = self._job_root / spec.workdir
         self.stops.phase = "job-setup"
@@ -141,6 +143,8 @@ class Supervisor:
             cwd=workdir,
             env={**env, **spec.env, **secrets},
             launch=self.launch,
+            # A link the job planted at a signal file is named in the agent's log, not the job's output.
+            say=lambda line: self.log.event("job", line, level="warning"),
         )
 
     def _job_credentials(self, paths: TrainerPaths, identity: InstanceIdentity | None) -> dict[str, str]:

@@ -7,12 +7,24 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bootstrap.safefiles import read_regular
+
+# progress.json holds a step and a few numbers: anything larger is not the trainer's progress.
+MAX_PROGRESS_BYTES = 2**20
+
 
 def read_progress(path: Path) -> dict[str, object] | None:
-    """The trainer's progress.json, or None while it is missing or mid-write."""
+    """The trainer's progress.json, or None while it is missing or mid-write.
+
+    The job owns the folder and root polls this every tick: a FIFO there must not block the agent's loop, a
+    link (to /dev/zero, to a JSON file of root's) is never followed, a huge file is never read whole. Each
+    of those is simply no progress, said nowhere: a line per tick would flood the agent's log."""
+    data = read_regular(path, MAX_PROGRESS_BYTES)
+    if data is None:
+        return None
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = json.loads(data)
+    except (ValueError, RecursionError):  # mid-write, not JSON or not UTF-8, or nested past the parser
         return None
     return value if isinstance(value, dict) else None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import os
 import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,6 +50,15 @@ class BundleError(ValueError):
     """The job's workdir cannot be bundled; the message names the folder and the fix."""
 
 
+class LinkOutsideError(BundleError):
+    """Links in the job's folder that point out of it: `problems` holds one line for each, naming the link,
+    where it points and the fix; the message is those lines joined by '; '."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
 def package_files(root: Path, package: str) -> list[tuple[str, Path]]:
     """The files of one bundled package as they go into the bundle: (name in the archive, local path)."""
     return [
@@ -62,12 +72,48 @@ def _bundled_files(root: Path, packages: Sequence[str]) -> list[tuple[str, Path]
     return [entry for package in packages for entry in package_files(root, package)]
 
 
+def _skipped(name: str) -> bool:
+    return name.startswith(".") or name in _JOB_SKIPPED_DIRS
+
+
+def links_outside(job_dir: Path) -> list[str]:
+    """One line for each link in the job's folder that points out of it, where the bundle would read it.
+
+    The bundle reads each file through its links: a link to ~/.aws/credentials would upload the credentials
+    with the job's code, to the bucket every instance of the stack reads. A link inside the folder is a copy
+    of the job's own file and passes; a link to a folder out of it is named too, dangling or not; folders the
+    bundle skips (.venv, dot folders, run folders) are not looked at."""
+    root = job_dir.resolve()
+    found: list[str] = []
+    for folder, dirs, files in os.walk(job_dir):  # never into a linked folder: os.walk lists it, as a name
+        where = Path(folder)
+        dirs[:] = sorted(d for d in dirs if not _skipped(d))
+        for name in sorted([*dirs, *files]):
+            path = where / name
+            if _skipped(name) or not path.is_symlink():
+                continue
+            target = path.resolve()
+            if not target.is_relative_to(root):
+                found.append(
+                    f"{path}: a link to {target}, outside the job's folder {job_dir}; the bundle never "
+                    "follows a link out of it: replace the link with a copy of what it points to, or "
+                    "remove it"
+                )
+    return found
+
+
 def job_files(job_dir: Path) -> list[tuple[str, Path]]:
+    """The job's files as they go into the bundle: (name in the archive, local path). LinkOutsideError names
+    each link out of the folder (`pulumi up` and `trainstack run` both bundle through here, so neither
+    uploads what such a link points to); BundleError says when the folder is too large."""
+    outside = links_outside(job_dir)
+    if outside:
+        raise LinkOutsideError(outside)
     files: list[tuple[str, Path]] = []
     total = 0
     for path in job_dir.rglob("*"):
         parts = path.relative_to(job_dir).parts
-        if not path.is_file() or any(p.startswith(".") or p in _JOB_SKIPPED_DIRS for p in parts):
+        if not path.is_file() or any(_skipped(p) for p in parts):
             continue
         total += path.stat().st_size
         files.append((f"{BUNDLE_JOB_DIR}/{'/'.join(parts)}", path))

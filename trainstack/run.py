@@ -7,7 +7,6 @@ Pulumi state (docs/internals.md, "The job queue").
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,7 +18,10 @@ import yaml
 from botocore.exceptions import ClientError
 
 from bootstrap.job import JobSpec, JobSpecError, load_job_spec
-from infra.bundle import _JOB_SKIPPED_DIRS, REPO_ROOT, BundleError, job_files
+from infra.bundle import REPO_ROOT, BundleError, LinkOutsideError, job_files
+
+# Re-exported: the check behind load_definition's refusal of links, where tests/cli/test_run_links.py looks.
+from infra.bundle import links_outside as links_outside
 from infra.submission import Submission, prepare_submission, training_config_problems
 from trainstack import datasets, follow
 from trainstack.aws import Clients, error_code, is_not_found
@@ -130,9 +132,10 @@ def load_definition(request: RunRequest) -> Definition:
     except JobSpecError as exc:
         raise InvalidJobError(problems + exc.problems) from None
     workdir = (request.job_file.parent / spec.workdir).resolve()
-    problems += links_outside(workdir)
     try:
         job_files(workdir)
+    except LinkOutsideError as exc:
+        problems += exc.problems  # each names the link itself, the job's folder and the fix
     except BundleError as exc:
         # The bundle's message names the stack key that points at the job; here it is the file given.
         problems.append(f"{request.job_file}: {str(exc).removeprefix('trainstack:job: ')}")
@@ -141,31 +144,6 @@ def load_definition(request: RunRequest) -> Definition:
     return Definition(
         request.name or spec.name, user_job=spec, user_job_dir=workdir, source=str(request.job_file)
     )
-
-
-def links_outside(workdir: Path) -> list[str]:
-    """One line for each link in the job's folder that points out of it, where the bundle would read it.
-
-    The bundle reads each file through its links: a link to ~/.aws/credentials would upload the credentials
-    with the job's code, to the bucket every instance of the stack reads. Links inside the folder are
-    copies of the job's own files and pass; folders the bundle skips (.venv, dot folders) are not looked at.
-    """
-    found: list[str] = []
-    for folder, dirs, files in os.walk(workdir):  # never into a linked folder: os.walk lists it, as a name
-        where = Path(folder)
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _JOB_SKIPPED_DIRS)
-        for name in sorted([*dirs, *files]):
-            path = where / name
-            if name.startswith(".") or name in _JOB_SKIPPED_DIRS or not path.is_symlink():
-                continue
-            target = path.resolve()
-            if not target.is_relative_to(workdir):
-                found.append(
-                    f"{path}: a link to {target}, outside the job's folder {workdir}; the bundle never "
-                    "follows a link out of it: replace the link with a copy of what it points to, or "
-                    "remove it"
-                )
-    return found
 
 
 @dataclass(frozen=True)
