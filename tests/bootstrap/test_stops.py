@@ -160,8 +160,18 @@ def test_a_stop_before_any_trainer_says_so_and_the_report_names_reason_and_phase
     assert _events(lines)[0]["message"] == "stop requested"
     assert stops.stopped_before_training() is LifeEnd.PREEMPTED
     report = _events(lines)[-1]
-    assert report["message"] == "stopped before training; nothing new to persist"
+    assert (
+        report["stage"] == "stop" and report["message"] == "stopped before training; nothing new to persist"
+    )
     assert (report["reason"], report["phase"]) == ("spot", "data-sync")
+
+
+def test_a_stop_before_any_phase_is_named_as_one_at_boot() -> None:
+    """The watcher runs from boot: a notice before the life's first phase names the phase `boot`."""
+    log, lines = _logged()
+    stops = StopRequests(log, deadline_seconds=5)
+    stops.request("spot")
+    assert _events(lines)[0]["phase"] == "boot"
 
 
 def test_wait_sleeps_until_its_timeout_and_wakes_at_once_on_a_stop() -> None:
@@ -194,6 +204,7 @@ def test_a_rebalance_recommendation_asks_the_running_trainer_for_an_early_checkp
     stops.launch(_starting(trainer))
     stops.on_rebalance(RebalanceRecommendation("2026-12-06T10:01:00Z"))
     event = _events(lines)[-1]
+    assert event["stage"] == "rebalance"
     assert event["message"] == "rebalance recommendation: early checkpoint requested"
     assert event["notice_time"] == "2026-12-06T10:01:00Z"
     assert trainer.checkpoints == 1 and trainer.stops == 0 and not stops.is_set(), (
