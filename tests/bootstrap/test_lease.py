@@ -465,3 +465,78 @@ def test_a_holder_past_its_own_deadline_and_a_taker_past_the_margin_race_and_exa
     else:
         assert outcomes["b"] == 2 and isinstance(outcomes["a"], LeaseLostError)
     assert racing.conflicts == 1
+
+
+def test_the_records_own_expiry_governs_and_a_record_without_one_expires_from_its_heartbeat(s3: Any) -> None:
+    """A holder configured with a longer lease writes a later `expires_at`: a taker with a shorter stale
+    limit still waits for it. A record from before leases carried their expiry ends `stale_seconds` after
+    its heartbeat, and is renewed and taken like any other."""
+    long = JobLease(s3, BUCKET, LEASE_KEY, holder="i-a", life_id="i-a@life", stale_seconds=120.0)
+    long.try_acquire(T0)
+    b = lease(s3, "i-b")
+    assert b.try_acquire(T0 + STALE + DRIFT) is None, "taken at the taker's limit, before the record's expiry"
+    assert b.try_acquire(T0 + 120 + DRIFT) == 2
+    older = {k: v for k, v in stored(s3).items() if k != "expires_at"} | {"heartbeat_at": T0 + 200}
+    s3.put_object(Bucket=BUCKET, Key=LEASE_KEY, Body=json.dumps(older).encode())
+    state = b.read()
+    assert state is not None and state.expires_at is None and state.expiry(STALE) == T0 + 200 + STALE
+    assert state.live(T0 + 200 + STALE + DRIFT - 1, STALE, DRIFT)
+    assert b.renew(T0 + 210).expires_at == T0 + 210 + STALE, "a renewal writes the expiry it lacked"
+    s3.put_object(Bucket=BUCKET, Key=LEASE_KEY, Body=json.dumps(older).encode())
+    c = lease(s3, "i-c")
+    assert c.try_acquire(T0 + 200 + STALE + DRIFT - 1) is None
+    assert c.try_acquire(T0 + 200 + STALE + DRIFT) == 3
+
+
+def test_a_record_whose_expiry_is_not_a_number_is_no_lease(s3: Any) -> None:
+    a = lease(s3, "i-a")
+    a.try_acquire(T0)
+    record = stored(s3)
+    for bad in ("soon", True, [T0]):
+        assert LeaseState.from_record(record | {"expires_at": bad}) is None, bad
+    assert LeaseState.from_record(record | {"expires_at": int(T0) + 60}) is not None
+    parsed = LeaseState.from_record(record | {"expires_at": int(T0) + 60})
+    assert parsed is not None and isinstance(parsed.expires_at, float) and parsed.expires_at == T0 + 60
+
+
+def test_an_acquisition_whose_answer_was_lost_holds_no_proof_until_it_renews(s3: Any) -> None:
+    """The put got in but its answer was lost: asking again returns the token, but proves nothing new
+    (the stored expiry may be older than this call); the next renewal proves it."""
+    lease(s3, "i-a").try_acquire(T0)
+    again = lease(s3, "i-a")
+    assert again.unproven_seconds() == float("inf") and again.own_deadline() is None
+    assert again.try_acquire(T0 + 1) == 1 and again.own_deadline() is None and again.expired()
+    again.renew(T0 + 2, proof_at=500.0)
+    assert again.own_deadline() == 500.0 + STALE
+
+
+def test_below_half_the_lease_unproven_the_fence_only_reads(s3: Any) -> None:
+    a = lease(s3, "i-a")
+    a.try_acquire(time.time() - STALE / 2)
+    written = etag(s3)
+    assert a.proven_at is not None
+    a.proven_at -= STALE * 0.4
+    a.check()
+    assert etag(s3) == written, "renewed before half the lease went unproven"
+
+
+def test_an_expiry_names_the_holder_its_token_the_lease_and_how_long_it_went_unproven(s3: Any) -> None:
+    error = LeaseExpiredError("i-a", 3, URI, 61.25)
+    assert isinstance(error, LeaseLostError)
+    assert (error.holder, error.token, error.uri, error.unproven_seconds) == ("i-a", 3, URI, 61.25)
+    assert str(error) == (
+        f"{URI}: lease not renewed for 61.2 s, past its expiry on this instance's clock: "
+        "this instance stops writing the job's checkpoints"
+    )
+    bare = LeaseExpiredError("i-a", 3)
+    assert bare.uri == "" and bare.unproven_seconds == 0.0
+    assert str(bare).startswith("lease not renewed for 0.0 s,")
+    link = Unreachable(s3)
+    a = lease(link, "i-a")
+    a.try_acquire(T0)
+    link.cut = True
+    assert a.proven_at is not None
+    a.proven_at -= STALE
+    with pytest.raises(LeaseExpiredError) as expired:
+        a.check()
+    assert (expired.value.holder, expired.value.token, expired.value.uri) == ("i-a", 1, URI)
