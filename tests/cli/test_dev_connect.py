@@ -119,14 +119,20 @@ def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli: Callable[..., Resu
 
 @pytest.fixture()
 def dev(box: DevStack, aws: Any) -> DevStack:
-    """`box` with its dev box up in moto."""
+    """`box` with its dev box up in moto, launched from the stack's dev template in its subnet as `trainstack
+    dev up` does: the proxy trusts no instance by its tag alone (trainstack/dev/identity.py)."""
     ec2 = boto3.client("ec2", region_name=REGION)
     subnet = ec2.describe_subnets()["Subnets"][0]["SubnetId"]
+    template_id = ec2.create_launch_template(
+        LaunchTemplateName=DEV_BOX, LaunchTemplateData={"ImageId": STAND_IN_AMI, "InstanceType": "g6.xlarge"}
+    )["LaunchTemplate"]["LaunchTemplateId"]
+    outputs = json.loads(box.outputs_file.read_text(encoding="utf-8"))
+    outputs.update(dev_template_id=template_id, dev_subnet_ids=[subnet])
+    box.outputs_file.write_text(json.dumps(outputs), encoding="utf-8")
     box.instance_id = ec2.run_instances(
-        ImageId=STAND_IN_AMI,
+        LaunchTemplate={"LaunchTemplateId": template_id, "Version": "$Default"},
         MinCount=1,
         MaxCount=1,
-        InstanceType="g6.xlarge",
         SubnetId=subnet,
         TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": DEV_TAG, "Value": DEV_BOX}]}],
     )["Instances"][0]["InstanceId"]

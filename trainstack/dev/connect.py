@@ -10,7 +10,10 @@ Host keys: the entry pins the box's host key under one alias in a known_hosts fi
 instance, new host key), so the first key of each instance is accepted and any change on the same instance
 is refused. Accepting that first key is safe enough because the SSH stream never crosses the network on its
 own: Session Manager delivers it, over TLS authenticated by AWS, to the SSM agent of the instance id the
-ProxyCommand resolved with the user's credentials; nobody in between can present another host key.
+ProxyCommand resolved with the user's credentials; nobody in between can present another host key. And the
+instance is resolved by more than its `trainstack:dev` tag, which anyone who may run instances can set: it
+must come from the stack's dev template, with the stack's dev profile, in its subnets (identity.py), or
+known_hosts is left as it is and the proxy refuses.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from botocore.exceptions import ClientError
 
 from trainstack.aws import Clients, error_code
 from trainstack.dev import servers
-from trainstack.dev.instances import dev_box_name, require_dev_instance
+from trainstack.dev.identity import require_trusted_dev_box
+from trainstack.dev.instances import dev_box_name
 from trainstack.dev.servers import SSH_USER
 from trainstack.errors import CliError
 from trainstack.session import Exec, replace_process, require_session_tools, session_command
@@ -294,7 +298,9 @@ def run_proxy(
         raise CliError(
             f"no SSH key for {alias} in {files.folder}: run `trainstack dev ssh-config --write` first"
         )
-    box = require_dev_instance(clients, stack.outputs)
+    # Before any key is pushed or known_hosts emptied: only an instance that is the stack's dev box by its
+    # template, profile and network (not by its tag alone) may have its first host key accepted.
+    box = require_trusted_dev_box(clients, stack.outputs)
     if box.state != "running":
         raise CliError(f"dev box {box.instance_id} is still {box.state}: retry in a minute")
     push_public_key(clients, box.instance_id, files.public_key.read_text(encoding="utf-8").strip())

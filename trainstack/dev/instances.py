@@ -17,6 +17,10 @@ DEV_TAG = "trainstack:dev"
 # A dev box in these states is up (or about to be) and billing; stopping/shutting-down ones are on their way
 # out and `dev up` may start the next one.
 LIVE_STATES = ("pending", "running")
+# EC2 tags every instance launched from a launch template with these; nobody can set a tag with the `aws:`
+# prefix, so unlike DEV_TAG they say which template (and version) the instance really came from.
+TEMPLATE_ID_TAG = "aws:ec2launchtemplate:id"
+TEMPLATE_VERSION_TAG = "aws:ec2launchtemplate:version"
 ENABLE_DEV_BOX = "`pulumi config set trainstack:devBox true && pulumi up`"
 
 
@@ -31,6 +35,14 @@ class DevInstance:
     lifecycle: str  # spot | on-demand
     launch_time: datetime
     private_ip: str | None = None
+    # What says where the instance came from (trainstack/dev/identity.py checks them against the stack):
+    # EC2's own `aws:ec2launchtemplate:*` tags, its instance profile, network and image.
+    template_id: str | None = None
+    template_version: str | None = None
+    profile_arn: str | None = None
+    vpc_id: str | None = None
+    subnet_id: str | None = None
+    image_id: str | None = None
 
     @property
     def spot(self) -> bool:
@@ -52,6 +64,8 @@ def _dev_instance(described: dict[str, Any]) -> DevInstance:
     launched = described["LaunchTime"]
     if launched.tzinfo is None:
         launched = launched.replace(tzinfo=timezone.utc)
+    tags = {str(t["Key"]): str(t["Value"]) for t in described.get("Tags") or []}
+    profile = described.get("IamInstanceProfile") or {}
     return DevInstance(
         instance_id=str(described["InstanceId"]),
         state=str(described["State"]["Name"]),
@@ -60,11 +74,18 @@ def _dev_instance(described: dict[str, Any]) -> DevInstance:
         lifecycle="spot" if described.get("InstanceLifecycle") == "spot" else "on-demand",
         launch_time=launched,
         private_ip=described.get("PrivateIpAddress"),
+        template_id=tags.get(TEMPLATE_ID_TAG),
+        template_version=tags.get(TEMPLATE_VERSION_TAG),
+        profile_arn=profile.get("Arn"),
+        vpc_id=described.get("VpcId"),
+        subnet_id=described.get("SubnetId"),
+        image_id=described.get("ImageId"),
     )
 
 
-def find_dev_instance(clients: Clients, outputs: StackOutputs) -> DevInstance | None:
-    """The stack's running or pending dev box, or None; the newest if a race ever left two."""
+def find_dev_instances(clients: Clients, outputs: StackOutputs) -> list[DevInstance]:
+    """Every running or pending instance with the stack's dev tag, newest launched first (the instance id
+    breaks a tie, so two calls always agree). The tag is anyone's to set: see trainstack/dev/identity.py."""
     name = dev_box_name(outputs)
     paginator = clients.ec2().get_paginator("describe_instances")
     found = [
@@ -78,7 +99,14 @@ def find_dev_instance(clients: Clients, outputs: StackOutputs) -> DevInstance | 
         for reservation in page["Reservations"]
         for instance in reservation["Instances"]
     ]
-    return max(found, key=lambda i: i.launch_time) if found else None
+    return sorted(found, key=lambda i: (i.launch_time, i.instance_id), reverse=True)
+
+
+def find_dev_instance(clients: Clients, outputs: StackOutputs) -> DevInstance | None:
+    """The stack's running or pending dev box by its tag alone, or None; the newest if a race ever left two.
+    Enough to start, end or report the box; whatever connects to it uses identity.require_trusted_dev_box."""
+    found = find_dev_instances(clients, outputs)
+    return found[0] if found else None
 
 
 def require_dev_instance(clients: Clients, outputs: StackOutputs) -> DevInstance:

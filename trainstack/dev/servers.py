@@ -19,7 +19,7 @@ from typing import Any
 from botocore.exceptions import ClientError
 
 from trainstack.aws import Clients, error_code
-from trainstack.dev.instances import require_dev_instance
+from trainstack.dev.identity import require_trusted_dev_box
 from trainstack.errors import CliError
 from trainstack.session import Exec, replace_process, require_session_tools, session_command
 from trainstack.stack import Stack
@@ -265,7 +265,9 @@ def run_jupyter(
 ) -> int:
     local = _validate_ports(port, local_port)
     require_session_tools()
-    box = require_dev_instance(clients, stack.outputs)
+    # Not by its tag alone: the token, the forward and the code typed into the notebook would all go to an
+    # instance anyone with RunInstances could have tagged (trainstack/dev/identity.py).
+    box = require_trusted_dev_box(clients, stack.outputs)
     done = run_on_box(
         clients.ssm(), box.instance_id, jupyter_script(port), comment="trainstack dev jupyter", sleep=sleep
     )
@@ -288,7 +290,7 @@ def run_tensorboard(
     if not logdir.strip() or "\n" in logdir:
         raise CliError(f"--logdir {logdir!r}: a folder on the box, relative to {WORKSPACE} or absolute")
     require_session_tools()
-    box = require_dev_instance(clients, stack.outputs)
+    box = require_trusted_dev_box(clients, stack.outputs)
     done = run_on_box(
         clients.ssm(),
         box.instance_id,
