@@ -12,7 +12,6 @@ the queue first, exactly once.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -23,6 +22,7 @@ from botocore.exceptions import ClientError
 from bootstrap.agent_config import AgentConfig, AgentConfigError
 from bootstrap.eventlog import EventLog, iso
 from bootstrap.ledger import JobLedger, LedgerStore
+from bootstrap.safefiles import remove_entry
 from trainstack_job.contract import CONTROL, LEDGER, JobStatus
 from trainstack_job.jobs import CURRENT_JOB, LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
 from trainstack_job.queue import (
@@ -85,8 +85,12 @@ _ATTEMPTS = 10
 MAX_OBJECT_BYTES = 1024 * 1024
 # In the instance's scratch folder: the job whose checkpoints/, output/ and control/ files are there.
 SCRATCH_OWNER = ".trainstack-job"
-# What a job leaves on the instance's scratch disk besides the dataset (bootstrap/trainer.py TrainerPaths).
-_JOB_LOCAL = ("checkpoints", "output", "control", "job.yaml")
+# What a job leaves on the instance's scratch disk besides the dataset (bootstrap/trainer.py TrainerPaths):
+# its checkpoints, results and signal files, and what its user wrote to run at all: its home (`home/`:
+# pip.conf, ~/.cache, ~/.local's site-packages), its venvs and pip's cache and HOME while it installs
+# (`python/`, bootstrap/job.py prepare_python), and its credentials off an instance (`job-credentials/`).
+# The next job runs as the same user: any of these kept would be read, or run, as that job's own.
+_JOB_LOCAL = ("checkpoints", "output", "control", "job.yaml", "home", "python", "job-credentials")
 
 
 class JobBindingError(RuntimeError):
@@ -482,8 +486,9 @@ class JobDirectory:
 
 def claim_scratch(scratch: Path, job_id: str, log: EventLog) -> None:
     """Make this instance's scratch folder `job_id`'s: another job's local checkpoints, results and signal
-    files go (they would be restored, and uploaded, as this job's); the synced dataset stays. A folder
-    without an owner (an agent from before the queue) is kept as it is."""
+    files go (they would be restored, and uploaded, as this job's), and so do its home, venvs and pip's
+    cache and configuration (the next job's user would read them, or run them, as its own); the synced
+    dataset stays. A folder without an owner (an agent from before the queue) is kept as it is."""
     owner_file = scratch / SCRATCH_OWNER
     try:
         owner = owner_file.read_text().strip()
@@ -491,13 +496,12 @@ def claim_scratch(scratch: Path, job_id: str, log: EventLog) -> None:
         owner = ""
     if owner and owner != job_id:
         for name in _JOB_LOCAL:
-            path = scratch / name
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+            # The job owned these folders: a link it left inside is removed, never followed.
+            remove_entry(scratch / name)
         log.event(
-            "job", "scratch cleared of the previous job's local files; the dataset stays", previous=owner
+            "job",
+            "scratch cleared of the previous job's local files, home and venvs; the dataset stays",
+            previous=owner,
         )
     owner_file.write_text(job_id + "\n")
 

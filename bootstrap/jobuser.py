@@ -35,14 +35,19 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from itertools import count
 from pathlib import Path
 from typing import Any
+
+from bootstrap.safefiles import remove_entry
+from trainstack_job.contract import LATEST
 
 JOB_USER = "trainstack-job"
 AGENT_UNIT = "trainstack-agent.service"
@@ -159,8 +164,123 @@ class JobLaunch:
             check=False,
         )
 
+    def end_all(self, say: Callable[[str], None], *, wait_seconds: float = 10.0) -> None:
+        """Between two jobs: kill every process the job's user still has, and remove what it left in the
+        folders every user may write (/tmp, /var/tmp, /dev/shm).
+
+        Jobs run one after the other as the same user, so whatever one job leaves running (a daemon it
+        started with `setsid`, out of its process group; without systemd there is no scope to kill) or
+        leaves in a shared folder (torch's and triton's compile caches default to /tmp) would be the next
+        job's to meet: it could read the next job's files and credentials or feed it code. Only for a user
+        of its own: as the agent's own user (tests, the demo) this would kill the agent itself.
+
+        Raises when the kill could not be run at all (the processes live on: the caller must not start
+        another job beside them). A process still listed after the wait is in an uninterruptible wait
+        with the SIGKILL pending: it dies the moment the kernel lets go of it, and never runs the job's
+        code again, so it is only said.
+        """
+        user = self.user
+        if user is None or not self.privileged or user.uid in (0, os.getuid()):
+            return
+        left = _processes_of(user.uid)
+        if left:
+            _kill_every_process_of(user)
+            deadline = time.monotonic() + wait_seconds
+            while _processes_of(user.uid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            still = _processes_of(user.uid)
+            if still:
+                pids = sorted(still)[:10]
+                say(f"{len(still)} process(es) of {user.name} not gone yet, SIGKILL pending: {pids}")
+            else:
+                say(f"ended {len(left)} process(es) the job left running as {user.name}")
+        removed = _remove_owned_by(user.uid, SHARED_TEMP)
+        if removed:
+            say(f"removed what the job left in shared folders as {user.name}: {removed[:10]}")
+
 
 AS_AGENT = JobLaunch(reason="default")
+
+# Folders every user may write, outside scratch: what the job's user leaves there outlives its job.
+SHARED_TEMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
+# Run as the job's user, it kills every process that user has and nothing else: kill(-1) signals exactly the
+# processes the caller may signal (its own uid's once it is not root), in one pass the kernel makes under
+# the task-list lock, so a child forked meanwhile is not missed, and there is no pid to be reused between
+# finding a process and killing it. It checks its own uid first: kill(-1) as root would end every process
+# on the machine, so it refuses to run as anyone but the job's user.
+_KILL_ALL_OF_ME = (
+    "import os, signal, sys\n"
+    "if {uid} == 0 or os.getuid() != {uid} or os.geteuid() != {uid}:\n"
+    "    sys.exit(3)\n"
+    "os.kill(-1, signal.SIGKILL)\n"
+)
+
+
+def _processes_of(uid: int) -> set[int]:
+    """Pids of the live processes whose real uid is `uid` (zombies are already dead: their parent reaps)."""
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        real_uid = int(fields.get("Uid", "-1 ").split()[0])
+        if real_uid == uid and not fields.get("State", "").strip().startswith(("Z", "X")):
+            found.add(int(entry.name))
+    return found
+
+
+def _kill_every_process_of(user: JobUser) -> None:
+    """kill(-1, SIGKILL) as `user` (never as root: the snippet checks its uid before it kills)."""
+    if user.uid == 0:
+        raise ValueError("refusing to kill every process of root")
+    setpriv = [
+        _which("setpriv"),
+        f"--reuid={user.uid}",
+        f"--regid={user.gid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+        "--",
+    ]
+    # -I -S: nothing of the job's (PYTHON* variables, a user site folder) runs in it; it would run as the
+    # job's user anyway, but it must not be made to skip the kill.
+    code = _KILL_ALL_OF_ME.format(uid=int(user.uid))
+    done = subprocess.run(
+        [*setpriv, sys.executable, "-I", "-S", "-c", code],
+        env={"PATH": os.defpath},
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if done.returncode != 0:
+        why = (done.stderr or done.stdout).strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        raise RuntimeError(f"could not kill the processes {user.name} left running: {why[0][:200]}")
+
+
+def _remove_owned_by(uid: int, folders: Iterable[Path]) -> list[str]:
+    """Remove every entry directly in `folders` that `uid` owns, links never followed; the removed paths."""
+    removed: list[str] = []
+    for folder in folders:
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue
+        for path in entries:
+            try:
+                owner = os.lstat(path).st_uid
+            except OSError:
+                continue
+            if owner == uid:
+                remove_entry(path)
+                removed.append(str(path))
+    return removed
 
 
 def detect(user_name: str = JOB_USER) -> JobLaunch:
@@ -283,6 +403,17 @@ def job_session_policy(
                 "Resource": [f"{bucket_arn}/{own}state/*", f"{bucket_arn}/{own}job.json"],
             }
         )
+        statements.append(
+            {
+                # The agent's persister alone moves the job's checkpoint pointer: it carries the lease's
+                # fencing token, and a job that wrote one (2^62) could make its own holder stop as
+                # superseded. The job's checkpoints are uploaded from its local folder by the agent.
+                "Sid": "NeverTheCheckpointPointer",
+                "Effect": "Deny",
+                "Action": ["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+                "Resource": f"{bucket_arn}/{own}checkpoints/{LATEST}",
+            }
+        )
     statements.append(
         {
             # `*`: the agent is not told the key's ARN; the role's policy allows only the stack's key.
@@ -399,11 +530,26 @@ class JobCredentials:
             "SessionToken": answer["SessionToken"],
             "Expiration": expiration.astimezone(timezone.utc).isoformat().replace("+00:00", "Z"),
         }
+        if self._stop.is_set():
+            # Stopped while STS answered: the job is over, and its folder may be gone or the next job's.
+            return
         self._write(self.credentials_file, json.dumps(document), 0o640)
         self.expiration = expiration
 
     def stop(self) -> None:
         self._stop.set()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """At the end of the job's life: no more refreshes, and its credentials gone from the instance.
+
+        The thread is waited for (a refresh in flight writes nothing once stopped), then the job's folder is
+        removed: the next job runs as the same user and group, so a file left readable here would hand it
+        this job's prefix. The session itself lives on until it expires (STS cannot end one early); every
+        process that could hold it was killed with the job (JobLaunch.end_all)."""
+        self.stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout)
+        remove_entry(self._directory)
 
     def _run(self) -> None:
         # Nothing may end this thread but stop(): a job whose credentials are no longer refreshed fails an

@@ -39,7 +39,7 @@ from bootstrap.lease import DRIFT_SECONDS, JobLease, LeaseExpiredError, LeaseLos
 from bootstrap.ledger import TERMINAL_STATUSES, JobLedger
 from bootstrap.notify import Notifier
 from bootstrap.outcomes import Failure, LifeEnd, LifeFacts, LifeResult, Outcomes
-from bootstrap.persist import CheckpointPersister, CheckpointRefusedError, UploadAbandonedError
+from bootstrap.persist import TOKEN_RECORD, CheckpointPersister, CheckpointRefusedError, UploadAbandonedError
 from bootstrap.pinned import PinnedCodeError, prepare_pinned, run_pinned
 from bootstrap.pricing import BucketUsage, PriceLookup
 from bootstrap.scratch import prepare_scratch
@@ -231,7 +231,12 @@ class InstanceLife:
         finally:
             self._stop_background()
             self._leave_job()
-            self.boot.close_logs()
+            try:
+                # Whatever the outcome, an exception included: the job's credentials and processes end with
+                # its life, before the next job runs here as the same user (bootstrap/supervisor.py).
+                self.supervisor.close()
+            finally:
+                self.boot.close_logs()
         return result
 
     def give_up(self) -> LifeResult:
@@ -604,7 +609,9 @@ class InstanceLife:
             instance_gone=self.fleet.instance_gone,
             drift_seconds=self._drift_seconds,
         )
-        role = self._writer.take(floor=self._persister_for(paths).latest_token() or 0)
+        # The floor is the agent's own record of the tokens it wrote, never latest.json's token: the job
+        # could write that one, and every later lease's token would start above it.
+        role = self._writer.take(floor=self._persister_for(paths).token_floor() or 0)
         writer = self._writer
         # From now on the holder (or the standby once it takes over) stops on its own clock when it cannot
         # renew: no network in this thread, so it works while S3 and the state poller hang.
@@ -645,6 +652,8 @@ class InstanceLife:
             keep=keep,
             fence=fence,
             on_lease_lost=self._lease_lost if fence is not None else None,
+            # The lease tokens it writes into latest.json, recorded where the job cannot write.
+            token_record=self.config.prefixes.state + TOKEN_RECORD,
         )
 
     def _lease_lost(self, error: LeaseLostError) -> None:
@@ -730,7 +739,7 @@ class InstanceLife:
             fix = exc.fix or f"fix the job's requirements file, run pulumi up, then {RESUME_COMMAND}"
             return Failure(LifeEnd.FAILED, exc.problems[0], list(self.log.tail), fix=fix, permanent=True)
         if standby:
-            ended = self._wait_as_standby(trainer, floor=reader.latest_token() or 0)
+            ended = self._wait_as_standby(trainer, floor=reader.token_floor() or 0)
             reader.close()
             if ended is not None:
                 return ended

@@ -11,6 +11,12 @@ Guarantees (docs/job-contract.md):
   before a step's first file, before its manifest and before `latest.json`, which carries the holder's token
   and is never overwritten by a writer with a lower token. A writer that lost the lease stops writing for
   good, says so once and reports its checkpoint as not confirmed;
+- only the lease record (which the job cannot write: its role denies `state/`) says who holds the lease:
+  a token in `latest.json` above the one the lease names for this holder was never handed out (tokens only
+  grow), so it is a forgery (a job that wrote `latest.json` with its own credentials), said once and
+  replaced, never a reason to stop. The job's own local `latest.json` is never uploaded (the agent writes
+  its own), and the floor for the next lease's token is the agent's own record of the tokens it wrote
+  (`token_record`, under the job's `state/`), never `latest.json`;
 - a multi-node job is fenced by its generation instead (bootstrap/generation_fence.py): the token is the
   generation the node trains in, carried under `latest.json`'s `"generation"` key, never `"token"`, so a
   lease's tokens and generation numbers are never compared: a `latest.json` without the fence's key (the
@@ -33,7 +39,7 @@ from typing import Any, Protocol, TypeVar
 from boto3.s3.transfer import TransferConfig, create_transfer_manager
 from botocore.exceptions import ClientError
 
-from bootstrap.lease import LeaseLostError
+from bootstrap.lease import LeaseLostError, LeaseState
 from bootstrap.safefiles import (
     PlantedLinkError,
     fd_path,
@@ -64,6 +70,10 @@ class EventSink(Protocol):
     def event(self, stage: str, message: str, **fields: Any) -> None: ...
 
 
+# Under the job's state prefix: the newest lease token this agent wrote into `latest.json`, kept where the job
+# cannot write (its role and session deny `state/`): the floor for the next lease's token (`token_floor`).
+TOKEN_RECORD = "latest-token.json"
+
 # S3's codes for an SSE-KMS object whose key KMS refuses to use: off (disabled, or pending deletion), or gone.
 _KMS_KEY_OFF = frozenset({"KMS.DisabledException", "KMS.KMSInvalidStateException"})
 _KMS_KEY_GONE = "KMS.NotFoundException"
@@ -74,6 +84,8 @@ class Fence(Protocol):
 
     `check()` returns when the lease still names `token` and raises `LeaseLostError` when it does not; any
     other error (S3 unreachable) means "unknown", and the persister retries rather than write unchecked.
+    What it returns is what it read: a `LeaseState` (the lease record) lets the persister tell a higher
+    token in `latest.json` that no lease handed out (a forgery, replaced) from a newer holder's (lost).
     A fence may also name the key `latest.json` carries its token under (`latest_key`, default "token") and
     word a loss to a newer `latest.json` (`superseded(token, uri)`): bootstrap/generation_fence.py does.
     """
@@ -196,6 +208,7 @@ class CheckpointPersister:
         poll_seconds: float = 0.5,
         fence: Fence | None = None,
         on_lease_lost: Callable[[LeaseLostError], None] | None = None,
+        token_record: str | None = None,
     ) -> None:
         self._s3 = s3
         self.bucket = bucket
@@ -219,6 +232,12 @@ class CheckpointPersister:
         self._token_key: str = getattr(fence, "latest_key", "token")
         self._on_lease_lost = on_lease_lost
         self._lease_lost: LeaseLostError | None = None
+        # The agent's own record of the lease tokens it wrote into latest.json (a key under the job's
+        # state/, TOKEN_RECORD), and the token it last recorded there; None: no record is kept.
+        self._token_record = token_record
+        self._recorded_token: int | None = None
+        # Forged tokens found in latest.json, each said once.
+        self._forged: set[int] = set()
 
     @property
     def uri(self) -> str:
@@ -246,9 +265,79 @@ class CheckpointPersister:
         return step, etag
 
     def latest_token(self, deadline: float | None = None) -> int | None:
-        """The lease token S3 `latest.json` carries (None: absent, or written unfenced): the `floor` to pass
-        to `JobLease.try_acquire`, so a lease rebuilt by hand never hands out a token already used."""
+        """The lease token S3 `latest.json` carries (None: absent, or written unfenced). Never a lease's
+        floor: whoever could write latest.json (a job, with its own credentials, before its session denied
+        it) could raise every later token with it; `token_floor` is the floor."""
         return self._read_latest(deadline)[1]
+
+    def token_floor(self, deadline: float | None = None) -> int | None:
+        """The newest lease token this agent recorded writing into latest.json (`token_record`; None: none
+        recorded, or no record kept): the `floor` to pass to `JobLease.try_acquire`, so a lease deleted or
+        damaged by hand never hands out a token already used. Read from the job's `state/`, which only the
+        agent writes, so a job can never raise it."""
+        if self._token_record is None:
+            return None
+        return self._read_token_record(deadline)[0]
+
+    def _read_token_record(self, deadline: float | None) -> tuple[int | None, str | None]:
+        """(token, ETag) of the token record; (None, None) when absent, (None, ETag) when not a record."""
+        assert self._token_record is not None
+        key = self._token_record
+        try:
+            response = bounded(
+                lambda: self._s3.get_object(Bucket=self.bucket, Key=key), deadline, "read-token-record"
+            )
+        except ClientError as exc:
+            if _is_missing(exc):
+                return None, None
+            raise
+        etag = str(response["ETag"])
+        try:
+            token = json.loads(response["Body"].read()).get("token")
+        except (ValueError, AttributeError):
+            return None, etag
+        valid = isinstance(token, int) and not isinstance(token, bool)
+        return (token if valid else None), etag
+
+    def _record_token(self, token: int, deadline: float | None) -> None:
+        """Keep `token` in the agent's own record once latest.json carries it; the record only moves up
+        (conditional writes: a slower, older holder never lowers it). A failure is said and retried with the
+        next commit: the lease record still holds the token meanwhile."""
+        if self._token_record is None or self._recorded_token == token:
+            return
+        key = self._token_record
+        try:
+            for _ in range(8):
+                recorded, etag = self._read_token_record(deadline)
+                if recorded is not None and recorded >= token:
+                    break
+                condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+                body = json.dumps({"token": token, "uri": f"{self.uri}/{LATEST}"}).encode()
+
+                def put(condition: dict[str, str] = condition, body: bytes = body) -> Any:
+                    return self._s3.put_object(
+                        Bucket=self.bucket, Key=key, Body=body, ContentType="application/json", **condition
+                    )
+
+                try:
+                    bounded(put, deadline, "put-token-record")
+                except ClientError as exc:
+                    if _is_conflict(exc):
+                        continue
+                    raise
+                break
+            else:
+                raise RuntimeError("too many concurrent writers")
+        except Exception as exc:  # housekeeping for a lease rebuilt by hand: never fails the commit
+            self._log.event(
+                "checkpoint",
+                "could not record the lease token written into latest.json; retried with the next commit",
+                level="warning",
+                uri=f"s3://{self.bucket}/{key}",
+                error=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+            )
+            return
+        self._recorded_token = token
 
     def _read_latest(self, deadline: float | None) -> tuple[int | None, int | None, str | None]:
         """(step, token, ETag) of S3 `latest.json`; the token is None when it carries none."""
@@ -576,15 +665,16 @@ class CheckpointPersister:
                     )
         return error
 
-    def _fence_check(self, deadline: float | None) -> None:
-        """Before every write of a fenced persister: the lease must still name its token."""
+    def _fence_check(self, deadline: float | None) -> object:
+        """Before every write of a fenced persister: the lease must still name its token. Returns what the
+        fence read (the lease record, for a `JobLease`)."""
         if self._fence is None:
-            return
+            return None
         if self._lease_lost is not None:
             raise self._lease_lost
         fence = self._fence
         try:
-            bounded(fence.check, deadline, "check-lease")
+            return bounded(fence.check, deadline, "check-lease")
         except LeaseLostError as exc:
             raise self._lose(exc) from None
 
@@ -689,15 +779,22 @@ class CheckpointPersister:
             current, current_token, etag = self._read_latest(deadline)
             if token is not None and current_token is not None and current_token > token:
                 # A newer holder moved latest.json between our check and now: the lease names it.
-                self._fence_check(deadline)
+                record = self._fence_check(deadline)
                 uri = f"{self.uri}/{LATEST}"
-                superseded = getattr(self._fence, "superseded", None)
-                lost = (
-                    superseded(current_token, uri)
-                    if superseded is not None
-                    else LeaseLostError(f"the writer of {LATEST}", current_token, uri)
-                )
-                raise self._lose(lost)
+                if isinstance(record, LeaseState) and record.token < current_token:
+                    # The lease record still names this holder's token, and a lease's tokens only grow: no
+                    # lease ever handed out the higher one. Whoever wrote it (the job, with its own
+                    # credentials) does not decide who holds the lease; it is replaced like any earlier
+                    # writer's latest.json.
+                    self._say_forged(current_token, record.token, uri)
+                else:
+                    superseded = getattr(self._fence, "superseded", None)
+                    lost = (
+                        superseded(current_token, uri)
+                        if superseded is not None
+                        else LeaseLostError(f"the writer of {LATEST}", current_token, uri)
+                    )
+                    raise self._lose(lost)
             ours = token is None or current_token == token
             if current is not None and current >= step and ours:
                 # Someone (an earlier upload, another life) already moved past this step: never move it back.
@@ -726,8 +823,25 @@ class CheckpointPersister:
             replace_file(
                 self.local_dir / LATEST, self._latest_body(step, epoch, token), say=self._planted_link
             )
+            if token is not None and self._token_key == "token":
+                self._record_token(token, deadline)
             return
         raise RuntimeError(f"{self.uri}/{LATEST}: too many concurrent writers; will retry")
+
+    def _say_forged(self, forged: int, held: int, uri: str) -> None:
+        """One warning per forged token: what latest.json carried, and what the lease really says."""
+        if forged in self._forged:
+            return
+        self._forged.add(forged)
+        self._log.event(
+            "checkpoint",
+            f"latest.json carries token {forged}, but the lease names this holder with token {held}: "
+            "replaced (a token above the lease's was never handed out; only the lease record says who "
+            "writes the job's checkpoints)",
+            level="warning",
+            uri=uri,
+            token=held,
+        )
 
     def _latest_body(self, step: int, epoch: Any, token: int | None) -> bytes:
         """`latest.json` with the fence's token under the fence's own key."""

@@ -37,7 +37,8 @@ from trainstack_job.contract import RESUME_COMMAND, ExitCode, JobEnv
 from trainstack_job.datasets import DatasetPlace
 from trainstack_job.jobs import JobPrefixes
 
-# On an instance the job's credentials live on tmpfs, in a directory only root writes.
+# On an instance the job's credentials live on tmpfs, in a directory only root writes: one folder per job
+# (`<job-id>/`), removed at the end of the job's life, so a job never finds another's credentials there.
 CREDENTIALS_DIR = Path("/run/trainstack/job-credentials")
 # The job's own log stream (the job role allows `<job-id>/<instance-id>/job` only), named in its environment.
 JOB_LOG_GROUP_ENV = "TRAINSTACK_JOB_LOG_GROUP"
@@ -177,7 +178,7 @@ class Supervisor:
             policy=policy,
             session_name=f"{self.config.job_id}-{identity.instance_id if identity else 'local'}",
             region=self.config.region,
-            directory=CREDENTIALS_DIR if os.geteuid() == 0 else paths.scratch / "job-credentials",
+            directory=credentials_directory(paths, self.config.job_id),
             launch=self.launch,
             log=self.log.event,
         )
@@ -198,6 +199,28 @@ class Supervisor:
         self._credentials, self._credentials_env = credentials, env
         self.log.event("job", "job credentials: the job role, narrowed to this job", role=role, stream=stream)
         return env
+
+    def close(self) -> None:
+        """The end of this job's life on the instance, whatever its outcome (an exception included): its
+        credentials stop being refreshed and leave the instance, and every process its user still has is
+        killed. Jobs run one after another as the same user: a refresher left running would keep
+        rewriting credentials the next job's user can read, and a process left running would meet the
+        next job. Both steps are tried; the first failure is raised after both (the agent then exits, and
+        systemd stops what is left of the job with it)."""
+        credentials, self._credentials, self._credentials_env = self._credentials, None, {}
+        failure: Exception | None = None
+        if credentials is not None:
+            try:
+                credentials.close()
+                self.log.event("job", "job credentials stopped and removed")
+            except Exception as exc:
+                failure = exc
+        try:
+            self.launch.end_all(lambda line: self.log.event("job", line))
+        except Exception as exc:
+            failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def job_secrets(self) -> dict[str, str]:
         """The job's `secrets:` (job.yaml, or the built-in trainer's config) read into memory for its
@@ -373,6 +396,13 @@ class Supervisor:
         else:
             message = f"trainer exited {_plain(code)} after the stop request instead of 75; {kept}"
         self.log.event("stop", message, **fields)
+
+
+def credentials_directory(paths: TrainerPaths, job_id: str) -> Path:
+    """Where one job's credentials file and profile live: its own folder, never a folder another job's
+    refresher writes (tmpfs as root, else beside the job's scratch)."""
+    root = CREDENTIALS_DIR if os.geteuid() == 0 else paths.scratch / "job-credentials"
+    return root / (job_id or "default")
 
 
 def _plain(code: TrainerExit) -> int | str:
