@@ -13,16 +13,16 @@ import pulumi_aws as aws  # noqa: E402
 
 from bootstrap.agent_config import Prefixes  # noqa: E402
 from infra.bundle import DEV_BOX_PACKAGES, build_bundle  # noqa: E402
-from infra.capacity import CapacityFallback, CapacityFallbackArgs, declared  # noqa: E402
 from infra.config import load_stack_config  # noqa: E402
 from infra.defaultjob import DefaultJob, DefaultJobArgs, submit_stack_job  # noqa: E402
 from infra.devbox import DevBox, DevBoxArgs  # noqa: E402
 from infra.drill import Drill, DrillArgs  # noqa: E402
-from infra.fleet import Fleet, FleetArgs, resolve_image  # noqa: E402
+from infra.fleet import resolve_image  # noqa: E402
 from infra.identity import Identity, IdentityArgs  # noqa: E402
 from infra.network import Network, NetworkArgs  # noqa: E402
 from infra.observability import Observability, ObservabilityArgs  # noqa: E402
-from infra.placement import lookup_zones  # noqa: E402
+from infra.placement import lookup_pool_zones  # noqa: E402
+from infra.pools import POOLS_OUTPUT, DeclaredPool, PoolBaseline, declare_pool, pools_output  # noqa: E402
 from infra.storage import Storage, StorageArgs  # noqa: E402
 from infra.vendored_wheels import VendoredWheels  # noqa: E402
 from infra.wheels import INSTANCE_LOCK, INSTANCE_WHEELS_DIR, vendored_wheels  # noqa: E402
@@ -31,7 +31,8 @@ from trainstack_job.contract import StackOutput  # noqa: E402
 config = load_stack_config()
 account_id = aws.get_caller_identity().account_id
 partition = aws.get_partition().partition
-zones = lookup_zones(config.instance_types, config.region)
+# The stack's subnets cover every pool's zones; each pool's group launches into its own (infra/placement.py).
+zones, pool_zones = lookup_pool_zones(config.pools, config.region, declared=bool(config.declared_pools))
 image = resolve_image(config)
 # The stack's default job (trainstack:job / trainingConfig): submitted to the queue below, never in user-data.
 job = submit_stack_job(config)
@@ -67,7 +68,7 @@ network = Network(
         flow_log_group_name=config.flow_log_group_name,
         flow_log_retention_days=config.flow_log_retention_days,
         bucket_arn=storage.bucket.arn,
-        peer_traffic=config.multi_node,
+        peer_traffic=any(pool.multi_node for pool in config.pools),
         network_isolation=config.network_isolation,
         tags=tags,
     ),
@@ -87,6 +88,7 @@ observability = Observability(
         alert_email=config.alert_email,
         monthly_budget_usd=config.monthly_budget_usd,
         tags=tags,
+        pools=config.pools,
     ),
 )
 identity = Identity(
@@ -102,6 +104,8 @@ identity = Identity(
         log_group_arn=observability.log_group.arn,
         group_name=config.group_name,
         tags=tags,
+        # Every pool's instances run as this one role: it may scale and drain each pool's group.
+        group_names=config.group_names,
     ),
 )
 # Only with trainstack:devBox on: the dev box's template and role (`trainstack dev up` starts the instance).
@@ -132,6 +136,7 @@ dev_box = (
                 StackOutput.GROUP_NAME.value: config.group_name,
                 StackOutput.INSTANCE_COUNT.value: config.instance_count,
                 StackOutput.INSTANCE_TYPES.value: list(config.instance_types),
+                POOLS_OUTPUT: pools_output(config.pools),
                 StackOutput.LOG_GROUP_NAME.value: config.log_group_name,
                 StackOutput.TOPIC_ARN.value: observability.topic.arn,
                 StackOutput.KMS_KEY_ARN.value: storage.key.arn,
@@ -176,48 +181,37 @@ def submit_default_job(agent_bundle_object: aws.s3.BucketObjectv2) -> list[pulum
     return [default_job.entry_object]
 
 
-fleet = Fleet(
-    "fleet",
-    FleetArgs(
-        config=config,
-        image=image,
-        bundle=agent_bundle,
-        bucket_name=storage.bucket.bucket,
-        kms_key_arn=storage.key.arn,
-        topic_arn=observability.topic.arn,
-        log_group_name=config.log_group_name,
-        instance_profile_arn=identity.instance_profile.arn,
-        job_role_arn=identity.job_role_arn,
-        security_group_id=network.security_group.id,
-        subnet_ids=network.subnet_ids,
-        tags=tags,
-        before_group=submit_default_job,
-    ),
+baseline = PoolBaseline(
+    config=config,
+    image=image,
+    bundle=agent_bundle,
+    partition=partition,
+    account_id=account_id,
+    bucket_name=storage.bucket.bucket,
+    bucket_arn=storage.bucket.arn,
+    kms_key_arn=storage.key.arn,
+    topic_arn=observability.topic.arn,
+    instance_profile_arn=identity.instance_profile.arn,
+    job_role_arn=identity.job_role_arn,
+    security_group_id=network.security_group.id,
+    subnet_ids=network.subnet_ids,
+    zones=zones,
+    tags=tags,
 )
-# The same function enforces the cost cap from outside the instance: declared when either is on.
-if declared(config.spot_fallback_minutes, config.max_cost_usd):
-    CapacityFallback(
-        "capacity",
-        CapacityFallbackArgs(
-            name=config.name,
-            stack=config.stack,
-            partition=partition,
-            region=config.region,
-            account_id=account_id,
-            group_name=config.group_name,
-            fallback_minutes=config.spot_fallback_minutes,
-            spot_on_demand_percentage=config.on_demand_percentage_above_base,
-            kms_key_arn=storage.key.arn,
-            log_group_name=f"{config.log_group_name}/capacity-fallback",
-            log_retention_days=config.log_retention_days,
-            depends_on=[fleet.group],
-            tags=tags,
-            max_cost_usd=config.max_cost_usd,
-            bucket_name=storage.bucket.bucket,
-            bucket_arn=storage.bucket.arn,
-            topic_arn=observability.topic.arn,
-        ),
+# One call per pool, the default pool first: it declares the agent's bundle, which every pool boots, and its
+# group waits for the stack's default job (the others start at zero).
+pools: list[DeclaredPool] = []
+for pool in config.pools:
+    pools.append(
+        declare_pool(
+            pool,
+            baseline,
+            zones=pool_zones[pool.name],
+            bundle_object=pools[0].fleet.bundle_object if pools else None,
+            before_group=submit_default_job if pool.default else None,
+        )
     )
+fleet = pools[0].fleet
 drill = (
     Drill(
         "drill",
@@ -252,6 +246,8 @@ pulumi.export(
 pulumi.export(StackOutput.GROUP_NAME.value, fleet.group.name)
 pulumi.export(StackOutput.INSTANCE_COUNT.value, config.instance_count)
 pulumi.export(StackOutput.INSTANCE_TYPES.value, list(config.instance_types))
+# Every pool (the single group's is `default`): name -> group_name, instance_types, max_instances, default.
+pulumi.export(POOLS_OUTPUT, pools_output(config.pools, {p.pool.name: p.fleet.group.name for p in pools}))
 pulumi.export(StackOutput.LOG_GROUP_NAME.value, observability.log_group.name)
 pulumi.export(StackOutput.TOPIC_ARN.value, observability.topic.arn)
 pulumi.export(StackOutput.KMS_KEY_ARN.value, storage.key.arn)

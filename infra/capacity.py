@@ -46,10 +46,21 @@ class CapacityFallbackArgs:
     bucket_name: pulumi.Input[str] | None = None
     bucket_arn: pulumi.Input[str] | None = None
     topic_arn: pulumi.Input[str] | None = None
+    # The pool whose group this function watches (trainstack:pools): its AWS names end with it. "" = the
+    # single group's pool (infra/config.py LEGACY_POOL), whose names carry none.
+    pool: str = ""
 
     @property
     def caps_cost(self) -> bool:
         return self.max_cost_usd is not None
+
+    @property
+    def function_name(self) -> str:
+        """The function's and its role's name (at most 64 characters: infra/config.py checks a pool's)."""
+        return f"{self.name}-capacity-fallback" + (f"-{self.pool}" if self.pool else "")
+
+    def rule_name(self, role: str) -> str:
+        return f"{self.name}-capacity-" + (f"{self.pool}-{role}" if self.pool else role)
 
 
 def declared(fallback_minutes: int, max_cost_usd: float | None) -> bool:
@@ -95,7 +106,7 @@ class CapacityFallback(pulumi.ComponentResource):
         self.function = self._create_function()
         self._invoke_on(
             "group-events",
-            "launch failures and terminations",
+            "launch failures and terminations" + (f" in {args.group_name}" if args.pool else ""),
             event_pattern=json.dumps(group_events_pattern(args.group_name)),
         )
         self._invoke_on("schedule", f"capacity check, {SCHEDULE}", schedule=SCHEDULE)
@@ -105,7 +116,7 @@ class CapacityFallback(pulumi.ComponentResource):
         args = self._args
         role = aws.iam.Role(
             f"{self._name}-role",
-            name=f"{args.name}-capacity-fallback",
+            name=args.function_name,
             description=f"{args.name} capacity fallback: reads and switches {args.group_name} only",
             assume_role_policy=json.dumps(policies.assume_role_policy("lambda.amazonaws.com")),
             max_session_duration=3600,
@@ -161,7 +172,7 @@ class CapacityFallback(pulumi.ComponentResource):
         args = self._args
         return aws.lambda_.Function(
             f"{self._name}-function",
-            name=f"{args.name}-capacity-fallback",
+            name=args.function_name,
             description=_description(args),
             runtime=aws.lambda_.Runtime.PYTHON3D13,
             architectures=["arm64"],
@@ -185,7 +196,7 @@ class CapacityFallback(pulumi.ComponentResource):
         args = self._args
         rule = aws.cloudwatch.EventRule(
             f"{self._name}-{role}",
-            name=f"{args.name}-capacity-{role}",
+            name=args.rule_name(role),
             description=f"trainstack {args.stack}: {description} -> capacity fallback",
             event_pattern=event_pattern,
             schedule_expression=schedule,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import ipaddress
 import json
@@ -68,6 +69,50 @@ DEFAULTS: dict[str, Any] = {
     "networkIsolation": False,
     "devBox": False,
 }
+
+# trainstack:pools (docs/internals.md, "Pools"): a list of mappings, so no entry of DEFAULTS (Pulumi.yaml's
+# typed schema has no type for a list of objects, and Pulumi passes such a value to the program as JSON).
+# Unset or empty: today's single-group keys above define the stack's one pool, named LEGACY_POOL.
+POOLS_KEY = "pools"
+STRUCTURED_KEYS = (POOLS_KEY,)
+# The pool the single-group keys define. A declared pool of this name keeps that group's resources and names
+# (the Auto Scaling group `<project>-<stack>-gpu`, the Pulumi names `fleet`, `capacity`...), so a stack moving
+# its single group into trainstack:pools with the same settings diffs to nothing.
+LEGACY_POOL = "default"
+# Each pool is an Auto Scaling group, a launch template and (when on) its capacity function, alarm and rules.
+MAX_POOLS = 8
+# A pool's name is part of AWS names of at most 64 characters (its capacity function's role and rules).
+POOL_NAME = re.compile(r"^[a-z](?:[a-z0-9-]{0,14}[a-z0-9])?$")
+# A pool's keys with their defaults (None: required). The purchase and placement keys mirror the single
+# group's: instanceCount is a pool's maxInstances, placementStrategy "cluster" its placementGroup true.
+POOL_DEFAULTS: dict[str, Any] = {
+    "name": None,
+    "instanceTypes": None,
+    "maxInstances": None,
+    "minNodes": 1,
+    "spotAllocationStrategy": "price-capacity-optimized",
+    "onDemandBaseCapacity": 0,
+    "onDemandPercentageAboveBase": 0,
+    "spotMaxPrice": "",
+    "spotFallbackMinutes": 15,
+    "placementGroup": False,
+}
+# The single group's keys: with trainstack:pools each pool has its own, and these must stay at their defaults.
+SINGLE_GROUP_KEYS = (
+    "instanceTypes",
+    "instanceCount",
+    "minNodes",
+    "spotAllocationStrategy",
+    "onDemandBaseCapacity",
+    "onDemandPercentageAboveBase",
+    "spotMaxPrice",
+    "spotFallbackMinutes",
+    "placementStrategy",
+)
+POOLS_EXAMPLE = (
+    '\'[{"name":"default","instanceTypes":["g6.xlarge","g5.xlarge"],"maxInstances":1},'
+    '{"name":"big","instanceTypes":["g6e.12xlarge","g6.12xlarge"],"maxInstances":2}]\''
+)
 
 # Instance families with NVIDIA GPUs that the x86_64 Deep Learning AMI boots on.
 NVIDIA_FAMILIES: dict[str, str] = {
@@ -137,9 +182,63 @@ class StackConfigError(_ConfigRunError):
         self.problems = problems if problems is not None else [message]
 
 
+def pool_group_name(stack_name: str, pool: str) -> str:
+    """A pool's Auto Scaling group (and launch template): fixed, so user-data and IAM name it before it
+    exists. The single group's pool keeps the name it always had."""
+    return f"{stack_name}-gpu" if pool == LEGACY_POOL else f"{stack_name}-gpu-{pool}"
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One Auto Scaling group of the stack (trainstack:pools, or the single group's keys): what it launches
+    and how it buys it. Every pool shares the stack's network, bucket, key, roles, topic and log group."""
+
+    name: str
+    # `pool_group_name(<project>-<stack>, name)`: the group's and its launch template's name.
+    group_name: str
+    instance_types: tuple[str, ...]
+    # The group's most instances for one job (the single group's instanceCount); the group's MaxSize is one
+    # more (infra/fleet.py: capacity rebalancing's replacement).
+    max_instances: int
+    min_nodes: int = 1
+    spot_allocation_strategy: str = "price-capacity-optimized"
+    on_demand_base_capacity: int = 0
+    on_demand_percentage_above_base: int = 0
+    spot_max_price: str = ""
+    spot_fallback_minutes: int = 15
+    # A cluster placement group (one AZ) for a multi-node job's instances.
+    placement_group: bool = False
+    # The stack's default pool (the first): it starts with the stack's default job at `pulumi up`, and the
+    # outputs the CLI reads today (group_name, instance_count, instance_types) describe it. Every other pool
+    # starts at zero.
+    default: bool = True
+
+    @property
+    def multi_node(self) -> bool:
+        return self.max_instances > 1
+
+    @property
+    def efa(self) -> bool:
+        """An EFA on each instance: multi-node, in a placement group (one subnet), every type takes one."""
+        return self.multi_node and self.placement_group and all_support_efa(self.instance_types)
+
+    @property
+    def legacy(self) -> bool:
+        """The single group's pool: its resources keep the names they had before pools."""
+        return self.name == LEGACY_POOL
+
+    def suffixed(self, base: str, separator: str = "-") -> str:
+        """`base` for the single group's pool, else `base<separator><pool>`: the pool's names of a kind."""
+        return base if self.legacy else f"{base}{separator}{self.name}"
+
+
 @dataclass(frozen=True)
 class StackConfig:
-    """Everything the program needs from `Pulumi.<stack>.yaml`, validated and typed."""
+    """Everything the program needs from `Pulumi.<stack>.yaml`, validated and typed.
+
+    The single group's fields (instance_types, instance_count, min_nodes, the purchase options,
+    spot_fallback_minutes, placement_strategy) describe the stack's default pool: with trainstack:pools they
+    are the first pool's. `pools` lists every pool."""
 
     project: str
     stack: str
@@ -184,6 +283,8 @@ class StackConfig:
     network_isolation: bool = False
     # Declare the dev box's launch template and role (infra/devbox.py); no instance runs until `dev up`.
     dev_box: bool = False
+    # trainstack:pools as declared (the first is the default pool); empty: the single group's keys define one.
+    declared_pools: tuple[Pool, ...] = ()
 
     @property
     def name(self) -> str:
@@ -206,9 +307,42 @@ class StackConfig:
         return self.multi_node and self.cluster_placement and all_support_efa(self.instance_types)
 
     @property
+    def pools(self) -> tuple[Pool, ...]:
+        """Every pool, the default pool first: trainstack:pools, else the one the single group's keys
+        define."""
+        if self.declared_pools:
+            return self.declared_pools
+        return (
+            Pool(
+                name=LEGACY_POOL,
+                group_name=pool_group_name(self.name, LEGACY_POOL),
+                instance_types=self.instance_types,
+                max_instances=self.instance_count,
+                min_nodes=self.min_nodes,
+                spot_allocation_strategy=self.spot_allocation_strategy,
+                on_demand_base_capacity=self.on_demand_base_capacity,
+                on_demand_percentage_above_base=self.on_demand_percentage_above_base,
+                spot_max_price=self.spot_max_price,
+                spot_fallback_minutes=self.spot_fallback_minutes,
+                placement_group=self.cluster_placement,
+                default=True,
+            ),
+        )
+
+    @property
+    def default_pool(self) -> Pool:
+        return self.pools[0]
+
+    @property
     def group_name(self) -> str:
-        """The Auto Scaling group's name, fixed so user-data and the IAM policy know it before it exists."""
-        return f"{self.name}-gpu"
+        """The default pool's Auto Scaling group, fixed so user-data and the IAM policy know it before it
+        exists (`<project>-<stack>-gpu` for the single group)."""
+        return self.default_pool.group_name
+
+    @property
+    def group_names(self) -> tuple[str, ...]:
+        """Every pool's group, the default pool's first."""
+        return tuple(pool.group_name for pool in self.pools)
 
     @property
     def dev_box_name(self) -> str:
@@ -234,8 +368,16 @@ class _Problems:
     def __init__(self) -> None:
         self.lines: list[str] = []
 
-    def add(self, key: str, why: str, example: str) -> None:
-        self.lines.append(f"{NAMESPACE}:{key}: {why} (e.g. `pulumi config set {NAMESPACE}:{key} {example}`)")
+    def add(self, key: str, why: str, example: str, fix_key: str | None = None) -> None:
+        """One line: the key, why, and the `pulumi config set` command that fixes it (`fix_key`, else `key`);
+        a key inside a pool (`pools[1].maxInstances`) is set with `--path`."""
+        fix_key = fix_key or key
+        target = (
+            f"--path '{NAMESPACE}:{fix_key}'"
+            if "[" in fix_key or "." in fix_key
+            else f"{NAMESPACE}:{fix_key}"
+        )
+        self.lines.append(f"{NAMESPACE}:{key}: {why} (e.g. `pulumi config set {target} {example}`)")
 
 
 def load_stack_config() -> StackConfig:
@@ -286,8 +428,8 @@ def parse_stack_config(
     """Validate raw values (strings, or already typed); raise one message listing every problem."""
     problems = _Problems()
     for key in raw:
-        if key not in DEFAULTS:
-            close = difflib.get_close_matches(key, DEFAULTS, n=1)
+        if key not in DEFAULTS and key not in STRUCTURED_KEYS:
+            close = difflib.get_close_matches(key, [*DEFAULTS, *STRUCTURED_KEYS], n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(DEFAULTS)}"
             problems.lines.append(
                 f"{NAMESPACE}:{key}: unknown key, {hint} "
@@ -339,46 +481,41 @@ def parse_stack_config(
     # networkIsolation puts the instances in private subnets (without a NAT gateway), whatever privateSubnets.
     private_subnets = bool(private_subnets or network_isolation)
 
-    _check_instance_types(instance_types, problems)
-    _check_range(
-        problems, "instanceCount", instance_count, 1, MAX_NODES, "1",
-        "instances training one job; above 1 they train it together (docs/multi-node.md)",
-    )  # fmt: skip
-    if isinstance(instance_count, int) and isinstance(min_nodes, int):
-        _check_range(
-            problems, "minNodes", min_nodes, 1, max(1, instance_count), "1",
-            "nodes the job keeps training with while the others are replaced; at most instanceCount",
-        )  # fmt: skip
-    if placement_strategy not in PLACEMENT_STRATEGIES:
-        problems.add(
-            "placementStrategy",
-            f"unknown strategy {placement_strategy!r}; use '' (none) or cluster (one AZ, multi-node jobs)",
-            "cluster",
+    declared_pools: tuple[Pool, ...] = ()
+    # Empty (unset, [] or ""): the single group's keys define the stack's one pool.
+    pools_given = POOLS_KEY in raw and not (
+        raw[POOLS_KEY] == [] or (isinstance(raw[POOLS_KEY], str) and raw[POOLS_KEY].strip() in ("", "[]"))
+    )
+    if pools_given:
+        single_group = {
+            "instanceTypes": list(instance_types),
+            "instanceCount": instance_count,
+            "minNodes": min_nodes,
+            "spotAllocationStrategy": strategy,
+            "onDemandBaseCapacity": on_demand_base,
+            "onDemandPercentageAboveBase": on_demand_pct,
+            "spotMaxPrice": spot_max_price,
+            "spotFallbackMinutes": fallback_minutes,
+            "placementStrategy": placement_strategy,
+        }
+        declared_pools = _parse_pools(
+            raw[POOLS_KEY], problems, stack_name=f"{project}-{stack}", private_subnets=private_subnets
         )
-    if isinstance(instance_count, int) and instance_count > 1 and placement_strategy == "cluster":
-        _check_efa_types(instance_types, private_subnets, problems)
-    if strategy not in SPOT_ALLOCATION_STRATEGIES:
-        problems.add(
-            "spotAllocationStrategy",
-            f"unknown strategy {strategy!r}; choose one of {', '.join(SPOT_ALLOCATION_STRATEGIES)}",
-            "price-capacity-optimized",
-        )
-    _check_range(problems, "onDemandBaseCapacity", on_demand_base, 0, 100, "0", "on-demand instances first")
-    if (
-        isinstance(instance_count, int)
-        and isinstance(on_demand_base, int)
-        and on_demand_base > instance_count
-    ):
-        problems.add(
-            "onDemandBaseCapacity",
-            f"{on_demand_base} on-demand instances exceed the group's maximum instanceCount={instance_count} "
-            "(min > max)",
-            str(instance_count),
-        )
-    _check_range(problems, "onDemandPercentageAboveBase", on_demand_pct, 0, 100, "0", "0 = all spot")
-    if spot_max_price and not (_PRICE.match(spot_max_price) and float(spot_max_price) > 0):
-        problems.add(
-            "spotMaxPrice", f"{spot_max_price!r} is not a positive USD/hour price; empty = no cap", "0.50"
+        _refuse_single_group_keys(raw, single_group, problems)
+    else:
+        group = _GroupKeys()
+        _check_group_size(instance_types, instance_count, min_nodes, group, problems)
+        if placement_strategy not in PLACEMENT_STRATEGIES:
+            problems.add(
+                "placementStrategy",
+                f"unknown strategy {placement_strategy!r}; use '' (none) or cluster (one AZ, multi-node "
+                "jobs)",
+                "cluster",
+            )
+        if isinstance(instance_count, int) and instance_count > 1 and placement_strategy == "cluster":
+            _check_efa_types(instance_types, private_subnets, problems)
+        _check_group_purchase(
+            instance_count, strategy, on_demand_base, on_demand_pct, spot_max_price, group, problems
         )
     if ami_id and not _AMI_ID.match(ami_id):
         problems.add("amiId", f"{ami_id!r} is not an AMI id", "ami-0123456789abcdef0")
@@ -420,23 +557,14 @@ def parse_stack_config(
         )
     training_path, job = _load_training_config(training_config, problems)
     user_job, user_job_dir = _load_user_job(job_file, problems) if job_file else (None, None)
-    if user_job is not None and isinstance(instance_count, int) and instance_count > 1:
-        problems.add(
-            "instanceCount",
-            f"{instance_count} nodes with trainstack:job: a user's job runs on one instance (multi-node runs "
-            "the built-in trainer, trainstack:trainingConfig); set 1, or a multi-GPU type for more GPUs "
-            '(e.g. instanceTypes ["g6.12xlarge"], 4 x L4)',
-            "1",
-        )
-    elif (
-        isinstance(instance_count, int)
-        and isinstance(min_nodes, int)
-        and 1 < instance_count <= MAX_NODES
-        and 1 <= min_nodes <= instance_count
-    ):
-        # Only for node counts that are themselves valid (already refused otherwise): the check's least
-        # common multiple over an absurd count is a number no error line could hold.
-        _check_global_batch(job, min_nodes, instance_count, problems)
+    if pools_given:
+        # Until jobs are placed on pools, any pool's agent may take the stack's default job from the queue.
+        for index, pool in enumerate(declared_pools):
+            _check_default_job_fits(
+                job, user_job, pool.max_instances, pool.min_nodes, _GroupKeys.of_pool(index), problems
+            )
+    else:
+        _check_default_job_fits(job, user_job, instance_count, min_nodes, _GroupKeys(), problems)
     if network_isolation:
         _check_network_isolation(ssh_cidrs, user_job, user_job_dir, problems)
     if resume_from and not problems.lines:
@@ -460,6 +588,15 @@ def parse_stack_config(
         raise StackConfigError(
             "\n".join([header, *(f"  - {line}" for line in problems.lines)]), problems.lines
         )
+    if declared_pools:
+        # The single group's fields describe the default pool (the CLI's doctor, estimate and prices read
+        # them).
+        first = declared_pools[0]
+        instance_types, instance_count, min_nodes = first.instance_types, first.max_instances, first.min_nodes
+        strategy, spot_max_price = first.spot_allocation_strategy, first.spot_max_price
+        on_demand_base, on_demand_pct = first.on_demand_base_capacity, first.on_demand_percentage_above_base
+        fallback_minutes = first.spot_fallback_minutes
+        placement_strategy = "cluster" if first.placement_group else ""
     return StackConfig(
         project=project,
         stack=stack,
@@ -497,6 +634,7 @@ def parse_stack_config(
         drill=drill,
         network_isolation=network_isolation,
         dev_box=dev_box,
+        declared_pools=declared_pools,
     )
 
 
@@ -597,9 +735,111 @@ def _string_list(raw: Any) -> list[str]:
     return [item.strip() for item in raw]
 
 
-def _check_global_batch(job: dict[str, Any], low: int, high: int, problems: _Problems) -> None:
+@dataclass(frozen=True)
+class _GroupKeys:
+    """How a group's settings are named in the stack config: the single group's keys, or one pool's."""
+
+    prefix: str = ""
+    count: str = "instanceCount"
+    pool: bool = False
+
+    @classmethod
+    def of_pool(cls, index: int) -> _GroupKeys:
+        return cls(prefix=f"{POOLS_KEY}[{index}].", count="maxInstances", pool=True)
+
+    def __call__(self, key: str) -> str:
+        """The key as a problem line names it: `minNodes`, or `pools[1].minNodes`."""
+        return f"{self.prefix}{key}"
+
+
+def _check_group_size(
+    types: tuple[str, ...], count: Any, min_nodes: Any, keys: _GroupKeys, problems: _Problems
+) -> None:
+    """The group's GPU types and how many instances one job trains on (the single group's and each pool's)."""
+    _check_instance_types(types, problems, keys("instanceTypes"))
+    _check_range(
+        problems, keys(keys.count), count, 1, MAX_NODES, "1",
+        "instances training one job; above 1 they train it together (docs/multi-node.md)",
+    )  # fmt: skip
+    if isinstance(count, int) and isinstance(min_nodes, int):
+        _check_range(
+            problems, keys("minNodes"), min_nodes, 1, max(1, count), "1",
+            f"nodes the job keeps training with while the others are replaced; at most {keys.count}",
+        )  # fmt: skip
+
+
+def _check_group_purchase(
+    count: Any,
+    strategy: str,
+    on_demand_base: Any,
+    on_demand_pct: Any,
+    spot_max_price: str,
+    keys: _GroupKeys,
+    problems: _Problems,
+) -> None:
+    """How the group buys its instances: spot strategy, on-demand base and share, spot price cap."""
+    if strategy not in SPOT_ALLOCATION_STRATEGIES:
+        problems.add(
+            keys("spotAllocationStrategy"),
+            f"unknown strategy {strategy!r}; choose one of {', '.join(SPOT_ALLOCATION_STRATEGIES)}",
+            "price-capacity-optimized",
+        )
+    base_key = keys("onDemandBaseCapacity")
+    _check_range(problems, base_key, on_demand_base, 0, 100, "0", "on-demand instances first")
+    if isinstance(count, int) and isinstance(on_demand_base, int) and on_demand_base > count:
+        problems.add(
+            base_key,
+            f"{on_demand_base} on-demand instances exceed the group's maximum {keys.count}={count} "
+            "(min > max)",
+            str(count),
+        )
+    _check_range(problems, keys("onDemandPercentageAboveBase"), on_demand_pct, 0, 100, "0", "0 = all spot")
+    if spot_max_price and not (_PRICE.match(spot_max_price) and float(spot_max_price) > 0):
+        problems.add(
+            keys("spotMaxPrice"),
+            f"{spot_max_price!r} is not a positive USD/hour price; empty = no cap",
+            "0.50",
+        )
+
+
+def _check_default_job_fits(
+    job: dict[str, Any],
+    user_job: JobSpec | None,
+    count: Any,
+    min_nodes: Any,
+    keys: _GroupKeys,
+    problems: _Problems,
+) -> None:
+    """The stack's default job on a group of `count` instances: a user's job on one, the built-in trainer's
+    global batch over every node count it can have."""
+    if user_job is not None and isinstance(count, int) and count > 1:
+        anywhere = (
+            "; until jobs are placed on pools, any pool may run the stack's default job" if keys.pool else ""
+        )
+        problems.add(
+            keys(keys.count),
+            f"{count} nodes with trainstack:job: a user's job runs on one instance (multi-node runs "
+            "the built-in trainer, trainstack:trainingConfig); set 1, or a multi-GPU type for more GPUs "
+            f'(e.g. instanceTypes ["g6.12xlarge"], 4 x L4){anywhere}',
+            "1",
+        )
+    elif (
+        isinstance(count, int)
+        and isinstance(min_nodes, int)
+        and 1 < count <= MAX_NODES
+        and 1 <= min_nodes <= count
+    ):
+        # Only for node counts that are themselves valid (already refused otherwise): the check's least
+        # common multiple over an absurd count is a number no error line could hold.
+        _check_global_batch(job, min_nodes, count, problems, keys)
+
+
+def _check_global_batch(
+    job: dict[str, Any], low: int, high: int, problems: _Problems, keys: _GroupKeys | None = None
+) -> None:
     """The global batch is kept when nodes come and go: it must split evenly over every node count the job
     can have (one rank per node at least; the trainer checks the GPUs per node when it starts)."""
+    keys = keys or _GroupKeys()
     train = job.get("train") if isinstance(job, dict) else None
     batch = train.get("batch_size") if isinstance(train, dict) else None
     if not isinstance(batch, int) or isinstance(batch, bool):
@@ -608,13 +848,212 @@ def _check_global_batch(job: dict[str, Any], low: int, high: int, problems: _Pro
     if uneven:
         multiple = math.lcm(*range(low, high + 1))
         problems.add(
-            "minNodes",
+            keys("minNodes"),
             f"train.batch_size {batch} of trainstack:trainingConfig does not split over "
             f"{', '.join(map(str, uneven))} node(s), and the job keeps its global batch whatever the "
-            f"number of nodes (minNodes..instanceCount = {low}..{high}): use a multiple of {multiple}, "
+            f"number of nodes (minNodes..{keys.count} = {low}..{high}): use a multiple of {multiple}, "
             "or raise minNodes",
             str(high),
         )
+
+
+def _pool_entries(value: Any, problems: _Problems) -> list[Any]:
+    """trainstack:pools as a list: Pulumi hands the program a structured value as JSON text, the CLI's stack
+    file as parsed YAML."""
+    if isinstance(value, str):
+        with contextlib.suppress(json.JSONDecodeError):
+            value = json.loads(value) if value.strip() else []
+    if not isinstance(value, list):
+        problems.add(
+            POOLS_KEY,
+            f"must be a list of pools (a JSON array of mappings with name, instanceTypes, maxInstances), "
+            f"got {_clip(value)}",
+            POOLS_EXAMPLE,
+        )
+        return []
+    if len(value) > MAX_POOLS:
+        problems.add(
+            POOLS_KEY,
+            f"{len(value)} pools; a stack holds at most {MAX_POOLS} (each is an Auto Scaling group, a launch "
+            "template and its capacity function): merge pools that differ only in their types",
+            POOLS_EXAMPLE,
+        )
+        return []
+    return value
+
+
+def _parse_pools(
+    value: Any, problems: _Problems, *, stack_name: str, private_subnets: bool
+) -> tuple[Pool, ...]:
+    """Each pool validated as the single group is, its lines naming `pools[<index>].<key>`; () when the list
+    is empty (the single group's keys then define the stack's pool) or any pool has a problem."""
+    entries = _pool_entries(value, problems)
+    before = len(problems.lines)
+    pools: list[Pool] = []
+    names: dict[str, int] = {}
+    for index, entry in enumerate(entries):
+        pool = _parse_pool(entry, index, problems, stack_name=stack_name, private_subnets=private_subnets)
+        if pool is None:
+            continue
+        if pool.name in names:
+            problems.add(
+                f"{POOLS_KEY}[{index}].name",
+                f"{pool.name!r} is pools[{names[pool.name]}]'s name too; each pool needs a name of its own",
+                f"{pool.name}-2",
+            )
+            continue
+        names[pool.name] = index
+        pools.append(pool)
+    if len(problems.lines) > before:
+        return ()
+    return tuple(pools)
+
+
+def _parse_pool(
+    entry: Any, index: int, problems: _Problems, *, stack_name: str, private_subnets: bool
+) -> Pool | None:
+    keys = _GroupKeys.of_pool(index)
+    if not isinstance(entry, dict):
+        problems.add(
+            f"{POOLS_KEY}[{index}]",
+            f"must be a mapping with name, instanceTypes and maxInstances, got {_clip(entry)}",
+            "gpu",
+            fix_key=keys("name"),
+        )
+        return None
+    before = len(problems.lines)
+    for key in entry:
+        if key not in POOL_DEFAULTS:
+            close = difflib.get_close_matches(str(key), POOL_DEFAULTS, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"a pool's keys: {', '.join(POOL_DEFAULTS)}"
+            problems.lines.append(
+                f"{NAMESPACE}:{keys(str(key))}: unknown key, {hint} "
+                f"(remove it with `pulumi config rm --path '{NAMESPACE}:{keys(str(key))}'`)"
+            )
+
+    def value(key: str, parse: Callable[[Any], Any], example: str) -> Any:
+        if key not in entry or entry[key] is None:
+            if POOL_DEFAULTS[key] is None:
+                problems.add(keys(key), "is required", example)
+            return POOL_DEFAULTS[key]
+        try:
+            return parse(entry[key])
+        except (TypeError, ValueError) as exc:
+            problems.add(keys(key), str(exc), example)
+            return POOL_DEFAULTS[key]
+
+    name = value("name", _string, "gpu")
+    typed = len(problems.lines)
+    types = tuple(value("instanceTypes", _string_list, '\'["g6.xlarge","g5.xlarge"]\'') or ())
+    # A missing or mistyped list is its own line already; an empty one is judged below.
+    types_given = len(problems.lines) == typed and entry.get("instanceTypes") is not None
+    count = value("maxInstances", _integer, "1")
+    min_nodes = value("minNodes", _integer, "1")
+    strategy = value("spotAllocationStrategy", _string, "price-capacity-optimized").strip()
+    on_demand_base = value("onDemandBaseCapacity", _integer, "0")
+    on_demand_pct = value("onDemandPercentageAboveBase", _integer, "0")
+    spot_max_price = value("spotMaxPrice", _string, "0.50").strip()
+    fallback_minutes = value("spotFallbackMinutes", _integer, "15")
+    placement_group = value("placementGroup", _boolean, "true")
+    if isinstance(name, str):
+        name = name.strip()
+        _check_pool_name(name, keys, stack_name, problems)
+    if types_given:
+        _check_group_size(types, count, min_nodes, keys, problems)
+    elif isinstance(count, int):
+        _check_range(
+            problems, keys(keys.count), count, 1, MAX_NODES, "1",
+            "instances training one job; above 1 they train it together (docs/multi-node.md)",
+        )  # fmt: skip
+    if isinstance(count, int) and count > 1 and placement_group and types:
+        _check_efa_types(types, private_subnets, problems, keys("instanceTypes"))
+    _check_group_purchase(count, strategy, on_demand_base, on_demand_pct, spot_max_price, keys, problems)
+    _check_range(
+        problems, keys("spotFallbackMinutes"), fallback_minutes, 0, 24 * 60, "15",
+        "minutes without a spot launch before launching on-demand; 0 = never",
+    )  # fmt: skip
+    if len(problems.lines) > before:
+        return None
+    return Pool(
+        name=name,
+        group_name=pool_group_name(stack_name, name),
+        instance_types=types,
+        max_instances=count,
+        min_nodes=min_nodes,
+        spot_allocation_strategy=strategy,
+        on_demand_base_capacity=on_demand_base,
+        on_demand_percentage_above_base=on_demand_pct,
+        spot_max_price=spot_max_price,
+        spot_fallback_minutes=fallback_minutes,
+        placement_group=placement_group,
+        default=index == 0,
+    )
+
+
+# The longest AWS name a pool's name goes into (infra/capacity.py: the capacity function's event rule), and
+# the limit AWS puts on it (EventBridge rule names, IAM role and Lambda function names: 64 characters).
+_LONGEST_POOL_NAME = "{stack}-capacity-{pool}-group-events"
+_AWS_NAME_LIMIT = 64
+
+
+def _check_pool_name(name: str, keys: _GroupKeys, stack_name: str, problems: _Problems) -> None:
+    if not POOL_NAME.match(name):
+        problems.add(
+            keys("name"),
+            f"{name!r} is not a pool name: 1 to 16 lowercase letters, digits and dashes, starting with a "
+            "letter and not ending with a dash (it becomes part of the group's and its resources' names)",
+            "gpu",
+        )
+        return
+    if "gpu" in name.split("-"):
+        # `<stack>-gpu-<pool>` names the group, and the instance role may scale the stack's groups by name:
+        # with `gpu` as a word in it the name could be another stack's group (stack `dev`'s pool `gpu` is
+        # stack `dev-gpu`'s group, pool `x-gpu-y` stack `dev-gpu-x`'s pool `y`). Without it, never.
+        problems.add(
+            keys("name"),
+            f"{name!r} has the word gpu in it: its group {pool_group_name(stack_name, name)} could be "
+            "another stack's group, which this stack's instances could then scale; name the pool without it",
+            "-".join(word for word in name.split("-") if word != "gpu") or "main",
+        )
+        return
+    longest = _LONGEST_POOL_NAME.format(stack=stack_name, pool=name)
+    if name != LEGACY_POOL and len(longest) > _AWS_NAME_LIMIT:
+        room = len(name) - (len(longest) - _AWS_NAME_LIMIT)
+        shorter = name[:room].rstrip("-") if room > 0 else ""
+        problems.add(
+            keys("name"),
+            f"{name!r} makes the pool's AWS names too long ({longest!r} is {len(longest)} characters, "
+            f"AWS allows {_AWS_NAME_LIMIT}); "
+            + (
+                f"use a name of at most {room} characters"
+                if shorter
+                else f"the stack's name leaves no room for a pool's: only the pool named {LEGACY_POOL} "
+                "(whose AWS names carry none) fits, or use a shorter stack name"
+            ),
+            shorter or LEGACY_POOL,
+        )
+
+
+def _refuse_single_group_keys(raw: Mapping[str, Any], parsed: Mapping[str, Any], problems: _Problems) -> None:
+    """trainstack:pools replaces the single group's keys: one of them set as well (to anything but its
+    default: Pulumi hands the program Pulumi.yaml's defaults as set values) is one line saying which to
+    keep."""
+    both = [key for key in SINGLE_GROUP_KEYS if key in raw and parsed[key] != DEFAULTS[key]]
+    if not both:
+        return
+    named = ", ".join(f"{NAMESPACE}:{key}" for key in both)
+    removals = " && ".join(f"pulumi config rm {NAMESPACE}:{key}" for key in both)
+    problems.lines.append(
+        f"{NAMESPACE}:{POOLS_KEY}: replaces the single group's keys, and {named} "
+        f"{'is' if len(both) == 1 else 'are'} set too; keep one: the pools (set each pool's own "
+        f"{'value' if len(both) == 1 else 'values'} in trainstack:pools, then `{removals}`), or the single "
+        f"group (`pulumi config rm {NAMESPACE}:{POOLS_KEY}`)"
+    )
+
+
+def _clip(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_range(
@@ -624,40 +1063,38 @@ def _check_range(
         problems.add(key, f"must be between {low} and {high}, got {value} ({why})", example)
 
 
-def _check_instance_types(types: tuple[str, ...], problems: _Problems) -> None:
+def _check_instance_types(types: tuple[str, ...], problems: _Problems, key: str = "instanceTypes") -> None:
     example = '\'["g6.xlarge","g5.xlarge","g6e.xlarge","g4dn.xlarge"]\''
     if not types:
-        problems.add(
-            "instanceTypes", "is empty; the group needs at least one NVIDIA GPU instance type", example
-        )
+        problems.add(key, "is empty; the group needs at least one NVIDIA GPU instance type", example)
         return
     if len(set(types)) != len(types):
-        problems.add("instanceTypes", f"lists a type twice: {', '.join(types)}", example)
+        problems.add(key, f"lists a type twice: {', '.join(types)}", example)
     for instance_type in types:
         match = _INSTANCE_TYPE.match(instance_type)
         family = match.group("family") if match else ""
         if not match:
-            problems.add("instanceTypes", f"{instance_type!r} is not an EC2 instance type", example)
+            problems.add(key, f"{instance_type!r} is not an EC2 instance type", example)
         elif family in REFUSED_FAMILIES:
-            problems.add(
-                "instanceTypes", f"{instance_type!r} is refused: {REFUSED_FAMILIES[family]}", example
-            )
+            problems.add(key, f"{instance_type!r} is refused: {REFUSED_FAMILIES[family]}", example)
         elif family not in NVIDIA_FAMILIES:
             problems.add(
-                "instanceTypes",
+                key,
                 f"{instance_type!r} has no NVIDIA GPU (or is unknown); use one of the families "
                 f"{', '.join(NVIDIA_FAMILIES)}",
                 example,
             )
 
 
-def _check_efa_types(types: tuple[str, ...], private_subnets: bool, problems: _Problems) -> None:
+def _check_efa_types(
+    types: tuple[str, ...], private_subnets: bool, problems: _Problems, key: str = "instanceTypes"
+) -> None:
     """A multi-node cluster gets one EFA per network card (infra/efa.py): every type's cards must be known and
     the same, and several interfaces need private subnets."""
     example = '\'["p5.48xlarge","p5e.48xlarge"]\''
     for unknown in unknown_efa_types(types):
         problems.add(
-            "instanceTypes",
+            key,
             f"{unknown} has no entry in the EFA table (its network cards are unknown); add it to "
             "EFA_TYPES in infra/efa.py (MaximumNetworkCards from `aws ec2 describe-instance-types`) or "
             "choose a listed type",
@@ -668,7 +1105,7 @@ def _check_efa_types(types: tuple[str, ...], private_subnets: bool, problems: _P
     try:
         interfaces = efa_interfaces(types)
     except EfaTableError as exc:
-        problems.add("instanceTypes", str(exc), example)
+        problems.add(key, str(exc), example)
         return
     if len(interfaces) > 1 and not private_subnets:
         problems.add(

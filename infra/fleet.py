@@ -16,7 +16,7 @@ from bootstrap.agent_config import AgentConfig
 from bootstrap.cloud_init import UserDataError, render_user_data
 from infra.baseline import code_bundle_object, encrypted_root, metadata_options, primary_interface
 from infra.bundle import CodeBundle
-from infra.config import NAMESPACE, StackConfig, StackConfigError
+from infra.config import NAMESPACE, Pool, StackConfig, StackConfigError
 from infra.efa import EfaTableError, efa_interfaces
 
 # The agent completes this hook once its last upload is confirmed, so a scale-in never cuts one short.
@@ -84,11 +84,22 @@ class FleetArgs:
     # (infra/defaultjob.py). A first instance that booted before its job was queued would find the queue
     # empty and scale the group to zero, and the job would never run.
     before_group: Callable[[aws.s3.BucketObjectv2], Sequence[pulumi.Resource]] | None = None
+    # The pool this fleet is (infra/pools.py); None: the config's default pool.
+    pool: Pool | None = None
+    # The agent's bundle object when another pool's fleet declared it already (one object per key): this
+    # fleet's group waits for it instead of declaring a second.
+    bundle_object: aws.s3.BucketObjectv2 | None = None
+
+    @property
+    def the_pool(self) -> Pool:
+        return self.pool if self.pool is not None else self.config.default_pool
 
 
 class Fleet(pulumi.ComponentResource):
-    """Uploads the bundle, renders the user-data and runs the all-spot, multi-type, multi-zone group."""
+    """One pool's launch template and its all-spot, multi-type, multi-zone group (and the agent's bundle, for
+    the first pool); with user-data rendered for that pool."""
 
+    pool: Pool
     bundle_object: aws.s3.BucketObjectv2
     launch_template: aws.ec2.LaunchTemplate
     placement_group: aws.ec2.PlacementGroup | None
@@ -99,13 +110,15 @@ class Fleet(pulumi.ComponentResource):
         self._name = name
         self._args = args
         self._child = pulumi.ResourceOptions(parent=self)
-        config = args.config
+        config, pool = args.config, args.the_pool
+        self.pool = pool
         bundle_key = args.bundle.key()
         # The agent's own code (no job's): content-addressed, so a change of trainstack's code is a new key,
         # hence new user-data and a new template version; a job's code never is. Retained when a later
         # `pulumi up` replaces it: a job started on this code keeps it, and the built-in trainer's jobs name
-        # it in their records (docs/internals.md, "Binding a life to its job").
-        self.bundle_object = code_bundle_object(
+        # it in their records (docs/internals.md, "Binding a life to its job"). Declared once, by the first
+        # pool's fleet; every pool boots the same bundle.
+        self.bundle_object = args.bundle_object or code_bundle_object(
             name,
             bucket=args.bucket_name,
             bundle=args.bundle,
@@ -122,14 +135,17 @@ class Fleet(pulumi.ComponentResource):
                     log_group=args.log_group_name,
                     bundle=args.bundle,
                     job_role_arn=args.job_role_arn,
+                    pool=pool,
                 ),
                 bundle_key,
                 args.bundle.sha256,
             )
         )
         self.launch_template = self._create_launch_template(user_data)
-        self.placement_group = self._create_placement_group() if config.cluster_placement else None
+        self.placement_group = self._create_placement_group() if pool.placement_group else None
         waits = list(args.before_group(self.bundle_object)) if args.before_group is not None else []
+        if args.bundle_object is not None:
+            waits.append(args.bundle_object)
         self.group = self._create_group(waits)
         self.register_outputs(
             {
@@ -140,12 +156,12 @@ class Fleet(pulumi.ComponentResource):
         )
 
     def _create_launch_template(self, user_data: pulumi.Input[str]) -> aws.ec2.LaunchTemplate:
-        args, config = self._args, self._args.config
-        instance_tags = {**args.tags, "Name": config.group_name}
+        args, config, pool = self._args, self._args.config, self.pool
+        instance_tags = {**args.tags, "Name": pool.group_name}
         return aws.ec2.LaunchTemplate(
             f"{self._name}-launch-template",
-            name=config.group_name,
-            description=f"{config.name}: GPU training instances",
+            name=pool.group_name,
+            description=pool.suffixed(f"{config.name}: GPU training instances", ", pool "),
             image_id=args.image.id,
             iam_instance_profile=aws.ec2.LaunchTemplateIamInstanceProfileArgs(arn=args.instance_profile_arn),
             network_interfaces=self._network_interfaces(),
@@ -165,11 +181,11 @@ class Fleet(pulumi.ComponentResource):
 
     def _network_interfaces(self) -> list[aws.ec2.LaunchTemplateNetworkInterfaceArgs]:
         """The primary interface; on a multi-node EFA cluster, one EFA per network card (infra/efa.py)."""
-        args, config = self._args, self._args.config
-        if not config.efa:
+        args, config, pool = self._args, self._args.config, self.pool
+        if not pool.efa:
             return [primary_interface(args.security_group_id, private_subnets=config.private_subnets)]
         try:
-            interfaces = efa_interfaces(config.instance_types)
+            interfaces = efa_interfaces(pool.instance_types)
         # Preview refuses these first (infra/config.py); here too, never a half-built template.
         except EfaTableError as exc:
             raise StackConfigError(f"{NAMESPACE}:instanceTypes: {exc}") from exc
@@ -202,29 +218,31 @@ class Fleet(pulumi.ComponentResource):
         )
 
     def _create_group(self, waits: list[pulumi.Resource]) -> aws.autoscaling.Group:
-        args, config = self._args, self._args.config
+        args, pool = self._args, self.pool
         # A cluster placement group lives in one AZ, so the group gets that AZ's subnet only.
         subnet_ids = args.subnet_ids[:1] if self.placement_group else args.subnet_ids
         return aws.autoscaling.Group(
             f"{self._name}-group",
             # A fixed name: the user-data and the instance policy must name the group before it exists.
-            name=config.group_name,
+            name=pool.group_name,
             min_size=0,
             # One above the job's count: capacity rebalancing launches the replacement BEFORE it terminates
             # the at-risk instance, and a group at its maximum may hold that launch back (EC2 Auto Scaling
             # user guide, "Capacity Rebalancing behavior"). The extra instance waits as the job's warm
             # standby or leaves (docs/internals.md, "Jobs, the lease and the standby"); desired stays put.
-            max_size=config.instance_count + 1,
-            desired_capacity=config.instance_count,
+            max_size=pool.max_instances + 1,
+            # The default pool starts with the stack's default job; any other pool at zero until it is given
+            # work (nothing places a job on a pool yet: a pool's agent takes the queue's head).
+            desired_capacity=pool.max_instances if pool.default else 0,
             vpc_zone_identifiers=subnet_ids,
             placement_group=self.placement_group.name if self.placement_group else None,
             capacity_rebalance=True,
             mixed_instances_policy=aws.autoscaling.GroupMixedInstancesPolicyArgs(
                 instances_distribution=aws.autoscaling.GroupMixedInstancesPolicyInstancesDistributionArgs(
-                    on_demand_base_capacity=config.on_demand_base_capacity,
-                    on_demand_percentage_above_base_capacity=config.on_demand_percentage_above_base,
-                    spot_allocation_strategy=config.spot_allocation_strategy,
-                    spot_max_price=config.spot_max_price,
+                    on_demand_base_capacity=pool.on_demand_base_capacity,
+                    on_demand_percentage_above_base_capacity=pool.on_demand_percentage_above_base,
+                    spot_allocation_strategy=pool.spot_allocation_strategy,
+                    spot_max_price=pool.spot_max_price,
                 ),
                 launch_template=aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateArgs(
                     launch_template_specification=aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateLaunchTemplateSpecificationArgs(
@@ -233,7 +251,7 @@ class Fleet(pulumi.ComponentResource):
                     ),
                     overrides=[
                         aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateOverrideArgs(instance_type=t)
-                        for t in config.instance_types
+                        for t in pool.instance_types
                     ],
                 ),
             ),
@@ -259,7 +277,7 @@ class Fleet(pulumi.ComponentResource):
             metrics_granularity="1Minute",
             tags=[
                 aws.autoscaling.GroupTagArgs(key=key, value=value, propagate_at_launch=True)
-                for key, value in {**args.tags, "Name": config.group_name}.items()
+                for key, value in {**args.tags, "Name": pool.group_name}.items()
             ],
             opts=pulumi.ResourceOptions(
                 parent=self,
@@ -288,17 +306,21 @@ def agent_config(
     log_group: str,
     bundle: CodeBundle | None = None,
     job_role_arn: str | None = None,
+    pool: Pool | None = None,
 ) -> AgentConfig:
-    """The agent's config for this stack: the one `bootstrap/` definition, filled from the stack's.
+    """The agent's config for one pool of this stack (default: the default pool): the one `bootstrap/`
+    definition, filled from the stack's and the pool's (its group, its instances per job, EFA).
 
     It defines no job (`job_id: ""`, no `job`/`user_job`): the agent takes its jobs from the stack's queue,
     the stack's default job included (infra/defaultjob.py). Without `bundle` the config names no bundle
-    (tests, by hand).
+    (tests, by hand). It carries no pool name: AgentConfig has no such key yet (docs/internals.md, "Pools");
+    the group's name is the pool's.
     """
+    pool = pool if pool is not None else config.default_pool
     return AgentConfig(
         region=config.region,
         bucket=bucket,
-        group_name=config.group_name,
+        group_name=pool.group_name,
         topic_arn=topic_arn,
         log_group=log_group,
         stack=config.stack,
@@ -306,10 +328,10 @@ def agent_config(
         stall_minutes=float(config.stall_timeout_minutes),
         max_consecutive_failures=config.max_consecutive_failures,
         max_cost_usd=config.max_cost_usd,
-        instance_count=config.instance_count,
-        min_nodes=config.min_nodes,
+        instance_count=pool.max_instances,
+        min_nodes=pool.min_nodes,
         root_volume_gb=config.root_volume_size_gb,
-        efa=config.efa,
+        efa=pool.efa,
         lifecycle_hook=LIFECYCLE_HOOK_NAME,
         job={},
         user_job=None,

@@ -27,6 +27,8 @@ class IdentityArgs:
     log_group_arn: pulumi.Input[str]
     group_name: str
     tags: dict[str, str] = field(default_factory=dict)
+    # Every pool's group (trainstack:pools), the default pool's first; empty: `group_name` alone.
+    group_names: tuple[str, ...] = ()
 
 
 class Identity(pulumi.ComponentResource):
@@ -64,10 +66,15 @@ class Identity(pulumi.ComponentResource):
             partition=args.partition, account_id=args.account_id, name=args.name
         )
         self.job_role = self._create_job_role(name, args, child)
-        group_arn = (
-            f"arn:{args.partition}:autoscaling:{args.region}:{args.account_id}:autoScalingGroup:*:"
-            f"autoScalingGroupName/{args.group_name}"
-        )
+        # The stack's groups by name, each one (never a wildcard name: another stack's group could match);
+        # one group, as before pools, is the one ARN.
+        group_arns = [
+            policies.autoscaling_group_arn(
+                partition=args.partition, region=args.region, account_id=args.account_id, group_name=group
+            )
+            for group in args.group_names or (args.group_name,)
+        ]
+        group_arn: str | list[str] = group_arns[0] if len(group_arns) == 1 else group_arns
         aws.iam.RolePolicy(
             f"{name}-instance-policy",
             role=self.role.id,

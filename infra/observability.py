@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,7 @@ import pulumi_aws as aws
 
 from bootstrap import hostmetrics
 from infra import policies
+from infra.config import Pool
 from trainstack_job.contract import StackOutput
 
 GPU_IDLE_THRESHOLD_PERCENT = 10
@@ -32,6 +34,9 @@ class ObservabilityArgs:
     alert_email: str
     monthly_budget_usd: int
     tags: dict[str, str] = field(default_factory=dict)
+    # Every pool (trainstack:pools; infra/config.py StackConfig.pools): each group's launches and terminations
+    # reach the topic, and each pool gets a GPU-idle alarm. Empty: `group_name`'s alone, as before pools.
+    pools: tuple[Pool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,8 +50,10 @@ class EventAlert:
     template: str
 
 
-def event_alerts(stack: str, group_name: str) -> list[EventAlert]:
-    """The events worth a message, each turned into one plain sentence (not a JSON blob) by EventBridge."""
+def event_alerts(stack: str, group_name: str, group_names: Sequence[str] = ()) -> list[EventAlert]:
+    """The events worth a message, each turned into one plain sentence (not a JSON blob) by EventBridge.
+    `group_names`: every pool's group (default: `group_name` alone)."""
+    groups = list(group_names) or [group_name]
     return [
         EventAlert(
             role="spot-warning",
@@ -74,7 +81,7 @@ def event_alerts(stack: str, group_name: str) -> list[EventAlert]:
         ),
         EventAlert(
             role="group-activity",
-            description=f"Launches and terminations in {group_name}",
+            description=f"Launches and terminations in {', '.join(groups)}",
             pattern={
                 "source": ["aws.autoscaling"],
                 "detail-type": [
@@ -83,7 +90,7 @@ def event_alerts(stack: str, group_name: str) -> list[EventAlert]:
                     "EC2 Instance Launch Unsuccessful",
                     "EC2 Instance Terminate Unsuccessful",
                 ],
-                "detail": {"AutoScalingGroupName": [group_name]},
+                "detail": {"AutoScalingGroupName": groups},
             },
             input_paths={
                 "event": "$.detail-type",
@@ -171,7 +178,8 @@ class Observability(pulumi.ComponentResource):
 
     def _create_event_rules(self) -> None:
         args, name = self._args, self._name
-        for alert in event_alerts(args.stack, args.group_name):
+        groups = [pool.group_name for pool in args.pools]
+        for alert in event_alerts(args.stack, args.group_name, groups):
             rule = aws.cloudwatch.EventRule(
                 f"{name}-{alert.role}",
                 name=f"{args.name}-{alert.role}",
@@ -193,20 +201,29 @@ class Observability(pulumi.ComponentResource):
             )
 
     def _create_gpu_idle_alarm(self) -> None:
+        """One alarm per pool's group, named as the group's pool is (infra/config.py Pool.suffixed)."""
+        args = self._args
+        for pool in args.pools:
+            self._create_gpu_idle_alarm_for(pool.group_name, pool.suffixed(""))
+        if not args.pools:
+            self._create_gpu_idle_alarm_for(args.group_name, "")
+
+    def _create_gpu_idle_alarm_for(self, group_name: str, suffix: str) -> None:
         args = self._args
         # The agent publishes trainstack/GPUUtilization per group. With no instance running there is no
         # data, and missing data is "not breaching": the alarm speaks only while instances are in service.
         aws.cloudwatch.MetricAlarm(
-            f"{self._name}-gpu-idle",
-            name=f"{args.name}-gpu-idle",
+            f"{self._name}-gpu-idle{suffix}",
+            name=f"{args.name}-gpu-idle{suffix}",
             alarm_description=(
                 f"trainstack {args.stack}: average GPU utilisation below {GPU_IDLE_THRESHOLD_PERCENT}% for "
                 f"{GPU_IDLE_MINUTES} minutes: the job is stuck or starved of data while instances bill. "
                 "Check `trainstack logs` (data_wait_fraction) or `trainstack stop`."
+                + (f" (group {group_name})" if suffix else "")
             ),
             namespace=policies.METRIC_NAMESPACE,
             metric_name="GPUUtilization",
-            dimensions={"AutoScalingGroupName": args.group_name},
+            dimensions={"AutoScalingGroupName": group_name},
             statistic="Average",
             period=_PERIOD_SECONDS,
             evaluation_periods=GPU_IDLE_MINUTES * 60 // _PERIOD_SECONDS,

@@ -245,12 +245,14 @@ def instance_policy(
     key_arn: str,
     topic_arn: str,
     log_group_arn: str,
-    group_arn_pattern: str,
+    group_arn_pattern: str | list[str],
     prefixes: Prefixes | None = None,
     job_role_arn: str | None = None,
 ) -> Document:
-    """What an instance may do: this bucket's prefixes, this key, this topic, this log group, this group,
-    and (with `job_role_arn`) take the stack's job role to hand its job narrower credentials."""
+    """What an instance may do: this bucket's prefixes, this key, this topic, this log group, this stack's
+    groups (`group_arn_pattern`: one ARN, or a list of them with trainstack:pools: every pool's instances
+    share the role), and (with `job_role_arn`) take the stack's job role to hand its job narrower
+    credentials."""
     prefixes = prefixes or Prefixes()
     _, _, region = secret_arn_patterns(log_group_arn)
     # code/: the bundle this config names, and a running job's pinned bundle from an earlier `pulumi up`;
@@ -466,6 +468,9 @@ def job_role_policy(
                 f"{bucket_arn}/{state}*",
                 f"{bucket_arn}/{jobs}*/state/*",
                 f"{bucket_arn}/{jobs}*/job.json",
+                # The checkpoint pointer carries the lease's fencing token: a job that could write it could
+                # fake losing its own lease (the session policy denies it too, per job).
+                f"{bucket_arn}/{jobs}*/checkpoints/latest.json",
             ],
         },
         {

@@ -52,6 +52,8 @@ class RecordedResource:
     retain_on_delete: bool = False
     # The logical names of the resources it was declared to wait for (`depends_on`).
     depends_on: tuple[str, ...] = ()
+    # Its URN as the mock monitor makes it (type, parent's type and name: what `pulumi up` diffs by).
+    urn: str = ""
 
 
 @dataclass
@@ -183,6 +185,7 @@ class _RecordingMonitor(pulumi_mocks.MockMonitor):
                     ignore_changes=tuple(request.ignoreChanges),
                     retain_on_delete=bool(request.retainOnDelete),
                     depends_on=tuple(urn.rsplit("::", 1)[-1] for urn in request.dependencies),
+                    urn=response.urn,
                 )
             )
         return response
@@ -240,6 +243,20 @@ def _run(
         # line by the handler above wherever the collector frees them.
         pulumi.runtime.settings.SETTINGS.rpc_manager.clear()
         pulumi.runtime.settings.SETTINGS.outputs.clear()
+        _cancel_leftover_tasks()
+
+
+def _cancel_leftover_tasks() -> None:
+    """A failed run leaves its registrations' tasks waiting on the loop (this thread's, kept for the session):
+    their frames hold the whole program (its components, outputs and unretrieved futures) until the process
+    exits. Cancelled here, the run's futures are freed, and reported, in the test that made them, whichever
+    of the program's objects its module happens to keep."""
+    loop = pulumi.runtime.sync_await._ensure_event_loop()
+    leftover = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in leftover:
+        task.cancel()
+    if leftover:
+        loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
 
 
 def run_stack(

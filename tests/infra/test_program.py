@@ -17,6 +17,8 @@ INTERNALS_OUTPUTS = {
     "state_prefix", "jobs_prefix", "job_id", "data_upload_command", "group_name", "instance_count",
     "instance_types", "log_group_name",
     "topic_arn", "kms_key_arn", "dashboard_url", "ssm_session_command",
+    # infra/pools.py POOLS_OUTPUT (trainstack_job/contract.py's StackOutput does not name it yet).
+    "pools",
 }  # fmt: skip
 BILLING_TYPES_DELETED_ON_DESTROY = (
     "aws:autoscaling/group:Group",
