@@ -34,6 +34,7 @@ from bootstrap.trainer import TrainerPaths
 from demo.imds import ImdsSimulator
 from demo.stack import LocalStack
 from infra.policies import job_role_policy
+from tests.bootstrap.test_fencing import Events
 from tests.checkpoints import commit_step
 from tests.conftest import MotoServer
 from tests.iam.evaluate import Caller, Request, decide
@@ -47,17 +48,6 @@ LEASE_KEY = f"jobs/{JOB}/state/lease.json"
 TOKEN_RECORD_KEY = f"jobs/{JOB}/state/latest-token.json"
 ROLE = "arn:aws:iam::123456789012:role/trainstack-dev-job"
 STALE = 60.0
-
-
-class Events:
-    def __init__(self) -> None:
-        self.records: list[tuple[str, str, dict[str, Any]]] = []
-
-    def event(self, stage: str, message: str, **fields: Any) -> None:
-        self.records.append((stage, message, fields))
-
-    def messages(self, containing: str) -> list[str]:
-        return [message for _, message, _ in self.records if containing in message]
 
 
 @pytest.fixture()
