@@ -270,3 +270,5 @@ if dev_box is not None:
     pulumi.export(StackOutput.DEV_TEMPLATE_ID.value, dev_box.launch_template.id)
     pulumi.export(StackOutput.DEV_BOX_NAME.value, config.dev_box_name)
     pulumi.export(StackOutput.DEV_SUBNET_IDS.value, network.subnet_ids)
+    pulumi.export(StackOutput.DEV_INSTANCE_PROFILE_ARN.value, dev_box.instance_profile.arn)
+    pulumi.export(StackOutput.DEV_TEMPLATE_VERSION.value, dev_box.launch_template.latest_version)

@@ -164,6 +164,10 @@ class StackOutput(str, Enum):
     DEV_BOX_NAME = "dev_box_name"
     # The stack's subnets, one per zone: `dev up` launches in the zone of the box's workspace volume.
     DEV_SUBNET_IDS = "dev_subnet_ids"
+    # What `trainstack dev` checks a box against before it trusts its host key (trainstack/dev/identity.py):
+    # from Pulumi's state, which no EC2 principal can change.
+    DEV_INSTANCE_PROFILE_ARN = "dev_instance_profile_arn"
+    DEV_TEMPLATE_VERSION = "dev_template_version"
 
 
 # What resumes a job the agent scaled to zero (stopped, cost cap, failed, no data): never `pulumi up` alone.

@@ -54,7 +54,14 @@ def _named(stack: StackRun, name: str) -> RecordedResource:
 
 def test_off_by_default_declares_no_dev_box(example_stack: StackRun) -> None:
     assert [r for r in example_stack.resources if r.parent == "devbox" or r.name == "devbox"] == []
-    assert not {"dev_template_id", "dev_box_name", "dev_subnet_ids"} & set(example_stack.outputs)
+    dev_outputs = {
+        "dev_template_id",
+        "dev_box_name",
+        "dev_subnet_ids",
+        "dev_instance_profile_arn",
+        "dev_template_version",
+    }
+    assert not dev_outputs & set(example_stack.outputs)
 
 
 def test_the_dev_template_has_the_job_instances_baseline(dev_stack: StackRun) -> None:
@@ -87,6 +94,9 @@ def test_the_outputs_name_the_template_the_box_and_the_subnets(dev_stack: StackR
     assert outputs["dev_template_id"] == "devbox-launch-template-id"
     assert outputs["dev_box_name"] == NAME
     assert len(outputs["dev_subnet_ids"]) >= 2
+    # What `trainstack dev` holds a box to before it trusts its host key: the stack's own profile and version.
+    assert outputs["dev_instance_profile_arn"].endswith(":devbox-instance-profile")
+    assert "dev_template_version" in outputs
 
 
 def test_the_user_data_mounts_the_workspace_and_starts_only_the_idle_watcher(dev_stack: StackRun) -> None:

@@ -33,12 +33,11 @@ from trainstack.errors import CliError
 from trainstack.stack import StackOutputs
 from trainstack_job.contract import StackOutput
 
-# Outputs infra/devbox.py does not export yet (infra/__main__.py exports dev_template_id, dev_box_name and
-# dev_subnet_ids only). When present they are what the box is checked against: they come from Pulumi's state,
-# which no EC2 principal can change. Until then the profile and newest version are read from the stack's
-# template (its default version is always the one `pulumi up` made: update_default_version).
-DEV_TEMPLATE_VERSION = "dev_template_version"
-DEV_INSTANCE_PROFILE_ARN = "dev_instance_profile_arn"
+# What the box is checked against: Pulumi's state, which no EC2 principal can change. A stack deployed before
+# these outputs lacks them until its next `pulumi up`: then the profile and newest version are read from the
+# stack's template (its default version is always the one `pulumi up` made: update_default_version).
+DEV_TEMPLATE_VERSION = StackOutput.DEV_TEMPLATE_VERSION.value
+DEV_INSTANCE_PROFILE_ARN = StackOutput.DEV_INSTANCE_PROFILE_ARN.value
 # A template image of this form names an SSM parameter, resolved at each launch: nothing to compare then.
 _RESOLVED_AT_LAUNCH = "resolve:ssm:"
 
