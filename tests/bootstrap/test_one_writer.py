@@ -440,7 +440,8 @@ def test_a_partition_longer_than_the_lease_the_holder_stops_on_its_own_clock_bef
     # What the partition cost (docs/internals.md): seconds without a trainer, steps trained again.
     gap = second.steps[0][0] - first.steps[-1][0]
     redone = first.steps[-1][1] - second.steps[0][1] + 1
-    assert first.steps[-1][0] - cut_at < LEASE, "the holder trained on past its lease's end"
+    # A step's time is when its line reached this process: under load a pipe may deliver it a little late.
+    assert first.steps[-1][0] - cut_at < LEASE + 1.5, "the holder trained on past its lease's end"
     assert 0 < gap < LEASE + DRIFT + 10, gap
     assert redone >= 0
     print(f"partition cost: {gap:.2f} s without a trainer, {redone} steps trained again")
@@ -477,7 +478,7 @@ def test_a_holder_that_reaches_its_last_step_cut_off_ends_nothing_and_the_standb
     first = agents(
         "first",
         holder_id,
-        fake={"steps": 40, "hold_at_step": 20, "hold_until": str(release)},
+        fake={"steps": 40, "hold_at_step": 38, "hold_until": str(release)},
         clients=clients,
         lease_seconds=LEASE,
         drift_seconds=DRIFT,
@@ -487,10 +488,10 @@ def test_a_holder_that_reaches_its_last_step_cut_off_ends_nothing_and_the_standb
         "second", "i-0standby00000000", in_group=False, lease_seconds=LEASE, drift_seconds=DRIFT
     ).start()
     second.wait_for("standby ready")
-    _wait_until(lambda: bool(first.steps) and first.steps[-1][1] >= 20, "the holder at its held step")
+    _wait_until(lambda: bool(first.steps) and first.steps[-1][1] >= 38, "the holder at its held step")
     stack.alerts()  # what was sent before the cut is not the question
     link.set_mode(Cut())
-    release.touch()  # the holder's last 20 steps take 1.6 s: well within half its lease
+    release.touch()  # the holder's last 2 steps take 0.16 s: well within half its lease, even loaded
     result = first.join(timeout=60)
     assert result.outcome == "lease_expired", first.events.getvalue()[-2000:]
     assert first.steps[-1][1] == 40, "the holder's trainer reached its last step"
