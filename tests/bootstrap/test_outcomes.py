@@ -3,6 +3,7 @@ ends a job (its results, status, e-mail and scale to zero), against moto."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,13 @@ def test_a_life_that_cannot_prove_its_lease_leaves_the_end_to_the_next_life_here
     ending: Callable[..., Any], stack: LocalStack
 ) -> None:
     desired = stack.group()["DesiredCapacity"]
+    before = stack.read_json("state/ledger.json")
+    assert before is not None
+    # A crash counter and interruptions from earlier lives: an expired lease says nothing of either.
+    seeded = before | {"consecutive_failures": 1, "interruptions": 2}
+    stack.client("s3").put_object(
+        Bucket=stack.bucket, Key="state/ledger.json", Body=json.dumps(seeded).encode()
+    )
     result, _ = ending(LifeEnd.COMPLETED, None)
     assert result.outcome is LifeEnd.LEASE_EXPIRED and result.again and result.next_job == "legacy"
     assert result.exit_code == 0
@@ -154,6 +162,9 @@ def test_a_life_that_cannot_prove_its_lease_leaves_the_end_to_the_next_life_here
     ledger = stack.read_json("state/ledger.json")
     assert ledger is not None and ledger["status"] == "running"
     assert ledger["lives"][-1]["outcome"] == "lease_expired"
+    assert (ledger["consecutive_failures"], ledger["interruptions"]) == (1, 2), (
+        "neither a failure nor a reset"
+    )
     assert stack.group()["DesiredCapacity"] == desired
 
 
