@@ -14,7 +14,6 @@ fails the test instead of the suite.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -27,15 +26,12 @@ import boto3
 import pytest
 from boto3.exceptions import S3UploadFailedError
 
-from bootstrap.agent_config import AgentConfig
-from bootstrap.eventlog import EventLog
 from bootstrap.job import JobSpec
 from bootstrap.results import upload_results
 from bootstrap.safefiles import PlantedLinkError
-from bootstrap.stops import StopRequests
-from bootstrap.supervisor import Supervisor
 from bootstrap.trainer import TrainerPaths
 from bootstrap.watchdog import MAX_PROGRESS_BYTES, read_progress
+from tests.bootstrap.test_secrets import _supervisor
 from tests.conftest import MotoServer
 
 BUCKET = "trainstack-contained-outputs"
@@ -233,26 +229,8 @@ def _user_job(tmp_path: Path) -> JobSpec:
 def test_a_link_planted_at_a_signal_file_is_named_in_the_agents_log_not_the_jobs_output(
     tmp_path: Path, kind: str
 ) -> None:
-    stream = io.StringIO()
-    log = EventLog(stream)
     user_job = _user_job(tmp_path) if kind == "user job" else None
-    config = AgentConfig(
-        region="us-east-1",
-        bucket="b",
-        group_name="g",
-        topic_arn="arn:t",
-        log_group="/l",
-        user_job=user_job.to_mapping() if user_job else None,
-    )
-    supervisor = Supervisor(
-        config,
-        log,
-        StopRequests(log, deadline_seconds=100),
-        user_job=user_job,
-        job_root=tmp_path / "jobroot",
-        trainer_command=[sys.executable, "-c", "pass"],
-        tick_seconds=0.05,
-    )
+    supervisor, stream = _supervisor(tmp_path, user_job=user_job)
     shipped: list[str] = []
     paths = TrainerPaths(scratch=tmp_path / "scratch")
     trainer = supervisor.job_process(
