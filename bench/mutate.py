@@ -59,7 +59,7 @@ FAULTS = "tests/faults/test_nothing_lost_nothing_billed.py"
 # may predate them); tests/test_mutate_targets.py keeps every one present in the checkout.
 TARGETS: dict[str, Target] = {
     "persist": Target(
-        ("bootstrap/persist.py",),
+        ("bootstrap/persist.py", "bootstrap/checkpoint_store.py", "bootstrap/checkpoint_restore.py"),
         (
             "tests/bootstrap/test_fencing.py",
             "tests/bootstrap/test_mutants_persist.py",

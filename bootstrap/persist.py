@@ -25,155 +25,55 @@ Guarantees (docs/job-contract.md):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
-from boto3.s3.transfer import TransferConfig, create_transfer_manager
 from botocore.exceptions import ClientError
 
+from bootstrap.checkpoint_restore import CheckpointRestore
+from bootstrap.checkpoint_store import (
+    TOKEN_RECORD,
+    WAIT_TICK,
+    CheckpointRefusedError,
+    EventSink,
+    Fence,
+    PersistResult,
+    UploadAbandonedError,
+    bounded,
+    close_when_done,
+    is_conflict,
+)
 from bootstrap.lease import LeaseLostError, LeaseState
 from bootstrap.safefiles import (
     PlantedLinkError,
     fd_path,
-    open_directory,
     open_inside,
-    outside_name,
-    remove_entry,
     replace_file,
 )
 from trainstack_job.layout import (
     LATEST,
     MANIFEST,
-    STEP_DIR,
     committed_steps,
     latest_json,
     read_manifest,
     step_dir_name,
-    verify_dir,
 )
 
-# 64 MiB parts: a multi-GB checkpoint goes up as parallel parts, each with its own SHA256 checksum.
-TRANSFER = TransferConfig(multipart_threshold=64 * 2**20, multipart_chunksize=64 * 2**20, max_concurrency=8)
-_WAIT_TICK = 0.1
-_T = TypeVar("_T")
-
-
-class EventSink(Protocol):
-    def event(self, stage: str, message: str, **fields: Any) -> None: ...
-
-
-# Under the job's state prefix: the newest lease token this agent wrote into `latest.json`, kept where the job
-# cannot write (its role and session deny `state/`): the floor for the next lease's token (`token_floor`).
-TOKEN_RECORD = "latest-token.json"
-
-# S3's codes for an SSE-KMS object whose key KMS refuses to use: off (disabled, or pending deletion), or gone.
-_KMS_KEY_OFF = frozenset({"KMS.DisabledException", "KMS.KMSInvalidStateException"})
-_KMS_KEY_GONE = "KMS.NotFoundException"
-
-
-class Fence(Protocol):
-    """Who may write the job's checkpoints: `bootstrap.lease.JobLease` once acquired.
-
-    `check()` returns when the lease still names `token` and raises `LeaseLostError` when it does not; any
-    other error (S3 unreachable) means "unknown", and the persister retries rather than write unchecked.
-    What it returns is what it read: a `LeaseState` (the lease record) lets the persister tell a higher
-    token in `latest.json` that no lease handed out (a forgery, replaced) from a newer holder's (lost).
-    A fence may also name the key `latest.json` carries its token under (`latest_key`, default "token") and
-    word a loss to a newer `latest.json` (`superseded(token, uri)`): bootstrap/generation_fence.py does.
-    """
-
-    @property
-    def token(self) -> int: ...
-
-    def check(self) -> object: ...
-
-
-class UploadAbandonedError(Exception):
-    """An upload given up on purpose: a newer step superseded it, the deadline passed, or a stop began."""
-
-
-class CheckpointRefusedError(Exception):
-    """S3 refused to hand over a file of a confirmed checkpoint (access denied, a key it cannot decrypt with,
-    an outage outlasting botocore's retries), or the agent refused it: its manifest names a file outside the
-    step's folder, which restoring (as root) would write anywhere on the instance. Unlike a damaged checkpoint
-    it is not skipped for nothing: with no older checkpoint left, restore fails rather than start the job
-    over, which would write a lower step over the one `latest.json` names."""
-
-
-@dataclass(frozen=True)
-class PersistResult:
-    """Where persistence stands at the end of a job: the newest local step and the newest confirmed one."""
-
-    newest_local_step: int | None
-    confirmed_step: int | None
-    # This instance lost the job's lease: its checkpoints are no longer the job's, whatever it uploaded.
-    lease_lost: bool = False
-
-    @property
-    def confirmed(self) -> bool:
-        """True when nothing the job saved is missing from S3 (never after the lease was lost)."""
-        if self.lease_lost:
-            return False
-        if self.newest_local_step is None:
-            return True
-        return self.confirmed_step is not None and self.confirmed_step >= self.newest_local_step
-
-
-def _is_conflict(exc: ClientError) -> bool:
-    """412 (the ETag moved) or 409 (a concurrent conditional write): read again and retry."""
-    error = exc.response.get("Error", {})
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return error.get("Code") in {"PreconditionFailed", "ConditionalRequestConflict"} or status in {409, 412}
-
-
-def _is_missing(exc: ClientError) -> bool:
-    return exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}
-
-
-def bounded(fn: Callable[[], _T], deadline: float | None, what: str) -> _T:
-    """Run one blocking AWS call, giving up at `deadline` (time.monotonic()) even if the socket hangs.
-
-    The call runs on a daemon thread: a blackholed request keeps it until botocore's own timeout, but
-    neither the caller nor the process exit waits for it.
-    """
-    if deadline is None:
-        return fn()
-    box: dict[str, Any] = {}
-    done = threading.Event()
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:
-            box["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=target, name=f"s3-{what}", daemon=True).start()
-    if not done.wait(max(0.0, deadline - time.monotonic())):
-        raise UploadAbandonedError(f"{what}: no answer from S3 before the deadline")
-    if "error" in box:
-        raise box["error"]
-    value: _T = box["value"]
-    return value
-
-
-def _close_when_done(future: Any, handle: int) -> None:
-    """Close an upload's file descriptor once its transfer (cancelled or not) has no task left."""
-    try:
-        # A cancelled transfer's error was reported where it was cancelled.
-        with contextlib.suppress(BaseException):
-            future.result()
-    finally:
-        os.close(handle)
+# What callers import from here: the persister's own module stays the one to name.
+__all__ = [
+    "TOKEN_RECORD",
+    "CheckpointPersister",
+    "CheckpointRefusedError",
+    "EventSink",
+    "Fence",
+    "PersistResult",
+    "UploadAbandonedError",
+    "bounded",
+]
 
 
 def _refuse_outside(directory: Path, file_name: str, step: int) -> None:
@@ -190,392 +90,11 @@ def _refuse_outside(directory: Path, file_name: str, step: int) -> None:
         )
 
 
-class CheckpointPersister:
+class CheckpointPersister(CheckpointRestore):
     """Mirrors committed `step-<N>/` directories of `local_dir` to `s3://bucket/prefix` (guarantees above).
 
     `restore()` before the job starts, `start()` while it runs, `finish(deadline)` once it has exited.
     """
-
-    def __init__(
-        self,
-        s3: Any,
-        bucket: str,
-        prefix: str,
-        local_dir: Path,
-        log: EventSink,
-        *,
-        keep: int = 3,
-        poll_seconds: float = 0.5,
-        fence: Fence | None = None,
-        on_lease_lost: Callable[[LeaseLostError], None] | None = None,
-        token_record: str | None = None,
-    ) -> None:
-        self._s3 = s3
-        self.bucket = bucket
-        self.prefix = prefix.strip("/")
-        self.local_dir = Path(local_dir)
-        self._log = log
-        self.keep = max(1, keep)
-        self._poll_seconds = poll_seconds
-        self._transfers = create_transfer_manager(s3, TRANSFER)
-        self._lock = threading.Lock()
-        self._confirmed_step: int | None = None
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._failing_since: float | None = None
-        self.upload_seconds: list[float] = []
-        # Files of a step already in S3 (relative key → sha256), uploaded by this persister.
-        self._uploaded: dict[str, Any] = {}
-        self._fence = fence
-        # Tokens of different fences count different things (lease acquisitions, generations): each is read
-        # and written under its own key, so they are never compared.
-        self._token_key: str = getattr(fence, "latest_key", "token")
-        self._on_lease_lost = on_lease_lost
-        self._lease_lost: LeaseLostError | None = None
-        # The agent's own record of the lease tokens it wrote into latest.json (a key under the job's
-        # state/, TOKEN_RECORD), and the token it last recorded there; None: no record is kept.
-        self._token_record = token_record
-        self._recorded_token: int | None = None
-        # Forged tokens found in latest.json, each said once.
-        self._forged: set[int] = set()
-
-    @property
-    def uri(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}"
-
-    def _key(self, relative: str) -> str:
-        return f"{self.prefix}/{relative}" if self.prefix else relative
-
-    @property
-    def confirmed_step(self) -> int | None:
-        with self._lock:
-            return self._confirmed_step
-
-    def _confirm(self, step: int) -> None:
-        with self._lock:
-            if self._confirmed_step is None or step > self._confirmed_step:
-                self._confirmed_step = step
-
-    # -- S3 reads ---------------------------------------------------------------------------------------
-
-    def read_latest(self, deadline: float | None = None) -> tuple[int | None, str | None]:
-        """(step, ETag) of S3 `latest.json`; (None, None) when absent; an unreadable one counts as absent
-        but keeps its ETag, so the next conditional write replaces it."""
-        step, _, etag = self._read_latest(deadline)
-        return step, etag
-
-    def latest_token(self, deadline: float | None = None) -> int | None:
-        """The lease token S3 `latest.json` carries (None: absent, or written unfenced). Never a lease's
-        floor: whoever could write latest.json (a job, with its own credentials, before its session denied
-        it) could raise every later token with it; `token_floor` is the floor."""
-        return self._read_latest(deadline)[1]
-
-    def token_floor(self, deadline: float | None = None) -> int | None:
-        """The newest lease token this agent recorded writing into latest.json (`token_record`; None: none
-        recorded, or no record kept): the `floor` to pass to `JobLease.try_acquire`, so a lease deleted or
-        damaged by hand never hands out a token already used. Read from the job's `state/`, which only the
-        agent writes, so a job can never raise it."""
-        if self._token_record is None:
-            return None
-        return self._read_token_record(deadline)[0]
-
-    def _read_token_record(self, deadline: float | None) -> tuple[int | None, str | None]:
-        """(token, ETag) of the token record; (None, None) when absent, (None, ETag) when not a record."""
-        assert self._token_record is not None
-        key = self._token_record
-        try:
-            response = bounded(
-                lambda: self._s3.get_object(Bucket=self.bucket, Key=key), deadline, "read-token-record"
-            )
-        except ClientError as exc:
-            if _is_missing(exc):
-                return None, None
-            raise
-        etag = str(response["ETag"])
-        try:
-            token = json.loads(response["Body"].read()).get("token")
-        except (ValueError, AttributeError):
-            return None, etag
-        valid = isinstance(token, int) and not isinstance(token, bool)
-        return (token if valid else None), etag
-
-    def _record_token(self, token: int, deadline: float | None) -> None:
-        """Keep `token` in the agent's own record once latest.json carries it; the record only moves up
-        (conditional writes: a slower, older holder never lowers it). A failure is said and retried with the
-        next commit: the lease record still holds the token meanwhile."""
-        if self._token_record is None or self._recorded_token == token:
-            return
-        key = self._token_record
-        try:
-            for _ in range(8):
-                recorded, etag = self._read_token_record(deadline)
-                if recorded is not None and recorded >= token:
-                    break
-                condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
-                body = json.dumps({"token": token, "uri": f"{self.uri}/{LATEST}"}).encode()
-
-                def put(condition: dict[str, str] = condition, body: bytes = body) -> Any:
-                    return self._s3.put_object(
-                        Bucket=self.bucket, Key=key, Body=body, ContentType="application/json", **condition
-                    )
-
-                try:
-                    bounded(put, deadline, "put-token-record")
-                except ClientError as exc:
-                    if _is_conflict(exc):
-                        continue
-                    raise
-                break
-            else:
-                raise RuntimeError("too many concurrent writers")
-        except Exception as exc:  # housekeeping for a lease rebuilt by hand: never fails the commit
-            self._log.event(
-                "checkpoint",
-                "could not record the lease token written into latest.json; retried with the next commit",
-                level="warning",
-                uri=f"s3://{self.bucket}/{key}",
-                error=str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
-            )
-            return
-        self._recorded_token = token
-
-    def _read_latest(self, deadline: float | None) -> tuple[int | None, int | None, str | None]:
-        """(step, token, ETag) of S3 `latest.json`; the token is None when it carries none."""
-        try:
-            response = bounded(
-                lambda: self._s3.get_object(Bucket=self.bucket, Key=self._key(LATEST)),
-                deadline,
-                "read-latest",
-            )
-        except ClientError as exc:
-            if _is_missing(exc):
-                return None, None, None
-            raise
-        etag = str(response["ETag"])
-        try:
-            value = json.loads(response["Body"].read())
-            token = value.get(self._token_key)
-            valid = isinstance(token, int) and not isinstance(token, bool)
-            return int(value["step"]), (token if valid else None), etag
-        except (ValueError, KeyError, TypeError, AttributeError):
-            self._log.event(
-                "checkpoint",
-                "S3 latest.json is unreadable; it will be replaced",
-                level="warning",
-                uri=self.uri,
-            )
-            return None, None, etag
-
-    def remote_steps(self) -> list[int]:
-        """Steps with at least one object under `step-<N>/` in S3, newest first."""
-        paginator = self._s3.get_paginator("list_objects_v2")
-        base = self._key("")
-        steps: set[int] = set()
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=base, Delimiter="/"):
-            for common in page.get("CommonPrefixes", []):
-                match = STEP_DIR.match(common["Prefix"][len(base) :].rstrip("/"))
-                if match:
-                    steps.add(int(match.group(1)))
-        return sorted(steps, reverse=True)
-
-    # -- restore ----------------------------------------------------------------------------------------
-
-    def restore(self, should_abort: Callable[[], bool] = lambda: False) -> int | None:
-        """Make the newest verified checkpoint available in `local_dir`; returns its step (None: fresh job).
-
-        S3 candidates are `latest.json`'s step and older ones (a step above it is a partial upload); each is
-        verified against its manifest's sha256 before it replaces anything local. A local step at least as
-        new (this instance's earlier life) wins and is uploaded by `start()` if S3 lacks it. A step S3 refuses
-        to hand over is skipped for an older one; with none left, `CheckpointRefusedError` names the object.
-        So is a step whose manifest names a file outside the step's folder: nothing of it is written.
-        """
-        self.local_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in self.local_dir.glob(".step-*"):
-            remove_entry(leftover)  # a link the job left here goes, never what it points to
-        local = self._newest_verified_local()
-        latest, _ = self.read_latest()
-        if latest is not None:
-            # A refused manifest here is judged again, step by step, below.
-            with contextlib.suppress(CheckpointRefusedError):
-                manifest = self._remote_manifest(latest)
-                if manifest is not None and self._outside(latest, manifest) is None:
-                    self._confirm(latest)
-        candidates = [s for s in self.remote_steps() if latest is None or s <= latest]
-        refused: CheckpointRefusedError | None = None
-        for step in candidates:
-            if local is not None and step <= local:
-                break
-            if should_abort():
-                raise UploadAbandonedError("restore interrupted")
-            try:
-                restored = self._download(step, should_abort)
-            except CheckpointRefusedError as exc:
-                refused = refused or exc  # the newest one S3 refused is the one to name
-                continue
-            if restored:
-                self._log.event("checkpoint", "restored checkpoint from S3", step=step, uri=self.uri)
-                return step
-        if local is not None:
-            self._log.event("checkpoint", "using the checkpoint already on this instance", step=local)
-            return local
-        if refused is not None:
-            raise refused
-        return None
-
-    def _newest_verified_local(self) -> int | None:
-        for step in committed_steps(self.local_dir):
-            manifest, why = verify_dir(self.local_dir / step_dir_name(step))
-            if manifest is not None:
-                return step
-            self._log.event(
-                "checkpoint", "skipping a damaged local checkpoint", level="warning", step=step, why=why
-            )
-        return None
-
-    def _refused(self, key: str, step: int, exc: ClientError) -> CheckpointRefusedError:
-        code = exc.response.get("Error", {}).get("Code") or "no error code"
-        # S3 passes a KMS refusal of the object's key on under KMS's own code. A key that is off needs turning
-        # on, a key that is gone can never decrypt it, any other refusal needs a grant; anything else
-        # (throttling, an outage past botocore's retries) passes, and each later life tries again until the
-        # crash-loop guard gives up.
-        if code in _KMS_KEY_OFF:
-            fix = (
-                "its KMS key is disabled or pending deletion: enable it (aws kms enable-key; first aws kms "
-                "cancel-key-deletion if its deletion is scheduled)"
-            )
-        elif code == _KMS_KEY_GONE:
-            fix = (
-                "its KMS key no longer exists, so S3 can never decrypt it: delete the job's checkpoints "
-                f"under {self.uri}/ to start the job over"
-            )
-        elif code == "AccessDenied" or code.startswith("KMS"):
-            fix = (
-                "grant the identity reading it (on an instance, the instance role) s3:GetObject on it and "
-                "kms:Decrypt on its key"
-            )
-        else:
-            fix = "S3 did not serve it; a later start tries again"
-        return CheckpointRefusedError(
-            f"s3://{self.bucket}/{key}: S3 refused to read it ({code}) and no older checkpoint is left: "
-            f"not starting the job over without its step {step}; {fix}"
-        )
-
-    def _remote_manifest(self, step: int) -> dict[str, Any] | None:
-        """The step's manifest from S3; None when missing or unreadable (a damaged checkpoint); a read S3
-        refuses raises CheckpointRefusedError (the step is there, this life just cannot have it)."""
-        key = self._key(f"{step_dir_name(step)}/{MANIFEST}")
-        try:
-            body = self._s3.get_object(Bucket=self.bucket, Key=key)
-        except ClientError as exc:
-            if _is_missing(exc):
-                return None
-            raise self._refused(key, step, exc) from None
-        try:
-            value = json.loads(body["Body"].read())
-        except ValueError:
-            return None
-        return value if isinstance(value, dict) and isinstance(value.get("files"), dict) else None
-
-    def _outside(self, step: int, manifest: dict[str, Any]) -> CheckpointRefusedError | None:
-        """The refusal of a manifest that names a file outside its step's folder (`../../etc/x`, `/abs/x`),
-        or None. Whoever can write the job's S3 prefix (the job itself) writes its manifests: restored as
-        listed, such a name is a file root writes anywhere on the instance."""
-        key = self._key(f"{step_dir_name(step)}/{MANIFEST}")
-        for file_name in manifest["files"]:
-            why = outside_name(file_name)
-            if why is not None:
-                folder = f"{self.uri}/{step_dir_name(step)}/"
-                return CheckpointRefusedError(
-                    f"s3://{self.bucket}/{key}: names {file_name!r} ({why}), outside the step's folder, so "
-                    f"it is never restored, and no older checkpoint is left: not starting the job over "
-                    f"without its step {step}; delete the step (aws s3 rm --recursive {folder}) to resume "
-                    "from an older checkpoint or start over, and fix what wrote that manifest (its names "
-                    "are relative to the step's folder)"
-                )
-        return None
-
-    def _download(self, step: int, should_abort: Callable[[], bool]) -> bool:
-        name = step_dir_name(step)
-        manifest = self._remote_manifest(step)
-        if manifest is None:
-            self._log.event(
-                "checkpoint", "skipping an S3 checkpoint without a manifest", level="warning", step=step
-            )
-            return False
-        outside = self._outside(step, manifest)
-        if outside is not None:
-            self._log.event(
-                "checkpoint",
-                "skipping an S3 checkpoint whose manifest names a file outside its folder",
-                level="warning",
-                step=step,
-                uri=f"{self.uri}/{name}/{MANIFEST}",
-                error=str(outside),
-            )
-            raise outside
-        # The job owns local_dir and may run meanwhile (a standby's warm trainer): a fresh random name it
-        # cannot have prepared, a folder only the agent can write in, and every write through the folder's
-        # descriptor (fd_path), so even a link the job puts at the staging folder's name is never followed.
-        staging = self.local_dir / f".{name}.download-{secrets.token_hex(4)}"
-        staging.mkdir()
-        try:
-            with open_directory(staging) as held:
-                into = fd_path(held, staging)
-                for file_name in manifest["files"]:
-                    if should_abort():
-                        raise UploadAbandonedError("restore interrupted")
-                    target = into / file_name
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    key = self._key(f"{name}/{file_name}")
-                    self._s3.download_file(self.bucket, key, str(target), Config=TRANSFER)
-                (into / MANIFEST).write_text(json.dumps(manifest))
-                verified, why = verify_dir(into)
-                if verified is None:
-                    self._log.event(
-                        "checkpoint",
-                        "skipping an S3 checkpoint that fails verification",
-                        level="warning",
-                        step=step,
-                        why=why.replace(str(into), str(staging)),
-                    )
-                    return False
-                final = self.local_dir / name
-                remove_entry(final)  # a link the job put at the step's name is removed, not followed
-                staging.rename(final)
-                # Only the folder verified here counts as restored, not one the job renamed into its place.
-                placed = os.lstat(final)
-                held_stat = os.fstat(held)
-                if (placed.st_dev, placed.st_ino) != (held_stat.st_dev, held_stat.st_ino):
-                    self._log.event(
-                        "checkpoint",
-                        "skipping an S3 checkpoint whose folder was replaced while it was restored",
-                        level="warning",
-                        step=step,
-                        uri=f"{self.uri}/{name}/",
-                    )
-                    remove_entry(final)
-                    return False
-            replace_file(
-                self.local_dir / LATEST, latest_json(step, manifest.get("epoch")), say=self._planted_link
-            )
-            self._confirm(step)
-            return True
-        except ClientError as exc:
-            self._log.event(
-                "checkpoint",
-                "skipping an S3 checkpoint that cannot be read",
-                level="warning",
-                step=step,
-                error=str(exc),
-            )
-            if _is_missing(exc):
-                return False  # a file gone from S3: a damaged checkpoint, like one that fails verification
-            raise self._refused(key, step, exc) from None
-        finally:
-            remove_entry(staging)
-
-    def _planted_link(self, line: str) -> None:
-        self._log.event("checkpoint", line, level="warning")
 
     # -- upload -----------------------------------------------------------------------------------------
 
@@ -756,10 +275,10 @@ class CheckpointPersister:
                 # last task ends, else a file the agent opens meanwhile could take its number.
                 future.cancel()
                 threading.Thread(
-                    target=_close_when_done, args=(future, handle), name="s3-upload-close", daemon=True
+                    target=close_when_done, args=(future, handle), name="s3-upload-close", daemon=True
                 ).start()
                 raise
-            time.sleep(_WAIT_TICK)
+            time.sleep(WAIT_TICK)
         try:
             future.result()  # returns once every part's task has ended, not only when the status is set
         finally:
@@ -814,7 +333,7 @@ class CheckpointPersister:
             try:
                 bounded(put, deadline, "put-latest")
             except ClientError as exc:
-                if _is_conflict(exc):
+                if is_conflict(exc):
                     continue
                 raise
             self._confirm(step)
