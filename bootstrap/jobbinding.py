@@ -26,6 +26,7 @@ from bootstrap.safefiles import remove_entry
 from trainstack_job.contract import CONTROL, LEDGER, JobStatus
 from trainstack_job.jobs import CURRENT_JOB, LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
 from trainstack_job.queue import (
+    JOB_CODE_PREFIX,
     QUEUE_PREFIX,
     SOURCE_PULUMI,
     QueueEntry,
@@ -37,6 +38,7 @@ from trainstack_job.queue import (
     queue_key,
     stored_at,
 )
+from trainstack_job.text import clip
 
 # A job in one of these states is over: the queue moves on to the next job.
 ENDED = frozenset(
@@ -99,14 +101,17 @@ class JobBindingError(RuntimeError):
 
 @dataclass(frozen=True)
 class JobBinding:
-    """The job this life serves; `pinned` is that job's record when its code is not this agent's, `config`
-    the agent config it runs with (the stack's with the job's record over it)."""
+    """The job this life serves; `pinned` is that job's record when its code is another environment's (an
+    earlier `pulumi up`: the agent re-executes from it), `job_code` its record when it was submitted with its
+    own code (`trainstack run`: this agent runs it, unpacked, as the job's user), `config` the agent config
+    it runs with (the stack's with the job's record over it)."""
 
     job_id: str
     prefixes: JobPrefixes
     pinned: dict[str, Any] | None = None
     switched_from: str | None = None
     config: AgentConfig | None = None
+    job_code: dict[str, Any] | None = None
 
 
 def _code(exc: ClientError) -> str:
@@ -447,7 +452,20 @@ class JobDirectory:
                 "pulumi up",
             )
             return None
+        bundle = str(record.get("bundle_key") or "")
+        if bundle.startswith(JOB_CODE_PREFIX):
+            # A submitter's code: never the agent's, never re-executed as root (SECURITY.md, "A submitter").
+            return JobBinding(job_id, JobPrefixes.of(job_id), None, switched_from, config, job_code=record)
         pinned = None if same_code(self.config, record) else record
+        if pinned is not None and not bundle.startswith(self.config.prefixes.code):
+            self.refuse(
+                job_id,
+                f"s3://{self.bucket}/{key}: its bundle_key {clip(bundle, 120)} is neither the "
+                f"environment's code ({self.config.prefixes.code}, written by `pulumi up` only) nor job code "
+                f"({JOB_CODE_PREFIX}); the agent runs only the environment's code as root: submit the job "
+                "again with `trainstack run`",
+            )
+            return None
         return JobBinding(job_id, JobPrefixes.of(job_id), pinned, switched_from, config)
 
     def serving(self, current: str, *, fresh: bool) -> JobBinding | None:
@@ -542,13 +560,7 @@ def bind_job(
         if target is None:
             return None
         if target.job_id == current or jobs.point_at(target.job_id, etag, current, now):
-            return JobBinding(
-                target.job_id,
-                target.prefixes,
-                target.pinned,
-                current if current != target.job_id else None,
-                target.config,
-            )
+            return replace(target, switched_from=current if current != target.job_id else None)
     raise JobBindingError(
         f"s3://{jobs.bucket}/{jobs.pointer_key}: moved by another instance {_ATTEMPTS} times in a row; "
         "the next life tries again"

@@ -40,7 +40,7 @@ from bootstrap.ledger import TERMINAL_STATUSES, JobLedger
 from bootstrap.notify import Notifier
 from bootstrap.outcomes import Failure, LifeEnd, LifeFacts, LifeResult, Outcomes
 from bootstrap.persist import TOKEN_RECORD, CheckpointPersister, CheckpointRefusedError, UploadAbandonedError
-from bootstrap.pinned import PinnedCodeError, prepare_pinned, run_pinned
+from bootstrap.pinned import PinnedCodeError, prepare_job_code, prepare_pinned, run_pinned
 from bootstrap.pricing import BucketUsage, PriceLookup
 from bootstrap.scratch import prepare_scratch
 from bootstrap.standby import HANDOVER_POLL_SECONDS, OneWriter, Role, wait_warm
@@ -135,7 +135,9 @@ class InstanceLife:
         self._trainer_command = trainer_command
         self._tick_seconds = tick_seconds
         # Where a user's job workdir is: inside the unpacked bundle on an instance, anywhere in the demo.
-        self._job_root = job_root or CODE_ROOT / BUNDLE_JOB_DIR
+        self._job_root = self._own_job_root = job_root or CODE_ROOT / BUNDLE_JOB_DIR
+        # The code a `trainstack run` job was submitted with, unpacked (None: this agent's own bundle).
+        self._code_root: Path | None = None
         self._release_wait_seconds = release_wait_seconds
         self._assemble(config)
         # One writer per single-node job (bootstrap/standby.py); set once the life is in the ledger.
@@ -147,6 +149,8 @@ class InstanceLife:
         self.run_pinned: Callable[..., Any] = run_pinned
         # The pinned code fetched and checked before this agent lets go of its own threads and logs.
         self.prepare_pinned: Callable[..., Any] = prepare_pinned
+        # A submitted job's own code, fetched, checked and unpacked (never executed by the agent).
+        self.prepare_job_code: Callable[..., Path] = prepare_job_code
         # Queue objects and jobs this life already reported as bad: each is one line per life, not per read.
         self._reported: set[str] = set()
         # The watcher, the sentinel and the state poller run until the outcome is decided.
@@ -167,6 +171,7 @@ class InstanceLife:
             job_root=self._job_root,
             trainer_command=self._trainer_command,
             tick_seconds=self._tick_seconds,
+            code_root=self._code_root,
         )
         self.outcomes = Outcomes(
             config,
@@ -463,13 +468,18 @@ class InstanceLife:
             )
             if binding is None:
                 return False
-            if binding.pinned is not None:
-                try:
+            try:
+                if binding.pinned is not None:
                     self.prepare_pinned(self.clients.s3, self._stack_config, binding.pinned)
-                except PinnedCodeError as exc:
-                    self._refuse(binding.job_id, str(exc))
-                    after = binding.job_id
-                    continue
+                self._code_root = (
+                    None
+                    if binding.job_code is None
+                    else self.prepare_job_code(self.clients.s3, self._stack_config, binding.job_code)
+                )
+            except PinnedCodeError as exc:
+                self._refuse(binding.job_id, str(exc))
+                after = binding.job_id
+                continue
             return self._start_bound(binding)
         raise JobBindingError(
             f"{MAX_REFUSED_PER_LIFE} jobs in a row refused in one life; the next life goes on with the queue"
@@ -513,6 +523,8 @@ class InstanceLife:
         cost cap and instance count) and its own prefixes, log streams and queue hooks."""
         config = _for_job(binding.config or self._stack_config, binding.job_id)
         self.user_job = JobSpec.from_mapping(config.user_job, "user_job") if config.user_job else None
+        # A submitted job runs from its own code (as its user); any other from this agent's bundle.
+        self._job_root = self._own_job_root if self._code_root is None else self._code_root / BUNDLE_JOB_DIR
         self.multi_node = config.instance_count > 1 and self.user_job is None
         before = self.boot.config
         self.boot.config = config

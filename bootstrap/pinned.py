@@ -31,6 +31,9 @@ from bootstrap.agent_config import AgentConfig
 from bootstrap.jobbinding import OVERRIDE_FIELDS, record_fields
 from bootstrap.trainer import CODE_ROOT
 
+# Under the install root: the code jobs were submitted with, apart from the environments' (`<sha256>/`).
+JOB_CODE_DIR = "job-code"
+
 # Set for the re-executed agent to the job it runs: it must serve that job with its own code, never hop again
 # for the same job (a hop loop); going on to another queued job with that job's code is allowed.
 PINNED_ENV = "TRAINSTACK_PINNED_JOB"
@@ -68,11 +71,23 @@ def _at_default(name: str, value: Any) -> bool:
 
 
 def unpack_bundle(s3: Any, bucket: str, record: dict[str, Any], install_root: Path) -> Path:
-    """The job's bundle unpacked at `<install_root>/<sha256>` (reused when already there).
+    """The job's environment bundle (the agent's code from an earlier `pulumi up`) unpacked at
+    `<install_root>/<sha256>` (reused when already there).
 
     A bundle that is missing, replaced or not a gzipped tar raises PinnedCodeError: no instance can ever run
     the job with it, so the job fails and the queue moves on. S3 unreachable raises botocore's error: the
     next life tries again."""
+    return _unpack(s3, bucket, record, install_root, holds=Path("bootstrap") / "agent.py")
+
+
+def unpack_job_code(s3: Any, bucket: str, record: dict[str, Any], install_root: Path) -> Path:
+    """The code a job was submitted with (`trainstack run`: `job-code/<sha256>/…`) unpacked, owned by root and
+    read-only to the job, at `<install_root>/job-code/<sha256>`. The agent never imports or executes it: the
+    job's user runs the trainer or the job's command from it. Same refusals as unpack_bundle."""
+    return _unpack(s3, bucket, record, install_root / JOB_CODE_DIR, holds=Path("training"))
+
+
+def _unpack(s3: Any, bucket: str, record: dict[str, Any], root: Path, *, holds: Path) -> Path:
     key, sha256 = str(record.get("bundle_key") or ""), str(record.get("bundle_sha256") or "")
     job = str(record.get("job_id", "?"))[:80]
     if not key or not sha256:
@@ -85,8 +100,8 @@ def unpack_bundle(s3: Any, bucket: str, record: dict[str, Any], install_root: Pa
             f"job {job}: its record's bundle_sha256 is not a sha256; submit the job again with "
             "`trainstack run`"
         )
-    destination = install_root / sha256
-    if (destination / "bootstrap" / "agent.py").is_file():
+    destination = root / sha256
+    if (destination / holds).exists():
         return destination
     uri = f"s3://{bucket}/{key[:200]}"
     try:
@@ -103,10 +118,11 @@ def unpack_bundle(s3: Any, bucket: str, record: dict[str, Any], install_root: Pa
             f"{uri}: sha256 {actual} is not job {job}'s {sha256}; the object was replaced: submit the job "
             "again with `trainstack run`"
         )
-    install_root.mkdir(parents=True, exist_ok=True)
-    staging = install_root / f".{sha256}.unpack-{os.getpid()}"
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".{sha256}.unpack-{os.getpid()}"
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+            # The data filter: no absolute names, no `..`, no links out, no devices, no setuid bits.
             archive.extractall(staging, filter="data")
     except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
         shutil.rmtree(staging, ignore_errors=True)
@@ -114,10 +130,10 @@ def unpack_bundle(s3: Any, bucket: str, record: dict[str, Any], install_root: Pa
             f"{uri}: job {job}'s code bundle cannot be unpacked ({type(exc).__name__}); submit the job "
             "again with `trainstack run`"
         ) from None
-    if not (staging / "bootstrap" / "agent.py").is_file():
+    if not (staging / holds).exists():
         shutil.rmtree(staging, ignore_errors=True)
         raise PinnedCodeError(
-            f"{uri}: job {job}'s code bundle holds no bootstrap/agent.py; submit the job again with "
+            f"{uri}: job {job}'s code bundle holds no {holds.as_posix()}; submit the job again with "
             "`trainstack run`"
         )
     staging.replace(destination)
@@ -138,6 +154,14 @@ def prepare_pinned(
         os.fchmod(out.fileno(), 0o600)
         out.write(text)
     return config_path
+
+
+def prepare_job_code(
+    s3: Any, config: AgentConfig, record: dict[str, Any], *, install_root: Path | None = None
+) -> Path:
+    """The folder the job's submitted code is unpacked in (unpack_job_code); raises PinnedCodeError for a job
+    whose code can never run."""
+    return unpack_job_code(s3, config.bucket, record, install_root or default_install_root())
 
 
 def default_install_root() -> Path:

@@ -60,8 +60,11 @@ class Supervisor:
         trainer_command: Sequence[str] | None,
         tick_seconds: float,
         secret_clients: ClientFactory | None = None,
+        code_root: Path | None = None,
     ) -> None:
         self.config = config
+        # The code the job runs from (None: the agent's own bundle); a `trainstack run` job's own code.
+        self._code_root = code_root
         self.log = log
         self.stops = stops
         self.user_job = user_job
@@ -120,6 +123,7 @@ class Supervisor:
                 launch=self.launch,
                 # A link the job planted at a signal file is named in the agent's log, not the job's output.
                 say=lambda line: self.log.event("job", line, level="warning"),
+                code_root=self._code_root,
             )
         workdir = self._job_root / spec.workdir
         self.stops.phase = "job-setup"
@@ -146,6 +150,7 @@ class Supervisor:
             launch=self.launch,
             # A link the job planted at a signal file is named in the agent's log, not the job's output.
             say=lambda line: self.log.event("job", line, level="warning"),
+            code_root=self._code_root,
         )
 
     def _job_credentials(self, paths: TrainerPaths, identity: InstanceIdentity | None) -> dict[str, str]:

@@ -159,14 +159,17 @@ class TrainerProcess:
         env: dict[str, str] | None = None,
         launch: JobLaunch = AS_AGENT,
         say: Callable[[str], None] | None = None,
+        code_root: Path | None = None,
     ) -> None:
         self._command = list(command)
+        # The code the job runs from: the agent's own bundle, or the code the job was submitted with.
+        self._code_root = code_root or CODE_ROOT
         # As whom and in which cgroup the job runs (bootstrap/jobuser.py); the agent's own user by default.
         self._launch = launch
         self._unit: str | None = None
         # A user's command runs as given; the built-in trainer also gets its config file and overrides.
         self._user_job = user_job
-        self._cwd = cwd or CODE_ROOT
+        self._cwd = cwd or self._code_root
         self._env = dict(env or {})
         # The built-in trainer unblocks SIGTERM once its handler exists (training/stop.py), so a stop sent
         # while its interpreter starts stays pending instead of killing it. A user's job may not: it keeps
@@ -214,7 +217,7 @@ class TrainerProcess:
         inherited = self._launch.inherited_environment(os.environ, home if self._launch.isolated else None)
         env = {**inherited, "PYTHONUNBUFFERED": "1", **self._env}
         # The bundle on the path: `import trainstack_job` works in any job without an install.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CODE_ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self._code_root), env.get("PYTHONPATH", "")) if p)
         # The c10d store's listening socket on a multi-node generation's host (bootstrap/multinode.py): the
         # launcher serves the store on it. pass_fds makes it inheritable in the child only, at the same
         # number; the agent's copy stays non-inheritable, so no other child of the agent holds the port.

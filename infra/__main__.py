@@ -153,6 +153,7 @@ storage.attach_bucket_policy(
     instance_endpoint_id=network.s3_endpoint.id,
     instance_principal_arns=[identity.role.arn, identity.job_role.arn]
     + ([dev_box.role.arn] if dev_box is not None else []),
+    prefixes=prefixes,
 )
 if config.network_isolation:
     # No PyPI from inside: the locked boot-time wheels (checked at preview, infra/config.py) go to the bucket.

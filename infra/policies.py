@@ -10,7 +10,8 @@ from bootstrap.agent_config import Prefixes
 from bootstrap.devbox.heartbeat import DEV_PREFIX
 from bootstrap.secrets import SECRETS_ROOT
 from trainstack_job.datasets import DATASETS_PREFIX
-from trainstack_job.queue import QUEUE_PREFIX
+from trainstack_job.jobs import JOB_RECORD
+from trainstack_job.queue import JOB_CODE_PREFIX, QUEUE_PREFIX
 
 Document = dict[str, Any]
 
@@ -206,6 +207,42 @@ def bucket_policy(*, bucket_arn: str, key_arn: str) -> Document:
     )
 
 
+def submitted_objects(prefixes: Prefixes | None = None) -> list[str]:
+    """The keys a submission writes (trainstack/run.py upload): a job's code, its record, its queue entry."""
+    jobs = (prefixes or Prefixes()).jobs
+    return [f"{JOB_CODE_PREFIX}*", f"{jobs}*/{JOB_RECORD}", f"{QUEUE_PREFIX}*"]
+
+
+def create_only_statements(
+    *, bucket_arn: str, role_arns: Sequence[str], prefixes: Prefixes | None = None
+) -> list[Document]:
+    """A submitter is not root (SECURITY.md, "A submitter"): the stack's roles (the agent's, the job's, the
+    dev box's) may only create a job's code, record and queue entry, never overwrite one (S3 refuses a write
+    without If-None-Match: "Enforce conditional writes"), and never write or delete the environment's code,
+    which the agent runs as root. The operator's own credentials (`pulumi up`, which writes `code/` and the
+    default job) are not these roles; they administer the account anyway."""
+    code = (prefixes or Prefixes()).code
+    roles = {"ArnEquals": {"aws:PrincipalArn": list(role_arns)}}
+    return [
+        {
+            "Sid": "SubmissionsAreCreatedNeverOverwritten",
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": "s3:PutObject",
+            "Resource": [f"{bucket_arn}/{key}" for key in submitted_objects(prefixes)],
+            "Condition": {**roles, "Null": {"s3:if-none-match": "true"}},
+        },
+        {
+            "Sid": "EnvironmentCodeOnlyFromTheOperator",
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": ["s3:PutObject", "s3:DeleteObject", "s3:DeleteObjectVersion"],
+            "Resource": f"{bucket_arn}/{code}*",
+            "Condition": roles,
+        },
+    ]
+
+
 def topic_policy(*, topic_arn: str, account_id: str, partition: str, region: str) -> Document:
     """Who may publish to the alert topic: this account's EventBridge rules, budgets and alarms only.
 
@@ -256,8 +293,9 @@ def instance_policy(
     prefixes = prefixes or Prefixes()
     _, _, region = secret_arn_patterns(log_group_arn)
     # code/: the bundle this config names, and a running job's pinned bundle from an earlier `pulumi up`;
+    # job-code/: the code a `trainstack run` job was submitted with (run as the job's user, never as root);
     # datasets/: the named datasets a job may train on (their manifests are under state/).
-    read_prefixes = [prefixes.data, prefixes.code, DATASETS_PREFIX]
+    read_prefixes = [prefixes.data, prefixes.code, JOB_CODE_PREFIX, DATASETS_PREFIX]
     # jobs/: every job's own objects (an instance may continue another job, or start from one's checkpoint);
     # checkpoints/, results/, state/: the legacy job's, and state/ the stack's current-job pointer.
     write_prefixes = [prefixes.jobs, prefixes.checkpoints, prefixes.results, prefixes.state]
@@ -566,19 +604,31 @@ def dev_role_policy(
 ) -> Document:
     """What the dev box may do (infra/devbox.py): read the datasets and the code, read/write its `dev/`
     folder, e-mail the stack's topic when it stops itself, and submit and follow jobs as `trainstack run
-    --outputs /etc/trainstack/stack-outputs.json` does on the box (its code, record and queue entry; read
-    the jobs' state and logs; wake a group at zero). Never the agents' state, a job's checkpoints or
-    results, any EC2 action (the box stops its own bill with `shutdown`), nor the job role."""
+    --outputs /etc/trainstack/stack-outputs.json` does on the box (its job code, record and queue entry,
+    created only, never overwritten: the bucket policy's create_only_statements; read the jobs' records,
+    state, checkpoint pointer and metrics summary, and their logs; wake a group at zero). Never the
+    environment's code (`code/`: the agent runs it as root), a job's checkpoints or result files, any EC2
+    action (the box stops its own bill with `shutdown`), nor the job role."""
     prefixes = prefixes or Prefixes()
     data, code, jobs, state = prefixes.data, prefixes.code, prefixes.jobs, prefixes.state
-    readable = [data, DATASETS_PREFIX, code, jobs, QUEUE_PREFIX, state, DEV_PREFIX]
+    listable = [data, DATASETS_PREFIX, code, JOB_CODE_PREFIX, jobs, QUEUE_PREFIX, state, DEV_PREFIX]
+    readable = [
+        f"{p}*" for p in (data, DATASETS_PREFIX, code, JOB_CODE_PREFIX, QUEUE_PREFIX, state, DEV_PREFIX)
+    ]
+    # Of a job's own objects: what `trainstack jobs/status/follow` shows, never its weights or result files.
+    readable += [
+        f"{jobs}*/{JOB_RECORD}",
+        f"{jobs}*/state/*",
+        f"{jobs}*/checkpoints/latest.json",
+        f"{jobs}*/results/metrics.json",
+    ]
     return _doc(
         {
             "Sid": "ListDataCodeJobsAndDev",
             "Effect": "Allow",
             "Action": "s3:ListBucket",
             "Resource": bucket_arn,
-            "Condition": {"StringLike": {"s3:prefix": [f"{p}*" for p in readable]}},
+            "Condition": {"StringLike": {"s3:prefix": [f"{p}*" for p in listable]}},
         },
         {
             "Sid": "LocateBucket",
@@ -590,7 +640,7 @@ def dev_role_policy(
             "Sid": "ReadDataCodeAndJobs",
             "Effect": "Allow",
             "Action": "s3:GetObject",
-            "Resource": [f"{bucket_arn}/{p}*" for p in readable],
+            "Resource": [f"{bucket_arn}/{p}" for p in readable],
         },
         {
             "Sid": "OwnDevFolder",
@@ -599,15 +649,11 @@ def dev_role_policy(
             "Resource": f"{bucket_arn}/{DEV_PREFIX}*",
         },
         {
-            # trainstack/run.py upload: the job's bundle, its record, then its queue entry.
+            # trainstack/run.py upload: the job's code, its record, then its queue entry (If-None-Match).
             "Sid": "SubmitJobs",
             "Effect": "Allow",
             "Action": "s3:PutObject",
-            "Resource": [
-                f"{bucket_arn}/{code}*",
-                f"{bucket_arn}/{jobs}*/job.json",
-                f"{bucket_arn}/{QUEUE_PREFIX}*",
-            ],
+            "Resource": [f"{bucket_arn}/{p}" for p in submitted_objects(prefixes)],
         },
         {
             # Objects are SSE-KMS and the topic is encrypted with the stack's key: only through S3 and SNS.

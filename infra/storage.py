@@ -11,6 +11,7 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
+from bootstrap.agent_config import Prefixes
 from infra import policies
 from trainstack_job.contract import StackOutput
 
@@ -79,10 +80,22 @@ def instance_endpoint_statement(
 
 
 def data_bucket_policy(
-    *, bucket_arn: str, key_arn: str, instance_endpoint_id: str, instance_principal_arns: Sequence[str]
+    *,
+    bucket_arn: str,
+    key_arn: str,
+    instance_endpoint_id: str,
+    instance_principal_arns: Sequence[str],
+    prefixes: Prefixes | None = None,
 ) -> dict[str, Any]:
-    """TLS and this stack's key only (policies.bucket_policy); the instances through their endpoint only."""
+    """TLS and this stack's key only (policies.bucket_policy); the instances through their endpoint only;
+    the stack's roles create submissions and never write the environment's code
+    (policies.create_only_statements)."""
     document = policies.bucket_policy(bucket_arn=bucket_arn, key_arn=key_arn)
+    document["Statement"].extend(
+        policies.create_only_statements(
+            bucket_arn=bucket_arn, role_arns=instance_principal_arns, prefixes=prefixes
+        )
+    )
     document["Statement"].append(
         instance_endpoint_statement(
             bucket_arn=bucket_arn,
@@ -234,7 +247,11 @@ class Storage(pulumi.ComponentResource):
         self._public_access_block = block
 
     def attach_bucket_policy(
-        self, *, instance_endpoint_id: pulumi.Input[str], instance_principal_arns: Sequence[pulumi.Input[str]]
+        self,
+        *,
+        instance_endpoint_id: pulumi.Input[str],
+        instance_principal_arns: Sequence[pulumi.Input[str]],
+        prefixes: Prefixes | None = None,
     ) -> aws.s3.BucketPolicy:
         """The data bucket's policy, once the network and the instance role exist (data_bucket_policy).
 
@@ -254,6 +271,7 @@ class Storage(pulumi.ComponentResource):
                         key_arn=values[1],
                         instance_endpoint_id=values[2],
                         instance_principal_arns=values[3:],
+                        prefixes=prefixes,
                     )
                 )
             ),

@@ -13,13 +13,14 @@ from typing import Any
 
 import pytest
 
-from bootstrap import jobuser
+from bootstrap import jobuser, safefiles
 from infra.policies import JOB_DENIED_WRITE_ACTIONS, RESOURCE_STAR_REQUIRED
 from infra.policy import exposure, grants
 from infra.policy.compute import no_piped_downloads_in_user_data, no_secrets_in_user_data
 from infra.policy.documents import statements
 from infra.policy.rules import POLICIES
-from tests.infra.program import ACCOUNT_ID, REGION, RecordedResource, StackRun, run_stack
+from tests.iam.evaluate import arn_matches
+from tests.infra.program import ACCOUNT_ID, REGION, RecordedResource, StackRun, example_config, run_stack
 from tests.policy.harness import check
 from tests.policy.test_program_passes_pack import _as_engine_sees_it
 
@@ -34,6 +35,12 @@ SECURITY_GROUP = "aws:ec2/securityGroup:SecurityGroup"
 @pytest.fixture(scope="module")
 def stack() -> StackRun:
     return run_stack()
+
+
+@pytest.fixture(scope="module")
+def dev_stack() -> StackRun:
+    """The program with the dev box on (its role is the submitter most users have)."""
+    return run_stack({**example_config(), "trainstack:devBox": True})
 
 
 def _document(value: Any) -> dict[str, Any]:
@@ -272,6 +279,98 @@ def test_t14_every_rule_mandatory_and_the_program_passes(stack: StackRun) -> Non
     assert violations == [], [v.message for v in violations]
 
 
+# [T15] A submitter is not root: the bucket refuses the stack's roles an overwrite of a submission and any
+# write of the environment's code; the dev role is granted no write there; the agent hops only to that code.
+def test_t15_a_submitter_creates_jobs_and_never_writes_what_root_runs(dev_stack: StackRun) -> None:
+    bucket_policy = next(
+        _document(p.inputs["policy"])
+        for p in dev_stack.of_type("aws:s3/bucketPolicy:BucketPolicy")
+        if "SubmissionsAreCreatedNeverOverwritten" in p.inputs["policy"]
+    )
+    by_sid = {s["Sid"]: s for s in bucket_policy["Statement"]}
+    # The instance's, the job's and the dev box's roles (named as Pulumi's mocks name their ARNs).
+    roles = {"identity-instance-role", "identity-job-role", "devbox-role"}
+    create_only = by_sid["SubmissionsAreCreatedNeverOverwritten"]
+    assert create_only["Effect"] == "Deny" and create_only["Condition"]["Null"] == {
+        "s3:if-none-match": "true"
+    }
+    principals = create_only["Condition"]["ArnEquals"]["aws:PrincipalArn"]
+    assert {a.rsplit(":", 1)[1].rsplit("/", 1)[-1] for a in principals} == roles
+    assert {r.split(":::", 1)[1].split("/", 1)[1] for r in _listed(create_only["Resource"])} == {
+        "job-code/*",
+        "jobs/*/job.json",
+        "queue/*",
+    }
+    code = by_sid["EnvironmentCodeOnlyFromTheOperator"]
+    assert code["Effect"] == "Deny" and _listed(code["Resource"])[0].endswith("/code/*")
+    assert {"s3:PutObject", "s3:DeleteObject"} <= set(_listed(code["Action"]))
+    writes = [
+        r for d in _role_documents(dev_stack, _role(dev_stack, "devbox-role")) for st in _allows(d)
+        if "s3:PutObject" in _listed(st["Action"]) for r in _listed(st["Resource"])
+    ]  # fmt: skip
+    assert writes and not [r for r in writes if "/code/" in r], writes
+    # The agent re-executes only that prefix's code and runs job-code/ as the job: tests/bootstrap/
+    # test_submitter_not_root.py proves it against moto, as an attacker who may submit would try it.
+
+
+# [T16] The dev role is what its row says: writes its folder and creates submissions; reads a job's record,
+# state, checkpoint pointer and metrics summary, never a checkpoint's files or another result; no EC2/IAM/STS.
+def test_t16_the_dev_role_is_exactly_its_row(dev_stack: StackRun) -> None:
+    documents = _role_documents(dev_stack, _role(dev_stack, "devbox-role"))
+    allowed = [st for d in documents for st in _allows(d)]
+    actions = {a for st in allowed for a in _listed(st["Action"])}
+    assert not [a for a in actions if a.split(":")[0] in {"ec2", "iam", "sts"}], actions
+    assert not [
+        a for a in actions if a.startswith("kms:") and a not in {"kms:Decrypt", "kms:GenerateDataKey"}
+    ]
+    assert all(
+        "kms:ViaService" in str(st.get("Condition"))
+        for st in allowed
+        if _listed(st["Action"])[0].startswith("kms:")
+    )
+
+    def may(action: str, key: str) -> bool:
+        return any(
+            action in _listed(st["Action"])
+            and any(arn_matches(r, f"{bucket}/{key}") for r in _listed(st["Resource"]))
+            for st in allowed
+        )
+
+    bucket = next(
+        r for st in allowed for r in _listed(st["Resource"]) if r.startswith("arn:aws:s3:::")
+    ).split("/")[0]
+    job = "jobs/resnet-11111111"
+    for shown in ("job.json", "state/ledger.json", "checkpoints/latest.json", "results/metrics.json"):
+        assert may("s3:GetObject", f"{job}/{shown}"), shown
+    for hidden in ("checkpoints/step-00000100/model.pt", "results/model.safetensors"):
+        assert not may("s3:GetObject", f"{job}/{hidden}"), hidden
+    for written in (
+        "dev/notes.txt",
+        "job-code/x/bundle.tar.gz",
+        f"{job}/job.json",
+        "queue/resnet-11111111.json",
+    ):
+        assert may("s3:PutObject", written), written
+    for never in ("code/x/bundle.tar.gz", f"{job}/state/ledger.json", f"{job}/checkpoints/latest.json"):
+        assert not may("s3:PutObject", never), never
+
+
+# [T17] Root never acts on a path the job controls: a link the job plants is refused or replaced, never
+# followed, and a manifest's name outside its folder is refused.
+def test_t17_root_never_follows_a_path_the_job_controls(tmp_path: Path) -> None:
+    outside = tmp_path / "etc-ld.so.preload"
+    outside.write_text("kept")
+    job_folder = tmp_path / "control"
+    job_folder.mkdir()
+    (job_folder / "STOP").symlink_to(outside)
+    assert safefiles.read_regular(job_folder / "STOP", 4096) is None, "a planted link is never read through"
+    safefiles.replace_file(job_folder / "STOP", b"stop", durable=False)
+    assert outside.read_text() == "kept" and not (job_folder / "STOP").is_symlink()
+    for name in ("../../x", "/etc/x", ""):
+        assert safefiles.outside_name(name) is not None, name
+    assert safefiles.outside_name("model/weights.pt") is None
+
+
 CLAIMS: dict[str, list[Callable[..., None]]] = {
     "T1": [test_t1_only_this_accounts_iam_administers_the_key],
     "T2": [test_t2_nothing_is_granted_outside_the_account],
@@ -287,7 +386,21 @@ CLAIMS: dict[str, list[Callable[..., None]]] = {
     "T12": [test_t12_data_at_rest_on_the_stacks_key],
     "T13": [test_t13_boot_is_pinned_and_user_data_clean],
     "T14": [test_t14_every_rule_mandatory_and_the_program_passes],
+    "T15": [test_t15_a_submitter_creates_jobs_and_never_writes_what_root_runs],
+    "T16": [test_t16_the_dev_role_is_exactly_its_row],
+    "T17": [test_t17_root_never_follows_a_path_the_job_controls],
 }
+
+
+def test_every_row_of_the_trust_table_is_checked_by_its_claims() -> None:
+    text = SECURITY_MD.read_text()
+    table = text[text.index("| Who | Trusted with |") :].split("\n\n", 1)[0].splitlines()[2:]
+    assert len(table) >= 7, "the table lists every party, the submitter included"
+    for row in table:
+        who, checked = row.split("|")[1].strip(), row.split("|")[4]
+        claims = re.findall(r"T\d+", checked)
+        assert claims and set(claims) <= set(CLAIMS), (who, checked)
+    assert any("A submitter" in row for row in table), "the table says plainly what a submitter can do"
 
 
 def test_every_claim_in_security_md_has_a_test_and_every_test_a_claim() -> None:

@@ -1,5 +1,6 @@
 """`trainstack run JOB.yaml | --config TRAINING.yaml`: validate the job here, upload its code bundle
-(content-addressed, once), write its record and queue entry, wake the group if it sleeps, then follow it.
+(content-addressed, once, under job-code/: run as the job's user, never as root), write its record and queue
+entry (each created, never overwritten), wake the group if it sleeps, then follow it.
 
 Submitting touches only the bucket and the group's desired capacity: never the launch template, never
 Pulumi state (docs/internals.md, "The job queue").
@@ -31,9 +32,8 @@ from trainstack.output import console, print_error, print_json
 from trainstack.stack import Stack, StackOutputs
 from trainstack.state import Group, encryption_args, read_group
 from trainstack.sweep import SweepError, SweepPoint, grid, parse_axes, trainer_point, user_job_point
-from trainstack_job.contract import StackOutput
 from trainstack_job.datasets import DEFAULT_DATASET, DatasetError, check_dataset_name, label, push_command
-from trainstack_job.queue import SOURCE_RUN
+from trainstack_job.queue import JOB_CODE_PREFIX, SOURCE_RUN
 from trainstack_job.text import not_utf8
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
@@ -280,11 +280,12 @@ def upload(clients: Clients, outputs: StackOutputs, submissions: Sequence[Submis
     and code, and a sweep that fails half-way has queued nothing unless all its records were written.
     Returns the bundle keys uploaded now."""
     s3, bucket, encryption = clients.s3(), outputs.bucket, encryption_args(outputs)
-    objects = [(s.job_id, s.objects(outputs.prefix(StackOutput.CODE_PREFIX))) for s in submissions]
+    # A submission's code goes under job-code/, never the environment's code prefix: the agent runs that as
+    # root, and only `pulumi up` writes it (SECURITY.md, "A submitter").
+    objects = [(s.job_id, s.objects(JOB_CODE_PREFIX)) for s in submissions]
     uploaded: list[str] = []
     for key, bundle, content_type in dict.fromkeys(found[0] for _, found in objects):
-        if not _exists(clients, bucket, key):
-            s3.put_object(Bucket=bucket, Key=key, Body=bundle, ContentType=content_type, **encryption)
+        if not _exists(clients, bucket, key) and _create(s3, bucket, key, bundle, content_type, encryption):
             uploaded.append(key)
     for stage in (1, 2):  # the records, then the queue entries
         for job_id, found in objects:
@@ -301,6 +302,22 @@ def upload(clients: Clients, outputs: StackOutputs, submissions: Sequence[Submis
                     ) from None
                 raise
     return uploaded
+
+
+def _create(
+    s3: Any, bucket: str, key: str, body: bytes, content_type: str, encryption: dict[str, str]
+) -> bool:
+    """Write a content-addressed object unless it is there (If-None-Match: the bucket refuses a submitter any
+    other write of it); False when another submission wrote the same bytes first."""
+    try:
+        s3.put_object(
+            Bucket=bucket, Key=key, Body=body, ContentType=content_type, IfNoneMatch="*", **encryption
+        )
+    except ClientError as error:
+        if error_code(error) in _CONFLICT:
+            return False
+        raise
+    return True
 
 
 def _exists(clients: Clients, bucket: str, key: str) -> bool:
@@ -339,7 +356,7 @@ def submit(clients: Clients, stack: Stack, job: PreparedJob) -> dict[str, Any]:
                 "job_id": s.job_id,
                 "name": s.name,
                 "sweep": s.record["sweep"],
-                "bundle_key": s.record["bundle_key"],
+                "bundle_key": s.bundle.key(JOB_CODE_PREFIX),
             }
             for s in submissions
         ],

@@ -27,6 +27,10 @@ from trainstack_job.jobs import JobIdError, JobPrefixes, check_job_id
 from trainstack_job.text import clip
 
 QUEUE_PREFIX = "queue/"
+# The code `trainstack run` submits a job with, content-addressed (`job-code/<sha256>/bundle.tar.gz`): only
+# ever the job's own code, unpacked by the agent and run as the job's user. The environment's code (the
+# agent, under the stack's code prefix) is written by `pulumi up` alone (SECURITY.md, "A submitter").
+JOB_CODE_PREFIX = "job-code/"
 # Under a job's state/ prefix, written by `trainstack cancel ID`: the job checkpoints, stops, is `cancelled`
 # (a queued job is skipped). {"requested_at": ISO, "by": "..."}.
 CANCEL_REQUEST = "cancel.json"

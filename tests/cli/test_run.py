@@ -89,8 +89,10 @@ def test_run_uploads_bundle_then_record_then_entry_and_detach_prints_the_id(depl
     agent = record["agent"]
     assert agent["job_id"] == job_id and agent["user_job"] is None
     assert agent["job"]["train"]["lr"] == 0.1, "the trainer config travels in the record"
-    assert agent["bundle_key"] == f"code/{agent['bundle_sha256']}/bundle.tar.gz"
-    assert _keys(deployed, "code/") == [agent["bundle_key"]]
+    # A submission's code is the job's, under job-code/: the environment's code/ is `pulumi up`'s alone.
+    assert agent["bundle_key"] == f"job-code/{agent['bundle_sha256']}/bundle.tar.gz"
+    assert _keys(deployed, "job-code/") == [agent["bundle_key"]]
+    assert _keys(deployed, "code/") == [], "a submitter never writes the code the agent runs as root"
     assert (entry["job_id"], entry["now"], entry["submitted_at"]) == (job_id, False, record["submitted_at"])
     assert _template_versions(deployed) == before, "submitting never rolls a launch-template version"
     assert deployed.group()["DesiredCapacity"] == 2, "a group at zero wakes with the job's instance count"
@@ -101,7 +103,7 @@ def test_two_runs_of_the_same_code_are_two_jobs_sharing_one_bundle(deployed: Dep
     second = _submit(deployed, "--config", str(CONFIG))
     assert first["jobs"][0]["job_id"] != second["jobs"][0]["job_id"], "a re-run is a new job"
     assert len(first["bundles_uploaded"]) == 1 and second["bundles_uploaded"] == []
-    assert len(_keys(deployed, "code/")) == 1
+    assert len(_keys(deployed, "job-code/")) == 1
     assert second["scaled_up_to"] is None, "the group already woke for the first job"
 
 
@@ -190,7 +192,7 @@ def test_a_sweep_queues_one_named_job_per_grid_point_in_grid_order(deployed: Dep
         0.03,
         32,
     )
-    assert len(_keys(deployed, "code/")) == 1, "one bundle for the whole sweep"
+    assert len(_keys(deployed, "job-code/")) == 1, "one bundle for the whole sweep"
 
 
 def test_a_bad_sweep_or_config_is_every_problem_one_line_each_and_nothing_is_submitted(

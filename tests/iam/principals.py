@@ -102,7 +102,14 @@ def caller(principal: str, stack: Stack) -> Caller:
 def resource_policy(resource: str, stack: Stack) -> tuple[Mapping[str, Any] | None, bool]:
     """The policy the resource itself carries (bucket, key), and whether it is a key policy."""
     if resource == stack.bucket_arn or resource.startswith(f"{stack.bucket_arn}/"):
-        return policies.bucket_policy(bucket_arn=stack.bucket_arn, key_arn=stack.key_arn), False
+        document = policies.bucket_policy(bucket_arn=stack.bucket_arn, key_arn=stack.key_arn)
+        # The stack's roles create submissions only and never write the environment's code (the endpoint
+        # Deny is left out: a recorded call has no VPC endpoint to judge).
+        roles = [caller(INSTANCE, stack).arn, caller(DEV, stack).arn, stack.job_role_arn]
+        document["Statement"].extend(
+            policies.create_only_statements(bucket_arn=stack.bucket_arn, role_arns=roles)
+        )
+        return document, False
     if resource == stack.key_arn:
         logs = f"arn:{PARTITION}:logs:{stack.region}:{stack.account}:log-group:/trainstack/{stack.name}*"
         return (

@@ -135,7 +135,13 @@ def _request(action: str, resource: str, why: str, **context: list[str]) -> Requ
 
 # Condition keys these requests model even when absent from one of them.
 _S3_KEYS = frozenset(
-    {"s3:prefix", "s3:x-amz-server-side-encryption", "s3:x-amz-server-side-encryption-aws-kms-key-id"}
+    {
+        "s3:prefix",
+        "s3:x-amz-server-side-encryption",
+        "s3:x-amz-server-side-encryption-aws-kms-key-id",
+        "s3:if-none-match",
+        "s3:if-match",
+    }
 )
 _STAR_ACTIONS = {
     ("autoscaling", "DescribeAutoScalingGroups"): "autoscaling:DescribeAutoScalingGroups",
@@ -296,6 +302,11 @@ def _kms(action: str, stack: Stack | None, bucket: str, why: str) -> Iterator[Re
 
 def _put_context(params: Mapping[str, Any], stack: Stack | None) -> dict[str, list[str]]:
     context: dict[str, list[str]] = {}
+    # Conditional writes: the bucket policy refuses the stack's roles an unconditional write of a submission
+    # (S3 User Guide, "Enforce conditional writes on Amazon S3 buckets").
+    for param, name in (("IfNoneMatch", "s3:if-none-match"), ("IfMatch", "s3:if-match")):
+        if params.get(param):
+            context[name] = [str(params[param])]
     if params.get("ServerSideEncryption"):
         context["s3:x-amz-server-side-encryption"] = [params["ServerSideEncryption"]]
     key = params.get("SSEKMSKeyId")

@@ -22,6 +22,7 @@ from bootstrap.devbox.cloud_init import INSTALL_CLI_PATH, WATCHER_SERVICE, rende
 from infra import policies
 from infra.bundle import BUNDLED_PACKAGES, DEV_BOX_PACKAGES, build_bundle
 from tests.cloud_config import assert_valid_cloud_config
+from tests.iam.evaluate import arn_matches
 from tests.infra.program import ACCOUNT_ID, REGION, RecordedResource, StackRun, example_config, run_stack
 from tests.policy.harness import Resource, check
 from tests.policy.test_program_passes_pack import _as_engine_sees_it
@@ -235,7 +236,24 @@ def test_the_dev_role_is_least_privilege() -> None:
         & set([s["Action"]] if isinstance(s["Action"], str) else s["Action"])
         for r in ([s["Resource"]] if isinstance(s["Resource"], str) else s["Resource"])
     }
-    assert writes == {f"{bucket}/dev/*", f"{bucket}/code/*", f"{bucket}/jobs/*/job.json", f"{bucket}/queue/*"}
+    # A submitter writes the job's own code (job-code/), never the environment's (code/: run as root).
+    assert writes == {
+        f"{bucket}/dev/*",
+        f"{bucket}/job-code/*",
+        f"{bucket}/jobs/*/job.json",
+        f"{bucket}/queue/*",
+    }
+    reads = [
+        r
+        for s in document["Statement"]
+        if "s3:GetObject" in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])
+        for r in ([s["Resource"]] if isinstance(s["Resource"], str) else s["Resource"])
+    ]
+    # What `trainstack jobs/status` shows; never a job's weights or result files (SECURITY.md trust table).
+    for shown in ("jobs/j-1/job.json", "jobs/j-1/state/ledger.json", "jobs/j-1/checkpoints/latest.json"):
+        assert any(arn_matches(r, f"{bucket}/{shown}") for r in reads), shown
+    for hidden in ("jobs/j-1/checkpoints/step-00000100/model.pt", "jobs/j-1/results/model.safetensors"):
+        assert not any(arn_matches(r, f"{bucket}/{hidden}") for r in reads), hidden
     star = {a for s in document["Statement"] if s["Resource"] == "*" for a in _actions({"Statement": [s]})}
     assert star <= policies.RESOURCE_STAR_REQUIRED
     kms = next(s for s in document["Statement"] if s["Sid"] == "UseStackKeyThroughS3AndSns")

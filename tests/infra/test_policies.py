@@ -99,6 +99,7 @@ def test_instance_policy_is_scoped_to_this_stacks_resources(example_stack: Stack
     assert by_sid["ReadDataAndCode"]["Resource"] == [
         f"{bucket}/data/*",
         f"{bucket}/code/*",
+        f"{bucket}/job-code/*",  # a submitted job's own code: unpacked by the agent, run as the job
         f"{bucket}/datasets/*",
     ]
     assert by_sid["ReadWriteJobsAndLegacyJob"]["Resource"] == [
@@ -132,7 +133,7 @@ def test_instance_policy_is_scoped_to_this_stacks_resources(example_stack: Stack
     assert "s3:DeleteObject" not in by_sid["ReadDataAndCode"]["Action"]
     # Listing: the datasets, the bundles, every job's prefix and the legacy job's (checkpoints are listed).
     assert by_sid["ListOwnPrefixes"]["Condition"]["StringLike"]["s3:prefix"] == [
-        "data/*", "code/*", "datasets/*", "jobs/*", "checkpoints/*", "results/*", "state/*",
+        "data/*", "code/*", "job-code/*", "datasets/*", "jobs/*", "checkpoints/*", "results/*", "state/*",
     ]  # fmt: skip
 
 
