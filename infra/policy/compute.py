@@ -11,7 +11,7 @@ from . import resource_types as t
 from .keys import is_aws_managed_key
 from .properties import Unknown, as_bool, as_int, count, get, is_set, is_unknown, items
 from .stack import describe, of_type
-from .user_data import decode, find_piped_downloads, scan_user_data
+from .user_data import decode, find_piped_downloads, sandbox_problems, scan_user_data
 
 
 def imdsv2_required(resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]) -> Iterator[str]:
@@ -20,9 +20,17 @@ def imdsv2_required(resource_type: str, props: Mapping[str, Any], config: Mappin
         return
     endpoint = get(props, "metadataOptions", "httpEndpoint")
     tokens = get(props, "metadataOptions", "httpTokens")
-    if endpoint == "disabled" or is_unknown(tokens) or is_unknown(endpoint):
+    if is_unknown(tokens) or is_unknown(endpoint) or tokens == "required":
         return
-    if tokens != "required":
+    if endpoint == "disabled":
+        # Off today; whoever turns the endpoint on (ModifyInstanceMetadataOptions, a later template version)
+        # turns IMDSv1 on with it.
+        yield (
+            'set metadataOptions.httpTokens = "required" with httpEndpoint "disabled" too: enabling the '
+            "endpoint "
+            "later would bring IMDSv1 back with it"
+        )
+    else:
         yield 'set metadataOptions.httpTokens = "required" (IMDSv2 only)'
 
 
@@ -184,7 +192,7 @@ def groups_launch_declared_templates(
             if isinstance(value, str) and not is_unknown(value):
                 declared.add(value)
     for launcher in of_type(resources, [t.AUTOSCALING_GROUP, t.INSTANCE]):
-        for where, reference in _template_references(launcher.props):
+        for where, reference in template_references(launcher.props):
             if reference not in declared:
                 report(
                     f"{describe(launcher)}: {where} names launch template {reference}, which this stack does "
@@ -194,7 +202,7 @@ def groups_launch_declared_templates(
                 )
 
 
-def _template_references(props: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+def template_references(props: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     """(where, id or name) of each launch template a group or instance names with a value known now."""
     specifications: list[tuple[str, Any, tuple[str, str]]] = [
         ("launchTemplate", get(props, "launchTemplate"), ("id", "name")),
@@ -239,3 +247,17 @@ def no_piped_downloads_in_user_data(
                 f"{prop} runs a download unseen ({command}): download to a file, check its SHA-256, then run "
                 "it (or ship it in the hashed bundle)"
             )
+
+
+def job_sandbox_in_user_data(
+    resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
+) -> Iterator[str]:
+    """T10: user data that starts trainstack's agent writes the job sandbox (the job's own user, and the
+    owner-matched firewall rule that keeps it from IMDS) and the agent's unit runs it before every start."""
+    sources = [("userData", resource_type == t.LAUNCH_TEMPLATE), ("userDataBase64", True)]
+    for prop, encoded in sources:
+        value = get(props, prop)
+        if not isinstance(value, str) or is_unknown(value):
+            continue
+        for problem in sandbox_problems(decode(value, base64_encoded=encoded)):
+            yield f"{prop}: {problem}"

@@ -27,6 +27,7 @@ from .patterns import (
     SECRET_ARN,
     USER_ARN,
     Shape,
+    has_wildcard,
     reaches_unnamed,
 )
 from .properties import Unknown, get, is_unknown, items
@@ -97,7 +98,7 @@ def _documents(resource_type: str, props: Mapping[str, Any]) -> Iterator[tuple[s
             yield f"{where} (the AWS managed {managed.aws_managed_name(arn)})", document
 
 
-def _grants(resource_type: str, props: Mapping[str, Any], actions: Mapping[str, Shape]) -> Iterator[str]:
+def _allow_statements(resource_type: str, props: Mapping[str, Any]) -> Iterator[tuple[str, Statement]]:
     for where, document in _documents(resource_type, props):
         try:
             parsed = statements(document)
@@ -105,7 +106,37 @@ def _grants(resource_type: str, props: Mapping[str, Any], actions: Mapping[str, 
             continue  # iam-no-wildcard-actions says so: one report per mistake
         for index, statement in enumerate(parsed or []):
             if statement.allows():
-                yield from _statement_grants(f"{where} Statement[{index}]", statement, actions)
+                yield f"{where} Statement[{index}]", statement
+
+
+def _grants(resource_type: str, props: Mapping[str, Any], actions: Mapping[str, Shape]) -> Iterator[str]:
+    for where, statement in _allow_statements(resource_type, props):
+        yield from _statement_grants(where, statement, actions)
+        if actions is DATA_ACTIONS:
+            yield from _decrypt_context_grants(where, statement)
+
+
+# The encryption context SSM and Secrets Manager send KMS names the parameter or secret being decrypted: a
+# condition on it is the decrypt's resource, judged as the read's own (secret_read_statements in infra).
+_SECRET_CONTEXTS = {
+    "kms:encryptioncontext:parameter_arn": PARAMETER_ARN,
+    "kms:encryptioncontext:secretarn": SECRET_ARN,
+}
+
+
+def _decrypt_context_grants(where: str, statement: Statement) -> Iterator[str]:
+    if not statement.covers_action("kms:Decrypt"):
+        return
+    for operator, block in statement.conditions.items():
+        if operator.lower().removesuffix("ifexists") not in ("stringlike", "stringequals"):
+            continue
+        for key, values in block.items():
+            shape = _SECRET_CONTEXTS.get(key.lower())
+            broad = [
+                v for v in values if shape is not None and not is_unknown(v) and reaches_unnamed(v, shape)
+            ]
+            if shape is not None and broad:
+                yield f"{where} allows kms:Decrypt for {key} {broad[0].strip()}: {_FIX[shape]}"
 
 
 def _statement_grants(where: str, statement: Statement, actions: Mapping[str, Shape]) -> Iterator[str]:
@@ -140,3 +171,52 @@ def no_data_access_on_unnamed_resources(
     """CKV_AWS_288 / CKV_AWS_355: objects, SSM parameters and secrets only in a named bucket, parameter
     path or secret path, however the action is spelled and whoever wrote the policy (AWS managed too)."""
     yield from _grants(resource_type, props, DATA_ACTIONS)
+
+
+# What deletes the stack's data or opens it, or erases who did what: no role of the stack needs any of them
+# (the operator administers the bucket, its policy, the logs and the trail with their own credentials).
+TEARDOWN_ACTIONS = (
+    "s3:DeleteBucket",
+    "s3:PutBucketPolicy",
+    "s3:DeleteBucketPolicy",
+    "s3:PutBucketAcl",
+    "s3:PutBucketPublicAccessBlock",
+    "s3:PutEncryptionConfiguration",
+    "s3:PutBucketVersioning",
+    "s3:PutLifecycleConfiguration",
+    "s3:PutBucketLogging",
+    "s3:PutBucketOwnershipControls",
+    "s3:PutBucketObjectLockConfiguration",
+    "logs:DeleteLogGroup",
+    "logs:DeleteLogStream",
+    "logs:DeleteRetentionPolicy",
+    "logs:PutRetentionPolicy",
+    "logs:DisassociateKmsKey",
+    "ec2:DeleteFlowLogs",
+    "ec2:DeleteVpcEndpoints",
+    "cloudtrail:StopLogging",
+    "cloudtrail:DeleteTrail",
+    "kms:ScheduleKeyDeletion",
+    "kms:DisableKey",
+    "kms:PutKeyPolicy",
+)
+
+
+def no_teardown_of_data_or_audit_trail(
+    resource_type: str, props: Mapping[str, Any], config: Mapping[str, Any]
+) -> Iterator[str]:
+    """S3.6 / CloudWatch.16 / CloudTrail: no identity policy lets a principal delete or reopen a bucket (its
+    policy, ACL, public access block, encryption, versioning, lifecycle, logging), delete or shorten logs and
+    flow logs, stop a trail or retire a key, on any resource, its own stack's included. Named actions only:
+    a wildcard action is iam-no-wildcard-actions' finding (one report per mistake)."""
+    for where, statement in _allow_statements(resource_type, props):
+        if statement.not_actions or any(has_wildcard(action) for action in statement.actions):
+            continue
+        covered = [action for action in TEARDOWN_ACTIONS if statement.covers_action(action)]
+        if covered:
+            yield (
+                f"{where} allows {', '.join(covered)}, which deletes or reopens the stack's data or erases "
+                "its "
+                "audit trail: remove them (the operator's own credentials administer the bucket, logs and "
+                "keys)"
+            )

@@ -94,12 +94,15 @@ def literal_prefix(pattern: str) -> str:
 
 
 # What "names the container" means for resources whose names legitimately end in a wildcard: the bucket of
-# an object (arn:aws:s3:::<bucket>/...), a path level of an SSM parameter (parameter/<path>/...), a path
-# level of a secret (secret:<path>/...) or a secret's name with AWS's random six-character suffix left open.
+# an object (arn:aws:s3:::<bucket>/...), a stack's own path of SSM parameters or secrets, two levels deep
+# (parameter/<root>/<stack>/..., secret:<root>/<stack>/...: `parameter/trainstack/*` is every stack's), or a
+# secret's name with AWS's random six-character suffix left open.
 _NAMED_CONTAINER = {
     OBJECT_ARN: re.compile(r"^arn:[^:*?]+:s3:::[^/*?]+/", re.IGNORECASE),
-    PARAMETER_ARN: re.compile(r"^arn:[^:*?]+:ssm:[^:*?]+:\d{12}:parameter/[^/*?]+/", re.IGNORECASE),
-    SECRET_ARN: re.compile(r"^arn:[^:*?]+:secretsmanager:[^:*?]+:\d{12}:secret:[^/*?]+/", re.IGNORECASE),
+    PARAMETER_ARN: re.compile(r"^arn:[^:*?]+:ssm:[^:*?]+:\d{12}:parameter/[^/*?]+/[^/*?]+/", re.IGNORECASE),
+    SECRET_ARN: re.compile(
+        r"^arn:[^:*?]+:secretsmanager:[^:*?]+:\d{12}:secret:[^/*?]+/[^/*?]+/", re.IGNORECASE
+    ),
 }
 _SECRET_WITH_SUFFIX = re.compile(
     r"^arn:[^:*?]+:secretsmanager:[^:*?]+:\d{12}:secret:[^*?]+-\?{6}$", re.IGNORECASE
@@ -110,9 +113,9 @@ def reaches_unnamed(pattern: str, shape: Shape) -> bool:
     """True when `pattern` grants resources of `shape` that it does not name.
 
     For shapes with a container (S3 objects, SSM parameters, secrets) a wildcard after the named container
-    is fine (`arn:aws:s3:::bucket/data/*`); for every other shape (roles, launch templates, keys) any
-    wildcard that can match the shape reaches resources nobody named (`*`, `arn:aws:iam::*:role/x`,
-    `...:role/trainstack-*`).
+    is fine (`arn:aws:s3:::bucket/data/*`, `parameter/trainstack/<stack>/*`, never `parameter/trainstack/*`);
+    for every other shape (roles, launch templates, keys) any wildcard that can match the shape reaches
+    resources nobody named (`*`, `arn:aws:iam::*:role/x`, `...:role/trainstack-*`).
     """
     pattern = pattern.strip()
     if not has_wildcard(pattern) or not matches_shape(pattern, shape):

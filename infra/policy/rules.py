@@ -12,7 +12,7 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
-from . import capacity, compute, exposure, grants, identity, network, observability, storage
+from . import capacity, compute, containment, exposure, grants, identity, network, observability, storage
 from . import resource_types as t
 from .control import resource_policy, stack_policy
 
@@ -171,6 +171,73 @@ ISSUE_24_POLICIES: list[Policy] = [
         compute.no_piped_downloads_in_user_data,
         Severity.HIGH,
         "download to a file, check its SHA-256 (sha256sum -c), then run it; or ship it in the hashed bundle",
+    ),
+]
+
+# Issue 34: the job's containment, each control this round adds or keeps (SECURITY.md T7, T9, T10, T11), and
+# the teardown of the stack's data and audit trail.
+ISSUE_34_POLICIES: list[Policy] = [
+    stack_policy(
+        "job-role-contained",
+        ["job-containment"],
+        "The role the job instances hand a job is taken by the job instances' role alone (aws:PrincipalArn), "
+        "writes only under jobs/, reads no whole bucket, and is denied, without a condition, every write of "
+        "the "
+        "agent's control objects (state/*, jobs/*/state/*, jobs/*/job.json, jobs/*/checkpoints/latest.json).",
+        containment.job_role_contained,
+        Severity.CRITICAL,
+        "a Deny of s3:PutObject, s3:DeleteObject, s3:AbortMultipartUpload on the control objects; trust "
+        "Principal "
+        '{"AWS": "arn:aws:iam::<account>:root"} with '
+        '{"ArnEquals": {"aws:PrincipalArn": "<instance role ARN>"}}',
+    ),
+    stack_policy(
+        "instance-roles-launch-nothing",
+        ["job-containment", "CKV_AWS_286"],
+        "Roles instances run as (the agents', the dev box's) never launch, start, change or tag instances, "
+        "rewrite launch templates, pass a role or run commands on other instances; the job instances' role "
+        "takes the job role only, and a dev box's role has no EC2, IAM or STS action.",
+        containment.instance_roles_launch_nothing,
+        Severity.CRITICAL,
+        "remove ec2:RunInstances, iam:PassRole, ec2:CreateTags, ssm:SendCommand, sts:AssumeRole... from the "
+        "role",
+    ),
+    stack_policy(
+        "s3-instance-roles-through-endpoint",
+        ["data-perimeter"],
+        "With an S3 endpoint in the stack, every bucket the instances' roles (and the job role) reach denies "
+        "them s3:* on the bucket and its objects outside the stack's endpoint (aws:SourceVpce or "
+        "aws:SourceVpc).",
+        containment.instance_roles_through_endpoint,
+        Severity.HIGH,
+        'Deny "s3:*" for Principal "*" with '
+        '{"ArnEquals": {"aws:PrincipalArn": [<roles>]}, "StringNotEquals": '
+        '{"aws:SourceVpce": "<endpoint id>"}}',
+    ),
+    resource_policy(
+        "job-sandbox-in-user-data",
+        ["job-containment"],
+        "User data that starts trainstack's agent writes the job sandbox (the job's own user, and an "
+        "owner-matched reject of its packets to IMDS) and the agent's unit runs it before every start.",
+        _LAUNCHERS,
+        compute.job_sandbox_in_user_data,
+        Severity.CRITICAL,
+        "ship bootstrap/instance/job-sandbox.sh as rendered, with "
+        "ExecStartPre=/usr/local/sbin/trainstack-job-"
+        "sandbox in trainstack-agent.service",
+    ),
+    resource_policy(
+        "iam-no-teardown-of-data-or-audit-trail",
+        ["S3.6", "CloudWatch.16", "audit-trail"],
+        "No identity policy allows deleting or reopening a bucket (DeleteBucket, PutBucketPolicy, ...), "
+        "deleting "
+        "or shortening logs and flow logs (DeleteLogGroup, DeleteFlowLogs, ...), stopping a trail or "
+        "retiring "
+        "a key, on any resource, its own stack's included.",
+        grants.IDENTITY_DOCUMENT_CARRIERS,
+        grants.no_teardown_of_data_or_audit_trail,
+        Severity.HIGH,
+        "remove the action; the operator administers the bucket, logs and keys with their own credentials",
     ),
 ]
 
@@ -432,4 +499,5 @@ POLICIES: list[Policy] = [
     ),
     *capacity.POLICIES,
     *ISSUE_24_POLICIES,
+    *ISSUE_34_POLICIES,
 ]

@@ -174,3 +174,100 @@ def scan_user_data(written: str, decoded: str) -> list[str]:
     # One line per finding: a value whose shape is known is named by its shape, not again by its key.
     shaped = [kind for kind in found if not kind.startswith(_BY_NAME)]
     return shaped or found
+
+
+# The job's sandbox (bootstrap/cloud_init.py, bootstrap/instance/job-sandbox.sh): trainstack's agent unit runs
+# it before every start (ExecStartPre, no `-`: a failure is a failed start), and it creates the job's user and
+# rejects that user's packets to IMDS (v4 and v6), owner-matched (iptables --uid-owner, nft skuid).
+SANDBOX_NAME = "trainstack-job-sandbox"
+SANDBOX_PATH = f"/usr/local/sbin/{SANDBOX_NAME}"
+AGENT_UNIT_NAME = "trainstack-agent.service"
+SANDBOX_SOURCE = "bootstrap/instance/job-sandbox.sh"
+_EXEC_START_PRE = re.compile(
+    rf"^ExecStartPre=(?P<flags>[-@+!:]*)(?P<path>\S*/{SANDBOX_NAME})\s*$", re.MULTILINE
+)
+_IMDS_ADDRESSES = ("169.254.169.254", "fd00:ec2::254")
+_OWNER_MATCH = re.compile(r"--uid-owner|\bskuid\b")
+_REFUSAL = re.compile(r"\b(?:REJECT|DROP|reject|drop)\b")
+_EARLY_EXIT = re.compile(r"^(?:exit(?:\s+0)?|true\s*;\s*exit(?:\s+0)?)\s*(?:#.*)?$")
+
+
+def _written_files(document: Any) -> dict[str, str]:
+    """path -> content of a cloud-config's write_files (contents decoded)."""
+    found: dict[str, str] = {}
+    entries = document.get("write_files") if isinstance(document, dict) else None
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str):
+            content = _written_content(entry)
+            found[entry["path"]] = content if content is not None else ""
+    return found
+
+
+def _early_exit(script: str) -> str | None:
+    """An unindented `exit`/`exit 0` with commands after it: what skips the rest of the script."""
+    lines = script.splitlines()
+    for number, line in enumerate(lines, start=1):
+        if _EARLY_EXIT.match(line) and any(
+            rest.strip() and not rest.strip().startswith("#") for rest in lines[number:]
+        ):
+            return f"`{line.strip()}` on line {number}"
+    return None
+
+
+def _sandbox_shortfalls(script: str) -> list[str]:
+    shortfalls = []
+    if not re.search(r"\b(?:useradd|adduser)\b", script):
+        shortfalls.append("creates no job user")
+    if not (
+        all(address in script for address in _IMDS_ADDRESSES)
+        and _OWNER_MATCH.search(script)
+        and _REFUSAL.search(script)
+    ):
+        shortfalls.append(
+            f"leaves IMDS open to the job's user (no owner-matched reject of {' and '.join(_IMDS_ADDRESSES)})"
+        )
+    early = _early_exit(script)
+    if early:
+        shortfalls.append(f"exits early ({early})")
+    return shortfalls
+
+
+def sandbox_problems(decoded: str) -> list[str]:
+    """What undoes the job's sandbox in trainstack's user data (a cloud-config that writes the agent's unit or
+    the sandbox): the unit not running it before every start, the script missing, or emptied."""
+    if AGENT_UNIT_NAME not in decoded and SANDBOX_NAME not in decoded:
+        return []
+    try:
+        document = yaml.load(decoded, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except yaml.YAMLError:
+        return []
+    files = _written_files(document)
+    unit = next((content for path, content in files.items() if path.endswith(f"/{AGENT_UNIT_NAME}")), None)
+    sandbox = next(
+        ((path, content) for path, content in files.items() if path.endswith(f"/{SANDBOX_NAME}")), None
+    )
+    path = sandbox[0] if sandbox else SANDBOX_PATH
+    problems: list[str] = []
+    if unit is not None:
+        run = _EXEC_START_PRE.search(unit)
+        if run is None or "-" in run["flags"]:
+            problems.append(
+                f"its {AGENT_UNIT_NAME} does not run the job sandbox before every start of the agent, "
+                "failing the "
+                f"start when it fails: add ExecStartPre={path} to its [Service]"
+            )
+    if sandbox is None:
+        if unit is not None or SANDBOX_NAME in decoded:
+            problems.append(
+                f"it writes no {path} (the job's user and its IMDS firewall) while the agent starts jobs: "
+                "write "
+                f"{SANDBOX_SOURCE} there, as render_user_data does"
+            )
+    else:
+        shortfalls = _sandbox_shortfalls(sandbox[1])
+        if shortfalls:
+            problems.append(
+                f"its {path} {', '.join(shortfalls)}: ship {SANDBOX_SOURCE} as it is (render_user_data "
+                "writes it)"
+            )
+    return problems

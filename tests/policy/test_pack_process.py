@@ -115,6 +115,7 @@ def test_unknown_values_at_preview_pass_with_an_advisory_note(
         "ebs-encrypted-with-cmk",
         "no-secrets-in-user-data",
         "no-piped-downloads-in-user-data",
+        "job-sandbox-in-user-data",
     }
     assert {d.enforcementLevel for d in diagnostics} == {analyzer_pb2.ADVISORY}
     assert (

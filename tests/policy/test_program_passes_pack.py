@@ -103,10 +103,15 @@ def test_program_resources_are_the_ones_the_pack_reads() -> None:
 
 
 def test_pack_catches_a_weakened_trainstack_program() -> None:
-    """The same recorded program, with IMDSv1 allowed and the TLS-only bucket policy dropped, fails."""
+    """The same recorded program, with IMDSv1 allowed and the bucket policy dropped (its TLS-only Deny and the
+    Deny of the instances' roles outside the S3 endpoint with it), fails."""
     resources = [
         r for r in _as_engine_sees_it(run_stack().resources) if r.type != "aws:s3/bucketPolicy:BucketPolicy"
     ]
     template = next(r for r in resources if r.type == "aws:ec2/launchTemplate:LaunchTemplate")
     template.props["metadataOptions"] = {**template.props["metadataOptions"], "httpTokens": "optional"}
-    assert {v.policy for v in check(resources)} == {"imdsv2-required", "s3-tls-only"}
+    assert {v.policy for v in check(resources)} == {
+        "imdsv2-required",
+        "s3-tls-only",
+        "s3-instance-roles-through-endpoint",
+    }

@@ -11,7 +11,9 @@ import pytest
 
 from infra.policy.rules import POLICIES
 from tests.policy.golden import (
+    ACCOUNT,
     BUCKET,
+    BUCKET_ARN,
     KEY_ARN,
     SESSION_MANAGER_POLICY,
     compliant_stack,
@@ -805,6 +807,103 @@ ISSUE_24_MUTATIONS: list[tuple[str, Mutation, str, str]] = [
     ),
 ]
 MUTATIONS += ISSUE_24_MUTATIONS
+
+# Issue 34: the job's containment. The golden stack's group launches its template as 'instance-role' (an
+# instance profile of it), whose inline policy gets the statements; tests/policy/test_pack_guards.py runs the
+# same policies on the real program, one weakening at a time.
+_INSTANCE_PROFILE_ARN = f"arn:aws:iam::{ACCOUNT}:instance-profile/trainstack-dev-instance"
+_JOB_ROLE_ARN = f"arn:aws:iam::{ACCOUNT}:role/trainstack-dev-job"
+
+
+def _instances_run_as_instance_role(*statements: dict[str, object]) -> Mutation:
+    def mutate(resources: list[Resource]) -> None:
+        role = named(resources, "instance-role")
+        role.props["name"] = "trainstack-dev-instance"
+        inline = role.props["inlinePolicies"][0]
+        document = json.loads(inline["policy"])
+        document["Statement"].extend(statements)
+        inline["policy"] = json.dumps(document)
+        resources.append(
+            Resource(
+                "aws:iam/instanceProfile:InstanceProfile",
+                "instance-profile",
+                {
+                    "name": "trainstack-dev-instance",
+                    "role": "trainstack-dev-instance",
+                    "arn": _INSTANCE_PROFILE_ARN,
+                },
+            )
+        )
+        named(resources, "launch-template").props["iamInstanceProfile"] = {"arn": _INSTANCE_PROFILE_ARN}
+
+    return mutate
+
+
+_JOB_ROLE_ANY_PRINCIPAL_OF_THE_ACCOUNT = Resource(
+    "aws:iam/role:Role",
+    "job-role",
+    {
+        "name": "trainstack-dev-job",
+        "assumeRolePolicy": _policy_document(
+            {
+                "Effect": "Allow",
+                "Principal": {"AWS": f"arn:aws:iam::{ACCOUNT}:root"},
+                "Action": "sts:AssumeRole",
+            }
+        ),
+    },
+)
+_AGENT_UNIT_WITHOUT_SANDBOX = """#cloud-config
+write_files:
+  - path: /etc/systemd/system/trainstack-agent.service
+    content: |
+      [Service]
+      ExecStart=/opt/trainstack/current/bootstrap/instance/run-agent.sh --config /etc/trainstack/agent.yaml
+"""
+ISSUE_34_MUTATIONS: list[tuple[str, Mutation, str, str]] = [
+    (
+        "job-role-taken-by-any-principal-of-the-account",
+        _both(
+            _instances_run_as_instance_role(
+                {"Effect": "Allow", "Action": "sts:AssumeRole", "Resource": _JOB_ROLE_ARN}
+            ),
+            _add(_JOB_ROLE_ANY_PRINCIPAL_OF_THE_ACCOUNT),
+        ),
+        "job-role-contained",
+        f"'job-role': assumeRolePolicy Statement[0] lets arn:aws:iam::{ACCOUNT}:root take the job role "
+        "without an aws:PrincipalArn condition",
+    ),
+    (
+        "instance-role-runs-instances",
+        _instances_run_as_instance_role({"Effect": "Allow", "Action": "ec2:RunInstances", "Resource": "*"}),
+        "instance-roles-launch-nothing",
+        "'instance-role': inlinePolicies[0].policy Statement[1] gives trainstack-dev-instance (the job "
+        "instances' role) ec2:RunInstances: remove it",
+    ),
+    (
+        "instance-role-reaches-the-bucket-from-anywhere",
+        _instances_run_as_instance_role(
+            {"Effect": "Allow", "Action": "s3:GetObject", "Resource": f"{BUCKET_ARN}/data/*"}
+        ),
+        "s3-instance-roles-through-endpoint",
+        f"'bucket-policy': the bucket {BUCKET} does not refuse trainstack-dev-instance outside the stack's "
+        "S3 endpoint",
+    ),
+    (
+        "agent-started-without-the-job-sandbox",
+        _set("launch-template", "userData", value=_user_data(_AGENT_UNIT_WITHOUT_SANDBOX)),
+        "job-sandbox-in-user-data",
+        "userData: its trainstack-agent.service does not run the job sandbox before every start of the agent",
+    ),
+    (
+        "instance-deletes-the-bucket",
+        _set("instance-inline", "policy", value=_allow("s3:DeleteBucket", BUCKET_ARN)),
+        "iam-no-teardown-of-data-or-audit-trail",
+        "'instance-inline': policy Statement[0] allows s3:DeleteBucket, which deletes or reopens the stack's "
+        "data",
+    ),
+]
+MUTATIONS += ISSUE_34_MUTATIONS
 
 
 def test_every_policy_is_mandatory_and_names_its_controls() -> None:
