@@ -15,6 +15,7 @@ from trainstack_job.jobs import JOBS_PREFIX, LEGACY_JOB_ID, JobIdError, check_jo
 
 DEFAULT_PATH = Path("/etc/trainstack/agent.yaml")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_POOL = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 _REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]{1,64}$")
@@ -99,9 +100,15 @@ class AgentConfig:
     dataset_version: str = ""
     # Resume the job's checkpoints even on another version of its dataset than they were trained on.
     allow_data_change: bool = False
+    # The pool this instance's group is (trainstack:pools): it takes only that pool's queued jobs and keeps
+    # that pool's current-job pointer. "" = the stack's default pool, the only one before pools.
+    pool: str = ""
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(asdict(self), sort_keys=False)
+        values = asdict(self)
+        if not self.pool:
+            del values["pool"]  # the default pool's config renders as it did before pools: no new template
+        return yaml.safe_dump(values, sort_keys=False)
 
     @classmethod
     def from_mapping(cls, raw: Any, source: str = "agent config") -> AgentConfig:
@@ -191,6 +198,9 @@ class AgentConfig:
                 problems.append(str(exc))
         if "allow_data_change" in raw and not isinstance(raw["allow_data_change"], bool):
             problems.append("'allow_data_change' must be true or false")
+        pool = raw.get("pool", "")
+        if not isinstance(pool, str) or (pool and not _POOL.match(pool)):
+            problems.append(f"'pool' must be a pool name (a-z, 0-9 and '-') or empty, got {pool!r}")
         if problems:
             raise AgentConfigError(f"{source}: " + "; ".join(problems))
         values = {k: v for k, v in raw.items() if k != "prefixes"}

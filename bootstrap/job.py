@@ -21,6 +21,7 @@ from bootstrap.bootlock import has_hashes
 from bootstrap.safefiles import remove_entry, replace_file
 from bootstrap.secrets import env_secret_problem, parse_secrets, refs_to_mapping
 from trainstack_job.contract import JobEnv
+from trainstack_job.resources import ResourceError, ResourceRequest, parse_resources
 from trainstack_job.text import not_utf8
 
 # Where the job's workdir sits inside the code bundle (infra/bundle.py puts it there).
@@ -29,7 +30,7 @@ BUNDLE_JOB_DIR = "job"
 MIN_OBSERVED_INTERRUPTIONS = 2
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_KNOWN = {"name", "command", "workdir", "requirements", "env", "secrets", "data", "checkpoint"}
+_KNOWN = {"name", "command", "workdir", "requirements", "env", "secrets", "data", "checkpoint", "resources"}
 # A job's vendored wheels: a folder of this name next to its requirements file (infra/wheels.py checks it).
 VENDORED_WHEELS_DIR = "wheels"
 # Packages a job's requirements may not replace: the AMI's builds match its CUDA driver.
@@ -61,6 +62,9 @@ class JobSpec:
     checkpoint_keep: int = 3
     # ENV_NAME -> a secret's name under the stack's path (bootstrap/secrets.py); the agent resolves them.
     secrets: dict[str, str] = field(default_factory=dict)
+    # What the job asks for (trainstack_job/resources.py): matched to a pool at submit, carried by the record
+    # (its `resources` and `agent.pool`), so it is not part of the definition below.
+    resources: ResourceRequest = field(default_factory=ResourceRequest)
 
     def to_mapping(self) -> dict[str, Any]:
         """The form carried in the agent config (workdir: where the bundle put it)."""
@@ -137,6 +141,11 @@ class JobSpec:
             for key in secrets
             if key in env
         ]
+        resources = ResourceRequest()
+        try:
+            resources = parse_resources(raw.get("resources"), f"{source}: resources")
+        except ResourceError as error:
+            problems += error.problems
         data = raw.get("data", {}) or {}
         if not isinstance(data, dict) or set(data) - {"sync"} or not isinstance(data.get("sync", True), bool):
             problems.append(f"{source}: data: only {{sync: true|false}} is known")
@@ -172,6 +181,7 @@ class JobSpec:
             data_sync=bool(data.get("sync", True)),
             checkpoint_keep=int(keep),
             secrets=refs_to_mapping(secrets),
+            resources=resources,
         )
 
 

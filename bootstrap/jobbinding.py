@@ -24,7 +24,7 @@ from bootstrap.eventlog import EventLog, iso
 from bootstrap.ledger import JobLedger, LedgerStore
 from bootstrap.safefiles import remove_entry
 from trainstack_job.contract import CONTROL, LEDGER, JobStatus
-from trainstack_job.jobs import CURRENT_JOB, LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
+from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id, pointer_name
 from trainstack_job.queue import (
     JOB_CODE_PREFIX,
     QUEUE_PREFIX,
@@ -183,7 +183,8 @@ class JobDirectory:
         # unknown: the stack's instance count.
         self.group_max = group_max or config.instance_count
         self.bucket = config.bucket
-        self.pointer_key = config.prefixes.state + CURRENT_JOB
+        # Each pool keeps its own pointer and takes only its own entries (trainstack_job/resources.py).
+        self.pointer_key = config.prefixes.state + pointer_name(config.pool)
         self.log = log or EventLog()
         self._entries: dict[str, tuple[str, QueueEntry | None]] = {}
         # Jobs whose end is final (not resumable): their status never changes again.
@@ -317,7 +318,9 @@ class JobDirectory:
         )
         if not self._put_once(prefixes.record, record) and self.status(config.job_id) is not None:
             return False
-        return self._put_once(queue_key(config.job_id), queue_entry(config.job_id, iso(now)))
+        return self._put_once(
+            queue_key(config.job_id), queue_entry(config.job_id, iso(now), pool=self.config.pool)
+        )
 
     # -- the job's ledger, for jobs that never start a life here ------------------------------------
 
@@ -344,8 +347,8 @@ class JobDirectory:
     # -- the queue ----------------------------------------------------------------------------------
 
     def entries(self) -> list[QueueEntry]:
-        """Every readable queue entry in queue order (--now first, then FIFO); an unreadable one is logged
-        once, naming its key, and left out."""
+        """Every readable queue entry of this instance's pool in queue order (--now first, then FIFO); an
+        unreadable one is logged once, naming its key, and left out."""
         found: list[QueueEntry] = []
         paginator = self._s3.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=QUEUE_PREFIX):
@@ -359,7 +362,7 @@ class JobDirectory:
                     if not there:
                         continue  # deleted since the listing
                     cached = self._entries[key] = (etag, entry)
-                if cached[1] is not None:
+                if cached[1] is not None and cached[1].pool == self.config.pool:
                     found.append(replace(cached[1], queued_at=stored_at(item)))
         found.sort(key=lambda entry: entry.order)
         return found

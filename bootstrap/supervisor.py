@@ -112,7 +112,8 @@ class Supervisor:
         if spec is None:
             command = self._trainer_command or default_trainer_command(gpu_count)
             # The trainer config less `secrets:`: the agent reads that section, the trainer never sees it.
-            trainer_config = {k: v for k, v in self.config.job.items() if k != "secrets"}
+            # `resources:` was the submission's (the pool it runs on): the trainer never sees it either.
+            trainer_config = {k: v for k, v in self.config.job.items() if k not in ("secrets", "resources")}
             return TrainerProcess(
                 command,
                 paths,

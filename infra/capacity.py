@@ -18,6 +18,7 @@ from infra import policies
 # without importing Pulumi); the names stay importable from here.
 from infra.policies import autoscaling_group_arn as group_arn_pattern
 from infra.policies import capacity_fallback_policy as function_policy
+from trainstack_job.jobs import CURRENT_JOB
 
 HANDLER = Path(__file__).resolve().parent / "capacity_fallback" / "handler.py"
 SCHEDULE = "rate(5 minutes)"
@@ -49,6 +50,9 @@ class CapacityFallbackArgs:
     # The pool whose group this function watches (trainstack:pools): its AWS names end with it. "" = the
     # single group's pool (infra/config.py LEGACY_POOL), whose names carry none.
     pool: str = ""
+    # The current-job pointer of the pool's instances (trainstack_job.jobs.pointer_name): the cost cap reads
+    # the job it names. The default pool's is the stack's `current-job.json` (no variable: nothing changes).
+    pointer: str = CURRENT_JOB
 
     @property
     def caps_cost(self) -> bool:
@@ -140,7 +144,11 @@ class CapacityFallback(pulumi.ComponentResource):
                         group_arn=group_arn,
                         log_group_arn=arns[0],
                         cost_cap=policies.CostCapAccess(
-                            bucket_arn=arns[1], key_arn=arns[2], topic_arn=arns[3], region=args.region
+                            bucket_arn=arns[1],
+                            key_arn=arns[2],
+                            topic_arn=arns[3],
+                            region=args.region,
+                            pointer=args.pointer,
                         )
                         if args.caps_cost
                         else None,
@@ -166,6 +174,8 @@ class CapacityFallback(pulumi.ComponentResource):
                 "BUCKET": args.bucket_name,
                 "TOPIC_ARN": args.topic_arn,
             }
+            if args.pointer != CURRENT_JOB:
+                variables["CURRENT_JOB"] = args.pointer
         return variables
 
     def _create_function(self) -> aws.lambda_.Function:

@@ -313,8 +313,8 @@ def agent_config(
 
     It defines no job (`job_id: ""`, no `job`/`user_job`): the agent takes its jobs from the stack's queue,
     the stack's default job included (infra/defaultjob.py). Without `bundle` the config names no bundle
-    (tests, by hand). It carries no pool name: AgentConfig has no such key yet (docs/internals.md, "Pools");
-    the group's name is the pool's.
+    (tests, by hand). A pool other than the default carries its name (`pool`), so its instances take only
+    its jobs; the default pool's config names none and renders as before pools (docs/internals.md, "Pools").
     """
     pool = pool if pool is not None else config.default_pool
     return AgentConfig(
@@ -341,4 +341,5 @@ def agent_config(
         bundle_key=bundle.key() if bundle else "",
         bundle_sha256=bundle.sha256 if bundle else "",
         job_role_arn=job_role_arn,
+        pool="" if pool.default else pool.name,
     )

@@ -10,7 +10,7 @@ from bootstrap.agent_config import Prefixes
 from bootstrap.devbox.heartbeat import DEV_PREFIX
 from bootstrap.secrets import SECRETS_ROOT
 from trainstack_job.datasets import DATASETS_PREFIX
-from trainstack_job.jobs import JOB_RECORD
+from trainstack_job.jobs import CURRENT_JOB, JOB_RECORD
 from trainstack_job.queue import JOB_CODE_PREFIX, QUEUE_PREFIX
 
 Document = dict[str, Any]
@@ -725,6 +725,8 @@ class CostCapAccess:
     topic_arn: str
     region: str
     prefixes: Prefixes = field(default_factory=Prefixes)
+    # The current-job pointer of the function's pool (trainstack_job.jobs.pointer_name).
+    pointer: str = CURRENT_JOB
 
 
 def capacity_fallback_policy(
@@ -762,11 +764,11 @@ def capacity_fallback_policy(
     return _doc(*statements)
 
 
-def cost_cap_keys(prefixes: Prefixes) -> tuple[str, str, str]:
-    """The keys the cost cap reads (infra/capacity_fallback/handler.py CostCap): the stack's current-job
-    pointer, any job's ledger, the legacy job's ledger."""
+def cost_cap_keys(prefixes: Prefixes, pointer: str = CURRENT_JOB) -> tuple[str, str, str]:
+    """The keys the cost cap reads (infra/capacity_fallback/handler.py CostCap): its pool's current-job
+    pointer (`pointer`: trainstack_job.jobs.pointer_name), any job's ledger, the legacy job's ledger."""
     return (
-        f"{prefixes.state}current-job.json",
+        f"{prefixes.state}{pointer}",
         f"{prefixes.jobs}*/state/ledger.json",
         f"{prefixes.state}ledger.json",
     )
@@ -783,7 +785,7 @@ def _cost_cap_statements(group_arn: str, access: CostCapAccess) -> list[Document
     needs kms:GenerateDataKey and kms:Decrypt on its key).
     """
     bucket = access.bucket_arn
-    keys = cost_cap_keys(access.prefixes)
+    keys = cost_cap_keys(access.prefixes, access.pointer)
     return [
         {
             "Sid": "ReadTheCurrentJobsLedger",

@@ -18,9 +18,11 @@ from infra.bundle import CodeBundle
 from infra.capacity import CapacityFallback, CapacityFallbackArgs, declared
 from infra.config import Pool, StackConfig
 from infra.fleet import Fleet, FleetArgs, MachineImage
+from trainstack_job.contract import StackOutput
+from trainstack_job.jobs import pointer_name
 
-# The stack output naming every pool (trainstack_job/contract.py has no StackOutput for it yet).
-POOLS_OUTPUT = "pools"
+# The stack output naming every pool.
+POOLS_OUTPUT = StackOutput.POOLS.value
 
 
 @dataclass
@@ -115,6 +117,7 @@ def declare_pool(
                 bucket_arn=baseline.bucket_arn,
                 topic_arn=baseline.topic_arn,
                 pool="" if pool.legacy else pool.name,
+                pointer=pointer_name("" if pool.default else pool.name),
             ),
         )
     return DeclaredPool(pool=pool, fleet=fleet, capacity=capacity)

@@ -18,6 +18,7 @@ from training.config import ConfigError, apply_overrides, build_config
 from trainstack_job.contract import BucketPrefix
 from trainstack_job.jobs import JobPrefixes, definition_digest, make_job_id
 from trainstack_job.queue import job_record, queue_entry, queue_key
+from trainstack_job.resources import RESOURCES_KEY
 
 JSON = "application/json"
 GZIP = "application/gzip"
@@ -74,7 +75,9 @@ def training_config_problems(config: Mapping[str, Any], where: str) -> list[str]
     """Every problem of a built-in trainer config, one line each starting with `where` (the file, the key):
     the agent's `secrets:` section, no credential-looking value, then the trainer's own validator (no torch
     import), so a typo fails on the laptop, not on a GPU instance."""
-    sections = {key: value for key, value in config.items() if key != "secrets"}
+    # `secrets:` is the agent's and `resources:` the submission's (trainstack_job/resources.py): the trainer
+    # never sees either.
+    sections = {key: value for key, value in config.items() if key not in ("secrets", RESOURCES_KEY)}
     problems = list(parse_secrets(config.get("secrets"), f"{where}: secrets")[1])
     problems.extend(find_secret_values(sections, where))
     try:
@@ -100,6 +103,8 @@ def prepare_submission(
     now: bool = False,
     instances: int | None = None,
     root: Path = REPO_ROOT,
+    pool: str = "",
+    resources: Mapping[str, Any] | None = None,
 ) -> Submission:
     """Build one job's submission from an already validated definition (infra/config.py for the stack's
     default job, trainstack/run.py for `trainstack run`).
@@ -110,7 +115,9 @@ def prepare_submission(
     `name` replaces the job's own (job file `name`, else the training config's stem) in the id.
     `dataset` ({"name", "version"}; "" = the default dataset / the version current when the job starts) is
     what the agent syncs for the job (its `dataset`, `dataset_version` fields). `instances`: the instances
-    the job trains on when not the stack's instanceCount (the record's `instance_count` override).
+    the job trains on when not the stack's instanceCount (the record's `instance_count` override). `pool`:
+    the pool it was matched to ("" = the default pool), carried by its record and its queue entry, and
+    `resources` what it asked for.
     """
     if user_job is None and (trainer_config is None or training_config_path is None):
         raise ValueError("prepare_submission: the built-in trainer needs trainer_config and its path")
@@ -150,11 +157,13 @@ def prepare_submission(
         source=source,
         sweep=sweep,
         dataset=dataset,
+        pool=pool,
+        resources=resources,
     )
     return Submission(
         job_id=job_id,
         name=job_name,
         bundle=bundle,
         record=record,
-        entry=queue_entry(job_id, submitted_at, now=now),
+        entry=queue_entry(job_id, submitted_at, now=now, pool=pool),
     )

@@ -152,6 +152,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="instances the built-in trainer's job trains on (default: trainstack:instanceCount; at most the "
         "group's maximum)",
     )
+    run_parser.add_argument(
+        "--pool",
+        metavar="POOL",
+        help="run on this pool of trainstack:pools (default: the pool that serves the job's resources, else "
+        "the default pool)",
+    )
+    run_parser.add_argument(
+        "--gpus",
+        metavar="MODEL:N",
+        help="GPUs per instance, e.g. L4:1 or A100:8 (or a count, any model): the job runs on a pool whose "
+        "every instance type has them; over the job file's `resources: gpus`",
+    )
+    run_parser.add_argument(
+        "--min-gpu-memory-gb",
+        type=float,
+        metavar="GB",
+        help="memory each GPU needs at least, e.g. 24 (over the job file's `resources: min_gpu_memory_gb`)",
+    )
     cancel_parser = commands.add_parser(
         "cancel",
         parents=both,
@@ -420,6 +438,9 @@ def _run_request(args: argparse.Namespace) -> run.RunRequest:
         sweeps=tuple(args.sweep),
         dataset=args.data,
         instances=args.instances,
+        pool=args.pool,
+        gpus=args.gpus,
+        min_gpu_memory_gb=args.min_gpu_memory_gb,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 from botocore.exceptions import ClientError
 
+from bootstrap.devices import device_profile
 from bootstrap.job import JobSpec, JobSpecError, load_job_spec
 from infra.bundle import REPO_ROOT, BundleError, LinkOutsideError, job_files
 
@@ -34,6 +35,17 @@ from trainstack.state import Group, encryption_args, read_group
 from trainstack.sweep import SweepError, SweepPoint, grid, parse_axes, trainer_point, user_job_point
 from trainstack_job.datasets import DEFAULT_DATASET, DatasetError, check_dataset_name, label, push_command
 from trainstack_job.queue import JOB_CODE_PREFIX, SOURCE_RUN
+from trainstack_job.resources import (
+    RESOURCES_KEY,
+    PoolOffer,
+    ResourceError,
+    ResourceRequest,
+    TypeOffer,
+    match_pool,
+    parse_gpus,
+    parse_resources,
+    pool_offers,
+)
 from trainstack_job.text import not_utf8
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
@@ -53,6 +65,10 @@ class RunRequest:
     sweeps: Sequence[str] = field(default_factory=tuple)
     dataset: str | None = None
     instances: int | None = None
+    # What the job asks for on the command line, over its file's `resources:` (trainstack_job/resources.py).
+    pool: str | None = None
+    gpus: str | None = None
+    min_gpu_memory_gb: float | None = None
 
 
 class InvalidJobError(CliError):
@@ -73,6 +89,36 @@ class Definition:
     user_job: JobSpec | None = None
     user_job_dir: Path | None = None
     source: str = ""
+    # What the job asks for: its file's `resources:` with the command line's flags over it.
+    resources: ResourceRequest = field(default_factory=ResourceRequest)
+
+
+def _asked(request: RunRequest, from_file: ResourceRequest, where: str) -> tuple[ResourceRequest, list[str]]:
+    """The file's request with `--pool`, `--gpus`, `--min-gpu-memory-gb` and `--instances` over it."""
+    problems: list[str] = []
+    asked = from_file
+    if request.pool is not None:
+        asked = replace(asked, pool=request.pool)
+    if request.gpus is not None:
+        try:
+            model, count = parse_gpus(request.gpus, "--gpus")
+            asked = replace(asked, gpu_model=model, gpus=count)
+        except ResourceError as error:
+            problems += error.problems
+    if request.min_gpu_memory_gb is not None:
+        if request.min_gpu_memory_gb <= 0:
+            problems.append(f"--min-gpu-memory-gb {request.min_gpu_memory_gb:g}: a size in GB, e.g. 24")
+        else:
+            asked = replace(asked, min_gpu_memory_gb=request.min_gpu_memory_gb)
+    if request.instances is not None:
+        asked = replace(asked, instances=request.instances)
+    if asked.instances not in (None, 1) and where == "job":
+        flag = "--instances" if request.instances is not None else "resources.instances"
+        problems.append(
+            f"{flag} {asked.instances}: a user's job runs on one instance (multi-node runs the "
+            "built-in trainer, --config); use a multi-GPU instance type for more GPUs"
+        )
+    return asked, problems
 
 
 def _read_training_config(path: Path) -> tuple[dict[str, Any] | None, list[str]]:
@@ -107,11 +153,6 @@ def load_definition(request: RunRequest) -> Definition:
         )
     if request.instances is not None and request.instances < 1:
         problems.append(f"--instances {request.instances}: a job trains on at least 1 instance")
-    if request.instances not in (None, 1) and request.job_file is not None:
-        problems.append(
-            f"--instances {request.instances}: a user's job runs on one instance (multi-node runs the "
-            "built-in trainer, --config); use a multi-GPU instance type for more GPUs"
-        )
     if request.dataset is not None:
         try:
             check_dataset_name(request.dataset, f"--data {request.dataset}")
@@ -121,16 +162,30 @@ def load_definition(request: RunRequest) -> Definition:
         path = request.config_file
         config, found = _read_training_config(path)
         problems += found
+        from_file = ResourceRequest()
+        if config is not None:
+            try:
+                from_file = parse_resources(config.get(RESOURCES_KEY), f"{path}: {RESOURCES_KEY}")
+            except ResourceError as error:
+                problems += error.problems
+        resources, more = _asked(request, from_file, "config")
+        problems += more
         if problems or config is None:
             raise InvalidJobError(problems)
         return Definition(
-            request.name or path.stem, trainer_config=config, config_path=path, source=str(path)
+            request.name or path.stem,
+            trainer_config=config,
+            config_path=path,
+            source=str(path),
+            resources=resources,
         )
     assert request.job_file is not None
     try:
         spec = load_job_spec(request.job_file)
     except JobSpecError as exc:
         raise InvalidJobError(problems + exc.problems) from None
+    resources, more = _asked(request, spec.resources, "job")
+    problems += more
     workdir = (request.job_file.parent / spec.workdir).resolve()
     try:
         job_files(workdir)
@@ -142,7 +197,11 @@ def load_definition(request: RunRequest) -> Definition:
     if problems:
         raise InvalidJobError(problems)
     return Definition(
-        request.name or spec.name, user_job=spec, user_job_dir=workdir, source=str(request.job_file)
+        request.name or spec.name,
+        user_job=spec,
+        user_job_dir=workdir,
+        source=str(request.job_file),
+        resources=resources,
     )
 
 
@@ -208,7 +267,11 @@ def read_job(request: RunRequest) -> PreparedJob:
 
 
 def build_submissions(
-    job: PreparedJob, submitted_at: datetime, dataset: dict[str, str] | None = None, root: Path = REPO_ROOT
+    job: PreparedJob,
+    submitted_at: datetime,
+    dataset: dict[str, str] | None = None,
+    root: Path = REPO_ROOT,
+    pool: str = "",
 ) -> list[Submission]:
     """One submission per variant. Each job's `submitted_at` is one microsecond after the previous one's, so
     the queue (FIFO by that time) runs a sweep in grid order."""
@@ -226,8 +289,10 @@ def build_submissions(
             sweep={"name": job.sweep, "point": variant.point} if variant.point is not None else None,
             dataset=dataset,
             now=request.now,
-            instances=request.instances if definition.user_job is None else 1,
+            instances=definition.resources.instances if definition.user_job is None else 1,
             root=root,
+            pool=pool,
+            resources=definition.resources.to_mapping(),
         )
         for index, variant in enumerate(job.variants)
     ]
@@ -263,7 +328,24 @@ def instances_needed(request: RunRequest, definition: Definition, outputs: Stack
     instanceCount."""
     if definition.user_job is not None:
         return 1
-    return request.instances or outputs.instance_count
+    return definition.resources.instances or outputs.instance_count
+
+
+def type_offer(instance_type: str) -> TypeOffer:
+    """What one instance type has, from the agent's catalogue (bootstrap/devices.py)."""
+    profile = device_profile(instance_type)
+    if profile is None:
+        return TypeOffer(instance_type, None, 0, 0)
+    return TypeOffer(instance_type, profile.gpu_model, profile.gpu_count, profile.memory_gib)
+
+
+def choose_pool(outputs: StackOutputs, asked: ResourceRequest, instances: int) -> PoolOffer:
+    """The pool that serves the job (trainstack_job/resources.py match_pool), else one line naming every pool
+    and what it offers."""
+    try:
+        return match_pool(asked, pool_offers(outputs.pools, type_offer), instances=instances, where="the job")
+    except ResourceError as error:
+        raise CliError(str(error)) from None
 
 
 def check_capacity(group: Group, needed: int) -> None:
@@ -344,9 +426,10 @@ def submit(clients: Clients, stack: Stack, job: PreparedJob) -> dict[str, Any]:
     outputs = stack.outputs
     dataset = dataset_for(clients, outputs, request.dataset, image_folder=definition.user_job is None)
     submitted_at = datetime.now(timezone.utc)
-    submissions = build_submissions(job, submitted_at, dataset)
-    group = read_group(clients, outputs.group_name, lifecycles=False)
     needed = instances_needed(request, definition, outputs)
+    pool = choose_pool(outputs, definition.resources, needed)
+    submissions = build_submissions(job, submitted_at, dataset, pool="" if pool.default else pool.name)
+    group = read_group(clients, str(outputs.pools[pool.name]["group_name"]), lifecycles=False)
     check_capacity(group, needed)
     uploaded = upload(clients, outputs, submissions)
     woken = wake_group(clients, group, needed)
@@ -363,6 +446,7 @@ def submit(clients: Clients, stack: Stack, job: PreparedJob) -> dict[str, Any]:
         "sweep": job.sweep,
         "bundles_uploaded": uploaded,
         "group": group.name,
+        "pool": pool.name,
         "scaled_up_to": needed if woken else None,
         "now": request.now,
         "dataset": dataset,

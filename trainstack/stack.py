@@ -132,6 +132,22 @@ class StackOutputs:
         value = self.require(StackOutput.INSTANCE_TYPES)
         return [str(t) for t in value] if isinstance(value, list) else [str(value)]
 
+    @property
+    def pools(self) -> dict[str, dict[str, Any]]:
+        """Every pool: name -> {group_name, instance_types, max_instances, default}. A stack from before pools
+        (no `pools` output) has its one group, as the pool `default`."""
+        value = self.values.get(StackOutput.POOLS.value)
+        if isinstance(value, dict) and value:
+            return {str(k): dict(v) for k, v in value.items() if isinstance(v, dict)}
+        return {
+            "default": {
+                "group_name": self.group_name,
+                "instance_types": self.instance_types,
+                "max_instances": self.instance_count,
+                "default": True,
+            }
+        }
+
 
 class Stack:
     """One Pulumi stack of this project, read lazily so `doctor` needs no outputs and `status` no config."""

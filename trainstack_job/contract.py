@@ -168,6 +168,9 @@ class StackOutput(str, Enum):
     # from Pulumi's state, which no EC2 principal can change.
     DEV_INSTANCE_PROFILE_ARN = "dev_instance_profile_arn"
     DEV_TEMPLATE_VERSION = "dev_template_version"
+    # Every pool (infra/pools.py): name -> {group_name, instance_types, max_instances, default}. A stack from
+    # before pools has one, described by group_name, instance_types and instance_count.
+    POOLS = "pools"
 
 
 # What resumes a job the agent scaled to zero (stopped, cost cap, failed, no data): never `pulumi up` alone.

@@ -19,6 +19,14 @@ from trainstack_job.text import CLIP, clip
 JOBS_PREFIX = "jobs/"
 # Under the stack's state/ prefix: {"job_id": ..., "since": ISO}, moved only by conditional writes.
 CURRENT_JOB = "current-job.json"
+
+
+def pointer_name(pool: str) -> str:
+    """The current-job pointer of a pool's instances (trainstack_job/resources.py): the default pool (`""`)
+    keeps the stack's `current-job.json`, so a stack from before pools reads on; another pool has its own."""
+    return f"current-job-{pool}.json" if pool else CURRENT_JOB
+
+
 # Under a job's own prefix: what the job is (its definition and pinned code), written once.
 JOB_RECORD = "job.json"
 # Under a job's state prefix: who writes the job's checkpoints (bootstrap/lease.py) and who waits to.

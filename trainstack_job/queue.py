@@ -54,9 +54,13 @@ def cancel_key(job_id: str) -> str:
     return JobPrefixes.of(job_id).state + CANCEL_REQUEST
 
 
-def queue_entry(job_id: str, submitted_at: str, *, now: bool = False) -> dict[str, Any]:
-    """The queue entry's body. `now`: run on a live instance at once, after the running job checkpoints."""
-    return {"job_id": check_job_id(job_id), "submitted_at": submitted_at, "now": now}
+def queue_entry(job_id: str, submitted_at: str, *, now: bool = False, pool: str = "") -> dict[str, Any]:
+    """The queue entry's body. `now`: run on a live instance at once, after the running job checkpoints.
+    `pool`: the pool whose instances take it ("" = the default pool: left out, as before pools)."""
+    entry: dict[str, Any] = {"job_id": check_job_id(job_id), "submitted_at": submitted_at, "now": now}
+    if pool:
+        entry["pool"] = pool
+    return entry
 
 
 def job_record(
@@ -68,10 +72,13 @@ def job_record(
     source: str,
     sweep: Mapping[str, Any] | None = None,
     dataset: Mapping[str, Any] | None = None,
+    pool: str = "",
+    resources: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A job's record: `agent` holds the agent-config fields that define the job (jobbinding.JOB_FIELDS:
     job_id, job_name, resume_from, job, user_job, bundle_key, bundle_sha256, …); the top-level copies are
-    what `trainstack jobs` shows without reading `agent`."""
+    what `trainstack jobs` shows without reading `agent`. `pool`, `resources`: the pool it was matched to
+    ("" = the default) and what it asked for (trainstack_job/resources.py)."""
     check_job_id(job_id)
     return {
         "job_id": job_id,
@@ -84,6 +91,8 @@ def job_record(
         "resume_from": agent.get("resume_from"),
         "sweep": dict(sweep) if sweep else None,
         "dataset": dict(dataset) if dataset else None,
+        "pool": pool,
+        "resources": dict(resources) if resources else None,
         "agent": dict(agent),
     }
 
@@ -95,6 +104,8 @@ class QueueEntry:
     now: bool = False
     # When S3 stored the entry (its LastModified, UTC ISO); "" when not listed (then submitted_at decides).
     queued_at: str = ""
+    # The pool whose instances take it; "" = the default pool (every entry from before pools).
+    pool: str = ""
 
     @property
     def order(self) -> tuple[bool, str, str, str]:
@@ -150,6 +161,7 @@ _FIELDS: tuple[tuple[str, type, bool], ...] = (
     ("job_id", str, True),
     ("submitted_at", str, True),
     ("now", bool, False),
+    ("pool", str, False),
 )
 
 
@@ -186,7 +198,8 @@ def parse_entry(key: str, body: bytes, queued_at: str = "") -> QueueEntry:
         raise _refused(key, why) from None
     if key != queue_key(job_id):
         raise _refused(key, f"it names job {job_id}, whose entry's key is {queue_key(job_id)}")
-    return QueueEntry(job_id, value["submitted_at"], value.get("now", False), queued_at)
+    now, pool = value.get("now", False), value.get("pool", "")
+    return QueueEntry(job_id, value["submitted_at"], now, queued_at, pool)
 
 
 @dataclass(frozen=True)

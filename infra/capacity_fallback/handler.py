@@ -73,16 +73,23 @@ class CostCap:
     topic_arn: str
     state_prefix: str = "state/"
     jobs_prefix: str = "jobs/"
+    # The current-job pointer of this group's pool (a pool other than the default keeps its own).
+    pointer: str = "current-job.json"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> CostCap | None:
         if not env.get("MAX_COST_USD"):
             return None
-        return cls(max_cost_usd=float(env["MAX_COST_USD"]), bucket=env["BUCKET"], topic_arn=env["TOPIC_ARN"])
+        return cls(
+            max_cost_usd=float(env["MAX_COST_USD"]),
+            bucket=env["BUCKET"],
+            topic_arn=env["TOPIC_ARN"],
+            pointer=env.get("CURRENT_JOB") or "current-job.json",
+        )
 
     @property
     def current_job_key(self) -> str:
-        return f"{self.state_prefix}current-job.json"
+        return f"{self.state_prefix}{self.pointer}"
 
     def ledger_key(self, job_id: str) -> str:
         # The legacy job (a stack from before jobs) keeps its ledger at the stack's state/ prefix.

@@ -265,7 +265,9 @@ def test_jobs_sweep_ranks_the_jobs_by_their_final_metric(deployed: Deployed):
 def test_a_job_needing_more_instances_than_the_group_allows_is_refused(deployed: Deployed):
     result = deployed.run("run", "--config", str(CONFIG), "--instances", "3", "--detach")
     assert result.code == 1 and result.err.count("\n") == 1
-    assert f"the job needs 3 instances and group {GROUP} allows at most 2" in result.err
+    # The stack's one pool (its outputs from before pools) holds 2: no pool serves 3, refused before upload.
+    assert "the job: no pool serves 3 instances (default offers 1x L4 24 GiB (g6.xlarge)" in result.err
+    assert "up to 2 instances" in result.err
     deployed.autoscaling().update_auto_scaling_group(AutoScalingGroupName=GROUP, MaxSize=1)
     result = deployed.run("run", "--config", str(CONFIG), "--detach")
     assert result.code == 1 and "needs 2 instances" in result.err, "the stack's instanceCount by default"

@@ -19,6 +19,7 @@ import yaml
 
 from bootstrap.agent_config import AgentConfig
 from bootstrap.cloud_init import render_user_data
+from infra.capacity_fallback.handler import CostCap
 from infra.config import (
     DEFAULTS,
     MAX_NODES,
@@ -683,9 +684,12 @@ def test_each_pools_user_data_carries_its_group_and_size(pools_stack: StackRun) 
             1,
             False,
         )
-    # Nothing else differs between pools (AgentConfig has no pool key yet: the group names the pool).
+        # A pool other than the default names itself: its instances take only its jobs.
+        assert loaded.pool == ("" if pool is POOLS[0] else pool["name"])
+    # Nothing else differs between pools.
     shared = [
-        {k: v for k, v in c.items() if k not in ("group_name", "instance_count")} for c in configs.values()
+        {k: v for k, v in c.items() if k not in ("group_name", "instance_count", "pool")}
+        for c in configs.values()
     ]
     assert all(c == shared[0] for c in shared)
 
@@ -855,3 +859,24 @@ def test_the_cli_reads_pools_from_the_stack_file_as_preview_does() -> None:
             require_region=False,
         )
     assert [p.split(":")[1].split(" ")[0] for p in error.value.problems] == ["pools[1].maxInstances"]
+
+
+def test_a_pools_cost_cap_reads_its_own_pools_current_job() -> None:
+    # Each pool keeps its own pointer; its capacity function's cost cap follows that pool's job. The default
+    # pool's function has no variable for it (its environment is as before pools).
+    stack = run_stack({**example_config(), "trainstack:pools": POOLS, "trainstack:maxCostUsd": "50"})
+    functions = {f.parent: f for f in stack.of_type("aws:lambda/function:Function")}
+    variables = {name: f.inputs["environment"]["variables"] for name, f in functions.items()}
+    assert variables["capacity-big"]["CURRENT_JOB"] == "current-job-big.json"
+    assert "CURRENT_JOB" not in variables["capacity"]
+    named = _named(stack)
+    document = json.loads(named["capacity-big-policy"].inputs["policy"])
+    reads = [
+        r
+        for s in document["Statement"]
+        if s["Sid"] == "ReadTheCurrentJobsLedger"
+        for r in ([s["Resource"]] if isinstance(s["Resource"], str) else s["Resource"])
+    ]
+    assert any(r.endswith("/state/current-job-big.json") for r in reads), reads
+    cap = CostCap.from_env({**variables["capacity-big"], "BUCKET": "b", "TOPIC_ARN": "t"})
+    assert cap is not None and cap.current_job_key == "state/current-job-big.json"

@@ -1,0 +1,72 @@
+"""Pools on the agent's side: an instance takes only its own pool's queued jobs and keeps its pool's own
+current-job pointer, so two pools run their jobs side by side; the default pool reads as before pools."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+
+from bootstrap.agent_config import AgentConfig, AgentConfigError
+from bootstrap.jobbinding import bind_job
+from demo.stack import LocalStack
+from trainstack_job.queue import SOURCE_RUN, job_record, queue_entry, queue_key
+
+NOW = datetime(2026, 12, 6, 12, 0, tzinfo=timezone.utc)
+SMALL_JOB, BIG_JOB, OTHER_BIG = "small-aaaaaaaa", "wide-bbbbbbbb", "wide-cccccccc"
+
+
+def _submit(stack: LocalStack, job_id: str, at: str, pool: str = "") -> None:
+    agent = {"job_id": job_id, "job_name": job_id.rsplit("-", 1)[0], "job": {"fake": {}}, "user_job": None}
+    record = job_record(
+        job_id=job_id, name=agent["job_name"], agent=agent, submitted_at=at, source=SOURCE_RUN
+    )
+    s3 = stack.client("s3")
+    s3.put_object(Bucket=stack.bucket, Key=f"jobs/{job_id}/job.json", Body=json.dumps(record).encode())
+    body = json.dumps(queue_entry(job_id, at, pool=pool)).encode()
+    s3.put_object(Bucket=stack.bucket, Key=queue_key(job_id), Body=body)
+
+
+def _pointer(stack: LocalStack, name: str) -> Any:
+    return stack.read_json(f"state/{name}")
+
+
+def test_each_pool_takes_its_own_jobs_and_keeps_its_own_pointer(stack: LocalStack) -> None:
+    _submit(stack, BIG_JOB, "2026-12-06T11:00:00.000Z", pool="big")  # oldest, but not the default pool's
+    _submit(stack, SMALL_JOB, "2026-12-06T11:00:01.000Z")
+    _submit(stack, OTHER_BIG, "2026-12-06T11:00:02.000Z", pool="big")
+    s3 = stack.client("s3")
+    small = bind_job(s3, stack.agent_config(job_id=""), NOW)
+    big = bind_job(s3, stack.agent_config(job_id="", pool="big"), NOW)
+    assert small is not None and small.job_id == SMALL_JOB
+    assert big is not None and big.job_id == BIG_JOB, "both pools run at once, each from its own queue"
+    assert _pointer(stack, "current-job.json")["job_id"] == SMALL_JOB
+    assert _pointer(stack, "current-job-big.json")["job_id"] == BIG_JOB
+    # A second instance of each pool serves the same job (its standby), never the other pool's.
+    assert bind_job(s3, stack.agent_config(job_id=""), NOW).job_id == SMALL_JOB  # type: ignore[union-attr]
+    again = bind_job(s3, stack.agent_config(job_id="", pool="big"), NOW)
+    assert again is not None and again.job_id == BIG_JOB
+
+
+def test_a_pool_with_nothing_queued_for_it_binds_nothing(stack: LocalStack) -> None:
+    _submit(stack, SMALL_JOB, "2026-12-06T11:00:01.000Z")
+    assert bind_job(stack.client("s3"), stack.agent_config(job_id="", pool="big"), NOW) is None
+
+
+def test_the_default_pools_config_renders_as_before_pools_and_a_bad_pool_name_is_named(
+    stack: LocalStack,
+) -> None:
+    assert "pool" not in stack.agent_config(job_id="").to_yaml()
+    assert "pool: big" in stack.agent_config(job_id="", pool="big").to_yaml()
+    raw: dict[str, Any] = {
+        "region": "us-east-1",
+        "bucket": "b-data",
+        "group_name": "g",
+        "topic_arn": "arn:aws:sns:us-east-1:1:t",
+        "log_group": "/l",
+        "pool": "Big Pool",
+    }
+    with pytest.raises(AgentConfigError, match="'pool' must be a pool name"):
+        AgentConfig.from_mapping(raw)

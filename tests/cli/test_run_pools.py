@@ -1,0 +1,115 @@
+"""`trainstack run` on a stack with pools: a job asks for a pool or for GPUs, is matched to the pool that
+serves it (its record and queue entry say which, and only that pool's group wakes), and a request no pool
+serves is refused at submit in one line that names every pool and what it offers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from .conftest import BUCKET, GROUP, REGION, REPO, STAND_IN_AMI, Deployed
+
+CONFIG = REPO / "training" / "configs" / "default.yaml"
+BIG = f"{GROUP}-big"
+
+
+@pytest.fixture()
+def pooled(deployed: Deployed) -> Deployed:
+    """The deployed stack with a second pool, `big` (8x A100 instances, at zero), in its `pools` output."""
+    ec2 = boto3.client("ec2", region_name=REGION)
+    subnets = [s["SubnetId"] for s in ec2.describe_subnets()["Subnets"][:2]]
+    ec2.create_launch_template(
+        LaunchTemplateName=f"{BIG}-lt",
+        LaunchTemplateData={"ImageId": STAND_IN_AMI, "InstanceType": "p4d.24xlarge"},
+    )
+    boto3.client("autoscaling", region_name=REGION).create_auto_scaling_group(
+        AutoScalingGroupName=BIG,
+        MinSize=0,
+        MaxSize=3,
+        DesiredCapacity=0,
+        LaunchTemplate={"LaunchTemplateName": f"{BIG}-lt", "Version": "$Latest"},
+        VPCZoneIdentifier=",".join(subnets),
+    )
+    small = {"group_name": GROUP, "instance_types": ["g6.xlarge", "g5.xlarge"], "max_instances": 2}
+    big = {"group_name": BIG, "instance_types": ["p4d.24xlarge"], "max_instances": 2}
+    pools = {"small": {**small, "default": True}, "big": {**big, "default": False}}
+    deployed.outputs["pools"] = pools
+    deployed.outputs_file.write_text(json.dumps(deployed.outputs), encoding="utf-8")
+    return deployed
+
+
+def _desired(name: str) -> int:
+    group = boto3.client("autoscaling", region_name=REGION).describe_auto_scaling_groups(
+        AutoScalingGroupNames=[name]
+    )["AutoScalingGroups"][0]
+    return int(group["DesiredCapacity"])
+
+
+def _get(deployed: Deployed, key: str) -> dict[str, Any]:
+    return dict(json.loads(deployed.s3().get_object(Bucket=BUCKET, Key=key)["Body"].read()))
+
+
+def _queued(deployed: Deployed) -> list[str]:
+    listed = deployed.s3().list_objects_v2(Bucket=BUCKET, Prefix="queue/")
+    return [item["Key"] for item in listed.get("Contents", [])]
+
+
+def test_a_job_asking_for_gpus_only_one_pool_has_goes_there_and_wakes_only_that_group(
+    pooled: Deployed,
+) -> None:
+    result = pooled.run("run", "--config", str(CONFIG), "--gpus", "A100:8", "--instances", "2", "--json")
+    assert result.code == 0, result.err
+    submitted = result.json()
+    assert submitted["pool"] == "big" and submitted["group"] == BIG
+    job_id = submitted["jobs"][0]["job_id"]
+    record = _get(pooled, f"jobs/{job_id}/job.json")
+    assert record["pool"] == "big" and record["resources"] == {"gpus": "A100:8", "instances": 2}
+    assert _get(pooled, f"queue/{job_id}.json")["pool"] == "big", "only big's instances take it"
+    assert (_desired(BIG), _desired(GROUP)) == (2, 0)
+
+
+def test_a_job_that_asks_for_nothing_goes_to_the_default_pool_as_before_pools(pooled: Deployed) -> None:
+    submitted = pooled.run("run", "--config", str(CONFIG), "--json").json()
+    job_id = submitted["jobs"][0]["job_id"]
+    assert submitted["pool"] == "small" and submitted["group"] == GROUP
+    assert "pool" not in _get(pooled, f"queue/{job_id}.json"), "an entry of the default pool is as it was"
+    assert _get(pooled, f"jobs/{job_id}/job.json")["pool"] == ""
+
+
+def test_a_request_no_pool_serves_is_refused_in_one_line_and_nothing_is_queued(pooled: Deployed) -> None:
+    result = pooled.run("run", "--config", str(CONFIG), "--gpus", "H100:8", "--detach")
+    assert result.code == 1
+    (line,) = [line for line in result.err.splitlines() if line.strip()]
+    assert "no pool serves 8x H100 per instance" in line
+    assert "small offers 1x L4 24 GiB (g6.xlarge), 1x A10G 24 GiB (g5.xlarge), up to 2 instances" in line
+    assert "big offers 8x A100" in line and "trainstack:pools" in line
+    assert _queued(pooled) == [] and (_desired(BIG), _desired(GROUP)) == (0, 0)
+
+
+def test_a_job_files_resources_choose_its_pool_and_a_bad_one_is_named(
+    pooled: Deployed, tmp_path: Path
+) -> None:
+    folder = tmp_path / "big-job"
+    folder.mkdir()
+    (folder / "train.py").write_text("print('hi')\n", encoding="utf-8")
+    job_file = folder / "job.yaml"
+    job_file.write_text(
+        "name: wide\ncommand: [python, train.py]\nresources: {gpus: 'A100:8', min_gpu_memory_gb: 40}\n",
+        encoding="utf-8",
+    )
+    submitted = pooled.run("run", str(job_file), "--json").json()
+    assert submitted["pool"] == "big"
+    job_file.write_text(
+        "name: wide\ncommand: [python, train.py]\nresources: {gpus: 'L4:x'}\n", encoding="utf-8"
+    )
+    result = pooled.run("run", str(job_file), "--detach")
+    assert result.code == 1 and f"{job_file}: resources.gpus: 'L4:x' is not a GPU request" in result.err
+
+
+def test_a_stack_from_before_pools_is_one_pool_described_by_its_outputs(deployed: Deployed) -> None:
+    result = deployed.run("run", "--config", str(CONFIG), "--pool", "gpu-big", "--detach")
+    assert result.code == 1 and "no pool named 'gpu-big' in this stack (default offers 1x L4" in result.err
