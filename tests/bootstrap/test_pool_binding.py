@@ -19,10 +19,9 @@ SMALL_JOB, BIG_JOB, OTHER_BIG = "small-aaaaaaaa", "wide-bbbbbbbb", "wide-ccccccc
 
 
 def _submit(stack: LocalStack, job_id: str, at: str, pool: str = "") -> None:
-    agent = {"job_id": job_id, "job_name": job_id.rsplit("-", 1)[0], "job": {"fake": {}}, "user_job": None}
-    record = job_record(
-        job_id=job_id, name=agent["job_name"], agent=agent, submitted_at=at, source=SOURCE_RUN
-    )
+    name = job_id.rsplit("-", 1)[0]
+    agent: dict[str, Any] = {"job_id": job_id, "job_name": name, "job": {"fake": {}}, "user_job": None}
+    record = job_record(job_id=job_id, name=name, agent=agent, submitted_at=at, source=SOURCE_RUN)
     s3 = stack.client("s3")
     s3.put_object(Bucket=stack.bucket, Key=f"jobs/{job_id}/job.json", Body=json.dumps(record).encode())
     body = json.dumps(queue_entry(job_id, at, pool=pool)).encode()

@@ -104,24 +104,27 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> 
 def create_stack_resources(bucket: str = BUCKET, group: str = GROUP, log_group: str = LOG_GROUP) -> str:
     """What `pulumi up` makes that the CLI talks to, in moto: the stack's key, bucket, template, job group
     (at zero, two at most) and log group. Returns the key's ARN."""
-    ec2 = boto3.client("ec2", region_name=REGION)
     kms_key_arn = str(boto3.client("kms", region_name=REGION).create_key()["KeyMetadata"]["Arn"])
     boto3.client("s3", region_name=REGION).create_bucket(Bucket=bucket)
+    create_group(group)
+    boto3.client("logs", region_name=REGION).create_log_group(logGroupName=log_group)
+    return kms_key_arn
+
+
+def create_group(group: str, instance_type: str = "g6.xlarge", max_size: int = 2) -> None:
+    """A job group at zero on its own launch template, as one pool's `pulumi up` makes it."""
+    ec2 = boto3.client("ec2", region_name=REGION)
     subnets = [s["SubnetId"] for s in ec2.describe_subnets()["Subnets"][:2]]
-    ec2.create_launch_template(
-        LaunchTemplateName=f"{group}-lt",
-        LaunchTemplateData={"ImageId": STAND_IN_AMI, "InstanceType": "g6.xlarge"},
-    )
+    data: Any = {"ImageId": STAND_IN_AMI, "InstanceType": instance_type}
+    ec2.create_launch_template(LaunchTemplateName=f"{group}-lt", LaunchTemplateData=data)
     boto3.client("autoscaling", region_name=REGION).create_auto_scaling_group(
         AutoScalingGroupName=group,
         MinSize=0,
-        MaxSize=2,
+        MaxSize=max_size,
         DesiredCapacity=0,
         LaunchTemplate={"LaunchTemplateName": f"{group}-lt", "Version": "$Latest"},
         VPCZoneIdentifier=",".join(subnets),
     )
-    boto3.client("logs", region_name=REGION).create_log_group(logGroupName=log_group)
-    return kms_key_arn
 
 
 @pytest.fixture()

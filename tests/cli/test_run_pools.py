@@ -11,7 +11,7 @@ from typing import Any
 import boto3
 import pytest
 
-from .conftest import BUCKET, GROUP, REGION, REPO, STAND_IN_AMI, Deployed
+from .conftest import BUCKET, GROUP, REGION, REPO, Deployed, create_group
 
 CONFIG = REPO / "training" / "configs" / "default.yaml"
 BIG = f"{GROUP}-big"
@@ -20,20 +20,7 @@ BIG = f"{GROUP}-big"
 @pytest.fixture()
 def pooled(deployed: Deployed) -> Deployed:
     """The deployed stack with a second pool, `big` (8x A100 instances, at zero), in its `pools` output."""
-    ec2 = boto3.client("ec2", region_name=REGION)
-    subnets = [s["SubnetId"] for s in ec2.describe_subnets()["Subnets"][:2]]
-    ec2.create_launch_template(
-        LaunchTemplateName=f"{BIG}-lt",
-        LaunchTemplateData={"ImageId": STAND_IN_AMI, "InstanceType": "p4d.24xlarge"},
-    )
-    boto3.client("autoscaling", region_name=REGION).create_auto_scaling_group(
-        AutoScalingGroupName=BIG,
-        MinSize=0,
-        MaxSize=3,
-        DesiredCapacity=0,
-        LaunchTemplate={"LaunchTemplateName": f"{BIG}-lt", "Version": "$Latest"},
-        VPCZoneIdentifier=",".join(subnets),
-    )
+    create_group(BIG, instance_type="p4d.24xlarge", max_size=3)
     small = {"group_name": GROUP, "instance_types": ["g6.xlarge", "g5.xlarge"], "max_instances": 2}
     big = {"group_name": BIG, "instance_types": ["p4d.24xlarge"], "max_instances": 2}
     pools = {"small": {**small, "default": True}, "big": {**big, "default": False}}
