@@ -1,5 +1,6 @@
-"""The job's containment (SECURITY.md T7, T9, T11): the job role, its trust, what an instance's role may
-never do, and the bucket refusing the instances' roles outside the stack's S3 endpoint.
+"""The job's containment (SECURITY.md T7, T9, T11, T15): the job role, its trust, what an instance's role may
+never do, the bucket refusing the instances' roles outside the stack's S3 endpoint, and the bucket letting the
+stack's roles only create submissions, never overwrite one nor write the environment's code.
 
 Which role is which is read off the resources (roles.py). The object keys are trainstack's layout: the pack
 runs without the project on its path, so they are written here; tests/policy/test_pack_guards.py checks they
@@ -8,6 +9,7 @@ are the ones the program denies.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from fnmatch import fnmatchcase
@@ -392,3 +394,191 @@ def _confines(
         return False
     principals = principal_arn_conditions(statement)
     return all(any(covers_role(value, role) for value in values) for values in principals)
+
+
+# -- a submitter is not root: submissions created only, the environment's code from the operator only ------
+
+# What a submission writes (infra/policies.py submitted_objects): a job's code, its record, its queue entry.
+# As written in a fix, and as a key the create-only Deny must cover.
+SUBMITTED_OBJECTS = (
+    ("job-code/*", "job-code/any-job.tar.gz"),
+    ("jobs/*/job.json", "jobs/any-job/job.json"),
+    ("queue/*", "queue/any-entry.json"),
+)
+# The environment's code (Prefixes.code), which the agent runs as root.
+ENVIRONMENT_CODE = ("code/*", "code/any/agent.tar.gz")
+CODE_WRITES = ("s3:PutObject", "s3:DeleteObject", "s3:DeleteObjectVersion")
+_CREATE_ONLY = {"null": {"s3:if-none-match": ("true",)}}
+_CREATE_ONLY_SID = "SubmissionsAreCreatedNeverOverwritten"
+_CODE_SID = "EnvironmentCodeOnlyFromTheOperator"
+
+
+def submissions_create_only(
+    resources: Sequence[PolicyResource], config: Mapping[str, Any], report: ReportViolation
+) -> None:
+    """T15: a bucket the stack's roles (its instances', the dev box's, the job's) write submissions in denies
+    each of them s3:PutObject of a job's code, record or queue entry without If-None-Match (created, never
+    overwritten), and every write or delete of the environment's code/, which the agent runs as root."""
+    roles = stack_roles(resources)
+    writers = [*roles.instance, *(role for role in roles.job if role not in roles.instance)]
+    if not writers:
+        return
+    for bucket in of_type(resources, t.BUCKETS):
+        name, arn = _bucket_name(bucket)
+        if name is None or not _submits_into(writers, arn):
+            continue
+        found = configurers(resources, bucket, [t.BUCKET_POLICY], "bucket")
+        if found.maybe:
+            continue
+        parsed = [
+            _parse(d) for d in [get(bucket.props, "policy"), *(get(p.props, "policy") for p in found.found)]
+        ]
+        if any(group is None for group in parsed):
+            continue  # known on `up`
+        denies = [s for group in parsed for s in group or [] if s.denies()]
+        target = found.found[0] if found.found else bucket
+        _judge_create_only(target, name, arn, writers, denies, report)
+        _judge_environment_code(target, name, arn, writers, denies, report)
+
+
+def _submits_into(writers: Sequence[Role], bucket_arn: str) -> bool:
+    """Whether one of the roles is allowed s3:PutObject on a submission's key (or the code) in the bucket."""
+    probes = [probe for _, probe in (*SUBMITTED_OBJECTS, ENVIRONMENT_CODE)]
+    return any(
+        statement.covers_action("s3:PutObject")
+        and any(_covers_resource(statement, f"{bucket_arn}/{probe}") for probe in probes)
+        for role in writers
+        for _, _, statement in role.allows()
+    )
+
+
+def _denial_conditions(statement: Statement, role: Role) -> dict[str, dict[str, tuple[str, ...]]] | None:
+    """The conditions of a Deny that reaches `role` (Principal "*" or the role, every aws:PrincipalArn
+    condition naming it), lower-cased, less those aws:PrincipalArn ones; None when it does not reach it."""
+    principals = statement.typed_principals
+    if not any(
+        (kind in ("*", "AWS") and value.strip() == "*") or (kind == "AWS" and covers_role(value, role))
+        for kind, value in principals
+    ):
+        return None
+    if not all(any(covers_role(v, role) for v in values) for values in principal_arn_conditions(statement)):
+        return None
+    rest: dict[str, dict[str, tuple[str, ...]]] = {}
+    for operator, block in statement.conditions.items():
+        positive = operator.lower().removesuffix("ifexists") in PRINCIPAL_ARN_OPERATORS
+        for key, values in block.items():
+            if positive and key.lower() == "aws:principalarn":
+                continue
+            rest.setdefault(operator.lower(), {})[key.lower()] = tuple(v.strip().lower() for v in values)
+    return rest
+
+
+def _phrase(gaps: Mapping[str, Sequence[str]], verb: str) -> str:
+    """Roles with the same gaps together: 'r1, r2 <verb> a, b; r3 <verb> c'."""
+    grouped: dict[tuple[str, ...], list[str]] = {}
+    for role, missing in gaps.items():
+        grouped.setdefault(tuple(missing), []).append(role)
+    return "; ".join(f"{', '.join(roles)} {verb}{', '.join(missing)}" for missing, roles in grouped.items())
+
+
+def _role_arn(role: Role) -> str:
+    arn = get(role.resource.props, "arn")
+    if isinstance(arn, str) and not is_unknown(arn) and re.match(r"^arn:[^:]+:iam::\d{12}:role/", arn):
+        return arn
+    return role_arn_hint(role)
+
+
+def _deny_statement(sid: str, actions: Sequence[str], resources: Sequence[str], condition: Any) -> str:
+    return json.dumps(
+        {
+            "Sid": sid,
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": actions[0] if len(actions) == 1 else list(actions),
+            "Resource": resources[0] if len(resources) == 1 else list(resources),
+            "Condition": condition,
+        }
+    )
+
+
+def _roles_condition(writers: Sequence[Role]) -> dict[str, Any]:
+    return {"ArnEquals": {"aws:PrincipalArn": [_role_arn(role) for role in writers]}}
+
+
+def _judge_create_only(
+    target: PolicyResource,
+    name: str,
+    arn: str,
+    writers: Sequence[Role],
+    denies: Sequence[Statement],
+    report: ReportViolation,
+) -> None:
+    overwrite: dict[str, list[str]] = {}
+    blocked: dict[str, list[str]] = {}
+    for role in writers:
+        for shown, probe in SUBMITTED_OBJECTS:
+            key = f"{arn}/{probe}"
+            reaching = [
+                conditions
+                for s in denies
+                if s.covers_action("s3:PutObject")
+                and _covers_resource(s, key)
+                and (conditions := _denial_conditions(s, role)) is not None
+            ]
+            if _CREATE_ONLY in reaching:
+                continue
+            (blocked if {} in reaching else overwrite).setdefault(role.label, []).append(shown)
+    if not overwrite and not blocked:
+        return
+    fix = _deny_statement(
+        _CREATE_ONLY_SID,
+        ["s3:PutObject"],
+        [f"{arn}/{shown}" for shown, _ in SUBMITTED_OBJECTS],
+        {**_roles_condition(writers), "Null": {"s3:if-none-match": "true"}},
+    )
+    problems = []
+    if overwrite:
+        problems.append(
+            f"lets {_phrase(overwrite, 'overwrite ')} (a job's code, record, queue entry: no Deny of "
+            's3:PutObject without If-None-Match, {"Null": {"s3:if-none-match": "true"}}), and the agent '
+            "runs what a record names as root"
+        )
+    if blocked:
+        problems.append(
+            f"refuses {_phrase(blocked, 'every s3:PutObject on ')}, creates too (a Deny without the "
+            '{"Null": {"s3:if-none-match": "true"}} condition): submissions fail'
+        )
+    report(
+        f"{describe(target)}: the bucket {name} {'; it '.join(problems)}: make the bucket policy carry this "
+        f"statement: {fix}",
+        target.urn,
+    )
+
+
+def _judge_environment_code(
+    target: PolicyResource,
+    name: str,
+    arn: str,
+    writers: Sequence[Role],
+    denies: Sequence[Statement],
+    report: ReportViolation,
+) -> None:
+    shown, probe = ENVIRONMENT_CODE
+    key = f"{arn}/{probe}"
+    missing: dict[str, list[str]] = {}
+    for role in writers:
+        for action in CODE_WRITES:
+            if not any(
+                s.covers_action(action) and _covers_resource(s, key) and _denial_conditions(s, role) == {}
+                for s in denies
+            ):
+                missing.setdefault(role.label, []).append(action)
+    if not missing:
+        return
+    fix = _deny_statement(_CODE_SID, CODE_WRITES, [f"{arn}/{shown}"], _roles_condition(writers))
+    report(
+        f"{describe(target)}: the bucket {name} does not deny {_phrase(missing, '')} on {arn}/{shown}, the "
+        "environment's code that the agent runs as root (only `pulumi up`, the operator's own credentials, "
+        f"writes it): make the bucket policy carry this statement: {fix}",
+        target.urn,
+    )

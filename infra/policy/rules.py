@@ -174,8 +174,8 @@ ISSUE_24_POLICIES: list[Policy] = [
     ),
 ]
 
-# Issue 34: the job's containment, each control this round adds or keeps (SECURITY.md T7, T9, T10, T11), and
-# the teardown of the stack's data and audit trail.
+# Issue 34: the job's containment, each control this round adds or keeps (SECURITY.md T7, T9, T10, T11, T15),
+# and the teardown of the stack's data and audit trail.
 ISSUE_34_POLICIES: list[Policy] = [
     stack_policy(
         "job-role-contained",
@@ -213,6 +213,20 @@ ISSUE_34_POLICIES: list[Policy] = [
         'Deny "s3:*" for Principal "*" with '
         '{"ArnEquals": {"aws:PrincipalArn": [<roles>]}, "StringNotEquals": '
         '{"aws:SourceVpce": "<endpoint id>"}}',
+    ),
+    stack_policy(
+        "s3-submissions-create-only",
+        ["job-containment"],
+        "A bucket the stack's roles (the instances', the dev box's, the job's) write submissions in denies "
+        "each of them s3:PutObject of job-code/*, jobs/*/job.json and queue/* without If-None-Match "
+        '({"Null": {"s3:if-none-match": "true"}}: created, never overwritten), and s3:PutObject, '
+        "s3:DeleteObject, s3:DeleteObjectVersion on code/*, the environment's code the agent runs as root.",
+        containment.submissions_create_only,
+        Severity.CRITICAL,
+        'Deny "s3:PutObject" on <bucket>/job-code/*, <bucket>/jobs/*/job.json, <bucket>/queue/* with '
+        '{"ArnEquals": {"aws:PrincipalArn": [<roles>]}, "Null": {"s3:if-none-match": "true"}}; Deny '
+        '"s3:PutObject", "s3:DeleteObject", "s3:DeleteObjectVersion" on <bucket>/code/* with '
+        '{"ArnEquals": {"aws:PrincipalArn": [<roles>]}}',
     ),
     resource_policy(
         "job-sandbox-in-user-data",

@@ -21,11 +21,13 @@ from typing import Any
 
 import pytest
 import yaml
+from pulumi_policy.proxy import UNKNOWN_STRING_VALUE
 
+from bootstrap.agent_config import Prefixes
 from bootstrap.cloud_init import JOB_SANDBOX_PATH
 from bootstrap.jobuser import job_session_policy
-from infra.policies import job_role_policy
-from infra.policy.containment import CONTROL_OBJECTS
+from infra.policies import create_only_statements, job_role_policy, submitted_objects
+from infra.policy.containment import CODE_WRITES, CONTROL_OBJECTS, ENVIRONMENT_CODE, SUBMITTED_OBJECTS
 from infra.policy.user_data import SANDBOX_PATH
 from tests.infra.program import example_config, run_stack
 from tests.policy.harness import Resource, Violation, check
@@ -47,6 +49,7 @@ SANDBOX_POLICY = "job-sandbox-in-user-data"
 DATA = "iam-data-access-on-named-resources"
 TEARDOWN = "iam-no-teardown-of-data-or-audit-trail"
 IMDS = "imdsv2-required"
+CREATE_ONLY = "s3-submissions-create-only"
 
 
 @functools.cache
@@ -205,6 +208,21 @@ Case = tuple[str, bool, Callable[[list[Resource]], None], str, str, str]
 _NEVER_STATE = "NeverTheAgentsState"
 _TRUST = "TheStacksInstancesTakeTheJobRole"
 _VPCE = "DenyInstanceRoleOutsideTheVpcEndpoint"
+_SUBMISSIONS = "SubmissionsAreCreatedNeverOverwritten"
+_CODE = "EnvironmentCodeOnlyFromTheOperator"
+
+
+def _null_if_none_match(value: str | None) -> Callable[[dict[str, Any]], None]:
+    """The create-only Deny's Null condition set to `value`, or dropped (None)."""
+
+    def change(statement: dict[str, Any]) -> None:
+        if value is None:
+            del statement["Condition"]["Null"]
+        else:
+            statement["Condition"]["Null"] = {"s3:if-none-match": value}
+
+    return change
+
 
 CASES: list[Case] = [
     # 1-2. The job role's Deny of the agent's control objects: removed, narrowed, made conditional.
@@ -276,6 +294,53 @@ CASES: list[Case] = [
      ENDPOINT, "storage-policy", "aws:SourceVpce"),
     ("endpoint-deny-of-reads-only", False, _change("storage-policy", _VPCE, _set("Action", "s3:GetObject")),
      ENDPOINT, "storage-policy", "s3:*"),
+    # 5b. A submitter is not root: records, queue entries and job code created only (If-None-Match), the
+    # environment's code written by the operator alone.
+    ("create-only-deny-removed", False, _drop("storage-policy", _SUBMISSIONS), CREATE_ONLY, "storage-policy",
+     f'"Sid": "{_SUBMISSIONS}"'),
+    ("create-only-without-the-queue", False,
+     _change("storage-policy", _SUBMISSIONS, _drop_resource("/queue/*")), CREATE_ONLY, "storage-policy",
+     "trainstack-dev-job overwrite queue/*"),
+    ("create-only-without-the-job-record", False,
+     _change("storage-policy", _SUBMISSIONS, _drop_resource("/jobs/*/job.json")), CREATE_ONLY,
+     "storage-policy", "trainstack-dev-job overwrite jobs/*/job.json"),
+    ("create-only-without-the-job-code", False,
+     _change("storage-policy", _SUBMISSIONS, _drop_resource("/job-code/*")), CREATE_ONLY, "storage-policy",
+     "trainstack-dev-job overwrite job-code/*"),
+    ("create-only-without-the-instance-role", False,
+     _change("storage-policy", _SUBMISSIONS, _principal_arns("identity-instance-role")), CREATE_ONLY,
+     "storage-policy", "trainstack-dev-instance overwrite job-code/*, jobs/*/job.json, queue/*"),
+    ("create-only-without-the-job-role", False,
+     _change("storage-policy", _SUBMISSIONS, _principal_arns("identity-job-role")), CREATE_ONLY,
+     "storage-policy", "trainstack-dev-job overwrite job-code/*, jobs/*/job.json, queue/*"),
+    ("create-only-without-the-dev-role", True,
+     _change("storage-policy", _SUBMISSIONS, _principal_arns("devbox-role")), CREATE_ONLY, "storage-policy",
+     "trainstack-dev-dev overwrite job-code/*, jobs/*/job.json, queue/*"),
+    ("create-only-null-flipped-to-false", False,
+     _change("storage-policy", _SUBMISSIONS, _null_if_none_match("false")), CREATE_ONLY, "storage-policy",
+     "trainstack-dev-instance, trainstack-dev-job overwrite job-code/*, jobs/*/job.json, queue/*"),
+    ("create-only-null-dropped", True,
+     _change("storage-policy", _SUBMISSIONS, _null_if_none_match(None)), CREATE_ONLY, "storage-policy",
+     "every s3:PutObject on job-code/*, jobs/*/job.json, queue/*, creates too"),
+    ("create-only-on-another-bucket", False,
+     _change("storage-policy", _SUBMISSIONS,
+             lambda s: s.update(Resource=[r.replace(BUCKET, "elsewhere") for r in s["Resource"]])),
+     CREATE_ONLY, "storage-policy", "overwrite job-code/*, jobs/*/job.json, queue/*"),
+    ("environment-code-deny-removed", False, _drop("storage-policy", _CODE), CREATE_ONLY, "storage-policy",
+     f'"Sid": "{_CODE}"'),
+    ("environment-code-deny-of-put-only", False,
+     _change("storage-policy", _CODE, _set("Action", "s3:PutObject")), CREATE_ONLY, "storage-policy",
+     "trainstack-dev-job s3:DeleteObject, s3:DeleteObjectVersion on"),
+    ("environment-code-deny-narrowed-to-one-object", False,
+     _with_bucket(lambda b: _change("storage-policy", _CODE, _set("Resource", f"{b}/code/agent.tar.gz"))),
+     CREATE_ONLY, "storage-policy", f"s3:DeleteObjectVersion on arn:aws:s3:::{BUCKET}/code/*"),
+    ("environment-code-deny-without-the-dev-role", True,
+     _change("storage-policy", _CODE, _principal_arns("devbox-role")), CREATE_ONLY, "storage-policy",
+     "does not deny trainstack-dev-dev s3:PutObject, s3:DeleteObject, s3:DeleteObjectVersion"),
+    ("environment-code-deny-made-conditional", False,
+     _change("storage-policy", _CODE,
+             lambda s: s["Condition"].update(StringEquals={"aws:RequestedRegion": "eu-west-1"})),
+     CREATE_ONLY, "storage-policy", f'"Sid": "{_CODE}"'),
     # 6. Secrets on the stack's own path, never the root every stack shares.
     ("parameters-of-every-stack", False,
      _change("identity-instance-policy", "ReadOwnSecretParameters",
@@ -364,6 +429,20 @@ def test_each_weakening_is_one_line_naming_the_resource_and_the_fix(
     assert _found(violations, policy, resource, fix), _explain(violations)
 
 
+@pytest.mark.parametrize(("name", "prop"), [("storage-policy", "policy"), ("storage-bucket", "arn")])
+def test_the_submissions_rule_waits_for_up_while_the_bucket_or_its_policy_is_unknown(
+    name: str, prop: str
+) -> None:
+    """At a first preview the bucket's ARN and the policy built from it are unknown: the rule says nothing
+    then (it runs again on `up`, with every value known), even with both statements gone."""
+    resources = stack(dev_box=True)
+    _drop("storage-policy", _SUBMISSIONS)(resources)
+    _drop("storage-policy", _CODE)(resources)
+    assert any(v.policy == CREATE_ONLY for v in check(resources))
+    named(resources, name).props[prop] = UNKNOWN_STRING_VALUE
+    assert [v for v in check(resources) if v.policy == CREATE_ONLY] == []
+
+
 def test_there_are_at_least_twenty_weakenings_each_of_its_own() -> None:
     assert len(CASES) >= 20
     assert len({case[0] for case in CASES}) == len(CASES)
@@ -384,6 +463,13 @@ def test_the_packs_layout_is_the_programs() -> None:
     for shown, probe in CONTROL_OBJECTS:
         assert fnmatchcase(probe, shown), (probe, shown)
     assert SANDBOX_PATH == JOB_SANDBOX_PATH == SANDBOX
+    create_only, code = create_only_statements(bucket_arn=bucket, role_arns=[JOB_ROLE_ARN])
+    assert [shown for shown, _ in SUBMITTED_OBJECTS] == submitted_objects()
+    assert [f"{bucket}/{shown}" for shown, _ in SUBMITTED_OBJECTS] == create_only["Resource"]
+    assert ENVIRONMENT_CODE[0] == f"{Prefixes().code}*"
+    assert code["Resource"] == f"{bucket}/{ENVIRONMENT_CODE[0]}" and code["Action"] == list(CODE_WRITES)
+    for shown, probe in (*SUBMITTED_OBJECTS, ENVIRONMENT_CODE):
+        assert fnmatchcase(probe, shown), (probe, shown)
 
 
 # -- the session policy: only in the agent, so guarded here ----------------------------------------------

@@ -103,8 +103,9 @@ def test_program_resources_are_the_ones_the_pack_reads() -> None:
 
 
 def test_pack_catches_a_weakened_trainstack_program() -> None:
-    """The same recorded program, with IMDSv1 allowed and the bucket policy dropped (its TLS-only Deny and the
-    Deny of the instances' roles outside the S3 endpoint with it), fails."""
+    """The same recorded program, with IMDSv1 allowed and the bucket policy dropped (its TLS-only Deny, the
+    Deny of the instances' roles outside the S3 endpoint and the create-only Denies of submissions and the
+    environment's code with it), fails."""
     resources = [
         r for r in _as_engine_sees_it(run_stack().resources) if r.type != "aws:s3/bucketPolicy:BucketPolicy"
     ]
@@ -114,4 +115,5 @@ def test_pack_catches_a_weakened_trainstack_program() -> None:
         "imdsv2-required",
         "s3-tls-only",
         "s3-instance-roles-through-endpoint",
+        "s3-submissions-create-only",
     }

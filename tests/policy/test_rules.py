@@ -860,6 +860,28 @@ write_files:
       [Service]
       ExecStart=/opt/trainstack/current/bootstrap/instance/run-agent.sh --config /etc/trainstack/agent.yaml
 """
+_INSTANCE_ROLE_ARN = f"arn:aws:iam::{ACCOUNT}:role/trainstack-dev-instance"
+
+
+def _bucket_refuses_the_instance_role_outside_the_endpoint(resources: list[Resource]) -> None:
+    """The bucket policy's VPC-endpoint Deny for the instance role (s3-instance-roles-through-endpoint)."""
+    bucket_policy = named(resources, "bucket-policy")
+    document = json.loads(bucket_policy.props["policy"])
+    document["Statement"].append(
+        {
+            "Effect": "Deny",
+            "Principal": "*",
+            "Action": "s3:*",
+            "Resource": [BUCKET_ARN, f"{BUCKET_ARN}/*"],
+            "Condition": {
+                "ArnEquals": {"aws:PrincipalArn": _INSTANCE_ROLE_ARN},
+                "StringNotEquals": {"aws:SourceVpce": "vpce-0abc"},
+            },
+        }
+    )
+    bucket_policy.props["policy"] = json.dumps(document)
+
+
 ISSUE_34_MUTATIONS: list[tuple[str, Mutation, str, str]] = [
     (
         "job-role-taken-by-any-principal-of-the-account",
@@ -901,6 +923,18 @@ ISSUE_34_MUTATIONS: list[tuple[str, Mutation, str, str]] = [
         "iam-no-teardown-of-data-or-audit-trail",
         "'instance-inline': policy Statement[0] allows s3:DeleteBucket, which deletes or reopens the stack's "
         "data",
+    ),
+    (
+        "instance-role-submits-into-a-bucket-that-lets-it-overwrite",
+        _both(
+            _instances_run_as_instance_role(
+                {"Effect": "Allow", "Action": "s3:PutObject", "Resource": f"{BUCKET_ARN}/queue/*"}
+            ),
+            _bucket_refuses_the_instance_role_outside_the_endpoint,
+        ),
+        "s3-submissions-create-only",
+        f"'bucket-policy': the bucket {BUCKET} lets trainstack-dev-instance overwrite job-code/*, "
+        "jobs/*/job.json, queue/*",
     ),
 ]
 MUTATIONS += ISSUE_34_MUTATIONS
