@@ -132,7 +132,7 @@ def job_role_contained(
 
 
 def _judge_trust(role: Role, roles: Roles, report: ReportViolation) -> None:
-    takers = roles.job_instances
+    takers = roles.takers
     names = ", ".join(taker.label for taker in takers)
     fix = (
         f'trust only the job instances\' role: Principal {{"AWS": "arn:aws:iam::<account>:root"}} with '
@@ -237,7 +237,9 @@ def instance_roles_launch_nothing(
     action."""
     roles = stack_roles(resources)
     for role in roles.instance:
-        launches_jobs = role in roles.job_instances
+        # The dev box's role when it is one for sure; else (the job instances', or not known at preview)
+        # judged as the job instances' role.
+        launches_jobs = role not in roles.unlaunched
         for document, index, statement in role.allows():
             found = [action for action in INSTANCE_FORBIDDEN if statement.covers_action(action)]
             found += _role_taking(statement, roles, launches_jobs)

@@ -127,6 +127,12 @@ class Roles:
     instance: list[Role]
     job_instances: list[Role]
     job: list[Role]
+    # Instance roles seen only on launch templates that no group launches (the dev box's): judged by the dev
+    # box's row. An instance role whose template cannot be told (a reference unknown at preview) is not one.
+    unlaunched: list[Role] = field(default_factory=list)
+    # Who may take the job role: the job instances' role, or every instance role not surely the dev box's
+    # where the templates cannot be told apart.
+    takers: list[Role] = field(default_factory=list)
 
 
 def _documents_of(resources: Sequence[PolicyResource], role: PolicyResource) -> list[Document]:
@@ -244,9 +250,21 @@ def stack_roles(resources: Sequence[PolicyResource]) -> Roles:
         (p for template in _templates_launched(resources) for p in _profiles_of(resources, template)),
         everyone,
     )
+    launched = _templates_launched(resources)
+    idle_templates = [t_ for t_ in of_type(resources, [t.LAUNCH_TEMPLATE]) if t_ not in launched]
+    unlaunched = [
+        role
+        for role in _roles_of(
+            (p for template in idle_templates for p in _profiles_of(resources, template)), everyone
+        )
+        if role not in job_instances
+    ]
+    # Who takes the job role: the job instances' role, or, where the templates cannot be told apart (a
+    # reference unknown at preview), any instance role that is not surely the dev box's.
+    takers = job_instances or [role for role in instance if role not in unlaunched]
     assumed = {
         resource
-        for role in job_instances
+        for role in takers
         for _, _, statement in role.allows()
         if statement.covers_action("sts:AssumeRole")
         for resource in statement.resources
@@ -255,9 +273,16 @@ def stack_roles(resources: Sequence[PolicyResource]) -> Roles:
         role
         for role in everyone
         if role not in instance
-        and (_trust_names(role, job_instances) or any(names_role(arn, role) for arn in assumed))
+        and (_trust_names(role, takers) or any(names_role(arn, role) for arn in assumed))
     ]
-    return Roles(all=everyone, instance=instance, job_instances=job_instances, job=job)
+    return Roles(
+        all=everyone,
+        instance=instance,
+        job_instances=job_instances,
+        job=job,
+        unlaunched=unlaunched,
+        takers=takers,
+    )
 
 
 def role_arn_hint(role: Role) -> str:
