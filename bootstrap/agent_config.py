@@ -103,11 +103,17 @@ class AgentConfig:
     # The pool this instance's group is (trainstack:pools): it takes only that pool's queued jobs and keeps
     # that pool's current-job pointer. "" = the stack's default pool, the only one before pools.
     pool: str = ""
+    # How many jobs the pool runs at once (its `maxJobs`): each has a lane, with its own current-job pointer
+    # (bootstrap/jobbinding.py). 1 = one job at a time, as before.
+    lanes: int = 1
 
     def to_yaml(self) -> str:
         values = asdict(self)
+        # A config at these defaults renders as it did before pools: no new launch template version.
         if not self.pool:
-            del values["pool"]  # the default pool's config renders as it did before pools: no new template
+            del values["pool"]
+        if self.lanes == 1:
+            del values["lanes"]
         return yaml.safe_dump(values, sort_keys=False)
 
     @classmethod
@@ -156,6 +162,7 @@ class AgentConfig:
         _check_number(raw, "max_consecutive_failures", problems, low=1, high=100, integer=True)
         _check_number(raw, "instance_count", problems, low=1, high=1000, integer=True)
         _check_number(raw, "root_volume_gb", problems, low=1, high=65536, integer=True)
+        _check_number(raw, "lanes", problems, low=1, high=256, integer=True)
         count = raw.get("instance_count", 1)
         _check_number(
             raw,

@@ -54,6 +54,21 @@ class Fleet:
         )
         return decrement
 
+    def protect(self, instance_id: str, protected: bool) -> None:
+        """Scale-in protection of this instance (a pool running several jobs at once): while it serves a job,
+        a lower desired capacity takes an idle instance, never this one (AWS's own scale-in protection)."""
+        self._autoscaling.set_instance_protection(
+            InstanceIds=[instance_id], AutoScalingGroupName=self.group_name, ProtectedFromScaleIn=protected
+        )
+
+    def leave_for_good(self, instance_id: str) -> None:
+        """This instance goes, and the group wants one instance fewer (a pool running several jobs at once:
+        the others' instances run on). Its protection comes off first: it protects it from scale-in only."""
+        self.protect(instance_id, False)
+        self._autoscaling.terminate_instance_in_auto_scaling_group(
+            InstanceId=instance_id, ShouldDecrementDesiredCapacity=True
+        )
+
     def instance_gone(self, instance_id: str) -> bool:
         """Whether the group no longer has this instance (terminated, or past its drain hook): a lease it
         holds is a dead instance's. Draining (`Terminating:Wait`) is not gone: it may still confirm and

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,20 @@ from botocore.exceptions import ClientError
 
 from bootstrap.agent_config import AgentConfig, AgentConfigError
 from bootstrap.eventlog import EventLog, iso
+from bootstrap.lease import DRIFT_SECONDS, LeaseState, StandbyState
 from bootstrap.ledger import JobLedger, LedgerStore
 from bootstrap.safefiles import remove_entry
 from trainstack_job.contract import CONTROL, LEDGER, JobStatus
-from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id, pointer_name
+from trainstack_job.jobs import (
+    LANE_CLAIM,
+    LEASE,
+    LEGACY_JOB_ID,
+    STANDBY,
+    JobIdError,
+    JobPrefixes,
+    check_job_id,
+    pointer_name,
+)
 from trainstack_job.queue import (
     JOB_CODE_PREFIX,
     QUEUE_PREFIX,
@@ -99,6 +110,14 @@ class JobBindingError(RuntimeError):
     """The current job cannot be resolved; the message names the object and the fix."""
 
 
+class Staffing(str, Enum):
+    """What a running job of a lane still needs from an instance that is looking for work."""
+
+    HOLDER = "holder"  # nobody holds its lease: the next instance trains it
+    STANDBY = "standby"  # held, without a live standby
+    FULL = "full"  # held, with its standby
+
+
 @dataclass(frozen=True)
 class JobBinding:
     """The job this life serves; `pinned` is that job's record when its code is another environment's (an
@@ -112,6 +131,8 @@ class JobBinding:
     switched_from: str | None = None
     config: AgentConfig | None = None
     job_code: dict[str, Any] | None = None
+    # The pool's lane whose pointer names the job (0 in a pool that runs one job at a time).
+    lane: int = 0
 
 
 def _code(exc: ClientError) -> str:
@@ -176,15 +197,19 @@ class JobDirectory:
         *,
         group_max: int | None = None,
         reported: set[str] | None = None,
+        lane: int = 0,
     ) -> None:
         self._s3 = s3
         self.config = config
+        # Which of the pool's lanes this directory moves (a pool running several jobs at once has one pointer
+        # per lane; lane 0's is the pool's own, so a pool of one lane is as before lanes).
+        self.lane = lane
         # The most instances the stack's group may hold (its MaxSize, what `trainstack run` checks too);
         # unknown: the stack's instance count.
         self.group_max = group_max or config.instance_count
         self.bucket = config.bucket
         # Each pool keeps its own pointer and takes only its own entries (trainstack_job/resources.py).
-        self.pointer_key = config.prefixes.state + pointer_name(config.pool)
+        self.pointer_key = config.prefixes.state + pointer_name(config.pool, lane)
         self.log = log or EventLog()
         self._entries: dict[str, tuple[str, QueueEntry | None]] = {}
         # Jobs whose end is final (not resumable): their status never changes again.
@@ -399,10 +424,53 @@ class JobDirectory:
         for entry in self.entries():
             if not self._runnable(entry.job_id):
                 continue
+            if self.config.lanes > 1 and self.claimed_elsewhere(entry.job_id):
+                continue  # another lane of the pool took it (it runs there, or waits there to resume)
             binding = self.binding(entry.job_id)
             if binding is not None:
                 return binding
         return None
+
+    # -- lanes: several jobs at once in one pool --------------------------------------------------------
+
+    def _claim_key(self, job_id: str) -> str:
+        return JobPrefixes.of(job_id).state + LANE_CLAIM
+
+    def claimed_elsewhere(self, job_id: str) -> bool:
+        """Whether another lane of this pool took the job (its claim names another lane)."""
+        value, _ = self._get_json(self._claim_key(job_id))
+        return value is not None and value.get("lane") != self.lane
+
+    def claim(self, job_id: str, now: datetime) -> bool:
+        """Take the job for this lane, once (If-None-Match): False when another lane took it first."""
+        body = {"pool": self.config.pool, "lane": self.lane, "since": iso(now)}
+        if self._put_once(self._claim_key(job_id), body):
+            return True
+        return not self.claimed_elsewhere(job_id)
+
+    def staffing(self, job_id: str, now: float, stale_seconds: float) -> Staffing:
+        """What a running single-node job still needs: a holder (its lease is free, expired or released),
+        a standby (held, and no live standby), or nothing. Read as `_take_role` will judge it, so an
+        instance goes where it is needed; a race between two lives is still settled by the lease itself."""
+        state = JobPrefixes.of(job_id).state
+        lease = LeaseState.from_record(self._get_json(state + LEASE)[0])
+        if lease is None and self._starting(job_id, now, stale_seconds):
+            pass  # a lane took it a moment ago: its instance is on its way to the lease
+        elif lease is None or not lease.live(now, stale_seconds, DRIFT_SECONDS):
+            return Staffing.HOLDER
+        standby = StandbyState.from_record(self._get_json(state + STANDBY)[0])
+        if standby is None or not standby.live(now, stale_seconds):
+            return Staffing.STANDBY
+        return Staffing.FULL
+
+    def _starting(self, job_id: str, now: float, stale_seconds: float) -> bool:
+        """The job's lane claimed it less than `stale_seconds` ago and nobody took its lease yet."""
+        value, _ = self._get_json(self._claim_key(job_id))
+        try:
+            since = datetime.fromisoformat(str((value or {}).get("since", "")).replace("Z", "+00:00"))
+        except ValueError:
+            return False
+        return now - since.timestamp() < stale_seconds
 
     def next_job(self) -> str | None:
         """The job the queue gives this instance next (what a job's end asks before scaling to zero)."""
@@ -536,10 +604,24 @@ def bind_job(
     log: EventLog | None = None,
     group_max: int | None = None,
     reported: set[str] | None = None,
+    stale_seconds: float = 60.0,
 ) -> JobBinding | None:
     """Resolve the job this life serves, moving the stack's pointer to the queue's head when the current job
     has ended; None when no job runs and none is queued. `after`: the job this instance's previous life
-    just ended (or yielded), so that this life goes on to the next one instead of resuming it."""
+    just ended (or yielded), so that this life goes on to the next one instead of resuming it. A pool that
+    runs several jobs at once (`config.lanes` > 1) is resolved by `_bind_lanes`; `stale_seconds` is how long
+    a silent lease or standby counts as live there."""
+    if config.lanes > 1:
+        return _bind_lanes(
+            s3,
+            config,
+            now,
+            after=after,
+            log=log,
+            group_max=group_max,
+            reported=reported,
+            stale_seconds=stale_seconds,
+        )
     jobs = JobDirectory(s3, config, log, group_max=group_max, reported=reported)
     mine = config.job_id
     # The record and entry first: a job the pointer names always has a record, so a racing life never
@@ -567,4 +649,100 @@ def bind_job(
     raise JobBindingError(
         f"s3://{jobs.bucket}/{jobs.pointer_key}: moved by another instance {_ATTEMPTS} times in a row; "
         "the next life tries again"
+    )
+
+
+def work_in_lanes(
+    s3: Any,
+    config: AgentConfig,
+    now: datetime,
+    *,
+    after: str | None,
+    log: EventLog | None = None,
+    group_max: int | None = None,
+    reported: set[str] | None = None,
+    stale_seconds: float = 60.0,
+) -> str | None:
+    """The job a look for work would give this instance in a pool of several lanes, writing nothing; None:
+    nothing here needs it (it leaves the group)."""
+    found = _bind_lanes(
+        s3,
+        config,
+        now,
+        after=after,
+        log=log,
+        group_max=group_max,
+        reported=reported,
+        stale_seconds=stale_seconds,
+        look_only=True,
+    )
+    return found.job_id if found is not None else None
+
+
+def _bind_lanes(
+    s3: Any,
+    config: AgentConfig,
+    now: datetime,
+    *,
+    after: str | None,
+    log: EventLog | None,
+    group_max: int | None,
+    reported: set[str] | None,
+    stale_seconds: float,
+    look_only: bool = False,
+) -> JobBinding | None:
+    """The job this instance serves in a pool that runs `config.lanes` jobs at once, each lane with its own
+    pointer (docs/internals.md, "Several jobs at once in one pool"). In order of need: a running job whose
+    lease nobody holds (its holder died: this instance trains it); then a free lane's next queued job, which
+    the lane claims (once, If-None-Match) before its pointer moves, so two lanes never start one job; then a
+    running job without a live standby. None: nothing here needs this instance, which leaves the group.
+
+    `look_only`: say which job it would be, writing nothing (what a job's end asks before it leaves).
+    Single-node jobs only: a pool of several lanes has `maxInstances` 1 (infra/config.py)."""
+    shared: set[str] = reported if reported is not None else set()
+    lanes = [
+        JobDirectory(s3, config, log, group_max=group_max, reported=shared, lane=lane)
+        for lane in range(config.lanes)
+    ]
+    if config.job_id not in ("", LEGACY_JOB_ID) and not look_only:
+        lanes[0].submit(config, now)
+    clock = now.timestamp()
+    for _ in range(_ATTEMPTS):
+        running: list[tuple[JobDirectory, JobBinding]] = []
+        free: list[tuple[JobDirectory, str | None, str | None]] = []
+        for jobs in lanes:
+            current, etag = jobs.current()
+            going_on = jobs.serving(current, fresh=after is None) if current not in (None, after) else None
+            if going_on is not None:
+                running.append((jobs, going_on))
+            else:
+                free.append((jobs, current, etag))
+        needs = {
+            binding.job_id: jobs.staffing(binding.job_id, clock, stale_seconds) for jobs, binding in running
+        }
+        for jobs, binding in running:
+            if needs[binding.job_id] is Staffing.HOLDER:
+                return replace(binding, lane=jobs.lane)
+        moved = False
+        for jobs, current, etag in free:
+            target = jobs.head()
+            if target is None:
+                continue
+            if look_only:
+                return replace(target, lane=jobs.lane)
+            if not jobs.claim(target.job_id, now):
+                moved = True  # another lane took it a moment ago: look again
+                continue
+            if target.job_id == current or jobs.point_at(target.job_id, etag, current, now):
+                switched = current if current != target.job_id else None
+                return replace(target, switched_from=switched, lane=jobs.lane)
+            moved = True
+        for jobs, binding in running:
+            if needs[binding.job_id] is Staffing.STANDBY:
+                return replace(binding, lane=jobs.lane)
+        if not moved:
+            return None
+    raise JobBindingError(
+        f"s3://{config.bucket}/{config.prefixes.state}: the pool's lanes moved {_ATTEMPTS} times in a row "
+        "while this instance looked for work; the next life tries again"
     )

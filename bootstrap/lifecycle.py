@@ -33,7 +33,14 @@ from bootstrap.gpumetrics import GpuMetricPublisher
 from bootstrap.hostmetrics import NAMESPACE as METRIC_NAMESPACE
 from bootstrap.imds import ImdsClient, InstanceIdentity
 from bootstrap.job import BUNDLE_JOB_DIR, JobSpec, JobSpecError
-from bootstrap.jobbinding import JobBinding, JobBindingError, JobDirectory, bind_job, claim_scratch
+from bootstrap.jobbinding import (
+    JobBinding,
+    JobBindingError,
+    JobDirectory,
+    bind_job,
+    claim_scratch,
+    work_in_lanes,
+)
 from bootstrap.jobstate import JobState
 from bootstrap.lease import DRIFT_SECONDS, JobLease, LeaseExpiredError, LeaseLostError
 from bootstrap.ledger import TERMINAL_STATUSES, JobLedger
@@ -185,6 +192,7 @@ class InstanceLife:
             release_wait_seconds=self._release_wait_seconds,
             next_job=self._queued_next,
             holds_lease=self._holds_lease,
+            instance_id=lambda: self._identity.instance_id if self._identity is not None else None,
         )
         if getattr(self, "_identity", None) is not None:
             self.job.identity = self._identity
@@ -312,7 +320,19 @@ class InstanceLife:
         return writer.confirm()
 
     def _queued_next(self) -> str | None:
-        """The queued job this instance takes once its job has ended (asked by the outcome handlers)."""
+        """The queued job this instance takes once its job has ended (asked by the outcome handlers); in a
+        pool running several jobs at once, the job any lane needs it for (holder, next, standby)."""
+        if self._stack_config.lanes > 1:
+            return work_in_lanes(
+                self.clients.s3,
+                self._stack_config,
+                utc_now(),
+                after=self.config.job_id,
+                log=self.log,
+                group_max=self._group_max_size(),
+                reported=self._reported,
+                stale_seconds=self._stale_seconds,
+            )
         return self._queue().next_job()
 
     def _queue(self) -> JobDirectory:
@@ -465,6 +485,7 @@ class InstanceLife:
                 log=self.log,
                 group_max=group_max,
                 reported=self._reported,
+                stale_seconds=self._stale_seconds,
             )
             if binding is None:
                 return False
@@ -630,8 +651,25 @@ class InstanceLife:
         self._spawn("lease-clock", lambda: writer.watch_own_clock(self.stops, self._background_stop.wait))
         if role is Role.STANDBY:
             self.job.record(lambda ledger: ledger.mark_standby(utc_now()))
+        if role is Role.HOLDER and self.config.lanes > 1:
+            self._protect_from_scale_in()
         self._close_dead_holder()
         return role
+
+    def _protect_from_scale_in(self) -> None:
+        """A pool running several jobs at once: while this instance trains a job (holds its lease), a lower
+        desired capacity (a cancel, the cost cap, a scheduler) takes an idle instance or a standby, never
+        this one. It comes off when the instance leaves (Fleet.leave_for_good). Best effort: the lease still
+        keeps one writer."""
+        assert self.identity is not None
+        try:
+            self.fleet.protect(self.identity.instance_id, True)
+        except Exception as exc:
+            self.log.event("fleet", "could not protect this instance from scale-in", error=one_line(exc))
+            return
+        self.log.event(
+            "fleet", "protected from scale-in while it serves the job", group=self.config.group_name
+        )
 
     def _close_dead_holder(self) -> None:
         """A lease taken because it expired names a life whose instance vanished: close it truthfully."""
@@ -728,6 +766,8 @@ class InstanceLife:
             return ended
         self.job.record(lambda ledger: ledger.end_standby(utc_now()))
         self._close_dead_holder()
+        if self.config.lanes > 1:
+            self._protect_from_scale_in()  # it trains from now on
         if self._job_ended():
             # The holder completed (or the job was given up) just before it let go: nothing to continue.
             self.log.event("standby", "took the lease of a job that has ended; letting it go")

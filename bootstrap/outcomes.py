@@ -167,8 +167,12 @@ class Outcomes:
         release_wait_seconds: float,
         next_job: Callable[[], str | None] | None = None,
         holds_lease: Callable[[], bool | None] | None = None,
+        instance_id: Callable[[], str | None] | None = None,
     ) -> None:
         self.config = config
+        # This instance's id once known: in a pool running several jobs at once, a job's end takes this
+        # instance out of the group, not the group to zero (its other jobs run on).
+        self._instance_id = instance_id or (lambda: None)
         self.log = log
         self.job = job
         self.s3 = s3
@@ -505,10 +509,14 @@ class Outcomes:
         return LifeResult(LifeEnd.YIELDED, next_job=following)
 
     def nothing_queued(self) -> LifeResult:
-        """No job running and none queued: nothing bills for nothing. No ledger is touched (no job)."""
-        self.log.event("queue", "no job is running and the queue holds none: scaling the group to zero")
+        """No job running and none queued: nothing bills for nothing. No ledger is touched (no job). In a pool
+        running several jobs at once: nothing here needs this instance, which leaves (the others run on)."""
+        if self._leaves_alone():
+            self.log.event("queue", "no job of the pool needs this instance: it leaves the group")
+        else:
+            self.log.event("queue", "no job is running and the queue holds none: scaling the group to zero")
         try:
-            self.fleet.scale_to_zero()
+            done = self._stop_billing()
         except Exception as exc:
             self.log.event(
                 "fleet",
@@ -517,8 +525,22 @@ class Outcomes:
                 error=one_line(exc),
             )
             raise
-        self.log.event("fleet", "group desired capacity set to 0", group=self.config.group_name)
+        self.log.event("fleet", done, group=self.config.group_name)
         return LifeResult(LifeEnd.NO_JOB)
+
+    def _leaves_alone(self) -> bool:
+        """Whether this life stops its own bill only (a pool of several lanes), not the whole group's."""
+        return self.config.lanes > 1 and self._instance_id() is not None
+
+    def _stop_billing(self) -> str:
+        """The group to zero, or in a pool running several jobs at once this instance out of it, one fewer
+        wanted: what was done, for the log."""
+        instance = self._instance_id()
+        if self.config.lanes > 1 and instance is not None:
+            self.fleet.leave_for_good(instance)
+            return "left the group, one instance fewer wanted; the pool's other jobs run on"
+        self.fleet.scale_to_zero()
+        return "group desired capacity set to 0"
 
     def queued_next(self) -> str | None:
         """The queued job this instance takes next; None (the group goes to zero) when there is none or the
@@ -584,6 +606,9 @@ class Outcomes:
         self.log.event("end", message)
         if outcome is not LifeEnd.STANDBY_ENDED and life.identity is not None:
             try:
+                if self.config.lanes > 1:
+                    # It trained until now (a pool of several lanes protects its holders from scale-in).
+                    self.fleet.protect(life.identity.instance_id, False)
                 decrement = self.fleet.leave(
                     life.identity.instance_id, instance_count=self.config.instance_count
                 )
@@ -594,7 +619,11 @@ class Outcomes:
         if outcome is LifeEnd.STANDBY_ENDED and self._job_over():
             # The job ended (or yielded) while this instance waited warm: it stays in the group, so it goes
             # on with the queue like the holder (there, the next job's standby), never idling billed.
-            return LifeResult(outcome, next_job=self.queued_next())
+            following = self.queued_next()
+            if following is None and self._leaves_alone():
+                # A pool of several lanes: the holder took only itself out; this standby goes too.
+                self.log.event("fleet", self._stop_billing(), group=self.config.group_name)
+            return LifeResult(outcome, next_job=following)
         return LifeResult(outcome)
 
     def _job_over(self) -> bool:
@@ -607,7 +636,7 @@ class Outcomes:
     def notify_and_scale_to_zero(self, subject: str, lines: list[str]) -> None:
         # Scale to zero first: a notification that cannot be sent must never keep the group billing.
         try:
-            self.fleet.scale_to_zero()
+            done = self._stop_billing()
         except Exception as exc:
             self.log.event(
                 "fleet",
@@ -617,7 +646,9 @@ class Outcomes:
             )
             self.notifier.publish(self._subject(subject) + " (scale to zero FAILED)", lines)
             raise
-        self.log.event("fleet", "group desired capacity set to 0", group=self.config.group_name)
+        self.log.event("fleet", done, group=self.config.group_name)
+        if self._leaves_alone():
+            subject = subject.replace("group scaled to zero", "its instance left the group")
         self.notifier.publish(self._subject(subject), lines)
 
     def release_instance(self, identity: InstanceIdentity) -> None:

@@ -81,6 +81,8 @@ STRUCTURED_KEYS = (POOLS_KEY,)
 LEGACY_POOL = "default"
 # Each pool is an Auto Scaling group, a launch template and (when on) its capacity function, alarm and rules.
 MAX_POOLS = 8
+# The most jobs one pool runs at once: each is a pointer that every instance of the pool reads for work.
+MAX_JOBS_PER_POOL = 64
 # A pool's name is part of AWS names of at most 64 characters (its capacity function's role and rules).
 POOL_NAME = re.compile(r"^[a-z](?:[a-z0-9-]{0,14}[a-z0-9])?$")
 # A pool's keys with their defaults (None: required). The purchase and placement keys mirror the single
@@ -96,6 +98,8 @@ POOL_DEFAULTS: dict[str, Any] = {
     "spotMaxPrice": "",
     "spotFallbackMinutes": 15,
     "placementGroup": False,
+    # Jobs the pool runs at once, each on its own instance (with its standby): its lanes.
+    "maxJobs": 1,
 }
 # The single group's keys: with trainstack:pools each pool has its own, and these must stay at their defaults.
 SINGLE_GROUP_KEYS = (
@@ -212,6 +216,15 @@ class Pool:
     # outputs the CLI reads today (group_name, instance_count, instance_types) describe it. Every other pool
     # starts at zero.
     default: bool = True
+    # Jobs the pool runs at once (its lanes, docs/internals.md "Several jobs at once in one pool"); each
+    # single-instance job has its instance and its warm standby. 1 = one job at a time, as before.
+    max_jobs: int = 1
+
+    @property
+    def max_size(self) -> int:
+        """The group's MaxSize: each job's instances plus one (its standby, or capacity rebalancing's
+        replacement, launched before the at-risk instance goes), for each job it runs at once."""
+        return self.max_jobs * (self.max_instances + 1)
 
     @property
     def multi_node(self) -> bool:
@@ -955,6 +968,18 @@ def _parse_pool(
     spot_max_price = value("spotMaxPrice", _string, "0.50").strip()
     fallback_minutes = value("spotFallbackMinutes", _integer, "15")
     placement_group = value("placementGroup", _boolean, "true")
+    max_jobs = value("maxJobs", _integer, "4")
+    if isinstance(max_jobs, int):
+        _check_range(
+            problems, keys("maxJobs"), max_jobs, 1, MAX_JOBS_PER_POOL, "4",
+            "jobs the pool runs at once, each on its own instance with its warm standby",
+        )  # fmt: skip
+        if max_jobs > 1 and isinstance(count, int) and count > 1:
+            problems.lines.append(
+                f"{NAMESPACE}:{keys('maxJobs')}: several jobs at once run one-instance jobs, and this "
+                f"pool's maxInstances is {count}: set maxJobs to 1 for a multi-node pool (`pulumi config "
+                f"set --path '{NAMESPACE}:{keys('maxJobs')}' 1`), or add a pool of one-instance jobs"
+            )
     if isinstance(name, str):
         name = name.strip()
         _check_pool_name(name, keys, stack_name, problems)
@@ -987,6 +1012,7 @@ def _parse_pool(
         spot_fallback_minutes=fallback_minutes,
         placement_group=placement_group,
         default=index == 0,
+        max_jobs=max_jobs if isinstance(max_jobs, int) else 1,
     )
 
 

@@ -230,7 +230,7 @@ class Fleet(pulumi.ComponentResource):
             # the at-risk instance, and a group at its maximum may hold that launch back (EC2 Auto Scaling
             # user guide, "Capacity Rebalancing behavior"). The extra instance waits as the job's warm
             # standby or leaves (docs/internals.md, "Jobs, the lease and the standby"); desired stays put.
-            max_size=pool.max_instances + 1,
+            max_size=pool.max_size,
             # The default pool starts with the stack's default job; any other pool at zero until it is given
             # work (nothing places a job on a pool yet: a pool's agent takes the queue's head).
             desired_capacity=pool.max_instances if pool.default else 0,
@@ -342,4 +342,5 @@ def agent_config(
         bundle_sha256=bundle.sha256 if bundle else "",
         job_role_arn=job_role_arn,
         pool="" if pool.default else pool.name,
+        lanes=pool.max_jobs,
     )

@@ -381,6 +381,8 @@ def instance_policy(
                 "autoscaling:CompleteLifecycleAction",
                 "autoscaling:RecordLifecycleActionHeartbeat",
                 "autoscaling:SetInstanceHealth",
+                # A pool running several jobs at once: an instance serving a job is protected from scale-in.
+                "autoscaling:SetInstanceProtection",
                 "autoscaling:TerminateInstanceInAutoScalingGroup",
             ],
             "Resource": group_arn_pattern,

@@ -135,6 +135,7 @@ def pools_output(
             "instance_types": list(pool.instance_types),
             "max_instances": pool.max_instances,
             "default": pool.default,
+            "max_jobs": pool.max_jobs,
         }
         for pool in pools
     }

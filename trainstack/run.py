@@ -28,12 +28,14 @@ from infra.submission import Submission, prepare_submission, training_config_pro
 from trainstack import datasets, follow
 from trainstack.aws import Clients, error_code, is_not_found
 from trainstack.errors import CliError
-from trainstack.jobs import describe
+from trainstack.jobs import ENDED, describe
 from trainstack.output import console, print_error, print_json
 from trainstack.stack import Stack, StackOutputs
-from trainstack.state import Group, encryption_args, read_group
+from trainstack.state import Group, encryption_args, read_group, read_json
 from trainstack.sweep import SweepError, SweepPoint, grid, parse_axes, trainer_point, user_job_point
+from trainstack_job.contract import LEDGER, StackOutput
 from trainstack_job.datasets import DEFAULT_DATASET, DatasetError, check_dataset_name, label, push_command
+from trainstack_job.jobs import JobPrefixes, pointer_name
 from trainstack_job.queue import JOB_CODE_PREFIX, SOURCE_RUN
 from trainstack_job.resources import (
     RESOURCES_KEY,
@@ -412,12 +414,42 @@ def _exists(clients: Clients, bucket: str, key: str) -> bool:
     return True
 
 
-def wake_group(clients: Clients, group: Group, needed: int) -> bool:
-    """A group at zero gets the job's instances; one already up takes the job when its current one ends."""
-    if group.desired > 0:
-        return False
-    clients.autoscaling().update_auto_scaling_group(AutoScalingGroupName=group.name, DesiredCapacity=needed)
-    return True
+def wake_group(clients: Clients, group: Group, needed: int, *, free_lanes: int = 0) -> int | None:
+    """A group at zero gets the job's instances; one already up takes the job when its current one ends. A
+    pool running several jobs at once with a lane free (`free_lanes`) gets the job's instances more now
+    (never past its maximum): the job starts beside the others instead of waiting for one to end. The new
+    desired capacity, or None when it stays."""
+    if group.desired == 0:
+        wanted = needed
+    elif free_lanes > 0:
+        wanted = min(group.max_size, group.desired + needed)
+    else:
+        return None
+    if wanted <= group.desired:
+        return None
+    clients.autoscaling().update_auto_scaling_group(AutoScalingGroupName=group.name, DesiredCapacity=wanted)
+    return wanted
+
+
+def free_lanes(clients: Clients, outputs: StackOutputs, pool: PoolOffer, lanes: int) -> int:
+    """How many of the pool's lanes run no job now: a lane whose pointer names no job, or one that ended.
+    The waiting jobs ahead in the queue are not counted: an instance too many finds nothing and leaves."""
+    if lanes <= 1:
+        return 0
+    state = outputs.prefix(StackOutput.STATE_PREFIX)
+    free = 0
+    for lane in range(lanes):
+        pointer = read_json(
+            clients, outputs.bucket, state + pointer_name("" if pool.default else pool.name, lane)
+        )
+        job_id = str((pointer or {}).get("job_id") or "")
+        if not job_id:
+            free += 1
+            continue
+        ledger = read_json(clients, outputs.bucket, JobPrefixes.of(job_id).state + LEDGER)
+        if str((ledger or {}).get("status", "")) in ENDED:
+            free += 1
+    return free
 
 
 def submit(clients: Clients, stack: Stack, job: PreparedJob) -> dict[str, Any]:
@@ -432,7 +464,8 @@ def submit(clients: Clients, stack: Stack, job: PreparedJob) -> dict[str, Any]:
     group = read_group(clients, str(outputs.pools[pool.name]["group_name"]), lifecycles=False)
     check_capacity(group, needed)
     uploaded = upload(clients, outputs, submissions)
-    woken = wake_group(clients, group, needed)
+    lanes = int(outputs.pools[pool.name].get("max_jobs") or 1)
+    woken = wake_group(clients, group, needed, free_lanes=free_lanes(clients, outputs, pool, lanes))
     return {
         "jobs": [
             {
@@ -447,7 +480,7 @@ def submit(clients: Clients, stack: Stack, job: PreparedJob) -> dict[str, Any]:
         "bundles_uploaded": uploaded,
         "group": group.name,
         "pool": pool.name,
-        "scaled_up_to": needed if woken else None,
+        "scaled_up_to": woken,
         "now": request.now,
         "dataset": dataset,
         "submitted_at": submitted_at.isoformat(timespec="seconds"),

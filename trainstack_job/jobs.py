@@ -21,10 +21,12 @@ JOBS_PREFIX = "jobs/"
 CURRENT_JOB = "current-job.json"
 
 
-def pointer_name(pool: str) -> str:
+def pointer_name(pool: str, lane: int = 0) -> str:
     """The current-job pointer of a pool's instances (trainstack_job/resources.py): the default pool (`""`)
-    keeps the stack's `current-job.json`, so a stack from before pools reads on; another pool has its own."""
-    return f"current-job-{pool}.json" if pool else CURRENT_JOB
+    keeps the stack's `current-job.json`, so a stack from before pools reads on; another pool has its own.
+    A pool that runs several jobs at once (`maxJobs`) has one pointer per lane; lane 0's is the pool's."""
+    name = f"current-job-{pool}" if pool else "current-job"
+    return f"{name}-lane{lane}.json" if lane else f"{name}.json"
 
 
 # Under a job's own prefix: what the job is (its definition and pinned code), written once.
@@ -32,6 +34,9 @@ JOB_RECORD = "job.json"
 # Under a job's state prefix: who writes the job's checkpoints (bootstrap/lease.py) and who waits to.
 LEASE = "lease.json"
 STANDBY = "standby.json"
+# Under a job's state prefix, in a pool that runs several jobs at once: which lane of its pool took the job
+# ({"pool", "lane", "since"}), written once, so no other lane starts it too.
+LANE_CLAIM = "lane.json"
 # A stack's objects from before job identity: checkpoints/, results/, state/ at the bucket's top level.
 LEGACY_JOB_ID = "legacy"
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")

@@ -100,3 +100,31 @@ def test_a_job_files_resources_choose_its_pool_and_a_bad_one_is_named(
 def test_a_stack_from_before_pools_is_one_pool_described_by_its_outputs(deployed: Deployed) -> None:
     result = deployed.run("run", "--config", str(CONFIG), "--pool", "gpu-big", "--detach")
     assert result.code == 1 and "no pool named 'gpu-big' in this stack (default offers 1x L4" in result.err
+
+
+def _lanes(pooled: Deployed, max_jobs: int) -> None:
+    """The `small` pool runs `max_jobs` jobs at once (its group room for each and its standby)."""
+    pooled.outputs["pools"]["small"] |= {"max_jobs": max_jobs, "max_instances": 1}
+    pooled.outputs["instance_count"] = 1  # a pool of several lanes trains one-instance jobs
+    pooled.outputs_file.write_text(json.dumps(pooled.outputs), encoding="utf-8")
+    boto3.client("autoscaling", region_name=REGION).update_auto_scaling_group(
+        AutoScalingGroupName=GROUP, MaxSize=2 * max_jobs, DesiredCapacity=1
+    )
+
+
+def _running(pooled: Deployed, pointer: str, job_id: str) -> None:
+    s3 = pooled.s3()
+    s3.put_object(Bucket=BUCKET, Key=f"state/{pointer}", Body=json.dumps({"job_id": job_id}).encode())
+    ledger = {"job_id": job_id, "status": "running", "lives": []}
+    s3.put_object(Bucket=BUCKET, Key=f"jobs/{job_id}/state/ledger.json", Body=json.dumps(ledger).encode())
+
+
+def test_a_job_starts_beside_the_others_while_its_pool_has_a_free_lane(pooled: Deployed) -> None:
+    _lanes(pooled, 2)
+    _running(pooled, "current-job.json", "first-aaaaaaaa")
+    submitted = pooled.run("run", "--config", str(CONFIG), "--json").json()
+    assert submitted["scaled_up_to"] == 2 and _desired(GROUP) == 2, "lane 1 was free: one more instance"
+    # Both lanes busy now: the next job waits in the queue, and no instance boots for nothing.
+    _running(pooled, "current-job-lane1.json", "second-bbbbbbbb")
+    submitted = pooled.run("run", "--config", str(CONFIG), "--json").json()
+    assert submitted["scaled_up_to"] is None and _desired(GROUP) == 2

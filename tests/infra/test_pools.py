@@ -761,6 +761,7 @@ def test_outputs_describe_the_default_pool_as_before_and_list_every_pool(
             "instance_types": pool["instanceTypes"],
             "max_instances": pool["maxInstances"],
             "default": pool["name"] == "default",
+            "max_jobs": 1,
         }
         for pool in POOLS
     }
@@ -770,6 +771,7 @@ def test_outputs_describe_the_default_pool_as_before_and_list_every_pool(
             "instance_types": DEFAULT_TYPES,
             "max_instances": 1,
             "default": True,
+            "max_jobs": 1,
         }
     }
 
@@ -880,3 +882,34 @@ def test_a_pools_cost_cap_reads_its_own_pools_current_job() -> None:
     assert any(r.endswith("/state/current-job-big.json") for r in reads), reads
     cap = CostCap.from_env({**variables["capacity-big"], "BUCKET": "b", "TOPIC_ARN": "t"})
     assert cap is not None and cap.current_job_key == "state/current-job-big.json"
+
+
+def test_a_pool_running_several_jobs_at_once_has_a_lane_each_and_room_for_their_standbys() -> None:
+    pools = [
+        {"name": "default", "instanceTypes": DEFAULT_TYPES, "maxInstances": 1},
+        {"name": "many", "instanceTypes": DEFAULT_TYPES, "maxInstances": 1, "maxJobs": 4},
+    ]
+    stack = run_stack({**example_config(), "trainstack:pools": pools})
+    groups = _groups(stack)
+    # Each job's instance and its standby (or capacity rebalancing's replacement), for each job at once.
+    assert groups["trainstack-dev-gpu-many"].inputs["maxSize"] == 8
+    assert groups["trainstack-dev-gpu"].inputs["maxSize"] == 2, "a pool of one lane is as before"
+    configs = {t.inputs["name"]: _agent_mapping(t) for t in stack.of_type(TEMPLATE)}
+    assert configs["trainstack-dev-gpu-many"]["lanes"] == 4
+    assert "lanes" not in configs["trainstack-dev-gpu"], "the default pool's user data is unchanged"
+    assert stack.outputs["pools"]["many"]["max_jobs"] == 4
+
+
+def test_several_jobs_at_once_are_refused_on_a_multi_node_pool_and_out_of_range() -> None:
+    problems = _problems(
+        [
+            {"name": "default", "instanceTypes": DEFAULT_TYPES, "maxInstances": 2, "maxJobs": 2},
+            {"name": "zero", "instanceTypes": DEFAULT_TYPES, "maxInstances": 1, "maxJobs": 0},
+        ]
+    )
+    assert any(
+        "trainstack:pools[0].maxJobs: several jobs at once run one-instance jobs" in p
+        and "maxInstances is 2" in p
+        for p in problems
+    ), problems
+    assert any(p.startswith("trainstack:pools[1].maxJobs") for p in problems), problems
