@@ -25,7 +25,7 @@ from bootstrap.eventlog import EventLog, iso
 from bootstrap.lease import DRIFT_SECONDS, LeaseState, StandbyState
 from bootstrap.ledger import JobLedger, LedgerStore
 from bootstrap.safefiles import remove_entry
-from trainstack_job.contract import CONTROL, LEDGER, JobStatus
+from trainstack_job.contract import CONTROL, ENDED_STATUSES, LEDGER, JobStatus
 from trainstack_job.jobs import (
     LANE_CLAIM,
     LEASE,
@@ -52,16 +52,7 @@ from trainstack_job.queue import (
 from trainstack_job.text import clip
 
 # A job in one of these states is over: the queue moves on to the next job.
-ENDED = frozenset(
-    {
-        JobStatus.COMPLETED,
-        JobStatus.FAILED,
-        JobStatus.STOPPED,
-        JobStatus.COST_CAP,
-        JobStatus.NO_DATA,
-        JobStatus.CANCELLED,
-    }
-)
+ENDED = ENDED_STATUSES
 # Ends that `trainstack resume` continues: a new boot serves the current job again after one of these (unless
 # a stop or cancel request is still in force); a life that goes on to the next job on the same instance
 # does not.

@@ -19,20 +19,11 @@ from botocore.exceptions import ClientError
 from bootstrap.eventlog import iso
 from bootstrap.imds import InstanceIdentity
 from bootstrap.pricing import LifeQuote
-from trainstack_job.contract import JobStatus, LifeOutcome
+from trainstack_job.contract import ENDED_STATUSES, JobStatus, LifeOutcome
 
 # The ledger is plain JSON: statuses and outcomes are stored as their string values, and these sets (of
 # str enums) match those strings.
-TERMINAL_STATUSES = frozenset(
-    {
-        JobStatus.COMPLETED,
-        JobStatus.FAILED,
-        JobStatus.STOPPED,
-        JobStatus.COST_CAP,
-        JobStatus.NO_DATA,
-        JobStatus.CANCELLED,
-    }
-)
+TERMINAL_STATUSES = ENDED_STATUSES
 FAILED_OUTCOMES = frozenset({LifeOutcome.FAILED, LifeOutcome.STALLED})
 # A life that ended because the instance went away: counted as an interruption, never as a failure.
 INTERRUPTED_OUTCOMES = frozenset({LifeOutcome.PREEMPTED, LifeOutcome.INTERRUPTED})

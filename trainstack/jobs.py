@@ -4,6 +4,7 @@ and age, and which is current; `--sweep NAME` compares a sweep's jobs by their f
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -14,10 +15,17 @@ from trainstack.aws import Clients
 from trainstack.errors import CliError
 from trainstack.output import console, format_duration, format_usd, parse_time, print_error, print_json
 from trainstack.stack import Stack, StackOutputs
-from trainstack.state import current_job_id, job_exists, read_json
+from trainstack.state import current_job_id, free_lanes, job_exists, read_group, read_json
 from trainstack.sweep import DEFAULT_METRIC, metric_value, rank
-from trainstack_job.contract import LEDGER, PROGRESS, JobStatus, StackOutput
-from trainstack_job.jobs import JOBS_PREFIX, LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
+from trainstack_job.contract import ENDED_STATUSES, LEDGER, PROGRESS, JobStatus, StackOutput
+from trainstack_job.jobs import (
+    JOBS_PREFIX,
+    LEGACY_JOB_ID,
+    JobIdError,
+    JobPrefixes,
+    check_job_id,
+    pointer_name,
+)
 from trainstack_job.queue import CANCEL_REQUEST, QueueEntry, QueueError, list_entries, scan_queue
 
 NOT_STARTED = "not started"
@@ -25,16 +33,7 @@ NOT_STARTED = "not started"
 QUEUED = JobStatus.QUEUED.value
 CANCELLED = JobStatus.CANCELLED.value
 # A job in one of these is over: it will not train again (a queued job withdrawn included).
-ENDED = frozenset(
-    {
-        CANCELLED,
-        JobStatus.COMPLETED.value,
-        JobStatus.FAILED.value,
-        JobStatus.STOPPED.value,
-        JobStatus.COST_CAP.value,
-        JobStatus.NO_DATA.value,
-    }
-)
+ENDED = frozenset(status.value for status in ENDED_STATUSES)
 METRICS = "metrics.json"
 
 
@@ -101,6 +100,8 @@ def _row(
         "sweep": sweep if isinstance(sweep, dict) else None,
         "cancel_requested": cancel is not None,
         "current": job.job_id == current,
+        # Why it waits (a queued job in `trainstack jobs`): its pool's lanes busy, its group starting...
+        "waiting": None,
     }
 
 
@@ -126,9 +127,21 @@ def collect(clients: Clients, outputs: StackOutputs, now: datetime | None = None
         i: _row(clients, bucket, JobPrefixes.of(i), current=current, queued=i in in_queue, now=now)
         for i in ids
     }
-    waiting = [entry.job_id for entry in entries if rows[entry.job_id]["status"] == QUEUED]
-    for position, job_id in enumerate(waiting, start=1):
-        rows[job_id]["queue_position"] = position
+    for row in rows.values():
+        row["pool"] = None
+    # Each pool has its own queue: a waiting job's place is in its pool's, with why it waits.
+    by_pool: dict[str, list[str]] = {}
+    for entry in entries:
+        if rows[entry.job_id]["status"] == QUEUED:
+            by_pool.setdefault(entry.pool, []).append(entry.job_id)
+    for pool, waiting in by_pool.items():
+        reasons = WaitingReasons.of(clients, outputs, pool)
+        for position, job_id in enumerate(waiting, start=1):
+            rows[job_id] |= {
+                "queue_position": position,
+                "pool": reasons.name,
+                "waiting": reasons.why(position),
+            }
     # Oldest first, so the newest job (usually the last queued) is the last line above the prompt.
     ordered = sorted(
         rows.values(),
@@ -136,6 +149,52 @@ def collect(clients: Clients, outputs: StackOutputs, now: datetime | None = None
     )
     bad = [{"key": key, "error": f"s3://{bucket}/{error}"} for key, error in scan.bad]
     return {"bucket": bucket, "current": current, "defined": defined, "jobs": ordered, "bad_entries": bad}
+
+
+@dataclass(frozen=True)
+class WaitingReasons:
+    """Why the queued jobs of one pool wait: how many of its lanes run a job, and its group's instances."""
+
+    name: str
+    lanes: int
+    busy: int
+    desired: int
+    in_service: int
+
+    @classmethod
+    def of(cls, clients: Clients, outputs: StackOutputs, pool: str) -> WaitingReasons:
+        """`pool`: as a queue entry names it ("" = the default pool)."""
+        pools = outputs.pools
+        name = pool or next((n for n, v in pools.items() if v.get("default")), next(iter(pools), "default"))
+        info = pools.get(name) or {}
+        lanes = int(info.get("max_jobs") or 1)
+        if lanes > 1:
+            busy = lanes - free_lanes(clients, outputs, pool, lanes)
+        else:
+            pointer = read_json(
+                clients, outputs.bucket, outputs.prefix(StackOutput.STATE_PREFIX) + pointer_name(pool)
+            )
+            running = str((pointer or {}).get("job_id") or "")
+            ledger = (
+                read_json(clients, outputs.bucket, JobPrefixes.of(running).state + LEDGER)
+                if running
+                else None
+            )
+            busy = int(bool(ledger) and str((ledger or {}).get("status")) not in ENDED)
+        group = read_group(clients, str(info.get("group_name") or outputs.group_name), lifecycles=False)
+        return cls(name, lanes, busy, group.desired, group.in_service)
+
+    def why(self, position: int) -> str:
+        """The reason for the job at `position` (1 = next) in the pool's queue."""
+        free = self.lanes - self.busy
+        if position > free:
+            jobs = "job" if self.lanes == 1 else "jobs at once"
+            return f"pool {self.name}: {self.busy} of {self.lanes} {jobs} running"
+        if self.desired == 0:
+            return f"pool {self.name}: no instance (the group is at zero; `trainstack resume` wakes it)"
+        if self.in_service < self.desired:
+            return f"pool {self.name}: an instance is starting ({self.in_service} of {self.desired} up)"
+        return f"pool {self.name}: the next free instance takes it"
 
 
 def describe(
@@ -212,7 +271,8 @@ def _steps(row: Mapping[str, Any]) -> str:
 
 def _status(row: Mapping[str, Any]) -> str:
     if row["queue_position"] is not None:
-        return f"{QUEUED} #{row['queue_position']}"
+        why = f" ({row['waiting']})" if row.get("waiting") else ""
+        return f"{QUEUED} #{row['queue_position']}{why}"
     if row["cancel_requested"] and row["status"] not in ENDED:
         return f"{row['status']} (cancelling)"
     return str(row["status"])

@@ -28,14 +28,12 @@ from infra.submission import Submission, prepare_submission, training_config_pro
 from trainstack import datasets, follow
 from trainstack.aws import Clients, error_code, is_not_found
 from trainstack.errors import CliError
-from trainstack.jobs import ENDED, describe
+from trainstack.jobs import describe
 from trainstack.output import console, print_error, print_json
 from trainstack.stack import Stack, StackOutputs
-from trainstack.state import Group, encryption_args, read_group, read_json
+from trainstack.state import Group, encryption_args, free_lanes, read_group
 from trainstack.sweep import SweepError, SweepPoint, grid, parse_axes, trainer_point, user_job_point
-from trainstack_job.contract import LEDGER, StackOutput
 from trainstack_job.datasets import DEFAULT_DATASET, DatasetError, check_dataset_name, label, push_command
-from trainstack_job.jobs import JobPrefixes, pointer_name
 from trainstack_job.queue import JOB_CODE_PREFIX, SOURCE_RUN
 from trainstack_job.resources import (
     RESOURCES_KEY,
@@ -431,27 +429,6 @@ def wake_group(clients: Clients, group: Group, needed: int, *, free_lanes: int =
     return wanted
 
 
-def free_lanes(clients: Clients, outputs: StackOutputs, pool: PoolOffer, lanes: int) -> int:
-    """How many of the pool's lanes run no job now: a lane whose pointer names no job, or one that ended.
-    The waiting jobs ahead in the queue are not counted: an instance too many finds nothing and leaves."""
-    if lanes <= 1:
-        return 0
-    state = outputs.prefix(StackOutput.STATE_PREFIX)
-    free = 0
-    for lane in range(lanes):
-        pointer = read_json(
-            clients, outputs.bucket, state + pointer_name("" if pool.default else pool.name, lane)
-        )
-        job_id = str((pointer or {}).get("job_id") or "")
-        if not job_id:
-            free += 1
-            continue
-        ledger = read_json(clients, outputs.bucket, JobPrefixes.of(job_id).state + LEDGER)
-        if str((ledger or {}).get("status", "")) in ENDED:
-            free += 1
-    return free
-
-
 def submit(clients: Clients, stack: Stack, job: PreparedJob) -> dict[str, Any]:
     """Refuse what the group cannot run, upload, wake the group; what was done, as JSON."""
     request, definition = job.request, job.definition
@@ -465,7 +442,10 @@ def submit(clients: Clients, stack: Stack, job: PreparedJob) -> dict[str, Any]:
     check_capacity(group, needed)
     uploaded = upload(clients, outputs, submissions)
     lanes = int(outputs.pools[pool.name].get("max_jobs") or 1)
-    woken = wake_group(clients, group, needed, free_lanes=free_lanes(clients, outputs, pool, lanes))
+    free = free_lanes(clients, outputs, "" if pool.default else pool.name, lanes)
+    # A sweep's points start together, as many as the pool's free lanes take (one pool at zero: its first).
+    starting = max(1, min(free, len(submissions))) if lanes > 1 else 1
+    woken = wake_group(clients, group, needed * starting, free_lanes=free)
     return {
         "jobs": [
             {

@@ -11,8 +11,16 @@ from botocore.exceptions import ClientError
 from trainstack.aws import Clients, is_not_found
 from trainstack.errors import CliError
 from trainstack.stack import StackOutputs
-from trainstack_job.contract import CONTROL, LATEST, LEDGER, PROGRESS, JobStatus, StackOutput
-from trainstack_job.jobs import CURRENT_JOB, JOBS_PREFIX, LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
+from trainstack_job.contract import CONTROL, ENDED_STATUSES, LATEST, LEDGER, PROGRESS, JobStatus, StackOutput
+from trainstack_job.jobs import (
+    CURRENT_JOB,
+    JOBS_PREFIX,
+    LEGACY_JOB_ID,
+    JobIdError,
+    JobPrefixes,
+    check_job_id,
+    pointer_name,
+)
 
 JOBS_COMMAND = "trainstack jobs"
 
@@ -224,3 +232,22 @@ def encryption_args(outputs: StackOutputs) -> dict[str, Any]:
         # Naming only aws:kms would make S3 use the AWS-managed aws/s3 key instead of the stack's CMK.
         args["SSEKMSKeyId"] = outputs.text(StackOutput.KMS_KEY_ARN)
     return args
+
+
+def free_lanes(clients: Clients, outputs: StackOutputs, pool: str, lanes: int) -> int:
+    """How many of a pool's lanes (`pool`: "" = the default pool) run no job now: a lane whose pointer
+    names no job, or one that is over. A pool of one lane: 0 (its one job runs, or the group is at zero)."""
+    if lanes <= 1:
+        return 0
+    state = outputs.prefix(StackOutput.STATE_PREFIX)
+    free = 0
+    for lane in range(lanes):
+        pointer = read_json(clients, outputs.bucket, state + pointer_name(pool, lane))
+        job_id = str((pointer or {}).get("job_id") or "")
+        if not job_id:
+            free += 1
+            continue
+        ledger = read_json(clients, outputs.bucket, JobPrefixes.of(job_id).state + LEDGER)
+        if str((ledger or {}).get("status", "")) in ENDED_STATUSES:
+            free += 1
+    return free

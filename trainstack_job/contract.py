@@ -107,6 +107,21 @@ class JobStatus(str, Enum):
     QUEUED = "queued"
 
 
+# A job in one of these is over: it trains no more, the queue (and its lane) moves on. The one definition;
+# stopped, cost_cap and no_data are also resumable (`trainstack resume`). JobStatus is a str enum: these
+# match the ledger's plain strings.
+ENDED_STATUSES = frozenset(
+    {
+        JobStatus.COMPLETED,
+        JobStatus.FAILED,
+        JobStatus.STOPPED,
+        JobStatus.COST_CAP,
+        JobStatus.NO_DATA,
+        JobStatus.CANCELLED,
+    }
+)
+
+
 class LifeOutcome(str, Enum):
     """`outcome` of one instance life in state/ledger.json."""
 

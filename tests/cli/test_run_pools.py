@@ -128,3 +128,35 @@ def test_a_job_starts_beside_the_others_while_its_pool_has_a_free_lane(pooled: D
     _running(pooled, "current-job-lane1.json", "second-bbbbbbbb")
     submitted = pooled.run("run", "--config", str(CONFIG), "--json").json()
     assert submitted["scaled_up_to"] is None and _desired(GROUP) == 2
+
+
+def test_a_sweep_starts_as_many_points_as_the_pool_has_free_lanes(pooled: Deployed) -> None:
+    _lanes(pooled, 3)
+    _running(pooled, "current-job.json", "first-aaaaaaaa")
+    submitted = pooled.run(
+        "run", "--config", str(CONFIG), "--sweep", "train.lr=0.1,0.03,0.01", "--json"
+    ).json()
+    assert len(submitted["jobs"]) == 3
+    # Lanes 1 and 2 are free: two points start now beside the running job, the third waits for a lane.
+    assert submitted["scaled_up_to"] == 3 and _desired(GROUP) == 3
+
+
+def test_jobs_says_why_each_waiting_job_waits(pooled: Deployed) -> None:
+    _lanes(pooled, 2)
+    _running(pooled, "current-job.json", "first-aaaaaaaa")
+    beside = pooled.run("run", "--config", str(CONFIG), "--json").json()["jobs"][0]["job_id"]
+    _running(pooled, "current-job-lane1.json", "second-bbbbbbbb")
+    behind = pooled.run("run", "--config", str(CONFIG), "--json").json()["jobs"][0]["job_id"]
+    big = pooled.run("run", "--config", str(CONFIG), "--pool", "big", "--json").json()["jobs"][0]["job_id"]
+    rows = {row["job_id"]: row for row in pooled.run("jobs", "--json").json()["jobs"]}
+    # Each pool has its own queue: positions count within it.
+    assert (rows[beside]["queue_position"], rows[behind]["queue_position"], rows[big]["queue_position"]) == (
+        1,
+        2,
+        1,
+    )
+    assert rows[behind]["waiting"] == "pool small: 2 of 2 jobs at once running"
+    # `big` was at zero and its job woke it: its instance is up (moto launches at once) and takes it next.
+    assert rows[big]["pool"] == "big" and rows[big]["waiting"] == "pool big: the next free instance takes it"
+    human = pooled.run("jobs").out
+    assert "pool small: 2 of 2 jobs at once running" in human
