@@ -12,9 +12,12 @@ the queue first, exactly once.
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from enum import Enum
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -409,7 +412,7 @@ class JobDirectory:
             return False
         return status not in ENDED
 
-    def head(self) -> JobBinding | None:
+    def head(self, held_back: Callable[[dict[str, Any]], bool] | None = None) -> JobBinding | None:
         """The oldest queued job that may run now (--now entries first), checked: its record readable and
         its instance count within the stack's; a job that fails the check is refused and skipped."""
         for entry in self.entries():
@@ -417,6 +420,8 @@ class JobDirectory:
                 continue
             if self.config.lanes > 1 and self.claimed_elsewhere(entry.job_id):
                 continue  # another lane of the pool took it (it runs there, or waits there to resume)
+            if held_back is not None and held_back(self.record(entry.job_id) or {}):
+                continue  # its sweep runs as many points at once as it asked (`--parallel`)
             binding = self.binding(entry.job_id)
             if binding is not None:
                 return binding
@@ -643,6 +648,21 @@ def bind_job(
     )
 
 
+def _sweep_of(record: dict[str, Any]) -> tuple[str | None, int | None]:
+    """(sweep name, its `parallel`) of a job's record; (None, None) for a job of no sweep."""
+    sweep = record.get("sweep")
+    if not isinstance(sweep, dict) or not isinstance(sweep.get("name"), str):
+        return None, None
+    parallel = sweep.get("parallel")
+    return sweep["name"], parallel if isinstance(parallel, int) and not isinstance(parallel, bool) else None
+
+
+def _held_back(running: Counter[str], record: dict[str, Any]) -> bool:
+    """Whether a queued job's sweep already runs as many points at once as it asked."""
+    name, parallel = _sweep_of(record)
+    return bool(name and parallel and running[name] >= parallel)
+
+
 def work_in_lanes(
     s3: Any,
     config: AgentConfig,
@@ -708,6 +728,9 @@ def _bind_lanes(
                 running.append((jobs, going_on))
             else:
                 free.append((jobs, current, etag))
+        # A sweep runs at most `parallel` points at once (`trainstack run --sweep ... --parallel K`).
+        sweeps = [_sweep_of(jobs.record(binding.job_id) or {}) for jobs, binding in running]
+        held_back = partial(_held_back, Counter(name for name, _ in sweeps if name))
         needs = {
             binding.job_id: jobs.staffing(binding.job_id, clock, stale_seconds) for jobs, binding in running
         }
@@ -716,7 +739,7 @@ def _bind_lanes(
                 return replace(binding, lane=jobs.lane)
         moved = False
         for jobs, current, etag in free:
-            target = jobs.head()
+            target = jobs.head(held_back)
             if target is None:
                 continue
             if look_only:

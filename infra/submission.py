@@ -105,6 +105,7 @@ def prepare_submission(
     root: Path = REPO_ROOT,
     pool: str = "",
     resources: Mapping[str, Any] | None = None,
+    priority: int = 0,
 ) -> Submission:
     """Build one job's submission from an already validated definition (infra/config.py for the stack's
     default job, trainstack/run.py for `trainstack run`).
@@ -117,7 +118,7 @@ def prepare_submission(
     what the agent syncs for the job (its `dataset`, `dataset_version` fields). `instances`: the instances
     the job trains on when not the stack's instanceCount (the record's `instance_count` override). `pool`:
     the pool it was matched to ("" = the default pool), carried by its record and its queue entry, and
-    `resources` what it asked for.
+    `resources` what it asked for. `priority`: higher runs first in its pool's queue.
     """
     if user_job is None and (trainer_config is None or training_config_path is None):
         raise ValueError("prepare_submission: the built-in trainer needs trainer_config and its path")
@@ -165,5 +166,5 @@ def prepare_submission(
         name=job_name,
         bundle=bundle,
         record=record,
-        entry=queue_entry(job_id, submitted_at, now=now, pool=pool),
+        entry=queue_entry(job_id, submitted_at, now=now, pool=pool, priority=priority),
     )

@@ -165,6 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
         "every instance type has them; over the job file's `resources: gpus`",
     )
     run_parser.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        metavar="N",
+        help="higher runs first in its pool's queue, FIFO within one priority (default 0; --now goes first)",
+    )
+    run_parser.add_argument(
+        "--parallel",
+        type=int,
+        metavar="K",
+        help="with --sweep: at most K of its points train at once (default: as many as its pool's lanes)",
+    )
+    run_parser.add_argument(
         "--min-gpu-memory-gb",
         type=float,
         metavar="GB",
@@ -441,6 +454,8 @@ def _run_request(args: argparse.Namespace) -> run.RunRequest:
         pool=args.pool,
         gpus=args.gpus,
         min_gpu_memory_gb=args.min_gpu_memory_gb,
+        priority=args.priority,
+        parallel=args.parallel,
     )
 
 

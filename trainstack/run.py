@@ -69,6 +69,9 @@ class RunRequest:
     pool: str | None = None
     gpus: str | None = None
     min_gpu_memory_gb: float | None = None
+    # Higher runs first in its pool's queue; a sweep runs at most `parallel` of its points at once.
+    priority: int = 0
+    parallel: int | None = None
 
 
 class InvalidJobError(CliError):
@@ -151,6 +154,13 @@ def load_definition(request: RunRequest) -> Definition:
         problems.append(
             f"--name {request.name!r}: lowercase letters, digits and '-', at most 40 (e.g. --name resnet-lr)"
         )
+    if request.parallel is not None and (request.parallel < 1 or not request.sweeps):
+        problems.append(
+            f"--parallel {request.parallel}: how many points of a --sweep run at once (1 or more); give it "
+            "with --sweep"
+        )
+    if not -1000 <= request.priority <= 1000:
+        problems.append(f"--priority {request.priority}: from -1000 to 1000 (higher runs first; default 0)")
     if request.instances is not None and request.instances < 1:
         problems.append(f"--instances {request.instances}: a job trains on at least 1 instance")
     if request.dataset is not None:
@@ -286,16 +296,27 @@ def build_submissions(
             source=SOURCE_RUN,
             name=variant.name,
             unique=True,
-            sweep={"name": job.sweep, "point": variant.point} if variant.point is not None else None,
+            sweep=_sweep(job, variant.point),
             dataset=dataset,
             now=request.now,
             instances=definition.resources.instances if definition.user_job is None else 1,
             root=root,
             pool=pool,
             resources=definition.resources.to_mapping(),
+            priority=request.priority,
         )
         for index, variant in enumerate(job.variants)
     ]
+
+
+def _sweep(job: PreparedJob, point: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A sweep point's record field: its sweep's name, its values and how many points run at once."""
+    if point is None:
+        return None
+    sweep: dict[str, Any] = {"name": job.sweep, "point": point}
+    if job.request.parallel is not None:
+        sweep["parallel"] = job.request.parallel
+    return sweep
 
 
 def _queue_time(moment: datetime) -> str:
@@ -444,7 +465,7 @@ def submit(clients: Clients, stack: Stack, job: PreparedJob) -> dict[str, Any]:
     lanes = int(outputs.pools[pool.name].get("max_jobs") or 1)
     free = free_lanes(clients, outputs, "" if pool.default else pool.name, lanes)
     # A sweep's points start together, as many as the pool's free lanes take (one pool at zero: its first).
-    starting = max(1, min(free, len(submissions))) if lanes > 1 else 1
+    starting = max(1, min(free, len(submissions), request.parallel or len(submissions))) if lanes > 1 else 1
     woken = wake_group(clients, group, needed * starting, free_lanes=free)
     return {
         "jobs": [

@@ -54,12 +54,17 @@ def cancel_key(job_id: str) -> str:
     return JobPrefixes.of(job_id).state + CANCEL_REQUEST
 
 
-def queue_entry(job_id: str, submitted_at: str, *, now: bool = False, pool: str = "") -> dict[str, Any]:
+def queue_entry(
+    job_id: str, submitted_at: str, *, now: bool = False, pool: str = "", priority: int = 0
+) -> dict[str, Any]:
     """The queue entry's body. `now`: run on a live instance at once, after the running job checkpoints.
-    `pool`: the pool whose instances take it ("" = the default pool: left out, as before pools)."""
+    `pool`: the pool whose instances take it ("" = the default pool: left out, as before pools). `priority`:
+    higher runs first, FIFO within one (0, the default, left out)."""
     entry: dict[str, Any] = {"job_id": check_job_id(job_id), "submitted_at": submitted_at, "now": now}
     if pool:
         entry["pool"] = pool
+    if priority:
+        entry["priority"] = priority
     return entry
 
 
@@ -106,11 +111,13 @@ class QueueEntry:
     queued_at: str = ""
     # The pool whose instances take it; "" = the default pool (every entry from before pools).
     pool: str = ""
+    # Higher runs first; FIFO within one priority.
+    priority: int = 0
 
     @property
-    def order(self) -> tuple[bool, str, str, str]:
-        """FIFO by S3's clock, except that `--now` entries go first (oldest `--now` first)."""
-        return (not self.now, self.queued_at, self.submitted_at, self.job_id)
+    def order(self) -> tuple[bool, int, str, str, str]:
+        """`--now` entries first (oldest first), then by priority (higher first), then FIFO by S3's clock."""
+        return (not self.now, -self.priority, self.queued_at, self.submitted_at, self.job_id)
 
 
 def stored_at(item: Mapping[str, Any]) -> str:
@@ -162,6 +169,7 @@ _FIELDS: tuple[tuple[str, type, bool], ...] = (
     ("submitted_at", str, True),
     ("now", bool, False),
     ("pool", str, False),
+    ("priority", int, False),
 )
 
 
@@ -198,8 +206,10 @@ def parse_entry(key: str, body: bytes, queued_at: str = "") -> QueueEntry:
         raise _refused(key, why) from None
     if key != queue_key(job_id):
         raise _refused(key, f"it names job {job_id}, whose entry's key is {queue_key(job_id)}")
-    now, pool = value.get("now", False), value.get("pool", "")
-    return QueueEntry(job_id, value["submitted_at"], now, queued_at, pool)
+    now, pool, priority = value.get("now", False), value.get("pool", ""), value.get("priority", 0)
+    if isinstance(priority, bool):
+        raise _refused(key, f"'priority' is {_described(priority)}, not a number")
+    return QueueEntry(job_id, value["submitted_at"], now, queued_at, pool, priority)
 
 
 @dataclass(frozen=True)

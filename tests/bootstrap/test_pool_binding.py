@@ -69,3 +69,51 @@ def test_the_default_pools_config_renders_as_before_pools_and_a_bad_pool_name_is
     }
     with pytest.raises(AgentConfigError, match="'pool' must be a pool name"):
         AgentConfig.from_mapping(raw)
+
+
+def _record(
+    stack: LocalStack, job_id: str, at: str, *, sweep: dict[str, Any] | None = None, priority: int = 0
+) -> None:
+    name = job_id.rsplit("-", 1)[0]
+    agent: dict[str, Any] = {"job_id": job_id, "job_name": name, "job": {"fake": {}}, "user_job": None}
+    record = job_record(
+        job_id=job_id, name=name, agent=agent, submitted_at=at, source=SOURCE_RUN, sweep=sweep
+    )
+    s3 = stack.client("s3")
+    s3.put_object(Bucket=stack.bucket, Key=f"jobs/{job_id}/job.json", Body=json.dumps(record).encode())
+    body = json.dumps(queue_entry(job_id, at, priority=priority)).encode()
+    s3.put_object(Bucket=stack.bucket, Key=queue_key(job_id), Body=body)
+
+
+def _staffed(stack: LocalStack, job_id: str) -> None:
+    """The job trains on another instance, with its standby: it needs nothing more."""
+    now = NOW.timestamp()
+    state = f"jobs/{job_id}/state/"
+    lease = {"job_id": job_id, "holder": "i-other", "life_id": "l1", "token": 1, "acquired_at": now,
+             "heartbeat_at": now, "expires_at": now + 600}  # fmt: skip
+    standby = {"instance_id": "i-third", "life_id": "l2", "heartbeat_at": now, "ready": True}
+    ledger = {"job_id": job_id, "status": "running", "lives": []}
+    for name, value in (("lease.json", lease), ("standby.json", standby), ("ledger.json", ledger)):
+        stack.client("s3").put_object(Bucket=stack.bucket, Key=state + name, Body=json.dumps(value).encode())
+
+
+def test_a_sweep_runs_at_most_its_parallel_points_and_other_jobs_go_past_it(stack: LocalStack) -> None:
+    sweep = {"name": "lrs", "point": {}, "parallel": 1}
+    _record(stack, "lrs-a-aaaaaaaa", "2026-12-06T11:00:00.000Z", sweep=sweep)
+    _record(stack, "lrs-b-bbbbbbbb", "2026-12-06T11:00:01.000Z", sweep=sweep)
+    _record(stack, "other-cccccccc", "2026-12-06T11:00:02.000Z")
+    config = stack.agent_config(job_id="", lanes=3)
+    first = bind_job(stack.client("s3"), config, NOW)
+    assert first is not None and first.job_id == "lrs-a-aaaaaaaa"
+    _staffed(stack, "lrs-a-aaaaaaaa")
+    second = bind_job(stack.client("s3"), config, NOW)
+    assert second is not None and second.job_id == "other-cccccccc", "the sweep's second point waits"
+    assert second.lane != first.lane
+
+
+def test_a_higher_priority_runs_first_and_fifo_within_one(stack: LocalStack) -> None:
+    _record(stack, "low-aaaaaaaa", "2026-12-06T11:00:00.000Z")
+    _record(stack, "high-bbbbbbbb", "2026-12-06T11:00:01.000Z", priority=5)
+    _record(stack, "high-cccccccc", "2026-12-06T11:00:02.000Z", priority=5)
+    binding = bind_job(stack.client("s3"), stack.agent_config(job_id=""), NOW)
+    assert binding is not None and binding.job_id == "high-bbbbbbbb"

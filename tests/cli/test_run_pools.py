@@ -160,3 +160,18 @@ def test_jobs_says_why_each_waiting_job_waits(pooled: Deployed) -> None:
     assert rows[big]["pool"] == "big" and rows[big]["waiting"] == "pool big: the next free instance takes it"
     human = pooled.run("jobs").out
     assert "pool small: 2 of 2 jobs at once running" in human
+
+
+def test_parallel_limits_how_many_sweep_points_start_and_needs_a_sweep(pooled: Deployed) -> None:
+    _lanes(pooled, 3)
+    alone = pooled.run("run", "--config", str(CONFIG), "--parallel", "2", "--detach")
+    assert alone.code == 1 and "--parallel 2: how many points of a --sweep run at once" in alone.err
+    submitted = pooled.run(
+        "run", "--config", str(CONFIG), "--sweep", "train.lr=0.1,0.03,0.01", "--parallel", "1", "--json"
+    ).json()
+    # Three lanes free, but the sweep asked for one point at a time: one instance more, not three.
+    assert submitted["scaled_up_to"] == 2 and _desired(GROUP) == 2
+    record = _get(pooled, f"jobs/{submitted['jobs'][0]['job_id']}/job.json")
+    assert record["sweep"]["parallel"] == 1
+    prioritized = pooled.run("run", "--config", str(CONFIG), "--priority", "7", "--json").json()
+    assert _get(pooled, f"queue/{prioritized['jobs'][0]['job_id']}.json")["priority"] == 7

@@ -17,6 +17,7 @@ from trainstack_job.queue import (
     list_entries,
     parse_entry,
     queue_entry,
+    queue_key,
     scan_queue,
 )
 from trainstack_job.text import clip
@@ -180,3 +181,20 @@ def test_scan_queue_returns_the_entries_in_order_and_each_bad_object_with_its_er
     for key in [key for key, _ in scan.bad]:
         s3.delete_object(Bucket=BUCKET, Key=key)
     assert [e.job_id for e in list_entries(s3, BUCKET)] == ["urgent-22222222", "early-11111111"]
+
+
+def test_priority_orders_the_queue_within_now_and_a_boolean_one_is_refused() -> None:
+    def entry(job_id: str, at: str, **fields: object) -> QueueEntry:
+        body = json.dumps(queue_entry(job_id, at) | fields).encode()
+        return parse_entry(queue_key(job_id), body, queued_at=at)
+
+    entries = [
+        entry("low-aaaaaaaa", "2026-12-06T11:00:00Z"),
+        entry("high-bbbbbbbb", "2026-12-06T11:00:02Z", priority=3),
+        entry("urgent-cccccccc", "2026-12-06T11:00:03Z", now=True),
+        entry("high-dddddddd", "2026-12-06T11:00:01Z", priority=3),
+    ]
+    ordered = [e.job_id for e in sorted(entries, key=lambda e: e.order)]
+    assert ordered == ["urgent-cccccccc", "high-dddddddd", "high-bbbbbbbb", "low-aaaaaaaa"]
+    with pytest.raises(QueueError, match="'priority' is a boolean"):
+        entry("odd-eeeeeeee", "2026-12-06T11:00:04Z", priority=True)
