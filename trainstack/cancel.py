@@ -12,9 +12,16 @@ from trainstack.errors import CliError
 from trainstack.jobs import CANCELLED, ENDED, NOT_STARTED, QUEUED, describe, still_waiting
 from trainstack.output import console, print_json
 from trainstack.stack import Stack, StackOutputs
-from trainstack.state import current_job_id, encryption_args, read_group, read_job
-from trainstack_job.contract import JobStatus
-from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
+from trainstack.state import (
+    current_job_id,
+    encryption_args,
+    free_lanes,
+    read_group,
+    read_job,
+    read_json,
+)
+from trainstack_job.contract import JobStatus, StackOutput
+from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id, pointer_name
 from trainstack_job.queue import cancel_key, scan_queue
 
 REQUESTED_BY = "trainstack cancel"
@@ -54,25 +61,41 @@ def cancel(clients: Clients, stack: Stack, job_id: str) -> dict[str, Any]:
         "status": CANCELLED if waiting else status,
         "request": f"s3://{outputs.bucket}/{key}",
         "stops_after_checkpoint": not waiting,
-        "scaled_to_zero_now": waiting and _sleep_if_idle(clients, outputs),
+        "scaled_to_zero_now": waiting and _sleep_if_idle(clients, outputs, job_id),
     }
 
 
-def _sleep_if_idle(clients: Clients, outputs: StackOutputs) -> bool:
-    """A group woken for nothing but cancelled jobs goes back to zero now, rather than after its instances
-    boot (and bill) only to find the queue empty: no job waiting, the current job neither training nor
-    waiting for its data (an agent taking a job writes its ledger before it trains)."""
-    group = read_group(clients, outputs.group_name)
+def _sleep_if_idle(clients: Clients, outputs: StackOutputs, job_id: str) -> bool:
+    """A pool woken for nothing but cancelled jobs goes back to zero now, rather than after its instances
+    boot (and bill) only to find the queue empty: no job of the pool waiting, none of its lanes' jobs
+    training or waiting for its data (an agent taking a job writes its ledger before it trains). The
+    cancelled job's own pool, as its record names it."""
+    record = read_json(clients, outputs.bucket, JobPrefixes.of(job_id).record) or {}
+    pool = str(record.get("pool") or "")
+    pools = outputs.pools
+    name = pool or next((n for n, v in pools.items() if v.get("default")), next(iter(pools)))
+    info = pools.get(name) or {}
+    group = read_group(clients, str(info.get("group_name") or outputs.group_name))
     if group.desired == 0:
         return False
     bucket = outputs.bucket
     # The good entries only: a damaged queue object must not keep the group up, nor stop the cancel.
-    entries = scan_queue(clients.s3(), bucket).entries
+    entries = [entry for entry in scan_queue(clients.s3(), bucket).entries if entry.pool == pool]
     if any(still_waiting(clients, bucket, entry.job_id) for entry in entries):
         return False
-    current = read_job(clients, outputs, JobPrefixes.of(current_job_id(clients, outputs)))
-    if current.status in (JobStatus.RUNNING, JobStatus.WAITING_FOR_DATA):
-        return False
+    lanes = int(info.get("max_jobs") or 1)
+    if lanes > 1:
+        if free_lanes(clients, outputs, pool, lanes) < lanes:
+            return False
+    else:
+        state = outputs.prefix(StackOutput.STATE_PREFIX)
+        pointer = read_json(clients, bucket, state + pointer_name(pool)) or {}
+        current = str(pointer.get("job_id") or "") or current_job_id(clients, outputs)
+        if read_job(clients, outputs, JobPrefixes.of(current)).status in (
+            JobStatus.RUNNING,
+            JobStatus.WAITING_FOR_DATA,
+        ):
+            return False
     clients.autoscaling().update_auto_scaling_group(AutoScalingGroupName=group.name, DesiredCapacity=0)
     return True
 

@@ -175,3 +175,24 @@ def test_parallel_limits_how_many_sweep_points_start_and_needs_a_sweep(pooled: D
     assert record["sweep"]["parallel"] == 1
     prioritized = pooled.run("run", "--config", str(CONFIG), "--priority", "7", "--json").json()
     assert _get(pooled, f"queue/{prioritized['jobs'][0]['job_id']}.json")["priority"] == 7
+
+
+def test_cancelling_the_last_waiting_job_keeps_a_pool_up_while_another_lane_trains(pooled: Deployed) -> None:
+    _lanes(pooled, 2)
+    _running(pooled, "current-job-lane1.json", "second-bbbbbbbb")
+    job_id = pooled.run("run", "--config", str(CONFIG), "--json").json()["jobs"][0]["job_id"]
+    cancelled = pooled.run("cancel", job_id, "--json").json()
+    # Lane 1 trains: zeroing the group would take its standby and any idle instance only, but nothing is idle
+    # for nothing here; the pool stays as it is.
+    assert cancelled["scaled_to_zero_now"] is False and _desired(GROUP) == 2
+    # Lane 1's job ends (no other job of the pool runs or waits).
+    pooled.put_state("current-job-lane1.json", {"job_id": "third-cccccccc"})
+    ledger = {"job_id": "third-cccccccc", "status": "completed", "lives": []}
+    pooled.s3().put_object(
+        Bucket=BUCKET, Key="jobs/third-cccccccc/state/ledger.json", Body=json.dumps(ledger).encode()
+    )
+    again = pooled.run("run", "--config", str(CONFIG), "--json").json()["jobs"][0]["job_id"]
+    assert pooled.run("cancel", again, "--json").json()["scaled_to_zero_now"] is True, (
+        "nothing trains: to zero"
+    )
+    assert _desired(GROUP) == 0
