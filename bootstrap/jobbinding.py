@@ -127,6 +127,9 @@ class JobBinding:
     job_code: dict[str, Any] | None = None
     # The pool's lane whose pointer names the job (0 in a pool that runs one job at a time).
     lane: int = 0
+    # The job had ended and is served again on purpose (`trainstack resume`, the legacy job): its ledger may
+    # be restarted. False: it ran (or waited) when bound, and must not be run again if it ends meanwhile.
+    resuming: bool = False
 
 
 def _code(exc: ClientError) -> str:
@@ -552,7 +555,8 @@ class JobDirectory:
                 return self.binding(current) if self.config.job_id == LEGACY_JOB_ID else None
             if status not in ENDED or (fresh and self.config.job_id == LEGACY_JOB_ID):
                 # A config from before jobs runs the legacy job as it always did (resume included).
-                return self.binding(current)
+                found = self.binding(current)
+                return replace(found, resuming=status in ENDED) if found is not None else None
             return None
         if status in ENDED:
             resumed = (
@@ -566,7 +570,8 @@ class JobDirectory:
                 return None
         if self.record(current) is None:
             return None  # gone (deleted by hand): the queue moves on
-        return self.binding(current)
+        found = self.binding(current)
+        return replace(found, resuming=status in ENDED) if found is not None else None
 
 
 def claim_scratch(scratch: Path, job_id: str, log: EventLog) -> None:
@@ -631,7 +636,10 @@ def bind_job(
             legacy = jobs.status(LEGACY_JOB_ID)
             if (legacy is not None and legacy not in ENDED) or (mine == LEGACY_JOB_ID and after is None):
                 if jobs.point_at(LEGACY_JOB_ID, None, None, now):
-                    return jobs.binding(LEGACY_JOB_ID)
+                    legacy_binding = jobs.binding(LEGACY_JOB_ID)
+                    if legacy_binding is not None and legacy is not None and legacy in ENDED:
+                        legacy_binding = replace(legacy_binding, resuming=True)  # a config from before jobs
+                    return legacy_binding
                 continue
         elif current != after:
             going_on = jobs.serving(current, fresh=after is None)

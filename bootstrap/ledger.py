@@ -124,6 +124,7 @@ class JobLedger:
         price: LifeQuote | float | None,
         now: datetime,
         stale_after_seconds: float | None = None,
+        restart: bool = True,
     ) -> str:
         """Open this life and close the ones left `running`; returns the new life's id.
 
@@ -153,6 +154,11 @@ class JobLedger:
                 self._close_standby(earlier, earlier["ended_at"])
             else:
                 self._close_vanished(earlier, identity.instance_id)
+        if self.status in TERMINAL_STATUSES and not restart:
+            # The job ended while this instance bound it (it was running then): never a second run of it.
+            raise JobEndedError(
+                f"job {self.data.get('job_id', '?')} ended ({self.status}) before this life began"
+            )
         if self.status in TERMINAL_STATUSES:
             # Someone scaled the group up again after the job ended: a new run with a fresh crash counter.
             if self.status == JobStatus.FAILED:
@@ -380,6 +386,10 @@ def _is_conflict(exc: ClientError) -> bool:
     return error.get("Code") in {"PreconditionFailed", "ConditionalRequestConflict"} or status in {409, 412}
 
 
+class JobEndedError(RuntimeError):
+    """The job ended between the binding that chose it and the life that would have begun it."""
+
+
 class LedgerStore:
     """`state/ledger.json` with optimistic concurrency: read with its ETag, change, write If-Match."""
 
@@ -441,9 +451,14 @@ class LedgerStore:
         price: LifeQuote | float | None,
         now: datetime,
         stale_after_seconds: float | None = None,
+        restart: bool = True,
     ) -> JobLedger:
+        """Open this life (JobLedger.begin_life). `restart` False: the life was bound to a job that was
+        running, and one that has ended since (its holder completed it a moment ago) raises JobEndedError,
+        writing nothing: checked in the same conditional write that opens the life, so no second run of a
+        completed job ever starts. True: a job resumed on purpose (`trainstack resume`, the legacy job)."""
         self.life_id = None
         self.life_id = self.update(
-            lambda ledger: ledger.begin_life(identity, price, now, stale_after_seconds)
+            lambda ledger: ledger.begin_life(identity, price, now, stale_after_seconds, restart)
         )
         return self.last

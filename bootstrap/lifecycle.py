@@ -43,7 +43,7 @@ from bootstrap.jobbinding import (
 )
 from bootstrap.jobstate import JobState
 from bootstrap.lease import DRIFT_SECONDS, JobLease, LeaseExpiredError, LeaseLostError
-from bootstrap.ledger import TERMINAL_STATUSES, JobLedger
+from bootstrap.ledger import TERMINAL_STATUSES, JobEndedError, JobLedger
 from bootstrap.notify import Notifier
 from bootstrap.outcomes import Failure, LifeEnd, LifeFacts, LifeResult, Outcomes
 from bootstrap.persist import TOKEN_RECORD, CheckpointPersister, CheckpointRefusedError, UploadAbandonedError
@@ -145,6 +145,8 @@ class InstanceLife:
         self._job_root = self._own_job_root = job_root or CODE_ROOT / BUNDLE_JOB_DIR
         # The code a `trainstack run` job was submitted with, unpacked (None: this agent's own bundle).
         self._code_root: Path | None = None
+        # The bound job had ended and is served again on purpose (its ledger may restart); jobbinding.py.
+        self._resuming = True
         self._release_wait_seconds = release_wait_seconds
         self._assemble(config)
         # One writer per single-node job (bootstrap/standby.py); set once the life is in the ledger.
@@ -433,7 +435,16 @@ class InstanceLife:
         # holder while this instance is its standby): only silent ones are closed.
         stale = self._stale_seconds
         quote = self.boot.price(identity, self._life_started, announce=True)
-        self.job.ledger_store.begin_life(identity, quote, self._life_started, stale_after_seconds=stale)
+        try:
+            self.job.ledger_store.begin_life(
+                identity, quote, self._life_started, stale_after_seconds=stale, restart=self._resuming
+            )
+        except JobEndedError as exc:
+            # Bound while it ran (as its standby, say), ended since: look for work again, never run it twice.
+            self.log.event(
+                "job", "the job ended while this instance bound it: looking for work again", why=str(exc)
+            )
+            return LifeResult(LifeEnd.SKIPPED, next_job=self.config.job_id)
         self._spawn(
             "state-poller",
             lambda: self.job.poll(
@@ -516,6 +527,7 @@ class InstanceLife:
         self.notifier.publish(subject, [reason, "The next queued job runs instead."])
 
     def _start_bound(self, binding: JobBinding) -> bool:
+        self._resuming = binding.resuming
         if binding.pinned is not None:
             self.log.event(
                 "job",

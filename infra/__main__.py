@@ -23,6 +23,7 @@ from infra.network import Network, NetworkArgs  # noqa: E402
 from infra.observability import Observability, ObservabilityArgs  # noqa: E402
 from infra.placement import lookup_pool_zones  # noqa: E402
 from infra.pools import POOLS_OUTPUT, DeclaredPool, PoolBaseline, declare_pool, pools_output  # noqa: E402
+from infra.scheduler import Scheduler, SchedulerArgs  # noqa: E402
 from infra.storage import Storage, StorageArgs  # noqa: E402
 from infra.vendored_wheels import VendoredWheels  # noqa: E402
 from infra.wheels import INSTANCE_LOCK, INSTANCE_WHEELS_DIR, vendored_wheels  # noqa: E402
@@ -213,6 +214,25 @@ for pool in config.pools:
         )
     )
 fleet = pools[0].fleet
+# One function for every pool: raises a pool's desired capacity to what its waiting jobs need (never lowers).
+scheduler = Scheduler(
+    "scheduler",
+    SchedulerArgs(
+        name=config.name,
+        stack=config.stack,
+        partition=partition,
+        region=config.region,
+        account_id=account_id,
+        pools=config.pools,
+        bucket_name=storage.bucket.bucket,
+        bucket_arn=storage.bucket.arn,
+        kms_key_arn=storage.key.arn,
+        log_group_name=f"{config.log_group_name}/scheduler",
+        log_retention_days=config.log_retention_days,
+        depends_on=[p.fleet.group for p in pools],
+        tags=tags,
+    ),
+)
 drill = (
     Drill(
         "drill",

@@ -824,6 +824,76 @@ def _cost_cap_statements(group_arn: str, access: CostCapAccess) -> list[Document
     ]
 
 
+def scheduler_reads(prefixes: Prefixes | None = None) -> list[str]:
+    """The keys the scheduler reads (infra/scheduler_fn/handler.py): the queue, each pool's lane pointers, and
+    of a job its record, ledger and cancel request."""
+    prefixes = prefixes or Prefixes()
+    jobs = prefixes.jobs
+    return [
+        f"{QUEUE_PREFIX}*",
+        f"{prefixes.state}current-job*.json",
+        f"{jobs}*/{JOB_RECORD}",
+        f"{jobs}*/state/ledger.json",
+        f"{jobs}*/state/cancel.json",
+    ]
+
+
+def scheduler_policy(
+    *,
+    bucket_arn: str,
+    key_arn: str,
+    region: str,
+    group_arns: Sequence[str],
+    log_group_arn: str,
+    prefixes: Prefixes | None = None,
+) -> Document:
+    """The scheduler's role: read the queue and the jobs' state, raise its pools' desired capacities, write
+    its logs. Nothing is written to the bucket; no launch template is named (SetDesiredCapacity only: no
+    ec2:RunInstances or iam:PassRole is checked for it). The listing (the queue's, and each read key as
+    `s3:prefix`) makes a missing ledger NoSuchKey rather than AccessDenied."""
+    keys = scheduler_reads(prefixes)
+    return _doc(
+        {
+            "Sid": "ReadTheQueueAndTheJobsState",
+            "Effect": "Allow",
+            "Action": "s3:GetObject",
+            "Resource": [f"{bucket_arn}/{key}" for key in keys],
+        },
+        {
+            "Sid": "ListTheQueueAndKnowAMissingObjectIsMissing",
+            "Effect": "Allow",
+            "Action": "s3:ListBucket",
+            "Resource": bucket_arn,
+            "Condition": {"StringLike": {"s3:prefix": keys}},
+        },
+        {
+            "Sid": "DecryptThroughS3",
+            "Effect": "Allow",
+            "Action": "kms:Decrypt",
+            "Resource": key_arn,
+            "Condition": {"StringEquals": {"kms:ViaService": _via(region, "s3")}},
+        },
+        {
+            "Sid": "ReadThePools",
+            "Effect": "Allow",
+            "Action": "autoscaling:DescribeAutoScalingGroups",
+            "Resource": "*",
+        },
+        {
+            "Sid": "RaiseThePoolsCapacity",
+            "Effect": "Allow",
+            "Action": "autoscaling:SetDesiredCapacity",
+            "Resource": list(group_arns),
+        },
+        {
+            "Sid": "WriteItsOwnLogs",
+            "Effect": "Allow",
+            "Action": ["logs:CreateLogStream", "logs:PutLogEvents"],
+            "Resource": f"{log_group_arn}:*",
+        },
+    )
+
+
 def flow_logs_policy(*, log_group_arn: str) -> Document:
     """What the VPC flow-logs service may do: write to its own log group only."""
     return _doc(

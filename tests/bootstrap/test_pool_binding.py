@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from bootstrap.agent_config import AgentConfig, AgentConfigError
+from bootstrap.imds import InstanceIdentity
 from bootstrap.jobbinding import bind_job
+from bootstrap.ledger import JobEndedError, LedgerStore
 from demo.stack import LocalStack
 from trainstack_job.queue import SOURCE_RUN, job_record, queue_entry, queue_key
 
@@ -117,3 +119,23 @@ def test_a_higher_priority_runs_first_and_fifo_within_one(stack: LocalStack) -> 
     _record(stack, "high-cccccccc", "2026-12-06T11:00:02.000Z", priority=5)
     binding = bind_job(stack.client("s3"), stack.agent_config(job_id=""), NOW)
     assert binding is not None and binding.job_id == "high-bbbbbbbb"
+
+
+def test_a_job_that_ended_while_an_instance_bound_it_never_runs_twice(stack: LocalStack) -> None:
+    """Found by bench/scheduling.py: an instance binds a running job (as its standby), the holder completes
+    it and lets go, and the instance's life would reopen the completed ledger and take the free lease."""
+    _submit(stack, SMALL_JOB, "2026-12-06T11:00:01.000Z")
+    s3 = stack.client("s3")
+    binding = bind_job(s3, stack.agent_config(job_id=""), NOW)
+    assert binding is not None and binding.resuming is False, "a job that runs is bound, not resumed"
+    key = f"jobs/{SMALL_JOB}/state/ledger.json"
+    ledger = {"job_id": SMALL_JOB, "status": "completed", "lives": [], "consecutive_failures": 0}
+    s3.put_object(Bucket=stack.bucket, Key=key, Body=json.dumps(ledger).encode())
+    store = LedgerStore(s3, stack.bucket, key)
+    identity = InstanceIdentity("i-late", "g6.xlarge", "us-east-1a", "us-east-1", "spot")
+    with pytest.raises(JobEndedError, match=f"job {SMALL_JOB} ended \\(completed\\) before this life began"):
+        store.begin_life(identity, None, NOW, restart=binding.resuming)
+    assert stack.read_json(key)["status"] == "completed", "nothing was written"  # type: ignore[index]
+    # On purpose (`trainstack resume` of a stopped job, the legacy job) a life may restart an ended ledger.
+    store.begin_life(identity, None, NOW, restart=True)
+    assert stack.read_json(key)["status"] == "running"  # type: ignore[index]

@@ -21,14 +21,29 @@ INSTANCE = "instance-role"  # bootstrap/aws.py's INSTANCE_PRINCIPAL: the agent o
 CAPACITY_FALLBACK = "capacity-fallback"  # the Lambda function's role
 CLI = "cli-user"  # the trainstack CLI: the user's own credentials
 DEV = "dev-role"  # the dev box's role: its idle watcher (bootstrap/devbox/watcher.py)
+SCHEDULER = "scheduler"  # the scheduler function's role (infra/scheduler_fn/handler.py)
 
-PRINCIPALS = (INSTANCE, CAPACITY_FALLBACK, CLI, DEV)
+PRINCIPALS = (INSTANCE, CAPACITY_FALLBACK, CLI, DEV, SCHEDULER)
 
 
 def group_pattern(stack: Stack) -> str:
     return policies.autoscaling_group_arn(
         partition=PARTITION, region=stack.region, account_id=stack.account, group_name=stack.group_name
     )
+
+
+def pool_group_patterns(stack: Stack) -> list[str]:
+    """Every pool's group: the single group's, and any other pool's (`<stack>-gpu-<pool>`), as the instance
+    role names each pool's group one by one in the program (infra/policies.py instance_policy)."""
+    return [
+        group_pattern(stack),
+        policies.autoscaling_group_arn(
+            partition=PARTITION,
+            region=stack.region,
+            account_id=stack.account,
+            group_name=f"{stack.group_name}-*",
+        ),
+    ]
 
 
 def instance_policy(stack: Stack) -> dict[str, Any]:
@@ -91,6 +106,15 @@ def caller(principal: str, stack: Stack) -> Caller:
             stack.account,
             [dev_role_policy(stack), session_manager_policy(stack)],
         )
+    if principal == SCHEDULER:
+        document = policies.scheduler_policy(
+            bucket_arn=stack.bucket_arn,
+            key_arn=stack.key_arn,
+            region=stack.region,
+            group_arns=pool_group_patterns(stack),
+            log_group_arn=f"{stack.log_group_arn}/scheduler",
+        )
+        return Caller(principal, f"{role}-scheduler", stack.account, [document])
     if principal == CLI:
         # The user's own identity policies are not the program's: only the resources' policies can refuse.
         return Caller(

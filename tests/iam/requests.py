@@ -117,6 +117,9 @@ def stack_named_by(call: Mapping[str, Any]) -> str | None:
     for name, suffix in names:
         if isinstance(name, str) and name.endswith(suffix):
             return name.removesuffix(suffix)
+        if isinstance(name, str) and suffix == "-gpu" and "-gpu-" in name:
+            # A pool's group, `<stack>-gpu-<pool>` (infra/config.py pool_group_name; no pool name holds gpu).
+            return name.rpartition("-gpu-")[0]
     group = params.get("logGroupName")
     if isinstance(group, str) and group.startswith("/trainstack/"):
         return group.removeprefix("/trainstack/").split("/")[0]
@@ -159,6 +162,8 @@ _GROUP_ACTIONS = {
     "CompleteLifecycleAction",
     "RecordLifecycleActionHeartbeat",
     "UpdateAutoScalingGroup",
+    # A pool of several lanes protects a training instance from scale-in (it names its group).
+    "SetInstanceProtection",
 }
 _INSTANCE_GROUP_ACTIONS = {"SetInstanceHealth", "TerminateInstanceInAutoScalingGroup"}
 
@@ -413,7 +418,7 @@ def _autoscaling(
 ) -> Iterator[Request]:
     if operation in _GROUP_ACTIONS:
         name = params["AutoScalingGroupName"]
-        region_stack = stack or Stack(name.removesuffix("-gpu"), "us-east-1")
+        region_stack = stack or Stack(name.removesuffix("-gpu").rpartition("-gpu-")[0] or name, "us-east-1")
         yield _request(f"autoscaling:{operation}", region_stack.group_arn(name), why)
         if operation == "UpdateAutoScalingGroup":
             yield from _launch_template_checks(params, region_stack, why)

@@ -1,0 +1,108 @@
+"""The scheduler function against moto: it raises a pool's desired capacity to what its waiting jobs need
+(a pool at zero with a job waiting; a pool of several lanes by its free lanes), never lowers one, leaves out
+cancelled jobs and other pools' jobs, and concurrent invocations agree."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import boto3
+import pytest
+
+from demo.stack import LocalStack, create_stack
+from infra.scheduler_fn.handler import PoolSettings, run
+from tests.iam.plugin import record_as
+from tests.iam.principals import SCHEDULER
+from trainstack_job.queue import SOURCE_RUN, cancel_key, job_record, queue_entry, queue_key
+
+
+@pytest.fixture()
+def stack(aws: Any) -> LocalStack:
+    created = create_stack(name="trainstack-sched", desired=0)
+    created.client("autoscaling").update_auto_scaling_group(
+        AutoScalingGroupName=created.group_name, MaxSize=4
+    )
+    return created
+
+
+def _put(stack: LocalStack, key: str, value: dict[str, Any]) -> None:
+    stack.client("s3").put_object(Bucket=stack.bucket, Key=key, Body=json.dumps(value).encode())
+
+
+def _queue(stack: LocalStack, job_id: str, at: str, pool: str = "", instances: int | None = None) -> None:
+    agent: dict[str, Any] = {"job_id": job_id, "job_name": "j", "job": {}, "user_job": None}
+    if instances is not None:
+        agent["instance_count"] = instances
+    _put(
+        stack,
+        f"jobs/{job_id}/job.json",
+        job_record(job_id=job_id, name="j", agent=agent, submitted_at=at, source=SOURCE_RUN),
+    )
+    _put(stack, queue_key(job_id), queue_entry(job_id, at, pool=pool))
+
+
+def _running(stack: LocalStack, pointer: str, job_id: str) -> None:
+    _put(stack, f"state/{pointer}", {"job_id": job_id})
+    _put(stack, f"jobs/{job_id}/state/ledger.json", {"job_id": job_id, "status": "running", "lives": []})
+
+
+def _desired(stack: LocalStack) -> int:
+    return int(stack.group()["DesiredCapacity"])
+
+
+def _pass(stack: LocalStack, settings: PoolSettings) -> list[Any]:
+    # Its calls are judged against the function's own role (tests/iam), as AWS would judge them.
+    autoscaling, s3 = (
+        record_as(boto3.client(n, region_name="us-east-1"), SCHEDULER) for n in ("autoscaling", "s3")
+    )
+    return run(autoscaling, s3, stack.bucket, "state/", [settings])
+
+
+def test_a_pool_at_zero_with_a_job_waiting_gets_that_jobs_instances(stack: LocalStack) -> None:
+    one_lane = PoolSettings("", stack.group_name, lanes=1, max_instances=3)
+    (decision,) = _pass(stack, one_lane)
+    assert (decision.waiting, decision.action, _desired(stack)) == (0, "none", 0), (
+        "nothing waits: nothing starts"
+    )
+    _queue(stack, "alpha-aaaaaaaa", "2026-12-06T12:00:00.000Z", instances=2)
+    (decision,) = _pass(stack, one_lane)
+    assert (decision.waiting, decision.wanted, decision.action) == (1, 2, "raised") and _desired(stack) == 2
+
+
+def test_a_pool_of_lanes_gets_one_instance_per_busy_lane_and_per_job_its_free_lanes_start(
+    stack: LocalStack,
+) -> None:
+    lanes = PoolSettings("", stack.group_name, lanes=3, max_instances=1)
+    _running(stack, "current-job.json", "first-aaaaaaaa")
+    for index in range(3):
+        _queue(stack, f"wait{index}-bbbbbbbb", f"2026-12-06T12:00:0{index}.000Z")
+    _queue(stack, "other-cccccccc", "2026-12-06T12:00:05.000Z", pool="big")  # another pool's
+    _queue(stack, "gone-dddddddd", "2026-12-06T12:00:06.000Z")
+    _put(stack, cancel_key("gone-dddddddd"), {"requested_at": "2026-12-06T12:00:07Z", "by": "test"})
+    (decision,) = _pass(stack, lanes)
+    assert (decision.busy, decision.waiting, decision.wanted) == (1, 3, 3), decision
+    assert _desired(stack) == 3
+    (again,) = _pass(stack, lanes)
+    assert again.action == "none" and _desired(stack) == 3, "the same state: the same capacity, no call"
+
+
+def test_it_never_lowers_a_pool(stack: LocalStack) -> None:
+    stack.client("autoscaling").set_desired_capacity(AutoScalingGroupName=stack.group_name, DesiredCapacity=3)
+    (decision,) = _pass(stack, PoolSettings("", stack.group_name, lanes=3, max_instances=1))
+    assert (decision.wanted, decision.action) == (0, "none") and _desired(stack) == 3
+
+
+def test_concurrent_invocations_agree_on_one_capacity(stack: LocalStack) -> None:
+    lanes = PoolSettings("", stack.group_name, lanes=4, max_instances=1)
+    for index in range(6):
+        _queue(stack, f"burst{index}-aaaaaaaa", f"2026-12-06T12:00:0{index}.000Z")
+    decisions: list[Any] = []
+    threads = [threading.Thread(target=lambda: decisions.extend(_pass(stack, lanes))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(decisions) == 4 and {d.wanted for d in decisions} == {4}
+    assert _desired(stack) == 4, "four lanes free, six jobs waiting: four instances, never more"
