@@ -10,6 +10,11 @@ without a reboot, interrupted and resumed in turn, a third cancelled before it r
 
 `python -m demo --rebalance`: a rebalance recommendation, the group's replacement waits as the job's warm
 standby and takes over at a step boundary, one writer at a time (demo/rebalance.py).
+
+`python -m demo --parallel`: two pools (2 lanes of g6.xlarge, 1 of g6e.xlarge); a 4-point sweep trains 2
+points at once while 2 wait, a job asking for `--gpus L40S:1` runs on the other pool, a spot notice on one
+point is resumed by its replacement while the other trains on, each pool at zero at the end
+(demo/parallel.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ if TYPE_CHECKING:
 DEFAULT_WORKDIR = Path(".demo/end-to-end")
 MULTI_NODE_WORKDIR = Path(".demo/multi-node")
 REBALANCE_WORKDIR = Path(".demo/rebalance")
+PARALLEL_WORKDIR = Path(".demo/parallel")
 # Piped or logged (CI), rich would assume 80 columns: tables get this width instead, and lines never wrap.
 PIPED_WIDTH = 160
 
@@ -49,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         "--workdir",
         type=Path,
         help=f"the demo's own folder, emptied at each run (default {DEFAULT_WORKDIR}; "
-        f"{MULTI_NODE_WORKDIR} with --nodes 2, {REBALANCE_WORKDIR} with --rebalance)",
+        f"{MULTI_NODE_WORKDIR} with --nodes 2, {REBALANCE_WORKDIR} with --rebalance, {PARALLEL_WORKDIR} "
+        "with --parallel)",
     )
     parser.add_argument(
         "--job",
@@ -70,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         "job's warm standby and takes over at a step boundary (built-in trainer, one node)",
     )
     parser.add_argument(
+        "--parallel",
+        action="store_true",
+        help="several jobs at once: two pools, a 4-point sweep on a pool of 2 lanes (2 train, 2 wait), a job "
+        "asking for an L40S on the other pool, a spot notice on one point (built-in trainer)",
+    )
+    parser.add_argument(
         "--queue",
         action="store_true",
         help="the default story, named: jobs submitted with `trainstack run` to a stack that stays up, the "
@@ -81,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         _refuse_nodes(args.nodes, args.job)
         or _refuse_rebalance(args.rebalance, args.nodes, args.job)
         or _refuse_queue(args.queue, args.nodes, args.job, args.rebalance)
+        or _refuse_parallel(args.parallel, args.nodes, args.job, args.rebalance, args.queue)
     )
     if refused:
         console.print(f"[bold red]error:[/] {escape(refused)}", highlight=False)
@@ -105,11 +119,33 @@ def main(argv: list[str] | None = None) -> int:
     from demo.moto_server import moto_server
 
     default_workdir = (
-        REBALANCE_WORKDIR if args.rebalance else MULTI_NODE_WORKDIR if multi_node else DEFAULT_WORKDIR
+        PARALLEL_WORKDIR
+        if args.parallel
+        else REBALANCE_WORKDIR
+        if args.rebalance
+        else MULTI_NODE_WORKDIR
+        if multi_node
+        else DEFAULT_WORKDIR
     )
     workdir = (args.workdir or default_workdir).resolve()
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
+    if args.parallel:
+        from demo.parallel import ParallelDemo
+        from demo.report_parallel import report as parallel_report
+
+        console.rule(
+            "trainstack local parallel demo: two pools, several jobs at once, embedded S3/KMS/SNS/Auto "
+            "Scaling (moto) + a simulated IMDS per instance"
+        )
+        try:
+            with moto_server() as endpoint:
+                os.environ["AWS_ENDPOINT_URL"] = endpoint
+                parallel = ParallelDemo(workdir, console).run()
+        except Exception as exc:
+            console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
+            return 1
+        return _verdict(parallel_report(parallel, console), console)
     if args.rebalance:
         from demo.rebalance import RebalanceDemo
         from demo.report_rebalance import report as rebalance_report
@@ -217,6 +253,18 @@ def _refuse_queue(queue: bool, nodes: int, job: Path | None, rebalance: bool) ->
         return (
             "--queue (the default story) submits its own jobs (the built-in trainer and two examples) on one "
             "node: leave out --job, --nodes and --rebalance"
+        )
+    return None
+
+
+def _refuse_parallel(
+    parallel: bool, nodes: int, job: Path | None, rebalance: bool, queue: bool
+) -> str | None:
+    """Why `--parallel` cannot run as asked (one line), or None."""
+    if parallel and (job is not None or nodes > 1 or rebalance or queue):
+        return (
+            "--parallel submits its own jobs (a sweep of the built-in trainer and an L40S job) on "
+            "one-instance lanes: leave out --job, --nodes, --rebalance and --queue"
         )
     return None
 

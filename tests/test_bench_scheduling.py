@@ -1,0 +1,80 @@
+"""The scheduling bench (bench/scheduling.py) at its `--quick` size: a few jobs on a few simulated instances
+per run, the real `bind_job`/`_bind_lanes`, lease and ledger against a moto server. The pass conditions must
+hold; no timing is asserted (this machine's speed is not under test)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from bench.scheduling import Holding, Journal, check_run, main, overlaps, pools_run
+
+CHECKS = {
+    "every job ran exactly once",
+    "never two writers at once",
+    "no job's lease lost",
+    "no busy instance scaled in",
+    "no errors",
+}
+
+
+def _check(run: dict[str, Any], name: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(c for c in run["checks"] if c["name"] == name)
+    return found
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("scheduling") / "quick.json"
+    main(["--quick", "--json", str(out)])
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+@pytest.mark.slow(seconds=25)
+def test_the_quick_runs_keep_one_writer_never_lose_a_lease_and_never_scale_in_a_busy_instance(
+    quick: dict[str, Any],
+) -> None:
+    assert [run["name"] for run in quick["runs"]] == ["pools", "sweep", "burst"]
+    for run in quick["runs"]:
+        assert {c["name"] for c in run["checks"]} == CHECKS
+        for name in CHECKS - {"every job ran exactly once"}:
+            check = _check(run, name)
+            assert check["passed"], f"{run['name']}: {name}: {check['detail']}"
+        figures = run["figures"]
+        assert figures["decisions"] >= figures["jobs"]
+        assert figures["s3_requests"]["LIST"] > 0 and figures["s3_requests"]["GET"] > 0
+        assert figures["s3_usd_per_job"] > 0
+        assert 0 < figures["utilisation"] <= 1
+    burst = quick["runs"][2]["figures"]
+    assert "SetDesiredCapacity" in burst["autoscaling_calls"], "the burst run's scaler lowers the capacity"
+    assert "0.005" in quick["prices"] and "2026-12-06" in quick["prices"]
+
+
+@pytest.mark.slow(seconds=25)
+def test_every_job_ran_exactly_once(quick: dict[str, Any]) -> None:
+    """The race this bench found (a life binds a job that still runs; its holder completes it; the life's
+    `begin_life` reopened the completed ledger and took the released lease) is closed: a life bound to a
+    running job never restarts an ended one (bootstrap/ledger.py JobEndedError)."""
+    for run in quick["runs"]:
+        check = _check(run, "every job ran exactly once")
+        assert check["passed"], f"{run['name']}: {check['detail']}"
+
+
+def test_the_checks_catch_two_writers_and_a_job_run_twice_or_never() -> None:
+    spec = pools_run(3, 1, 1, 1, 1, seed=1)
+    a, b, c = (job.job_id for job in spec.jobs)
+    journal = Journal()
+    journal.holdings = [
+        Holding(a, "i-1", 0.0, 1.0, trained=True, completed=True),
+        Holding(a, "i-2", 0.5, 1.5, trained=True, completed=True),  # overlaps i-1 and runs it again
+        Holding(b, "i-1", 2.0, 3.0, trained=True, completed=True),
+    ]
+    assert len(overlaps(journal.holdings)) == 1
+    results = {check.name: check for check in check_run(spec, journal)}
+    assert not results["never two writers at once"].passed
+    once = results["every job ran exactly once"]
+    assert not once.passed and f"twice: {a}" in once.detail and f"never: {c}" in once.detail
+    assert results["no job's lease lost"].passed
