@@ -560,11 +560,15 @@ class Outcomes:
 
     def notify_next(self, following: str, subject: str, lines: list[str]) -> None:
         """The job ended and the queue holds `following`: say so; the group stays up for it."""
-        self.log.event("queue", "the next queued job runs on this instance", next_job=following)
-        self.notifier.publish(
-            self._subject(f"{subject}; next: {following}"),
-            [*lines, f"The next queued job, {following}, runs on this instance now (no reboot)."],
-        )
+        if self.config.lanes > 1:
+            # A pool of several lanes: the job that needs this instance next may be one it waits for as its
+            # standby, not one it trains at once.
+            said = f"This instance serves {following} next (no reboot): it trains it or waits as its standby."
+            self.log.event("queue", "this instance serves the pool's next job needing it", next_job=following)
+        else:
+            said = f"The next queued job, {following}, runs on this instance now (no reboot)."
+            self.log.event("queue", "the next queued job runs on this instance", next_job=following)
+        self.notifier.publish(self._subject(f"{subject}; next: {following}"), [*lines, said])
 
     def replace_unhealthy_instance(self, life: LifeFacts) -> LifeResult:
         identity = life.identity
