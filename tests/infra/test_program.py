@@ -53,6 +53,7 @@ def test_every_resource_belongs_to_a_component_with_a_trainstack_type(example_st
         "trainstack:observability:Observability",
         "trainstack:capacity:CapacityFallback",
         "trainstack:queue:DefaultJob",
+        "trainstack:scheduler:Scheduler",
     }
     for resource in example_stack.resources:
         if not resource.type.startswith("trainstack:"):
