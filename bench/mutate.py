@@ -126,6 +126,28 @@ TARGETS: dict[str, Target] = {
     ),
     # A stop is acted on in every phase: before the launch nothing starts, each reason ends its own way.
     "stops": Target(("bootstrap/stops.py",), ("tests/bootstrap/test_stops.py",)),
+    # One writer per single-node job: the lease taken, the warm standby and its take-over, the holder's own
+    # clock (bootstrap/lease.py is the lease target's).
+    "standby": Target(
+        ("bootstrap/standby.py",),
+        ("tests/bootstrap/test_standby.py", "tests/bootstrap/test_lease.py"),
+    ),
+    # How each life ends: completion and its results, the job's end by the lease's holder only, failures and
+    # giving up, scale-in, handed-over, superseded and surplus lives, the queue's next job.
+    "outcomes": Target(
+        ("bootstrap/outcomes.py",),
+        ("tests/bootstrap/test_outcomes.py",),
+    ),
+    # The job's process on the instance: the stall watchdog's one restart, the kill at the stop deadline or
+    # the lease's end, what each exit means for the life; its environment and secrets (test_secrets.py).
+    "supervisor": Target(
+        ("bootstrap/supervisor.py",),
+        (
+            "tests/bootstrap/test_supervisor.py",
+            "tests/bootstrap/test_stop_line.py",
+            "tests/bootstrap/test_secrets.py",
+        ),
+    ),
     "watcher": Target(
         ("bootstrap/watcher.py",),
         ("tests/bootstrap/test_imds_and_watcher.py", "tests/bootstrap/test_mutants_watcher.py"),
