@@ -195,6 +195,7 @@ class JobDirectory:
         group_max: int | None = None,
         reported: set[str] | None = None,
         lane: int = 0,
+        shared: JobDirectory | None = None,
     ) -> None:
         self._s3 = s3
         self.config = config
@@ -208,9 +209,11 @@ class JobDirectory:
         # Each pool keeps its own pointer and takes only its own entries (trainstack_job/resources.py).
         self.pointer_key = config.prefixes.state + pointer_name(config.pool, lane)
         self.log = log or EventLog()
-        self._entries: dict[str, tuple[str, QueueEntry | None]] = {}
+        # A pool's lanes share what they read once (`shared`: lane 0's directory): each queue entry and each
+        # ended status is read once per decision, not once per lane (bench/scheduling.py measured the cost).
+        self._entries: dict[str, tuple[str, QueueEntry | None]] = shared._entries if shared else {}
         # Jobs whose end is final (not resumable): their status never changes again.
-        self._ended: dict[str, str] = {}
+        self._ended: dict[str, str] = shared._ended if shared else {}
         # Bad objects already reported, shared by the life's directories: one line per object per life.
         self._reported = reported if reported is not None else set()
 
@@ -719,9 +722,10 @@ def _bind_lanes(
     `look_only`: say which job it would be, writing nothing (what a job's end asks before it leaves).
     Single-node jobs only: a pool of several lanes has `maxInstances` 1 (infra/config.py)."""
     shared: set[str] = reported if reported is not None else set()
-    lanes = [
-        JobDirectory(s3, config, log, group_max=group_max, reported=shared, lane=lane)
-        for lane in range(config.lanes)
+    first = JobDirectory(s3, config, log, group_max=group_max, reported=shared)
+    lanes = [first] + [
+        JobDirectory(s3, config, log, group_max=group_max, reported=shared, lane=lane, shared=first)
+        for lane in range(1, config.lanes)
     ]
     if config.job_id not in ("", LEGACY_JOB_ID) and not look_only:
         lanes[0].submit(config, now)
