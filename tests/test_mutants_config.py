@@ -1041,8 +1041,13 @@ def test_the_agent_config_written_by_infra_loads_back_equal(tmp_path: Path) -> N
     path = tmp_path / "agent.yaml"
     path.write_text(config.to_yaml())
     assert AgentConfig.load(path) == config
-    # In the order the dataclass declares its keys, for a person reading the file on the instance.
-    assert list(yaml.safe_load(config.to_yaml())) == list(AgentConfig.__dataclass_fields__)
+    # In the order the dataclass declares its keys, for a person reading the file on the instance; `pool` and
+    # `lanes` only when not the default pool's (its user data renders as before pools).
+    declared = [k for k in AgentConfig.__dataclass_fields__ if k not in ("pool", "lanes")]
+    assert list(yaml.safe_load(config.to_yaml())) == declared
+    pooled = AgentConfig.from_mapping({**AGENT, "pool": "big", "lanes": 3})
+    assert list(yaml.safe_load(pooled.to_yaml())) == list(AgentConfig.__dataclass_fields__)
+    assert AgentConfig.from_mapping(yaml.safe_load(pooled.to_yaml())) == pooled
 
 
 def test_an_agent_config_file_that_cannot_be_used_is_one_line_naming_it(tmp_path: Path) -> None:
