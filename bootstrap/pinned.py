@@ -5,7 +5,9 @@ job that is still running must not be continued by it (docs/internals.md, "Bindi
 The same holds for the next queued job on an instance that is up: it runs the code it was submitted with.
 The job's record names its bundle; the agent unpacks it beside its own code (as install-agent.sh does,
 `<install root>/<sha256>/`) and replaces itself with the same entry point run from there, with the job's
-fields over this instance's agent config.
+fields over this instance's agent config. Only the environment's code (`code/`, written by `pulumi up`) is
+ever re-executed; the code a job was submitted with (`job-code/`, `trainstack run`) is unpacked for the job's
+user to run (`prepare_job_code`), never by the agent (SECURITY.md, [T15]).
 """
 
 from __future__ import annotations
