@@ -126,6 +126,9 @@ TARGETS: dict[str, Target] = {
     ),
     # A stop is acted on in every phase: before the launch nothing starts, each reason ends its own way.
     "stops": Target(("bootstrap/stops.py",), ("tests/bootstrap/test_stops.py",)),
+    # The pools' scheduler: each pool raised to what its waiting jobs need, never lowered, concurrent passes
+    # agreeing (infra/scheduler.py invokes it).
+    "scheduler": Target(("infra/scheduler_fn/handler.py",), ("tests/infra/test_scheduler_fn.py",)),
     # One writer per single-node job: the lease taken, the warm standby and its take-over, the holder's own
     # clock (bootstrap/lease.py is the lease target's).
     "standby": Target(
