@@ -27,12 +27,14 @@ from typing import Any
 import boto3
 from botocore.exceptions import ClientError
 
-from trainstack_job.contract import ENDED_STATUSES, LEDGER
+from trainstack_job.contract import ENDED_STATUSES, LEDGER, BucketPrefix
 from trainstack_job.jobs import JobPrefixes, pointer_name
 from trainstack_job.queue import CANCEL_REQUEST, QUEUE_PREFIX, QueueEntry, QueueError, parse_entry, stored_at
 
 LOG = logging.getLogger("trainstack.scheduler")
 LOG.setLevel(logging.INFO)
+# The stack's state prefix (bootstrap/agent_config.py Prefixes: the program never moves it).
+STATE_PREFIX = BucketPrefix.STATE.value
 # A record, ledger or pointer is a few KiB: a bigger object is not read (someone's stray upload).
 MAX_OBJECT_BYTES = 1024 * 1024
 
@@ -192,7 +194,7 @@ def handler(event: Mapping[str, Any], context: object) -> dict[str, Any]:
         boto3.client("autoscaling"),
         boto3.client("s3"),
         env["BUCKET"],
-        env.get("STATE_PREFIX") or "state/",
+        STATE_PREFIX,
         PoolSettings.many_from_env(env),
     )
     result = {"decisions": [decision.to_json() for decision in decisions]}

@@ -5,6 +5,7 @@ cancelled jobs and other pools' jobs, and concurrent invocations agree."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from typing import Any
 
@@ -12,7 +13,7 @@ import boto3
 import pytest
 
 from demo.stack import LocalStack, create_stack
-from infra.scheduler_fn.handler import PoolSettings, run
+from infra.scheduler_fn.handler import PoolSettings, handler, run
 from tests.iam.plugin import record_as
 from tests.iam.principals import SCHEDULER
 from trainstack_job.queue import SOURCE_RUN, cancel_key, job_record, queue_entry, queue_key
@@ -106,3 +107,41 @@ def test_concurrent_invocations_agree_on_one_capacity(stack: LocalStack) -> None
         thread.join(60)
     assert len(decisions) == 4 and {d.wanted for d in decisions} == {4}
     assert _desired(stack) == 4, "four lanes free, six jobs waiting: four instances, never more"
+
+
+def test_the_lambda_entry_point_reads_its_pools_from_its_environment(
+    stack: LocalStack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What infra/scheduler.py configures (BUCKET, POOLS as SchedulerArgs.pools_variable renders it) is what
+    the handler acts on, pool by pool, and what it logs and returns is each pool's decision."""
+    _running(stack, "current-job.json", "first-aaaaaaaa")
+    _queue(stack, "alpha-aaaaaaaa", "2026-12-06T12:00:00.000Z")
+    pools = [
+        {"pool": "", "group": stack.group_name, "lanes": 2, "max_instances": 1},
+        {"pool": "big", "group": "trainstack-sched-gpu-big", "lanes": 1, "max_instances": 2},  # not created
+    ]
+    monkeypatch.setenv("BUCKET", stack.bucket)
+    monkeypatch.setenv("POOLS", json.dumps(pools))
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    assert PoolSettings.many_from_env({"POOLS": json.dumps(pools)}) == [
+        PoolSettings("", stack.group_name, 2, 1),
+        PoolSettings("big", "trainstack-sched-gpu-big", 1, 2),
+    ]
+    with caplog.at_level(logging.INFO, logger="trainstack.scheduler"):
+        result = handler({"source": "aws.events"}, None)
+    # The default pool: lane 0 busy and one job waiting for lane 1; the big pool's group is not there (yet).
+    expected = {
+        "decisions": [
+            {
+                "pool": "",
+                "group": stack.group_name,
+                "waiting": 1,
+                "busy": 1,
+                "desired": 0,
+                "wanted": 2,
+                "action": "raised",
+            }
+        ]
+    }
+    assert result == expected and _desired(stack) == 2
+    assert [json.loads(r.getMessage()) for r in caplog.records] == [expected], "one log line, as returned"
