@@ -204,29 +204,57 @@ class CapacityFallback(pulumi.ComponentResource):
         self, role: str, description: str, *, event_pattern: str | None = None, schedule: str | None = None
     ) -> None:
         args = self._args
-        rule = aws.cloudwatch.EventRule(
+        invoke_on(
+            self,
             f"{self._name}-{role}",
+            self.function,
             name=args.rule_name(role),
             description=f"trainstack {args.stack}: {description} -> capacity fallback",
             event_pattern=event_pattern,
-            schedule_expression=schedule,
+            schedule=schedule,
+            depends_on=args.depends_on,
             tags=args.tags,
-            opts=pulumi.ResourceOptions(parent=self, depends_on=args.depends_on),
         )
-        permission = aws.lambda_.Permission(
-            f"{self._name}-{role}-invoke",
-            action="lambda:InvokeFunction",
-            function=self.function.name,
-            principal="events.amazonaws.com",
-            source_arn=rule.arn,
-            opts=self._child,
-        )
-        aws.cloudwatch.EventTarget(
-            f"{self._name}-{role}-target",
-            rule=rule.name,
-            arn=self.function.arn,
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[permission]),
-        )
+
+
+def invoke_on(
+    owner: pulumi.ComponentResource,
+    logical: str,
+    function: aws.lambda_.Function,
+    *,
+    name: str,
+    description: str,
+    event_pattern: pulumi.Input[str] | None = None,
+    schedule: str | None = None,
+    depends_on: list[pulumi.Resource] | None = None,
+    tags: dict[str, str] | None = None,
+) -> None:
+    """An EventBridge rule (an event pattern or a schedule) that invokes `function`, with the permission for
+    EventBridge to, scoped to that rule: `<logical>`, `<logical>-invoke`, `<logical>-target` under `owner`.
+    The capacity function and the scheduler are both invoked this way."""
+    rule = aws.cloudwatch.EventRule(
+        logical,
+        name=name,
+        description=description,
+        event_pattern=event_pattern,
+        schedule_expression=schedule,
+        tags=tags or {},
+        opts=pulumi.ResourceOptions(parent=owner, depends_on=depends_on or []),
+    )
+    permission = aws.lambda_.Permission(
+        f"{logical}-invoke",
+        action="lambda:InvokeFunction",
+        function=function.name,
+        principal="events.amazonaws.com",
+        source_arn=rule.arn,
+        opts=pulumi.ResourceOptions(parent=owner),
+    )
+    aws.cloudwatch.EventTarget(
+        f"{logical}-target",
+        rule=rule.name,
+        arn=function.arn,
+        opts=pulumi.ResourceOptions(parent=owner, depends_on=[permission]),
+    )
 
 
 def _description(args: CapacityFallbackArgs) -> str:

@@ -15,6 +15,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra import policies
+from infra.capacity import invoke_on
 from infra.config import Pool
 from trainstack_job.queue import QUEUE_PREFIX
 
@@ -201,26 +202,14 @@ class Scheduler(pulumi.ComponentResource):
         depends_on: list[pulumi.Resource] | None = None,
     ) -> None:
         args = self._args
-        rule = aws.cloudwatch.EventRule(
+        invoke_on(
+            self,
             f"{self._name}-{role}",
+            self.function,
             name=f"{args.name}-scheduler-{role}",
             description=f"trainstack {args.stack}: {description} -> scheduler",
             event_pattern=event_pattern,
-            schedule_expression=schedule,
+            schedule=schedule,
+            depends_on=[*args.depends_on, *(depends_on or [])],
             tags=args.tags,
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[*args.depends_on, *(depends_on or [])]),
-        )
-        permission = aws.lambda_.Permission(
-            f"{self._name}-{role}-invoke",
-            action="lambda:InvokeFunction",
-            function=self.function.name,
-            principal="events.amazonaws.com",
-            source_arn=rule.arn,
-            opts=self._child,
-        )
-        aws.cloudwatch.EventTarget(
-            f"{self._name}-{role}-target",
-            rule=rule.name,
-            arn=self.function.arn,
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[permission]),
         )
