@@ -97,6 +97,8 @@ TARGETS: dict[str, Target] = {
             "tests/bootstrap/test_ledger_handover.py",
             "tests/bootstrap/test_multinode_ledger.py",
             "tests/bootstrap/test_outcomes.py",
+            # A life bound to a running job never reopens it once ended (JobEndedError).
+            "tests/bootstrap/test_pool_binding.py",
         ),
     ),
     # The cost cap on the instance (`trainstack stop` and the cap as each life reads them; the agent's own
