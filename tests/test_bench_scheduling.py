@@ -1,4 +1,4 @@
-"""The scheduling bench (bench/scheduling.py) at its `--quick` size: a few jobs on a few simulated instances
+"""The scheduling bench (bench/scheduling/) at its `--quick` size: a few jobs on a few simulated instances
 per run, the real `bind_job`/`_bind_lanes`, lease and ledger against a moto server. The pass conditions must
 hold; no timing is asserted (this machine's speed is not under test)."""
 
@@ -9,7 +9,10 @@ from typing import Any
 
 import pytest
 
-from bench.scheduling import Holding, Journal, check_run, main, overlaps, pools_run
+from bench.scheduling.checks import check_run, overlaps
+from bench.scheduling.journal import Holding, Journal
+from bench.scheduling.report import main
+from bench.scheduling.runs import pools_run
 
 CHECKS = {
     "every job ran exactly once",

@@ -1,0 +1,102 @@
+"""The scheduling bench's runs: its pools, its jobs and when they are submitted."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+POOL_B = "b"
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    name: str  # "" = the stack's default pool
+    instances: int
+    lanes: int
+
+    @property
+    def label(self) -> str:
+        return self.name or "default"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job_id: str
+    pool: str
+    train_s: float
+    sweep: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    title: str
+    pools: tuple[PoolSpec, ...]
+    jobs: tuple[JobSpec, ...]
+    # 0: every job is queued before the instances start; > 0: the jobs are submitted over this many seconds
+    # while the instances start (the first submission woke the group).
+    submit_over_s: float = 0.0
+    scale_in: bool = False
+
+
+def _job_id(name: str, index: int) -> str:
+    return f"{name}-{index:08x}"
+
+
+def _train_times(count: int, rng: random.Random, low: float, high: float) -> list[float]:
+    return [round(rng.uniform(low, high), 3) for _ in range(count)]
+
+
+def pools_run(
+    jobs: int, instances_a: int, lanes_a: int, instances_b: int, lanes_b: int, seed: int
+) -> RunSpec:
+    rng = random.Random(seed)
+    times = _train_times(jobs, rng, 0.05, 0.3)
+    # Jobs split between the pools in proportion to their lanes (3:1 at the default sizes), interleaved.
+    share_b = lanes_b / (lanes_a + lanes_b)
+    specs = []
+    for i in range(jobs):
+        pool = POOL_B if int((i + 1) * share_b) > int(i * share_b) else ""
+        specs.append(JobSpec(_job_id("job", i), pool, times[i]))
+    return RunSpec(
+        "pools",
+        f"{jobs} jobs over {instances_a + instances_b} instances in 2 pools "
+        f"(default: {instances_a} instances, {lanes_a} lanes; "
+        f"{POOL_B}: {instances_b} instances, {lanes_b} lanes)",
+        (PoolSpec("", instances_a, lanes_a), PoolSpec(POOL_B, instances_b, lanes_b)),
+        tuple(specs),
+    )
+
+
+def sweep_run(points: int, lanes: int, instances: int, parallel: int, seed: int) -> RunSpec:
+    rng = random.Random(seed + 1)
+    times = _train_times(points, rng, 0.05, 0.3)
+    sweep: dict[str, Any] = {"name": "lr", "point": {}}
+    if parallel:
+        sweep["parallel"] = parallel
+    specs = tuple(
+        JobSpec(_job_id(f"lr-p{i}", i), "", times[i], {**sweep, "point": {"lr": i}}) for i in range(points)
+    )
+    limit = f", --parallel {parallel}" if parallel else ""
+    return RunSpec(
+        "sweep",
+        f"a {points}-point sweep on a pool of {lanes} lanes and {instances} instances{limit}",
+        (PoolSpec("", instances, lanes),),
+        specs,
+    )
+
+
+def burst_run(jobs: int, lanes: int, instances: int, seed: int, scale_in: bool = True) -> RunSpec:
+    rng = random.Random(seed + 2)
+    times = _train_times(jobs, rng, 0.05, 0.3)
+    specs = tuple(JobSpec(_job_id("burst", i), "", times[i]) for i in range(jobs))
+    return RunSpec(
+        "burst",
+        f"a burst of {jobs} submissions within 1 s, drained by {instances} instances ({lanes} lanes)"
+        + (", scale-in on" if scale_in else ""),
+        (PoolSpec("", instances, lanes),),
+        specs,
+        submit_over_s=1.0,
+        scale_in=scale_in,
+    )
