@@ -11,6 +11,7 @@ import boto3
 import torch
 from torchvision import models
 
+from bootstrap.standalone import s3_persister
 from training.checkpoint import CheckpointManager
 
 
@@ -35,7 +36,10 @@ def emergency_checkpoint_seconds() -> dict[str, float]:
             optimizer.step()  # allocates the momentum buffers: the ~200 MB a real checkpoint carries
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
             with tempfile.TemporaryDirectory() as tmp:
-                manager = CheckpointManager(Path(tmp), "s3://bench/checkpoints", keep=2)
+                # A trainer run by hand with checkpoint.uri: the agent's persister (bootstrap/standalone.py).
+                manager = CheckpointManager(
+                    Path(tmp), "s3://bench/checkpoints", keep=2, persister_factory=s3_persister
+                )
                 started = time.perf_counter()
                 directory = manager.save(state, step=1, epoch=0, world_size=1, config_hash="bench")
                 saved = time.perf_counter()

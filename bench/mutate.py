@@ -18,6 +18,7 @@ Per target it prints killed / checked and the survivors (with their diffs, also 
 A mutant counts as killed when a selected test fails or times out with it; one no selected test reaches
 counts as surviving. Mutants left out by `--only` (or by a run stopped early) are "not checked": reported
 as such, never counted as killed. Scores and the equivalent survivors are recorded in bench/RESULTS.md.
+A test written to kill a survivor goes into the test file of the module it checks, which its target lists.
 """
 
 from __future__ import annotations
@@ -61,10 +62,27 @@ TARGETS: dict[str, Target] = {
     "persist": Target(
         ("bootstrap/persist.py", "bootstrap/checkpoint_store.py", "bootstrap/checkpoint_restore.py"),
         (
+            "tests/bootstrap/test_persist.py",
             "tests/bootstrap/test_fencing.py",
-            "tests/bootstrap/test_mutants_persist.py",
             # The persister's side of the multi-node fence: `latest.json`'s generation, the superseded node.
             "tests/bootstrap/test_generation_fence.py",
+            # The job is contained: a forged token in latest.json never stops its holder nor raises the next
+            # lease's floor (the token record); a restore that would write outside its step is refused.
+            "tests/bootstrap/test_forged_token.py",
+            "tests/bootstrap/test_refused_restore.py",
+            *(
+                f"tests/bootstrap/test_contained_paths.py::{name}"
+                for name in (
+                    "test_a_manifest_naming_a_file_outside_its_step_is_never_restored_and_the_line_names_the_object",
+                    "test_with_an_older_checkpoint_the_outside_one_is_skipped_saying_why_and_the_older_restored",
+                    "test_a_staging_folder_the_job_swaps_for_a_link_mid_restore_is_never_written_through",
+                    "test_a_file_swapped_for_a_link_after_the_uploads_check_is_never_read_through_it",
+                    "test_a_step_with_sub_folders_still_goes_up_and_comes_back_whole",
+                    "test_a_step_whose_folder_is_a_link_out_is_never_uploaded",
+                    "test_a_link_at_latest_jsons_temporary_name_never_makes_root_write_its_target",
+                    "test_a_link_at_latest_json_itself_is_replaced_not_followed_and_said_once",
+                )
+            ),
             # The persister alone against the S3 fault proxy (a few seconds each; no agent, no trainer).
             f"{FAULTS}::test_after_an_s3_outage_at_a_stop_latest_names_the_newest_step_and_never_moved_back",
             f"{FAULTS}::test_a_draining_old_life_cannot_move_latest_back",
@@ -74,25 +92,17 @@ TARGETS: dict[str, Target] = {
     ),
     "lease": Target(
         ("bootstrap/lease.py",),
-        (
-            "tests/bootstrap/test_lease.py",
-            "tests/bootstrap/test_fencing.py",
-            "tests/bootstrap/test_mutants_lease.py",
-        ),
+        ("tests/bootstrap/test_lease.py", "tests/bootstrap/test_fencing.py"),
     ),
     # The lease's counterpart on a multi-node job: the generation record as the fencing token.
     "fence": Target(
         ("bootstrap/generation_fence.py",),
-        (
-            "tests/bootstrap/test_generation_fence.py",
-            "tests/bootstrap/test_fencing.py",
-            "tests/bootstrap/test_mutants_fence.py",
-        ),
+        ("tests/bootstrap/test_generation_fence.py", "tests/bootstrap/test_fencing.py"),
     ),
     "ledger": Target(
         ("bootstrap/ledger.py",),
         (
-            "tests/bootstrap/test_mutants_ledger.py",
+            "tests/bootstrap/test_ledger.py",
             "tests/bootstrap/test_agent_parts.py",
             "tests/bootstrap/test_ledger_handover.py",
             "tests/bootstrap/test_multinode_ledger.py",
@@ -101,14 +111,22 @@ TARGETS: dict[str, Target] = {
             "tests/bootstrap/test_pool_binding.py",
         ),
     ),
+    # The records every process shares (trainstack_job/records.py): each reads whatever its object holds
+    # without raising, writes back what it read; the one conditional write and the ended statuses.
+    "records": Target(
+        ("trainstack_job/records.py",),
+        ("tests/job/test_records.py", "tests/bootstrap/test_lease.py", "tests/bootstrap/test_ledger.py"),
+        # Reads the module's source for its imports: a mutated copy imports mutmut's trampoline.
+        deselect=("tests/job/test_records.py::test_records_load_only_the_standard_library",),
+    ),
     # The cost cap on the instance (`trainstack stop` and the cap as each life reads them; the agent's own
     # tests start trainers) and from outside it (the capacity Lambda, whose spot fallback shares the file).
     "costcap": Target(
         ("bootstrap/jobstate.py", "infra/capacity_fallback/handler.py"),
         (
-            "tests/bootstrap/test_mutants_jobstate.py",
+            "tests/bootstrap/test_jobstate.py",
+            # The cap from outside, and the spot fallback's decision with the line saying why.
             "tests/infra/test_cost_cap.py",
-            "tests/infra/test_mutants_costcap.py",
             # The fallback's decisions against moto's group (not the Pulumi program's preview tests).
             *(
                 f"tests/infra/test_capacity.py::{name}"
@@ -143,6 +161,11 @@ TARGETS: dict[str, Target] = {
         ("bootstrap/outcomes.py",),
         ("tests/bootstrap/test_outcomes.py",),
     ),
+    # Which job a life serves: the current-job pointer moved only by conditional writes, the queue's head, a
+    # job's record checked (only the environment's code re-executed), cancel and stop requests, a pool's
+    # lanes (claimed once), damaged objects named once, the legacy job. Against a bare bucket in moto, no
+    # agent or trainer (not test_pool_binding.py: a whole stack per test; its promises are in this file too).
+    "binding": Target(("bootstrap/jobbinding.py",), ("tests/bootstrap/test_jobbinding.py",)),
     # The job's process on the instance: the stall watchdog's one restart, the kill at the stop deadline or
     # the lease's end, what each exit means for the life; its environment and secrets (test_secrets.py).
     "supervisor": Target(
@@ -155,7 +178,7 @@ TARGETS: dict[str, Target] = {
     ),
     "watcher": Target(
         ("bootstrap/watcher.py",),
-        ("tests/bootstrap/test_imds_and_watcher.py", "tests/bootstrap/test_mutants_watcher.py"),
+        ("tests/bootstrap/test_imds_and_watcher.py",),
     ),
     "policy": Target(
         # patterns.py: the ARN matchers the identity rules judge resources with (the KMS "every key" rule).
@@ -174,7 +197,6 @@ TARGETS: dict[str, Target] = {
             "tests/policy/test_effective_permissions.py",
             # Not test_pack_process.py: the pack it starts as a process imports the mutants outside
             # mutmut's folder, where mutmut cannot find its settings.
-            "tests/policy/test_mutants_policy.py",
         ),
         # The Pulumi program under its mocks talks gRPC, which hangs in a forked worker (no CPU spent, so
         # mutmut's limit never ends it); it judges the capacity rules, not these modules.
@@ -186,15 +208,31 @@ TARGETS: dict[str, Target] = {
             "tests/infra/test_config.py",
             "tests/infra/test_config_security.py",
             "tests/training/test_config.py",
-            "tests/test_mutants_config.py",
-            "tests/training/test_mutants_trainer_config.py",
+            # The pools' keys as preview reads them (not the tests that run the Pulumi program: gRPC).
+            *(
+                f"tests/infra/test_pools.py::{name}"
+                for name in (
+                    "test_a_bad_pool_is_one_line_naming_its_key_and_a_fix_that_is_accepted",
+                    "test_a_pool_that_is_not_a_mapping_is_one_line",
+                    "test_pools_that_are_not_a_short_list_are_one_line_with_an_example_that_is_accepted",
+                    "test_a_pool_name_too_long_for_its_aws_names_is_refused_with_one_that_fits",
+                    "test_pools_together_with_the_single_groups_keys_is_one_line_saying_which_to_keep",
+                    "test_an_efa_pool_in_public_subnets_is_refused_as_the_single_group_is",
+                    "test_the_default_job_must_fit_every_pool_any_of_whose_agents_may_take_it",
+                    "test_an_empty_pools_list_is_the_single_group",
+                    "test_the_single_groups_fields_describe_the_first_pool",
+                    "test_the_readme_and_example_stack_pools_are_accepted",
+                    "test_the_cli_reads_pools_from_the_stack_file_as_preview_does",
+                    "test_several_jobs_at_once_are_refused_on_a_multi_node_pool_and_out_of_range",
+                )
+            ),
         ),
         # The Pulumi program under its mocks (gRPC: hangs in a forked worker); the validators they reach
         # are the ones test_config.py calls directly. The trainer's command line in a process and against
         # moto (training/__main__.py's checks; a moto server and a process per mutant made the run take
-        # hours): the trainer config's own promises are test_mutants_trainer_config.py's, in memory. Not
-        # tests/bootstrap/test_jobbinding.py either (the agent against moto): test_mutants_config.py holds
-        # the agent config's.
+        # hours): the trainer config's own promises are tests/training/test_config.py's in-memory tests. Not
+        # tests/bootstrap/test_jobbinding.py either (the agent against moto): tests/infra/test_config.py
+        # holds the agent config's.
         deselect=(
             *(
                 f"tests/infra/test_config.py::{name}"
@@ -221,31 +259,25 @@ TARGETS: dict[str, Target] = {
 }
 
 
-def mutant_tests() -> list[str]:
-    """The checkout's mutant-killing tests (tests/**/test_mutants_*.py) as they are now."""
-    listed = subprocess.run(
-        # (`tests/**/` needs a folder between: the ones directly in tests/ are named on their own.)
-        [
-            *("git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"),
-            *("tests/test_mutants_*.py", "tests/**/test_mutants_*.py"),
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    ).stdout.decode()
-    return [name for name in filter(None, listed.split("\0")) if (ROOT / name).is_file()]
+def own_test_files(target: Target) -> list[str]:
+    """The target's own test files (its tests' files, node ids or not) that the checkout has now."""
+    return [
+        name for name in sorted({test.split("::")[0] for test in target.tests}) if (ROOT / name).is_file()
+    ]
 
 
-def private_copy(destination: Path, source: str | None = None) -> None:
+def private_copy(destination: Path, target: Target, source: str | None = None) -> None:
     """The working tree as it is now (tracked and untracked files git does not ignore) under `destination`;
-    with `source` (a git ref), the files as committed there plus the working tree's mutant-killing tests:
-    colleagues' uncommitted edits elsewhere in a shared checkout cannot break the copy's imports."""
+    with `source` (a git ref), the files as committed there plus the target's own test files as the working
+    tree has them: colleagues' uncommitted edits elsewhere in a shared checkout cannot break the copy's
+    imports. A copied test that needs a source newer than `source` fails mutmut's clean run, which stops the
+    run: never a false kill."""
     shutil.rmtree(destination, ignore_errors=True)
     destination.mkdir(parents=True)
     if source is not None:
         archive = subprocess.run(["git", "archive", source], cwd=ROOT, check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(destination)], input=archive, check=True)
-        for name in mutant_tests():
+        for name in own_test_files(target):
             (destination / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, destination / name)
         return
@@ -259,9 +291,9 @@ def private_copy(destination: Path, source: str | None = None) -> None:
         source_file = ROOT / name
         if not source_file.is_file():  # deleted in the working tree, or a submodule
             continue
-        target = destination / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source_file, target)
+        copied = destination / name
+        copied.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source_file, copied)
 
 
 def toml_list(values: list[str]) -> str:
@@ -346,13 +378,11 @@ def recorded(tree: Path) -> dict[str, str]:
 
 
 def refresh_tests(tree: Path, target: Target) -> None:
-    """The checkout's mutant-killing tests and the target's own test files as they are now, into an earlier
-    run's copy (new tests get mutmut's stats); a test added to a target's file since would otherwise be
-    rerun as it was. Only those: other tests may have moved on with sources the copy does not have. One of
-    these that needs such a source fails mutmut's clean run, which stops the rerun: never a false kill."""
-    for name in sorted({*mutant_tests(), *(test.split("::")[0] for test in target.tests)}):
-        if not (ROOT / name).is_file():
-            continue
+    """The target's own test files as they are now, into an earlier run's copy (new tests get mutmut's
+    stats); a test added to a target's file since would otherwise be rerun as it was. Only those: other
+    tests may have moved on with sources the copy does not have. One of these that needs such a source fails
+    mutmut's clean run, which stops the rerun: never a false kill."""
+    for name in own_test_files(target):
         for base in (tree, tree / "mutants"):
             (base / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, base / name)
@@ -396,7 +426,7 @@ def run_target(
         }
         (tree / "results.json").write_text(json.dumps(merged, indent=1, sort_keys=True))
     else:
-        private_copy(tree, source)
+        private_copy(tree, target, source)
         tests = configure(tree, target)
         # mutmut's first run in a fresh folder fails to import the `tests` package of its own copy (its
         # import caches see mutants/ empty); a run over a mutants/ already holding the sources does not.
@@ -469,8 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--source",
         metavar="REF",
-        help="mutate the files as committed at REF (plus the checkout's tests/**/test_mutants_*.py), "
-        "not the working tree",
+        help="mutate the files as committed at REF, not the working tree (each target's own test files "
+        "are the checkout's, as they are now)",
     )
     parser.add_argument(
         "--only",

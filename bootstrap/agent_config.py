@@ -11,6 +11,7 @@ import yaml
 
 from trainstack_job.contract import BucketPrefix
 from trainstack_job.datasets import DatasetError, check_dataset_name, check_version
+from trainstack_job.jobfile import JobSpec, JobSpecError
 from trainstack_job.jobs import JOBS_PREFIX, LEGACY_JOB_ID, JobIdError, check_job_id
 
 DEFAULT_PATH = Path("/etc/trainstack/agent.yaml")
@@ -182,8 +183,6 @@ class AgentConfig:
         if "job" in raw and not isinstance(raw["job"], dict):
             problems.append("'job' must be a mapping (the trainer's YAML config)")
         if raw.get("user_job") is not None:
-            from bootstrap.job import JobSpec, JobSpecError
-
             try:
                 JobSpec.from_mapping(raw["user_job"], "'user_job'")
             except JobSpecError as exc:

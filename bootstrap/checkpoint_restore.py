@@ -21,7 +21,6 @@ from bootstrap.checkpoint_store import (
     CheckpointRefusedError,
     CheckpointStore,
     UploadAbandonedError,
-    is_missing,
 )
 from bootstrap.safefiles import (
     fd_path,
@@ -38,6 +37,7 @@ from trainstack_job.layout import (
     step_dir_name,
     verify_dir,
 )
+from trainstack_job.records import is_missing
 
 
 class CheckpointRestore(CheckpointStore):

@@ -25,6 +25,11 @@ from trainstack_job.layout import (
     STEP_DIR,
 )
 
+# Raised from here (checkpoint_restore.py, persist.py import it here); defined beside the checkpoint layout so
+# the trainer run by hand names it without importing the agent.
+from trainstack_job.layout import CheckpointRefusedError as CheckpointRefusedError
+from trainstack_job.records import is_conflict, is_missing, write_condition
+
 # 64 MiB parts: a multi-GB checkpoint goes up as parallel parts, each with its own SHA256 checksum.
 TRANSFER = TransferConfig(multipart_threshold=64 * 2**20, multipart_chunksize=64 * 2**20, max_concurrency=8)
 WAIT_TICK = 0.1
@@ -65,14 +70,6 @@ class UploadAbandonedError(Exception):
     """An upload given up on purpose: a newer step superseded it, the deadline passed, or a stop began."""
 
 
-class CheckpointRefusedError(Exception):
-    """S3 refused to hand over a file of a confirmed checkpoint (access denied, a key it cannot decrypt with,
-    an outage outlasting botocore's retries), or the agent refused it: its manifest names a file outside the
-    step's folder, which restoring (as root) would write anywhere on the instance. Unlike a damaged checkpoint
-    it is not skipped for nothing: with no older checkpoint left, restore fails rather than start the job
-    over, which would write a lower step over the one `latest.json` names."""
-
-
 @dataclass(frozen=True)
 class PersistResult:
     """Where persistence stands at the end of a job: the newest local step and the newest confirmed one."""
@@ -90,17 +87,6 @@ class PersistResult:
         if self.newest_local_step is None:
             return True
         return self.confirmed_step is not None and self.confirmed_step >= self.newest_local_step
-
-
-def is_conflict(exc: ClientError) -> bool:
-    """412 (the ETag moved) or 409 (a concurrent conditional write): read again and retry."""
-    error = exc.response.get("Error", {})
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return error.get("Code") in {"PreconditionFailed", "ConditionalRequestConflict"} or status in {409, 412}
-
-
-def is_missing(exc: ClientError) -> bool:
-    return exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}
 
 
 def bounded(fn: Callable[[], _T], deadline: float | None, what: str) -> _T:
@@ -260,8 +246,9 @@ class CheckpointStore:
                 recorded, etag = self._read_token_record(deadline)
                 if recorded is not None and recorded >= token:
                     break
-                condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
                 body = json.dumps({"token": token, "uri": f"{self.uri}/{LATEST}"}).encode()
+
+                condition = write_condition(etag)
 
                 def put(condition: dict[str, str] = condition, body: bytes = body) -> Any:
                     return self._s3.put_object(

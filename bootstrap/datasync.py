@@ -47,6 +47,7 @@ from trainstack_job.datasets import (
     same_version,
     short,
 )
+from trainstack_job.records import is_missing
 
 MANIFEST_NAME = SYNC_MANIFEST
 TOOLS = ("s5cmd", "aws", "boto3")
@@ -64,8 +65,6 @@ AWS_CLI_HIDDEN = (".*", "*/.*", "__MACOSX/*", "*/__MACOSX/*")
 # for its manifest before the life fails, asking again every SETTLE_POLL_SECONDS.
 SETTLE_SECONDS = 300.0
 SETTLE_POLL_SECONDS = 5.0
-# The job's ledger key for the dataset version it trains on (docs/internals.md, the ledger).
-LEDGER_KEY = "dataset"
 
 
 class SyncAborted(Exception):  # noqa: N818 - the name the agent and docs use
@@ -226,7 +225,7 @@ class DataSync:
                 self._s3.head_object(Bucket=self._bucket, Key=self._manifest_key)
                 return True
             except ClientError as exc:
-                if not _missing(exc):
+                if not is_missing(exc):
                     raise
             if self._dataset:
                 return False
@@ -240,7 +239,7 @@ class DataSync:
         try:
             body = self._s3.get_object(Bucket=self._bucket, Key=self._manifest_key)["Body"].read()
         except ClientError as exc:
-            if _missing(exc):
+            if is_missing(exc):
                 return None
             raise
         where = DatasetPlace(self._dataset, self._prefix, self._manifest_key)
@@ -573,7 +572,7 @@ class JobDataset:
 
     def recorded(self) -> str:
         """The version the job last synced, else the one it was submitted with ("" = neither)."""
-        entry = self._job.ledger.data.get(LEDGER_KEY)
+        entry = self._job.ledger.dataset
         if isinstance(entry, dict) and entry.get("name", "") == self._config.dataset:
             return str(entry.get("version") or "")
         return self._config.dataset_version
@@ -583,7 +582,7 @@ class JobDataset:
         try:
             self._s3.head_object(Bucket=self._config.bucket, Key=key)
         except ClientError as exc:
-            if _missing(exc):
+            if is_missing(exc):
                 return False
             raise
         return True
@@ -633,18 +632,14 @@ class JobDataset:
         }
 
         def change(ledger: JobLedger) -> None:
-            before = ledger.data.get(LEDGER_KEY)
+            before = ledger.dataset
             if isinstance(before, dict) and before.get("version") not in (None, report.version):
                 entry["previous_version"] = before["version"]
             elif isinstance(before, dict) and before.get("previous_version"):
                 entry["previous_version"] = before["previous_version"]
-            ledger.data[LEDGER_KEY] = entry
+            ledger.set_dataset(entry)
 
         self._job.record(change)
-
-
-def _missing(exc: ClientError) -> bool:
-    return str(exc.response.get("Error", {}).get("Code", "")) in {"NoSuchKey", "404", "NotFound"}
 
 
 def _cancel(futures: Iterable[TransferFuture]) -> None:

@@ -3,14 +3,19 @@ group's `trainstack/GPUUtilization` is what infra's GPU-idle alarm watches, the 
 
 from __future__ import annotations
 
+import argparse
+import signal
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bootstrap import hostmetrics
+from bootstrap.aws import client
 from bootstrap.eventlog import EventLog
 from bootstrap.hostmetrics import GpuSample, HostSampler, ProcFormatError
+from bootstrap.imds import ImdsClient
 
 NAMESPACE = hostmetrics.NAMESPACE
 METRIC = hostmetrics.GPU_UTILIZATION
@@ -120,3 +125,37 @@ class GpuMetricPublisher:
                 self.publish_once()
             except Exception as exc:  # one period's data is lost; log and keep going
                 self._log.event("metrics", "metrics put failed", error=str(exc))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python3 -m bootstrap.gpumetrics`: publish this instance's GPU and host metrics every 30 s until
+    SIGTERM, under its instance id only: for an instance that runs no agent (the dev box), so that
+    `trainstack top --dev` has numbers. `--once` publishes one interval and returns."""
+    parser = argparse.ArgumentParser(prog="python3 -m bootstrap.gpumetrics", description=main.__doc__)
+    parser.add_argument("--region", default="", help="default: the instance's own (IMDS)")
+    parser.add_argument("--principal", default="dev-role", help="whose role publishes (the IAM check's name)")
+    parser.add_argument("--once", action="store_true", help="publish one interval, then return")
+    parser.add_argument("--interval", type=float, default=PERIOD_SECONDS, help=argparse.SUPPRESS)
+    parser.add_argument("--proc", type=Path, default=Path("/proc"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    identity = ImdsClient().identity(args.region)
+    log = EventLog()
+    cloudwatch = client("cloudwatch", args.region or identity.region, principal=args.principal)
+    # No group and no job on such an instance: its own dimension only.
+    publisher = GpuMetricPublisher(cloudwatch, "", log, instance_id=identity.instance_id, proc=args.proc)
+    if args.once:
+        publisher.prime()
+        time.sleep(min(args.interval, 1.0))
+        publisher.publish_once()
+        return 0
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    publisher.start()
+    log.event("metrics", "publishing host and GPU metrics", instance_id=identity.instance_id)
+    stop.wait()
+    publisher.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -25,10 +25,10 @@ from botocore.exceptions import ClientError
 
 from bootstrap.agent_config import AgentConfig, AgentConfigError
 from bootstrap.eventlog import EventLog, iso
-from bootstrap.lease import DRIFT_SECONDS, LeaseState, StandbyState
+from bootstrap.lease import DRIFT_SECONDS
 from bootstrap.ledger import JobLedger, LedgerStore
 from bootstrap.safefiles import remove_entry
-from trainstack_job.contract import CONTROL, ENDED_STATUSES, LEDGER, JobStatus
+from trainstack_job.contract import CONTROL, LEDGER, JobStatus
 from trainstack_job.jobs import (
     LANE_CLAIM,
     LEASE,
@@ -52,14 +52,18 @@ from trainstack_job.queue import (
     queue_key,
     stored_at,
 )
+from trainstack_job.records import (
+    ENDED_STATUSES,
+    RESUMABLE_STATUSES,
+    JobPointer,
+    LeaseState,
+    StandbyState,
+    is_conflict,
+    is_missing,
+    write_condition,
+)
 from trainstack_job.text import clip
 
-# A job in one of these states is over: the queue moves on to the next job.
-ENDED = ENDED_STATUSES
-# Ends that `trainstack resume` continues: a new boot serves the current job again after one of these (unless
-# a stop or cancel request is still in force); a life that goes on to the next job on the same instance
-# does not.
-RESUMABLE = frozenset({JobStatus.STOPPED, JobStatus.COST_CAP, JobStatus.NO_DATA})
 # The job-record fields that define a job; a job's life takes them over the stack's agent config.
 JOB_FIELDS = (
     "job_id",
@@ -132,19 +136,6 @@ class JobBinding:
     resuming: bool = False
 
 
-def _code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-def _missing(exc: ClientError) -> bool:
-    return _code(exc) in {"NoSuchKey", "404", "NotFound"}
-
-
-def _conflict(exc: ClientError) -> bool:
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return _code(exc) in {"PreconditionFailed", "ConditionalRequestConflict"} or status in {409, 412}
-
-
 def _is_job_id(value: str) -> bool:
     try:
         check_job_id(value)
@@ -210,7 +201,7 @@ class JobDirectory:
         self.pointer_key = config.prefixes.state + pointer_name(config.pool, lane)
         self.log = log or EventLog()
         # A pool's lanes share what they read once (`shared`: lane 0's directory): each queue entry and each
-        # ended status is read once per decision, not once per lane (bench/scheduling.py measured the cost).
+        # ended status is read once per decision, not once per lane (bench/scheduling/ measured the cost).
         self._entries: dict[str, tuple[str, QueueEntry | None]] = shared._entries if shared else {}
         # Jobs whose end is final (not resumable): their status never changes again.
         self._ended: dict[str, str] = shared._ended if shared else {}
@@ -229,7 +220,7 @@ class JobDirectory:
         try:
             response = self._s3.get_object(Bucket=self.bucket, Key=key)
         except ClientError as exc:
-            if _missing(exc):
+            if is_missing(exc):
                 return None, None
             raise
         etag = str(response["ETag"])
@@ -259,7 +250,7 @@ class JobDirectory:
                 IfNoneMatch="*",
             )
         except ClientError as exc:
-            if _conflict(exc):
+            if is_conflict(exc):
                 return False
             raise
         return True
@@ -267,8 +258,9 @@ class JobDirectory:
     def current(self) -> tuple[str | None, str | None]:
         """(job id, ETag) of the pointer; (None, None) when the stack has none yet."""
         value, etag = self._get_json(self.pointer_key)
-        job_id = value.get("job_id") if value is not None else None
-        if etag is not None and (not isinstance(job_id, str) or not _is_job_id(job_id)):
+        pointer = JobPointer.from_json(value)
+        job_id = pointer.job_id if pointer is not None else None
+        if etag is not None and (job_id is None or not _is_job_id(job_id)):
             # Replaced by the next conditional move against this ETag: a damaged pointer must not stop the
             # stack (its queue still says what runs next).
             self._report_once(
@@ -285,7 +277,7 @@ class JobDirectory:
             return self._ended[job_id]
         value, _ = self._get_json(JobPrefixes.of(job_id).state + LEDGER)
         status = str(value.get("status")) if value else None
-        if status is not None and status in ENDED and status not in RESUMABLE:
+        if status is not None and status in ENDED_STATUSES and status not in RESUMABLE_STATUSES:
             self._ended[job_id] = status
         return status
 
@@ -307,18 +299,17 @@ class JobDirectory:
 
     def point_at(self, job_id: str, etag: str | None, previous: str | None, now: datetime) -> bool:
         """Move the pointer to `job_id` unless someone moved it since `etag` was read (then False)."""
-        body = json.dumps({"job_id": job_id, "since": iso(now), "previous": previous}).encode()
-        condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+        body = json.dumps(JobPointer(job_id, iso(now), previous).to_json()).encode()
         try:
             self._s3.put_object(
                 Bucket=self.bucket,
                 Key=self.pointer_key,
                 Body=body,
                 ContentType="application/json",
-                **condition,
+                **write_condition(etag),
             )
         except ClientError as exc:
-            if _conflict(exc):
+            if is_conflict(exc):
                 return False
             raise
         return True
@@ -353,9 +344,8 @@ class JobDirectory:
         """Mark a job that will not run (cancelled before it ran, refused): `trainstack jobs` shows why."""
 
         def end(ledger: JobLedger) -> None:
-            if ledger.status not in ENDED or ledger.status in RESUMABLE:
-                ledger.set_status(status)
-                ledger.data["reason"] = reason
+            if ledger.status not in ENDED_STATUSES or ledger.status in RESUMABLE_STATUSES:
+                ledger.set_status(status, reason)
 
         store = LedgerStore(self._s3, self.bucket, JobPrefixes.of(job_id).state + LEDGER)
         try:
@@ -397,7 +387,7 @@ class JobDirectory:
         try:
             body = self._s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         except ClientError as exc:
-            if _missing(exc):
+            if is_missing(exc):
                 return False, None
             raise
         try:
@@ -410,13 +400,13 @@ class JobDirectory:
         """Not ended; a cancel request on a job that is not running (queued, yielded, stopped) marks it
         `cancelled` and skips it."""
         status = self.status(job_id)
-        if status in ENDED and status not in RESUMABLE:
+        if status in ENDED_STATUSES and status not in RESUMABLE_STATUSES:
             return False
         if self.cancel_requested(job_id):
             self.log.event("queue", f"job {job_id} was cancelled before it ran: skipped", job_id=job_id)
             self._end_unstarted(job_id, JobStatus.CANCELLED, "cancelled while it waited in the queue")
             return False
-        return status not in ENDED
+        return status not in ENDED_STATUSES
 
     def head(self, held_back: Callable[[dict[str, Any]], bool] | None = None) -> JobBinding | None:
         """The oldest queued job that may run now (--now entries first), checked: its record readable and
@@ -556,15 +546,15 @@ class JobDirectory:
                 # has not begun (two nodes boot together); such a config serves it too. Any other config
                 # has nothing to continue there.
                 return self.binding(current) if self.config.job_id == LEGACY_JOB_ID else None
-            if status not in ENDED or (fresh and self.config.job_id == LEGACY_JOB_ID):
+            if status not in ENDED_STATUSES or (fresh and self.config.job_id == LEGACY_JOB_ID):
                 # A config from before jobs runs the legacy job as it always did (resume included).
                 found = self.binding(current)
-                return replace(found, resuming=status in ENDED) if found is not None else None
+                return replace(found, resuming=status in ENDED_STATUSES) if found is not None else None
             return None
-        if status in ENDED:
+        if status in ENDED_STATUSES:
             resumed = (
                 fresh
-                and status in RESUMABLE
+                and status in RESUMABLE_STATUSES
                 and not self.stop_requested(current)
                 and not self.cancel_requested(current)
                 and self.queued(current)
@@ -574,7 +564,7 @@ class JobDirectory:
         if self.record(current) is None:
             return None  # gone (deleted by hand): the queue moves on
         found = self.binding(current)
-        return replace(found, resuming=status in ENDED) if found is not None else None
+        return replace(found, resuming=status in ENDED_STATUSES) if found is not None else None
 
 
 def claim_scratch(scratch: Path, job_id: str, log: EventLog) -> None:
@@ -637,10 +627,12 @@ def bind_job(
         if current is None:
             # A stack from before jobs: its objects are the legacy job's, which goes on until it ends.
             legacy = jobs.status(LEGACY_JOB_ID)
-            if (legacy is not None and legacy not in ENDED) or (mine == LEGACY_JOB_ID and after is None):
+            if (legacy is not None and legacy not in ENDED_STATUSES) or (
+                mine == LEGACY_JOB_ID and after is None
+            ):
                 if jobs.point_at(LEGACY_JOB_ID, None, None, now):
                     legacy_binding = jobs.binding(LEGACY_JOB_ID)
-                    if legacy_binding is not None and legacy is not None and legacy in ENDED:
+                    if legacy_binding is not None and legacy is not None and legacy in ENDED_STATUSES:
                         legacy_binding = replace(legacy_binding, resuming=True)  # a config from before jobs
                     return legacy_binding
                 continue

@@ -28,14 +28,10 @@ against its ETag.
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
-from botocore.exceptions import ClientError
-
-from bootstrap.ledger import _is_conflict
+from trainstack_job.records import LeaseState, S3Record, StandbyState
 
 # Conflicts in a row before a write gives up for now: each one means another writer got in, which the
 # next read sees, so more than a few in a row means something keeps rewriting the record.
@@ -47,15 +43,6 @@ STALE_SECONDS = 60.0
 # boot can be off by seconds) plus the time a killed trainer takes to die. The holder stops on its own clock
 # at the expiry; the taker waits this much longer, so the two never train at once.
 DRIFT_SECONDS = 10.0
-
-
-def _number(value: Any) -> bool:
-    # JSON has one number type; bool is an int in Python but never a valid time or token.
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class LeaseLostError(Exception):
@@ -89,125 +76,11 @@ class LeaseExpiredError(LeaseLostError):
         return str(self.args[0])
 
 
-@dataclass(frozen=True)
-class LeaseState:
-    """The lease as stored: who holds it, with which token, since when, and whether it was let go."""
-
-    holder: str
-    life_id: str
-    token: int
-    acquired_at: float
-    heartbeat_at: float
-    released_at: float | None = None
-    stop_step: int | None = None
-    job_id: str | None = None
-    # When the holder's last proof ends (wall clock); None in records written before leases carried it.
-    expires_at: float | None = None
-
-    def expiry(self, stale_seconds: float) -> float:
-        """When the lease ends unless renewed: its `expires_at`, else `stale_seconds` after its heartbeat."""
-        return self.expires_at if self.expires_at is not None else self.heartbeat_at + stale_seconds
-
-    def live(self, now: float, stale_seconds: float, drift_seconds: float = 0.0) -> bool:
-        """Held by a holder that still renews: not released, and `now` before its expiry plus
-        `drift_seconds` (the margin another life waits past the expiry for clock error)."""
-        return self.released_at is None and now < self.expiry(stale_seconds) + drift_seconds
-
-    def to_record(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_record(cls, raw: Any) -> LeaseState | None:
-        """None for anything that is not a complete lease record."""
-        if not isinstance(raw, dict):
-            return None
-        if not (
-            isinstance(raw.get("holder"), str)
-            and isinstance(raw.get("life_id"), str)
-            and _count(raw.get("token"))
-            and _number(raw.get("acquired_at"))
-            and _number(raw.get("heartbeat_at"))
-            and (raw.get("released_at") is None or _number(raw["released_at"]))
-            and (raw.get("stop_step") is None or _count(raw["stop_step"]))
-            and (raw.get("job_id") is None or isinstance(raw["job_id"], str))
-            and (raw.get("expires_at") is None or _number(raw["expires_at"]))
-        ):
-            return None
-        return cls(
-            holder=raw["holder"],
-            life_id=raw["life_id"],
-            token=raw["token"],
-            acquired_at=float(raw["acquired_at"]),
-            heartbeat_at=float(raw["heartbeat_at"]),
-            released_at=None if raw.get("released_at") is None else float(raw["released_at"]),
-            stop_step=raw.get("stop_step"),
-            job_id=raw.get("job_id"),
-            expires_at=None if raw.get("expires_at") is None else float(raw["expires_at"]),
-        )
+def _contended(uri: str) -> RuntimeError:
+    return RuntimeError(f"{uri}: {ATTEMPTS} conditional writes lost in a row; will retry")
 
 
-class _Record:
-    """One small JSON object in S3, read with its ETag and written only conditionally."""
-
-    def __init__(self, s3: Any, bucket: str, key: str) -> None:
-        self._s3 = s3
-        self.bucket = bucket
-        self.key = key
-
-    @property
-    def uri(self) -> str:
-        return f"s3://{self.bucket}/{self.key}"
-
-    def _get(self) -> tuple[Any, str | None]:
-        """The parsed JSON (None if absent or not JSON) and the ETag (None if absent)."""
-        try:
-            response = self._s3.get_object(Bucket=self.bucket, Key=self.key)
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
-                return None, None
-            raise
-        etag = str(response["ETag"])
-        try:
-            return json.loads(response["Body"].read()), etag
-        except ValueError:  # not JSON (or not UTF-8): counts as absent, replaced against its ETag
-            return None, etag
-
-    def _put(self, body: dict[str, Any], etag: str | None) -> bool:
-        """Write unless the object changed since `etag` was read (None: unless it exists); False on a
-        lost race (412/409), for the caller to read again."""
-        condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
-        try:
-            self._s3.put_object(
-                Bucket=self.bucket,
-                Key=self.key,
-                Body=json.dumps(body, indent=2).encode(),
-                ContentType="application/json",
-                **condition,
-            )
-        except ClientError as exc:
-            if _is_conflict(exc):
-                return False
-            raise
-        return True
-
-    def _delete(self, etag: str) -> bool:
-        """Delete unless the object changed since `etag` was read; False on a lost race. Already gone
-        counts as deleted."""
-        try:
-            self._s3.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=etag)
-        except ClientError as exc:
-            if _is_conflict(exc):
-                return False
-            if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404", "NotFound"}:
-                return True
-            raise
-        return True
-
-    def _contended(self) -> RuntimeError:
-        return RuntimeError(f"{self.uri}: {ATTEMPTS} conditional writes lost in a row; will retry")
-
-
-class JobLease(_Record):
+class JobLease(S3Record):
     """This life's view of the job's lease (`jobs/<id>/state/lease.json`).
 
     `holder` is the instance id, `life_id` the ledger's id of this life. A lease naming this instance under
@@ -250,7 +123,7 @@ class JobLease(_Record):
 
     def read(self) -> LeaseState | None:
         """The lease as stored now (None when absent or not a lease record)."""
-        raw, _ = self._get()
+        raw, _ = self.get()
         return LeaseState.from_record(raw)
 
     def own_deadline(self) -> float | None:
@@ -309,7 +182,7 @@ class JobLease(_Record):
         """
         mark = time.monotonic() if proof_at is None else proof_at
         for _ in range(ATTEMPTS):
-            raw, etag = self._get()
+            raw, etag = self.get()
             state = LeaseState.from_record(raw)
             if (
                 state is not None
@@ -333,19 +206,19 @@ class JobLease(_Record):
                 job_id=self.job_id,
                 expires_at=now + self.stale_seconds,
             )
-            if self._put(acquired.to_record(), etag):
+            if self.put(acquired.to_record(), etag):
                 self.held_token = token
                 self.replaced = state
                 self.proven_at = mark
                 return token
-        raise self._contended()
+        raise _contended(self.uri)
 
     def renew(self, now: float, *, proof_at: float | None = None) -> LeaseState:
         """Move the heartbeat and the expiry forward; `LeaseLostError` when the lease no longer names this
         life's token. `proof_at` as for `try_acquire`: on success this life's own deadline counts from it."""
         mark = time.monotonic() if proof_at is None else proof_at
         for _ in range(ATTEMPTS):
-            raw, etag = self._get()
+            raw, etag = self.get()
             state = LeaseState.from_record(raw)
             if state is None or not self._ours(state) or state.released_at is not None:
                 raise self._lost(state)
@@ -357,11 +230,11 @@ class JobLease(_Record):
                     "expires_at": max(now + self.stale_seconds, state.expiry(self.stale_seconds)),
                 }
             )
-            if self._put(renewed.to_record(), etag):
+            if self.put(renewed.to_record(), etag):
                 # A proof only moves forward: a slow call must not pull the deadline back.
                 self.proven_at = mark if self.proven_at is None else max(self.proven_at, mark)
                 return renewed
-        raise self._contended()
+        raise _contended(self.uri)
 
     def release(self, now: float, stop_step: int | None) -> bool:
         """Let the lease go, saying at which step this life stopped, so a standby takes over at once.
@@ -370,7 +243,7 @@ class JobLease(_Record):
         written then). Never raises on a lost lease; an unreachable S3 still raises.
         """
         for _ in range(ATTEMPTS):
-            raw, etag = self._get()
+            raw, etag = self.get()
             state = LeaseState.from_record(raw)
             if state is None or not self._ours(state):
                 return False
@@ -379,9 +252,9 @@ class JobLease(_Record):
             released = LeaseState(
                 **{**state.to_record(), "heartbeat_at": now, "released_at": now, "stop_step": stop_step}
             )
-            if self._put(released.to_record(), etag):
+            if self.put(released.to_record(), etag):
                 return True
-        raise self._contended()
+        raise _contended(self.uri)
 
     def check(self) -> LeaseState:
         """The fence: one GET; `LeaseLostError` unless the lease still names this life's token and is not
@@ -405,48 +278,7 @@ class JobLease(_Record):
         return state
 
 
-@dataclass(frozen=True)
-class StandbyState:
-    """The job's warm standby as stored: which life waits, since when, and whether it is ready to train."""
-
-    instance_id: str
-    life_id: str
-    since: float
-    ready_at: float | None
-    heartbeat_at: float
-
-    def live(self, now: float, stale_seconds: float) -> bool:
-        return now - self.heartbeat_at < stale_seconds
-
-    @property
-    def is_ready(self) -> bool:
-        return self.ready_at is not None
-
-    def to_record(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_record(cls, raw: Any) -> StandbyState | None:
-        if not isinstance(raw, dict):
-            return None
-        if not (
-            isinstance(raw.get("instance_id"), str)
-            and isinstance(raw.get("life_id"), str)
-            and _number(raw.get("since"))
-            and _number(raw.get("heartbeat_at"))
-            and (raw.get("ready_at") is None or _number(raw["ready_at"]))
-        ):
-            return None
-        return cls(
-            instance_id=raw["instance_id"],
-            life_id=raw["life_id"],
-            since=float(raw["since"]),
-            ready_at=None if raw.get("ready_at") is None else float(raw["ready_at"]),
-            heartbeat_at=float(raw["heartbeat_at"]),
-        )
-
-
-class StandbyRecord(_Record):
+class StandbyRecord(S3Record):
     """The job's one warm standby (`jobs/<id>/state/standby.json`), from one life's point of view.
 
     A life claims the record when it is absent, names this instance (an earlier agent here died, or this
@@ -471,7 +303,7 @@ class StandbyRecord(_Record):
         self.stale_seconds = stale_seconds
 
     def read(self) -> StandbyState | None:
-        raw, _ = self._get()
+        raw, _ = self.get()
         return StandbyState.from_record(raw)
 
     def _ours(self, state: StandbyState | None) -> bool:
@@ -480,7 +312,7 @@ class StandbyRecord(_Record):
     def claim(self, now: float) -> bool:
         """Become the job's standby; False when another instance's standby is live."""
         for _ in range(ATTEMPTS):
-            raw, etag = self._get()
+            raw, etag = self.get()
             state = StandbyState.from_record(raw)
             if (
                 state is not None
@@ -495,20 +327,20 @@ class StandbyRecord(_Record):
                 claimed = StandbyState(
                     self.instance_id, self.life_id, since=now, ready_at=None, heartbeat_at=now
                 )
-            if self._put(claimed.to_record(), etag):
+            if self.put(claimed.to_record(), etag):
                 return True
-        raise self._contended()
+        raise _contended(self.uri)
 
     def _update(self, now: float, **changes: Any) -> bool:
         for _ in range(ATTEMPTS):
-            raw, etag = self._get()
+            raw, etag = self.get()
             state = StandbyState.from_record(raw)
             if state is None or not self._ours(state):
                 return False
             updated = StandbyState(**{**state.to_record(), "heartbeat_at": now, **changes})
-            if self._put(updated.to_record(), etag):
+            if self.put(updated.to_record(), etag):
                 return True
-        raise self._contended()
+        raise _contended(self.uri)
 
     def mark_ready(self, now: float) -> bool:
         """Say the standby is prepared (data, checkpoint, job set up): the holder may hand over to it."""
@@ -521,13 +353,13 @@ class StandbyRecord(_Record):
     def clear(self) -> bool:
         """Remove the record if it is this life's (it took the lease, or stopped waiting); False otherwise."""
         for _ in range(ATTEMPTS):
-            raw, etag = self._get()
+            raw, etag = self.get()
             state = StandbyState.from_record(raw)
             if etag is None or state is None or not self._ours(state):
                 return False
-            if self._delete(etag):
+            if self.delete(etag):
                 return True
-        raise self._contended()
+        raise _contended(self.uri)
 
     def live_other(self, now: float, me: str | None = None) -> StandbyState | None:
         """A live standby of another instance than `me` (default: this one), or None."""

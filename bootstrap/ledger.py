@@ -19,7 +19,8 @@ from botocore.exceptions import ClientError
 from bootstrap.eventlog import iso
 from bootstrap.imds import InstanceIdentity
 from bootstrap.pricing import LifeQuote
-from trainstack_job.contract import ENDED_STATUSES, JobStatus, LifeOutcome
+from trainstack_job.contract import JobStatus, LifeOutcome
+from trainstack_job.records import ENDED_STATUSES, Ledger, Life, is_conflict, write_condition
 
 # The ledger is plain JSON: statuses and outcomes are stored as their string values, and these sets (of
 # str enums) match those strings.
@@ -54,11 +55,9 @@ class JobLedger:
 
     def __init__(self, raw: dict[str, Any] | None = None, life_id: str | None = None) -> None:
         self.data: dict[str, Any] = copy.deepcopy(raw) if raw else {}
-        self.data.setdefault("status", JobStatus.RUNNING.value)
-        self.data.setdefault("lives", [])
-        self.data.setdefault("interruptions", 0)
-        self.data.setdefault("consecutive_failures", 0)
-        self.data.setdefault("total_cost_usd", 0.0)
+        # A new ledger starts as trainstack_job.records.Ledger's defaults (its one definition).
+        for key, value in Ledger().to_json().items():
+            self.data.setdefault(key, value)
         self._current: dict[str, Any] | None = None
         if life_id is not None:
             self._current = next((x for x in self.data["lives"] if x.get("life_id") == life_id), None)
@@ -167,26 +166,14 @@ class JobLedger:
         elif self.status == JobStatus.QUEUED:
             # A job that yielded to a `--now` job runs again.
             self.data["status"] = JobStatus.RUNNING.value
-        started = iso(now)
-        life: dict[str, Any] = {
-            "life_id": f"{identity.instance_id}@{started}",
-            "instance_id": identity.instance_id,
-            "instance_type": identity.instance_type,
-            "az": identity.az,
-            "lifecycle": identity.lifecycle,
-            "started_at": started,
-            "heartbeat_at": started,
-            "ended_at": None,
-            "purchase_option": "spot" if identity.lifecycle == "spot" else "on-demand",
-            "price_source": None,
-            "price_usd_per_hour": price if isinstance(price, int | float) else None,
-            "storage_usd_per_hour": 0.0,
-            "instance_cost_usd": 0.0,
-            "storage_cost_usd": 0.0,
-            "cost_usd": 0.0,
-            "priced_at": started,
-            "outcome": LifeOutcome.RUNNING.value,
-        }
+        life = Life.opened(
+            instance_id=identity.instance_id,
+            instance_type=identity.instance_type,
+            az=identity.az,
+            lifecycle=identity.lifecycle,
+            started_at=iso(now),
+            price_usd_per_hour=price if isinstance(price, int | float) else None,
+        ).to_json()
         self.data["lives"].append(life)
         self._current = life
         self.update_cost(now, price if isinstance(price, LifeQuote) else None)
@@ -373,17 +360,22 @@ class JobLedger:
         if self._current is not None:
             self._current["generation"] = generation
 
-    def set_status(self, status: JobStatus) -> None:
+    def set_status(self, status: JobStatus, reason: str | None = None) -> None:
+        """The job's status; `reason` says in one line why a job ended without a life of its own."""
         self.data["status"] = JobStatus(status).value
+        if reason is not None:
+            self.data["reason"] = reason
+
+    @property
+    def dataset(self) -> dict[str, Any] | None:
+        """The dataset version the job trains on (bootstrap/datasync.py): {"name", "version", ...}."""
+        return Ledger.from_json(self.data).dataset
+
+    def set_dataset(self, entry: dict[str, Any]) -> None:
+        self.data["dataset"] = entry
 
     def current_life(self) -> dict[str, Any] | None:
         return self._current
-
-
-def _is_conflict(exc: ClientError) -> bool:
-    error = exc.response.get("Error", {})
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return error.get("Code") in {"PreconditionFailed", "ConditionalRequestConflict"} or status in {409, 412}
 
 
 class JobEndedError(RuntimeError):
@@ -427,17 +419,16 @@ class LedgerStore:
             raw, etag = self.read()
             ledger = JobLedger(raw, self.life_id)
             result = change(ledger)
-            condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
             try:
                 self._s3.put_object(
                     Bucket=self.bucket,
                     Key=self.key,
                     Body=json.dumps(ledger.data, indent=2, default=str).encode(),
                     ContentType="application/json",
-                    **condition,
+                    **write_condition(etag),
                 )
             except ClientError as exc:
-                if _is_conflict(exc):
+                if is_conflict(exc):
                     time.sleep(0.05 * (attempt + 1))
                     continue
                 raise

@@ -32,7 +32,6 @@ from bootstrap.generations import Generations
 from bootstrap.gpumetrics import GpuMetricPublisher
 from bootstrap.hostmetrics import NAMESPACE as METRIC_NAMESPACE
 from bootstrap.imds import ImdsClient, InstanceIdentity
-from bootstrap.job import BUNDLE_JOB_DIR, JobSpec, JobSpecError
 from bootstrap.jobbinding import (
     JobBinding,
     JobBindingError,
@@ -56,6 +55,7 @@ from bootstrap.supervisor import Supervisor
 from bootstrap.trainer import CODE_ROOT, TrainerPaths, TrainerProcess
 from bootstrap.watcher import RebalanceRecommendation, SpotWatcher
 from trainstack_job.contract import RESUME_COMMAND
+from trainstack_job.jobfile import BUNDLE_JOB_DIR, JobSpec, JobSpecError
 from trainstack_job.jobs import LEGACY_JOB_ID, JobPrefixes
 
 __all__ = ["AwsClients", "InstanceLife", "LifeResult"]

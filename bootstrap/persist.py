@@ -45,9 +45,8 @@ from bootstrap.checkpoint_store import (
     UploadAbandonedError,
     bounded,
     close_when_done,
-    is_conflict,
 )
-from bootstrap.lease import LeaseLostError, LeaseState
+from bootstrap.lease import LeaseLostError
 from bootstrap.safefiles import (
     PlantedLinkError,
     fd_path,
@@ -62,6 +61,7 @@ from trainstack_job.layout import (
     read_manifest,
     step_dir_name,
 )
+from trainstack_job.records import LeaseState, is_conflict, write_condition
 
 # What callers import from here: the persister's own module stays the one to name.
 __all__ = [
@@ -319,7 +319,7 @@ class CheckpointPersister(CheckpointRestore):
                 # Someone (an earlier upload, another life) already moved past this step: never move it back.
                 self._confirm(step)
                 return
-            condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+            condition = write_condition(etag)
 
             def put(condition: dict[str, str] = condition) -> Any:
                 return self._s3.put_object(

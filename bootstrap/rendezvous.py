@@ -47,7 +47,7 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
-from bootstrap.ledger import _is_conflict
+from trainstack_job.records import is_conflict, write_condition
 
 RECORD = "rendezvous.json"
 NODES = "nodes/"
@@ -391,17 +391,16 @@ class Rendezvous:
     def _propose(self, proposal: Generation, etag: str | None) -> bool:
         """Write the proposal unless the record changed since it was read (False: another write got in)."""
         self._proposed.add((proposal.number, proposal.endpoint))
-        condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
         try:
             self._s3.put_object(
                 Bucket=self.bucket,
                 Key=self.record_key,
                 Body=json.dumps(proposal.to_record(), indent=2).encode(),
                 ContentType="application/json",
-                **condition,
+                **write_condition(etag),
             )
         except ClientError as exc:
-            if _is_conflict(exc):
+            if is_conflict(exc):
                 return False
             raise
         return True

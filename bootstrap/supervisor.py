@@ -18,11 +18,11 @@ from bootstrap.devices import context_env
 from bootstrap.efa import efa_environment, supports_device_rdma
 from bootstrap.eventlog import EventLog
 from bootstrap.imds import InstanceIdentity
-from bootstrap.job import JobSpec, JobSpecError, interruption_env, prepare_python
+from bootstrap.job import interruption_env, prepare_python
 from bootstrap.jobuser import LOG_STREAM_SOURCE, JobCredentials, JobLaunch, job_launch, job_session_policy
 from bootstrap.outcomes import Failure, LifeEnd
 from bootstrap.persist import CheckpointPersister, PersistResult
-from bootstrap.secrets import ClientFactory, Redactor, SecretUnavailableError, parse_secrets, resolve
+from bootstrap.secrets import ClientFactory, Redactor, SecretUnavailableError, resolve
 from bootstrap.stops import STOP_OUTCOMES, StopRequests
 from bootstrap.trainer import (
     PERMANENT_FAILURES,
@@ -35,7 +35,9 @@ from bootstrap.trainer import (
 from bootstrap.watchdog import StallWatchdog, read_progress
 from trainstack_job.contract import RESUME_COMMAND, ExitCode, JobEnv
 from trainstack_job.datasets import DatasetPlace
+from trainstack_job.jobfile import JobSpec, JobSpecError
 from trainstack_job.jobs import JobPrefixes
+from trainstack_job.secret_refs import parse_secrets
 
 # On an instance the job's credentials live on tmpfs, in a directory only root writes: one folder per job
 # (`<job-id>/`), removed at the end of the job's life, so a job never finds another's credentials there.

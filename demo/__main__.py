@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     multi_node = args.nodes > 1
     job_file = job_file_of(args.job) if args.job is not None else None
     if job_file is not None:
-        from bootstrap.job import JobSpecError, load_job_spec
+        from trainstack_job.jobfile import JobSpecError, load_job_spec
 
         try:
             load_job_spec(job_file)

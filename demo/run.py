@@ -20,7 +20,6 @@ from rich.console import Console
 
 from bootstrap.agent_config import AgentConfig
 from bootstrap.cloud_init import render_user_data
-from bootstrap.job import JobSpec, load_job_spec
 from demo.environment import (
     JOB_CONFIG,
     upload_bundle,
@@ -31,6 +30,7 @@ from demo.environment import (
 from demo.imds import ImdsSimulator, SimulatedInstance
 from demo.instance import AgentEcho, AgentRun, agent_config_from_user_data, boot_agent, install_bundle
 from demo.stack import LocalStack, create_stack, end_state
+from trainstack_job.jobfile import JobSpec, load_job_spec
 
 # Fake credentials and no config files: nothing in the demo can reach a real AWS account.
 ISOLATED_ENV = {

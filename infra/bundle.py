@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bootstrap.job import BUNDLE_JOB_DIR
 from trainstack_job.contract import BucketPrefix
+from trainstack_job.jobfile import BUNDLE_JOB_DIR
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_PACKAGES = ("training", "bootstrap", "trainstack_job")

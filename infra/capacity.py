@@ -20,7 +20,13 @@ from infra.policies import autoscaling_group_arn as group_arn_pattern
 from infra.policies import capacity_fallback_policy as function_policy
 from trainstack_job.jobs import CURRENT_JOB
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 HANDLER = Path(__file__).resolve().parent / "capacity_fallback" / "handler.py"
+# trainstack_job is standard library only: a function's handler imports its one definition of the records
+# (trainstack_job/records.py), the pointer names and the queue entry, never a copy. Its framework callbacks
+# import their frameworks, and no function needs them; nor the job file's schema, which imports PyYAML (not in
+# the Lambda runtime).
+NOT_PACKAGED = ("lightning.py", "hf.py", "jobfile.py")
 SCHEDULE = "rate(5 minutes)"
 
 
@@ -187,8 +193,8 @@ class CapacityFallback(pulumi.ComponentResource):
             runtime=aws.lambda_.Runtime.PYTHON3D13,
             architectures=["arm64"],
             handler="handler.handler",
-            # One file, stdlib + boto3 (in the runtime): no build step, and the path holds from any cwd.
-            code=pulumi.AssetArchive({"handler.py": pulumi.FileAsset(str(HANDLER))}),
+            # stdlib, boto3 (in the runtime), trainstack_job: no build step; the paths hold from any cwd.
+            code=function_code(HANDLER),
             role=self.role.arn,
             timeout=30,
             memory_size=128,
@@ -215,6 +221,16 @@ class CapacityFallback(pulumi.ComponentResource):
             depends_on=args.depends_on,
             tags=args.tags,
         )
+
+
+def function_code(handler: Path) -> pulumi.AssetArchive:
+    """A function's package: its handler.py and trainstack_job's stdlib modules, listed file by file so that
+    no cache or editor file changes the archive's hash."""
+    assets: dict[str, pulumi.Asset | pulumi.Archive] = {"handler.py": pulumi.FileAsset(str(handler))}
+    for path in sorted((REPO_ROOT / "trainstack_job").glob("*.py")):
+        if path.name not in NOT_PACKAGED:
+            assets[f"trainstack_job/{path.name}"] = pulumi.FileAsset(str(path))
+    return pulumi.AssetArchive(assets)
 
 
 def invoke_on(

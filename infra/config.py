@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from bootstrap.job import JobSpec, JobSpecError, load_job_spec
 from infra import wheels as vendored
 from infra.bundle import BundleError, job_files
 from infra.efa import EfaTableError, all_support_efa, efa_interfaces, unknown_efa_types
 from infra.jobdef import define_job
 from infra.submission import training_config_problems
+from trainstack_job.jobfile import JobSpec, JobSpecError, load_job_spec
 from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, check_job_id
 from trainstack_job.text import not_utf8
 

@@ -15,14 +15,11 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from bootstrap.job import JobSpec
 from infra.bundle import REPO_ROOT, job_files, package_files
+from trainstack_job.jobfile import JobSpec
 from trainstack_job.jobs import definition_digest, make_job_id
-
-if TYPE_CHECKING:
-    from infra.config import StackConfig
 
 TRAINER = "trainer"
 USER = "user"
@@ -82,7 +79,28 @@ def define_job(
     return JobDefinition(job_id=make_job_id(name, digest), name=name, digest=digest, resume_from=start)
 
 
-def define_stack_job(config: StackConfig, root: Path = REPO_ROOT) -> JobDefinition:
+class StackJob(Protocol):
+    """What a stack's config says about its default job: infra/config.py's StackConfig is one. Named here,
+    not imported from there: the config defines its job (the `resumeFrom` check) while it parses, so it
+    imports this module."""
+
+    @property
+    def job(self) -> Mapping[str, Any]: ...
+
+    @property
+    def training_config(self) -> Path: ...
+
+    @property
+    def user_job(self) -> JobSpec | None: ...
+
+    @property
+    def user_job_dir(self) -> Path | None: ...
+
+    @property
+    def resume_from(self) -> str: ...
+
+
+def define_stack_job(config: StackJob, root: Path = REPO_ROOT) -> JobDefinition:
     """The job a validated stack config defines."""
     return define_job(
         trainer_config=config.job,

@@ -8,10 +8,10 @@ from typing import Any
 
 from bootstrap.agent_config import Prefixes
 from bootstrap.devbox.heartbeat import DEV_PREFIX
-from bootstrap.secrets import SECRETS_ROOT
 from trainstack_job.datasets import DATASETS_PREFIX
 from trainstack_job.jobs import CURRENT_JOB, JOB_RECORD
 from trainstack_job.queue import JOB_CODE_PREFIX, QUEUE_PREFIX
+from trainstack_job.secret_refs import SECRETS_ROOT
 
 Document = dict[str, Any]
 
@@ -692,7 +692,7 @@ def dev_role_policy(
             "Resource": "*",
         },
         {
-            # `python3 -m bootstrap.hostmetrics` on the box: `trainstack top --dev`'s numbers. PutMetricData
+            # `python3 -m bootstrap.gpumetrics` on the box: `trainstack top --dev`'s numbers. PutMetricData
             # takes no resource ARN; the namespace condition keeps it to trainstack's metrics.
             "Sid": "PublishHostMetrics",
             "Effect": "Allow",

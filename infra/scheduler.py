@@ -15,15 +15,11 @@ import pulumi
 import pulumi_aws as aws
 
 from infra import policies
-from infra.capacity import invoke_on
+from infra.capacity import function_code, invoke_on
 from infra.config import Pool
 from trainstack_job.queue import QUEUE_PREFIX
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 HANDLER = Path(__file__).resolve().parent / "scheduler_fn" / "handler.py"
-# trainstack_job is standard library only: the handler imports its one definition of the queue entry, the
-# pointer names and the ended statuses, never a copy. Its framework callbacks import their frameworks.
-NOT_PACKAGED = ("lightning.py", "hf.py")
 SCHEDULE = "rate(5 minutes)"
 
 
@@ -92,17 +88,6 @@ def pool_events_pattern(group_names: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def function_code() -> pulumi.AssetArchive:
-    """handler.py and trainstack_job's contract modules (stdlib only), listed file by file: no cache or
-    editor file changes the archive's hash."""
-    package = REPO_ROOT / "trainstack_job"
-    assets: dict[str, pulumi.Asset | pulumi.Archive] = {"handler.py": pulumi.FileAsset(str(HANDLER))}
-    for path in sorted(package.glob("*.py")):
-        if path.name not in NOT_PACKAGED:
-            assets[f"trainstack_job/{path.name}"] = pulumi.FileAsset(str(path))
-    return pulumi.AssetArchive(assets)
-
-
 class Scheduler(pulumi.ComponentResource):
     """The function, its role and encrypted log group, the bucket's EventBridge events and three rules."""
 
@@ -156,7 +141,7 @@ class Scheduler(pulumi.ComponentResource):
             runtime=aws.lambda_.Runtime.PYTHON3D13,
             architectures=["arm64"],
             handler="handler.handler",
-            code=function_code(),
+            code=function_code(HANDLER),
             role=self.role.arn,
             timeout=60,
             memory_size=128,

@@ -9,16 +9,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bootstrap.job import JobSpec
-from bootstrap.secrets import find_secret_values, parse_secrets
 from bootstrap.trainer import TrainerPaths
 from infra.bundle import REPO_ROOT, CodeBundle, build_bundle
 from infra.jobdef import define_job
 from training.config import ConfigError, apply_overrides, build_config
 from trainstack_job.contract import BucketPrefix
+from trainstack_job.credentials import find_secret_values
+from trainstack_job.jobfile import JobSpec
 from trainstack_job.jobs import JobPrefixes, definition_digest, make_job_id
 from trainstack_job.queue import job_record, queue_entry, queue_key
 from trainstack_job.resources import RESOURCES_KEY
+from trainstack_job.secret_refs import parse_secrets
 
 JSON = "application/json"
 GZIP = "application/gzip"

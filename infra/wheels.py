@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from bootstrap.bootlock import LockEntry, LockError, canonical, parse_lock
-from bootstrap.job import VENDORED_WHEELS_DIR
+from trainstack_job.bootlock import LockEntry, LockError, canonical, parse_lock
 from trainstack_job.contract import BucketPrefix
+from trainstack_job.jobfile import VENDORED_WHEELS_DIR
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 INSTANCE_LOCK = REPO_ROOT / "bootstrap" / "requirements-instance.lock.txt"

@@ -31,10 +31,16 @@ def test_every_targets_modules_and_tests_exist() -> None:
                 assert function in defined, f"target {name}: no test {function} in {path}"
 
 
-def test_a_pull_request_changing_any_targets_module_runs_the_mutate_workflow() -> None:
+def test_a_pull_request_changing_any_targets_module_or_test_file_runs_the_mutate_workflow() -> None:
+    """A changed test file can stop killing a target's mutants as surely as a changed module can let new ones
+    survive; a path left over from a renamed file triggers nothing and hides the one that should."""
     workflow = yaml.safe_load((ROOT / ".github/workflows/mutate.yml").read_text(encoding="utf-8"))
     # PyYAML reads the bare key `on` as True (YAML 1.1).
     paths = set(workflow[True]["pull_request"]["paths"])
     modules = {module for target in TARGETS.values() for module in target.modules}
+    tests = {test.partition("::")[0] for target in TARGETS.values() for test in target.tests}
     assert not modules - paths, f"add to mutate.yml's pull_request paths: {sorted(modules - paths)}"
+    assert not tests - paths, f"add to mutate.yml's pull_request paths: {sorted(tests - paths)}"
     assert "bench/mutate.py" in paths
+    stale = paths - modules - tests - {"bench/mutate.py"}
+    assert not stale, f"no target's module or test file, in mutate.yml's pull_request paths: {sorted(stale)}"

@@ -7,6 +7,10 @@ images than data.max_bad_fraction allows (permanent: do not retry).
 
 With TRAINSTACK_RDZV_ENDPOINT set (the agent's multi-node jobs), this process is one node's launcher: it joins
 the node rendezvous and runs this node's ranks of the job (training/launch.py).
+
+The trainer keeps its checkpoints in checkpoint.dir; the agent uploads them. Run by hand with checkpoint.uri,
+`python -m bootstrap.standalone` (same arguments) gives it the agent's persister: this package never imports
+the agent, which imports it.
 """
 
 from __future__ import annotations
@@ -26,8 +30,17 @@ from training.stop import STOP_SIGNALS, StopRequest
 from trainstack_job.contract import ExitCode, JobEnv
 
 if TYPE_CHECKING:
+    from training.checkpoint import PersisterFactory
     from training.config import Config
     from training.launch import NodeRendezvous
+
+# The module every rank of a `python -m training` run is started as (training/launch.py).
+MODULE = "training"
+# checkpoint.uri without a persister: the trainer alone never uploads (bootstrap/standalone.py gives it one).
+NO_PERSISTER = (
+    "checkpoint.uri: `python -m training` keeps checkpoints in checkpoint.dir only; run `python -m "
+    "bootstrap.standalone` with the same arguments to persist them to checkpoint.uri, or leave it empty"
+)
 
 # Seconds, not boto3's 60 s timeouts and retries: a start-up check must not hold a spot instance for minutes.
 _CHECK_TIMEOUTS: dict[str, Any] = {
@@ -163,10 +176,18 @@ def _checked_config(path: str, overrides: list[str]) -> Config:
     return config
 
 
-def main(argv: list[str] | None = None, *, process_exit: bool = False) -> int:
+def main(
+    argv: list[str] | None = None,
+    *,
+    process_exit: bool = False,
+    persister_factory: PersisterFactory | None = None,
+    module: str = MODULE,
+) -> int:
     """`process_exit`: this call is the process's whole work (`python -m training`, every rank and launcher):
     from its end on, stop signals are ignored until the process exits instead of going back to their default
-    action."""
+    action. `persister_factory`: what uploads checkpoint.dir to checkpoint.uri (None: checkpoint.uri is
+    refused); `module`: the entry point that gave it (`python -m <module>`), which each rank is started as, so
+    the main rank has it too."""
     # First thing: from here on SIGTERM/SIGINT only raise a flag, so a stop at any moment of start-up (config,
     # slow imports, restore) ends in the Trainer's clean exit 75, never a traceback or death by signal.
     stop = StopRequest()
@@ -176,7 +197,7 @@ def main(argv: list[str] | None = None, *, process_exit: bool = False) -> int:
 
     rank_started()  # under the launcher: this rank ran, so its generation trained whatever ends it
     try:
-        return _main(argv, stop, started)
+        return _main(argv, stop, started, persister_factory, module)
     finally:
         if process_exit:
             # Stops are idempotent: this process has ended its work, and a stop arriving now (a second
@@ -192,8 +213,14 @@ def main(argv: list[str] | None = None, *, process_exit: bool = False) -> int:
             stop.uninstall()
 
 
-def _main(argv: list[str] | None, stop: StopRequest, started: float) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
+def _main(
+    argv: list[str] | None,
+    stop: StopRequest,
+    started: float,
+    persister_factory: PersisterFactory | None,
+    module: str,
+) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=__doc__)
     parser.add_argument("--config", required=True, help="YAML config file (see training/configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.epochs=3")
     # Overrides may come before or after --config (`python -m training k=v --config f` reads naturally too).
@@ -208,7 +235,7 @@ def _main(argv: list[str] | None, stop: StopRequest, started: float) -> int:
     except ValueError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
-    code, launched = _run(args, argv, stop, nodes, started)
+    code, launched = _run(args, argv, stop, nodes, started, persister_factory, module)
     if nodes is not None and nodes.exit_file is not None and not launched:
         # Ended before the launcher ran (config, data, a stop): the agent still gets its node's record.
         NodeExit(exit_code=int(code)).write(nodes.exit_file)
@@ -221,16 +248,20 @@ def _run(
     stop: StopRequest,
     nodes: NodeRendezvous | None,
     started: float,
+    persister_factory: PersisterFactory | None,
+    module: str,
 ) -> tuple[int, bool]:
     """(exit code, whether the elastic launcher ran)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from bootstrap.persist import CheckpointRefusedError
     from training.config import ConfigError
     from training.dataset_layout import BadDataError
+    from trainstack_job.layout import CheckpointRefusedError
 
     try:
         config = _checked_config(args.config, args.overrides)
+        if config.checkpoint.uri and persister_factory is None:
+            raise ConfigError([NO_PERSISTER])
         stop.watch(config.train.stop_file, config.train.checkpoint_request_file)
         processes = _processes(config.train.processes)
         # On several nodes always through the launcher, even with one process per node: it joins the
@@ -245,10 +276,10 @@ def _run(
             from training.launch import launch
 
             argv = sys.argv[1:] if argv is None else argv
-            return launch(argv, processes, nodes, stopped=lambda: stop.signal_name), True
+            return launch(argv, processes, nodes, stopped=lambda: stop.signal_name, module=module), True
         from training.loop import Trainer  # torch import: only after the config, data and buckets are good
 
-        return Trainer(config, stop, started=started).run(), False
+        return Trainer(config, stop, started=started, persister_factory=persister_factory).run(), False
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Checkpoints in the docs/job-contract.md layout: atomic local writes; S3 through the shared persister."""
+"""Checkpoints in the docs/job-contract.md layout: atomic local writes; S3 through a persister the trainer is
+given (the agent's, bootstrap/persist.py, when run by hand as `python -m bootstrap.standalone`)."""
 
 from __future__ import annotations
 
@@ -8,25 +9,25 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from training.faults import fault_point
+from trainstack_job.atomic import fsync_dir, write_atomic
 from trainstack_job.context import CheckpointContext
 from trainstack_job.layout import (
     LATEST,
     MANIFEST,
     STEP_DIR,
-    fsync_dir,
     latest_json,
     now_iso,
     sha256_file,
     step_dir_name,
     verify_dir,
-    write_atomic,
 )
 
 log = logging.getLogger(__name__)
@@ -85,27 +86,60 @@ def state_from_bytes(data: bytes) -> dict[str, Any]:
     return state
 
 
-class _LoggingSink:
-    """The persister's events as trainer log lines."""
+class Flushed(Protocol):
+    """Where persistence stands at the end of the run (bootstrap/checkpoint_store.py's PersistResult)."""
 
-    def event(self, stage: str, message: str, **fields: Any) -> None:
-        level = logging.WARNING if fields.pop("level", "info") == "warning" else logging.INFO
-        details = " ".join(f"{key}={value}" for key, value in fields.items())
-        log.log(level, "%s%s", message, f" ({details})" if details else "")
+    @property
+    def confirmed(self) -> bool: ...
+
+
+class Persister(Protocol):
+    """What the trainer needs of a persister that mirrors checkpoint.dir to checkpoint.uri: the agent's own
+    (bootstrap/persist.py's CheckpointPersister) is one. Received, never imported: the agent imports the
+    trainer's packages, so the trainer must not import the agent's."""
+
+    upload_seconds: list[float]
+
+    @property
+    def uri(self) -> str: ...
+
+    @property
+    def confirmed_step(self) -> int | None: ...
+
+    def restore(self) -> int | None: ...
+
+    def start(self) -> None: ...
+
+    def finish(self, deadline: float) -> Flushed: ...
+
+    def close(self) -> None: ...
+
+
+# (checkpoint.uri, checkpoint.dir, checkpoint.keep) -> the persister of that folder to that URI.
+PersisterFactory = Callable[[str, Path, int], Persister]
 
 
 class CheckpointManager:
     """Saves committed `step-<N>/` directories in checkpoint.dir, keeps the last K, restores the newest that
     verifies. Under the agent checkpoint.uri is empty: the agent persists checkpoint.dir to S3. Run by hand
-    with checkpoint.uri set, the trainer runs the same persister itself (bootstrap/persist.py)."""
+    with checkpoint.uri set, the trainer runs the persister `persister_factory` makes for it (the agent's,
+    given by bootstrap/standalone.py)."""
 
-    def __init__(self, root: str | Path, uri: str = "", keep: int = 3) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        uri: str = "",
+        keep: int = 3,
+        persister_factory: PersisterFactory | None = None,
+    ) -> None:
+        if uri and persister_factory is None:
+            raise ValueError(f"checkpoint.uri {uri}: no persister to upload with (persister_factory)")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep = keep
         self.timings = CheckpointTimings()
         self.latest_saved_step: int | None = None
-        self.persister = _persister(uri, self.root, keep) if uri else None
+        self.persister = persister_factory(uri, self.root, keep) if uri and persister_factory else None
         self._persisting = False
         # Half-written directories of a process that died mid-save or mid-download are never restorable.
         for leftover in self.root.glob(".step-*"):
@@ -254,19 +288,3 @@ def _state_bytes(state: dict[str, Any]) -> int:
         elif isinstance(value, dict):
             total += _state_bytes(value)
     return total
-
-
-def _persister(uri: str, root: Path, keep: int) -> Any:
-    """The agent's persister, run in-process for a trainer started by hand with checkpoint.uri."""
-    import boto3
-    from botocore.config import Config
-
-    from bootstrap.persist import CheckpointPersister
-    from training.store import split_uri
-
-    bucket, prefix = split_uri(uri)
-    client = boto3.client(
-        "s3",
-        config=Config(retries={"mode": "standard", "max_attempts": 5}, connect_timeout=5, read_timeout=30),
-    )
-    return CheckpointPersister(client, bucket, prefix, root, _LoggingSink(), keep=keep)

@@ -482,11 +482,13 @@ def launch(
     nodes: NodeRendezvous | None = None,
     *,
     stopped: Callable[[], str | None] | None = None,
+    module: str = "training",
 ) -> int:
-    """Run `python -m training argv` as `processes` ranks on this machine, alone or (with `nodes`) as this
+    """Run `python -m <module> argv` as `processes` ranks on this machine, alone or (with `nodes`) as this
     node's part of a multi-node group; returns the exit code of this node's ranks, and with
     `nodes.exit_file` writes what they did there (NodeExit). `stopped` names a stop signal the caller
-    caught before this launcher took SIGTERM/SIGINT over (its imports take a moment)."""
+    caught before this launcher took SIGTERM/SIGINT over (its imports take a moment). `module` is the
+    launcher's own entry point (`training`, or bootstrap.standalone, which gives the ranks a persister)."""
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
@@ -547,7 +549,7 @@ def launch(
                         )
                     if nodes is not None and not nodes.is_host:
                         _wait_for_store(nodes)
-                    elastic_launch(config, sys.executable)("-m", "training", *argv)
+                    elastic_launch(config, sys.executable)("-m", module, *argv)
             except ChildFailedError as exc:
                 failures = {rank: failure.exitcode for rank, failure in exc.failures.items()}
             except (RendezvousError, DistError, _StoreUnreachableError) as exc:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training import distributed as dist_utils
 from training.artifacts import write_artifacts
 from training.batch_size import cuda_step_probe, fits, search_micro_batch
-from training.checkpoint import CheckpointManager, state_from_bytes
+from training.checkpoint import CheckpointManager, PersisterFactory, state_from_bytes
 from training.checkpoint_policy import InterruptionRate
 from training.config import Config, ConfigError
 from training.data import (
@@ -160,12 +160,20 @@ class Trainer:
     """One life of a training job: restore, train until done or asked to stop, checkpoint, report."""
 
     def __init__(
-        self, config: Config, stop: StopRequest | None = None, *, started: float | None = None
+        self,
+        config: Config,
+        stop: StopRequest | None = None,
+        *,
+        started: float | None = None,
+        persister_factory: PersisterFactory | None = None,
     ) -> None:
         # When this process started (time.monotonic), for the standby's warm-up time; imports included
         # when the caller measured from its own start.
         self._started = time.monotonic() if started is None else started
         self.config = config
+        # What uploads checkpoint.dir to checkpoint.uri when the trainer runs by hand (`python -m
+        # bootstrap.standalone` gives the agent's persister); None under the agent, which uploads itself.
+        self._persister_factory = persister_factory
         t = config.train
         use_deterministic_kernels(t.deterministic)
         device = resolve_device(t.device)
@@ -454,7 +462,7 @@ class Trainer:
         # Not earlier: a standby's minutes at the gate are not the job's training time.
         life_started = time.monotonic()
         self._checkpoints = CheckpointManager(
-            config.checkpoint.dir, config.checkpoint.uri, config.checkpoint.keep
+            config.checkpoint.dir, config.checkpoint.uri, config.checkpoint.keep, self._persister_factory
         )
         saved = self._restore()
         if warm is not None and saved is None:

@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
+from trainstack_job.atomic import write_atomic
 from trainstack_job.contract import PROGRESS
-from trainstack_job.layout import now_iso, write_atomic
+from trainstack_job.layout import now_iso
+from trainstack_job.records import Progress
 
 log = logging.getLogger("training")
 
@@ -112,18 +114,19 @@ class ProgressReporter:
         wait_fraction = min(1.0, interval.wait_seconds / elapsed)
         step_seconds = elapsed / max(1, interval.steps)
         eta_s = round((self.total_steps - step) * step_seconds)
-        progress: dict[str, Any] = {
-            "epoch": epoch,
-            "epochs": self.epochs,
-            "step": step,
-            "total_steps": self.total_steps,
-            "loss": round(loss, 5),
-            "samples_per_s": round(samples_per_s, 1),
-            "data_wait_fraction": round(wait_fraction, 3),
-            "eta_s": eta_s,
-            "world_size": self.world_size,
-            "updated_at": now_iso(),
-        } | {k: round(v, 2) for k, v in self.gpu.sample().items()}
+        progress = Progress(
+            step=step,
+            total_steps=self.total_steps,
+            updated_at=now_iso(),
+            epoch=epoch,
+            epochs=self.epochs,
+            loss=round(loss, 5),
+            samples_per_s=round(samples_per_s, 1),
+            data_wait_fraction=round(wait_fraction, 3),
+            eta_s=eta_s,
+            world_size=self.world_size,
+            extra={k: round(v, 2) for k, v in self.gpu.sample().items()},
+        ).to_json()
         gpu = ""
         if "gpu_util_percent" in progress:
             gpu = f"  gpu {progress['gpu_util_percent']:.0f}% {progress['gpu_memory_gib']:.1f} GiB"

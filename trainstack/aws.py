@@ -25,6 +25,10 @@ from botocore.exceptions import (
 
 from trainstack.errors import CliError
 
+# The CLI's modules take AWS error codes from here; the one reading of them is the records' (S3's answers).
+from trainstack_job.records import error_code as error_code
+from trainstack_job.records import is_missing
+
 if TYPE_CHECKING:
     from mypy_boto3_autoscaling import AutoScalingClient
     from mypy_boto3_ec2 import EC2Client
@@ -140,13 +144,9 @@ class Clients:
         return self.client("pricing", PRICING_REGION)
 
 
-def error_code(error: ClientError) -> str:
-    return str(error.response.get("Error", {}).get("Code", ""))
-
-
 def is_not_found(error: ClientError) -> bool:
     """S3 answers a missing key as NoSuchKey (GET) or a bare 404 (HEAD)."""
-    return error_code(error) in {"NoSuchKey", "404", "NotFound"}
+    return is_missing(error)
 
 
 def explain(error: Exception) -> CliError:

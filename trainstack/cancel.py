@@ -19,9 +19,10 @@ from trainstack.state import (
     read_group,
     read_job,
     read_json,
+    read_pointer,
 )
-from trainstack_job.contract import JobStatus, StackOutput
-from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id, pointer_name
+from trainstack_job.contract import JobStatus
+from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
 from trainstack_job.queue import cancel_key, scan_queue
 
 REQUESTED_BY = "trainstack cancel"
@@ -88,9 +89,8 @@ def _sleep_if_idle(clients: Clients, outputs: StackOutputs, job_id: str) -> bool
         if free_lanes(clients, outputs, pool, lanes) < lanes:
             return False
     else:
-        state = outputs.prefix(StackOutput.STATE_PREFIX)
-        pointer = read_json(clients, bucket, state + pointer_name(pool)) or {}
-        current = str(pointer.get("job_id") or "") or current_job_id(clients, outputs)
+        pointer = read_pointer(clients, outputs, pool)
+        current = (pointer.job_id if pointer is not None else "") or current_job_id(clients, outputs)
         if read_job(clients, outputs, JobPrefixes.of(current)).status in (
             JobStatus.RUNNING,
             JobStatus.WAITING_FOR_DATA,

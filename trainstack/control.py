@@ -11,18 +11,7 @@ from trainstack.output import console, print_json
 from trainstack.stack import Stack
 from trainstack.state import encryption_args, read_group, read_job, resolve_job
 from trainstack_job.contract import CONTROL, JobStatus, StackOutput
-
-# Job statuses after which a new instance moves on to the stack's defined job (docs/internals.md).
-_ENDED = {
-    status.value
-    for status in (
-        JobStatus.COMPLETED,
-        JobStatus.FAILED,
-        JobStatus.STOPPED,
-        JobStatus.COST_CAP,
-        JobStatus.NO_DATA,
-    )
-}
+from trainstack_job.records import ENDED_STATUSES
 
 
 def stop(clients: Clients, stack: Stack) -> dict[str, Any]:
@@ -71,14 +60,14 @@ def resume(clients: Clients, stack: Stack) -> dict[str, Any]:
     job = read_job(clients, outputs, job_prefixes)
     notes = []
     defined = outputs.values.get(StackOutput.JOB_ID.value)
-    if defined and defined != job.job_id and job.status in _ENDED:
+    if defined and defined != job.job_id and job.status in ENDED_STATUSES:
         # The agent makes the stack's defined job current once the current one has ended.
         notes.append(
             f"job {job.job_id} has ended ({job.status}): the new instance starts the stack's job {defined}"
         )
     elif job.status == JobStatus.COMPLETED:
         notes.append("training already completed: the new instance restores the final checkpoint and ends")
-    failures = int((job.ledger or {}).get("consecutive_failures") or 0)
+    failures = job.ledger.consecutive_failures if job.ledger is not None else 0
     if failures:
         notes.append(f"the last {failures} lives failed: check `trainstack logs` before it burns more time")
     return {

@@ -22,7 +22,7 @@ from boto3.s3.transfer import create_transfer_manager
 from botocore.exceptions import BotoCoreError, ClientError
 
 from training.dataset_layout import is_hidden
-from trainstack.aws import Clients, error_code, explain
+from trainstack.aws import Clients, explain
 from trainstack.datasets import place, read_manifest, validate_image_folder
 from trainstack.errors import CliError
 from trainstack.output import console, print_json
@@ -46,6 +46,7 @@ from trainstack_job.datasets import (
     short,
 )
 from trainstack_job.jobs import LEGACY_JOB_ID, JobPrefixes
+from trainstack_job.records import is_conflict, write_condition
 
 # --layout: auto = checked as ImageFolder when the built-in trainer reads this dataset (below).
 LAYOUTS = ("auto", "image-folder", "any")
@@ -309,7 +310,8 @@ def _write_manifest(
 ) -> None:
     """Publish the new version; conditional on the manifest read at the start, so two pushes of one dataset
     at once never leave a manifest that lists the other's files."""
-    condition: dict[str, Any] = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+    # Typed loosely: the stubs want each keyword's own literal type, and these are S3's condition headers.
+    condition: dict[str, Any] = write_condition(etag)
     try:
         clients.s3().put_object(
             Bucket=bucket,
@@ -320,7 +322,7 @@ def _write_manifest(
             **extra,
         )
     except ClientError as error:
-        if error_code(error) in {"PreconditionFailed", "ConditionalRequestConflict"}:
+        if is_conflict(error):
             raise CliError(
                 f"s3://{bucket}/{where.manifest_key} changed during this push (another push of "
                 f"{label(where.name)}?): push again; files already sent are not sent again"

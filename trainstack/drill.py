@@ -20,8 +20,9 @@ from trainstack.errors import CliError
 from trainstack.logs import LogEvent, LogReader, stream_prefix
 from trainstack.output import console, format_duration, format_usd, parse_time, print_json
 from trainstack.stack import Stack
-from trainstack.state import read_group, read_job, read_json, resolve_job, training_runs
-from trainstack_job.contract import LEDGER, JobStatus, StackOutput
+from trainstack.state import read_group, read_job, read_ledger, resolve_job, training_runs
+from trainstack_job.contract import JobStatus, StackOutput
+from trainstack_job.records import Life
 
 ENABLE_COMMAND = "pulumi config set trainstack:drill true && pulumi up"
 # A real reclaim: two minutes' notice, then the group's replacement boots the Deep Learning AMI and restores
@@ -93,7 +94,7 @@ class DrillTimeline:
     replacement: AgentEvent | None = None
     resumed: AgentEvent | None = None
     by_standby: bool = False
-    lives: list[dict[str, Any]] = field(default_factory=list)
+    lives: list[Life] = field(default_factory=list)
     ended_at: datetime | None = None
 
     @property
@@ -134,15 +135,14 @@ class DrillTimeline:
         end = self.ended_at or datetime.now(timezone.utc)
         total, known = 0.0, False
         for life in self.lives:
-            start = parse_time(life.get("started_at"))
-            stop = parse_time(life.get("ended_at")) or parse_time(life.get("heartbeat_at"))
-            cost = life.get("cost_usd")
-            if start is None or stop is None or not isinstance(cost, int | float):
+            start = parse_time(life.started_at)
+            stop = parse_time(life.ended_at) or parse_time(life.heartbeat_at)
+            if start is None or stop is None:
                 continue
             length = (stop - start).total_seconds()
             overlap = (min(stop, end) - max(start, self.started_at)).total_seconds()
             if length > 0 and overlap > 0:
-                total += float(cost) * overlap / length
+                total += life.cost_usd * overlap / length
                 known = True
         return total if known else None
 
@@ -179,7 +179,7 @@ def build_timeline(
     *,
     start_step: int | None = None,
     total_steps: int | None = None,
-    lives: list[dict[str, Any]] | None = None,
+    lives: list[Life] | None = None,
     ended_at: datetime | None = None,
 ) -> DrillTimeline:
     """Find the drill's milestones in the job's events: the first notice after the start, that instance's
@@ -296,7 +296,7 @@ def start(clients: Clients, stack: Stack, *, client_token: str | None = None) ->
             "runs on on-demand capacity now (capacity fallback or onDemandBaseCapacity); retry once it is "
             "back on spot"
         )
-    progress = state.progress or {}
+    progress = state.progress
     started_at = datetime.now(timezone.utc)
     try:
         answer = clients.client("fis").start_experiment(
@@ -312,8 +312,8 @@ def start(clients: Clients, stack: Stack, *, client_token: str | None = None) ->
         job_id=job.job_id,
         started_at=started_at,
         target=", ".join(f"{i.instance_id} ({i.instance_type}, {i.az}, spot)" for i in spot),
-        start_step=_int(progress.get("step")),
-        total_steps=_int(progress.get("total_steps")),
+        start_step=progress.step if progress is not None else None,
+        total_steps=progress.total_steps if progress is not None else None,
     )
 
 
@@ -375,13 +375,13 @@ def watch(
     while True:
         _raise_if_failed(fis.get_experiment(id=started.experiment_id)["experiment"])
         events.extend(agent_events(reader.read()))
-        ledger = read_json(clients, outputs.bucket, job.state + LEDGER) or {}
+        ledger = read_ledger(clients, outputs.bucket, job)
         timeline = build_timeline(
             started.started_at,
             events,
             start_step=started.start_step,
             total_steps=started.total_steps,
-            lives=list(ledger.get("lives") or []),
+            lives=ledger.lives if ledger is not None else [],
             ended_at=datetime.now(timezone.utc),
         )
         if announce is not None:
@@ -396,7 +396,7 @@ def watch(
             if timeline.stopped is not None or time.monotonic() - resumed_at >= LOG_GRACE_SECONDS:
                 return timeline, "resumed"
         else:
-            status = str(ledger.get("status", ""))
+            status = ledger.status if ledger is not None else ""
             if timeline.notice is not None and status and status != JobStatus.RUNNING.value:
                 ended_at = time.monotonic() if ended_at is None else ended_at
                 if time.monotonic() - ended_at >= LOG_GRACE_SECONDS:

@@ -21,10 +21,11 @@ from trainstack.jobs import CANCELLED, ENDED, QUEUED, describe
 from trainstack.logs import LogReader, print_events, stream_prefix
 from trainstack.output import console, format_duration, format_usd, parse_time
 from trainstack.stack import StackOutputs
-from trainstack.state import JobState, read_json
+from trainstack.state import JobState, read_ledger, read_progress
 from trainstack.status import NEXT_STEP, estimate_cost
-from trainstack_job.contract import LEDGER, PROGRESS, JobStatus, StackOutput
+from trainstack_job.contract import JobStatus, StackOutput
 from trainstack_job.jobs import JobPrefixes
+from trainstack_job.records import Progress
 
 # One FilterLogEvents and a few S3 reads per poll: CloudWatch Logs allows 5 filter calls a second.
 POLL_SECONDS = 2.0
@@ -46,9 +47,11 @@ class Speed:
     at: datetime | None = None
     per_s: float | None = None
 
-    def see(self, progress: Mapping[str, Any]) -> None:
-        step, at = progress.get("step"), parse_time(progress.get("updated_at"))
-        if not isinstance(step, int) or at is None:
+    def see(self, progress: Progress | None) -> None:
+        if progress is None:
+            return
+        step, at = progress.step, parse_time(progress.updated_at)
+        if at is None:
             return
         if self.step is not None and self.at is not None and step > self.step and at > self.at:
             self.per_s = (step - self.step) / (at - self.at).total_seconds()
@@ -57,20 +60,20 @@ class Speed:
 
 
 def status_line(
-    row: Mapping[str, Any], progress: Mapping[str, Any], cost_usd: float | None, speed: Speed
+    row: Mapping[str, Any], progress: Progress | None, cost_usd: float | None, speed: Speed
 ) -> str:
     """`<id>: queued, position 2` or `<id>: running, step 120/1000, 3.1 steps/s, $0.42 so far`."""
     job_id, status = row["job_id"], row["status"]
     if status == QUEUED:
         return f"{job_id}: queued, position {row['queue_position']} (Ctrl-C leaves it queued)"
     parts = [f"{job_id}: {status}"]
-    step, total = progress.get("step"), progress.get("total_steps")
-    if step is not None:
+    if progress is not None:
+        step, total = progress.step, progress.total_steps
         parts.append(f"step {step}/{total}" if total else f"step {step}")
     if speed.per_s is not None:
         parts.append(f"{speed.per_s:.2f} steps/s")
-    elif isinstance(progress.get("samples_per_s"), int | float):
-        parts.append(f"{progress['samples_per_s']:,.0f} samples/s")
+    elif progress is not None and progress.samples_per_s is not None:
+        parts.append(f"{progress.samples_per_s:,.0f} samples/s")
     parts.append(f"{format_usd(cost_usd)} so far")
     return ", ".join(parts)
 
@@ -186,12 +189,12 @@ def _last_lines(reader: LogReader, line: StatusLine, row: Mapping[str, Any], ins
 
 def _observe(
     clients: Clients, outputs: StackOutputs, job: JobPrefixes
-) -> tuple[dict[str, Any], dict[str, Any], float | None, str | None]:
+) -> tuple[dict[str, Any], Progress | None, float | None, str | None]:
     """The job's row, progress, cost so far, and the instance of its newest life (None: it never ran)."""
     now = datetime.now(timezone.utc)
     row = describe(clients, outputs, job.job_id, now)
-    ledger = read_json(clients, outputs.bucket, job.state + LEDGER)
-    progress = read_json(clients, outputs.bucket, job.state + PROGRESS) or {}
+    ledger = read_ledger(clients, outputs.bucket, job)
+    progress = read_progress(clients, outputs.bucket, job)
     cost = estimate_cost(JobState(ledger, progress, None, None, job.job_id), now).so_far_usd
-    lives = (ledger or {}).get("lives") or []
-    return row, progress, cost, (str(lives[-1].get("instance_id")) if lives else None)
+    lives = ledger.lives if ledger is not None else []
+    return row, progress, cost, (lives[-1].instance_id if lives else None)

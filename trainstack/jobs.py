@@ -15,18 +15,27 @@ from trainstack.aws import Clients
 from trainstack.errors import CliError
 from trainstack.output import console, format_duration, format_usd, parse_time, print_error, print_json
 from trainstack.stack import Stack, StackOutputs
-from trainstack.state import current_job_id, free_lanes, job_exists, read_group, read_json
+from trainstack.state import (
+    current_job_id,
+    free_lanes,
+    job_exists,
+    read_group,
+    read_json,
+    read_ledger,
+    read_pointer,
+    read_progress,
+)
 from trainstack.sweep import DEFAULT_METRIC, metric_value, rank
-from trainstack_job.contract import ENDED_STATUSES, LEDGER, PROGRESS, JobStatus, StackOutput
+from trainstack_job.contract import JobStatus, StackOutput
 from trainstack_job.jobs import (
     JOBS_PREFIX,
     LEGACY_JOB_ID,
     JobIdError,
     JobPrefixes,
     check_job_id,
-    pointer_name,
 )
 from trainstack_job.queue import CANCEL_REQUEST, QueueEntry, QueueError, list_entries, scan_queue
+from trainstack_job.records import ENDED_STATUSES, Ledger
 
 NOT_STARTED = "not started"
 # Also what the CLI calls a job no instance has taken yet: waiting in the queue, or withdrawn from it.
@@ -60,15 +69,15 @@ def read_queue(clients: Clients, bucket: str) -> list[QueueEntry]:
         raise CliError(f"s3://{bucket}: {error}") from None
 
 
-def job_status(ledger: Mapping[str, Any] | None, cancel: Mapping[str, Any] | None, queued: bool) -> str:
+def job_status(ledger: Ledger | None, cancel: Mapping[str, Any] | None, queued: bool) -> str:
     """What a job is (trainstack_job/queue.py): its ledger's status once an instance took it; before that
     cancelled (a cancel request), queued (an entry), or not started. A job that yielded to a `--now` job is
     `queued` in its ledger: a cancel request withdraws it too."""
-    status = (ledger or {}).get("status")
+    status = ledger.status if ledger is not None else None
     if cancel is not None and status in (None, QUEUED):
         return CANCELLED
     if status:
-        return str(status)
+        return status
     return QUEUED if queued else NOT_STARTED
 
 
@@ -76,14 +85,13 @@ def _row(
     clients: Clients, bucket: str, job: JobPrefixes, *, current: str, queued: bool, now: datetime
 ) -> dict[str, Any]:
     record = read_json(clients, bucket, job.record) if job.record else None
-    ledger = read_json(clients, bucket, job.state + LEDGER)
-    progress = read_json(clients, bucket, job.state + PROGRESS) or {}
+    ledger = read_ledger(clients, bucket, job)
+    progress = read_progress(clients, bucket, job)
     cancel = read_json(clients, bucket, job.state + CANCEL_REQUEST) if job.record else None
-    lives = [life for life in (ledger or {}).get("lives", []) if isinstance(life, dict)]
+    lives = ledger.lives if ledger is not None else []
     # The record says when the job was submitted; the legacy job has none, its first life does.
-    created = (record or {}).get("created_at") or (lives[0].get("started_at") if lives else None)
+    created = (record or {}).get("created_at") or (lives[0].started_at if lives else None)
     moment = parse_time(created)
-    cost = (ledger or {}).get("total_cost_usd")
     sweep = (record or {}).get("sweep")
     return {
         "job_id": job.job_id,
@@ -91,9 +99,9 @@ def _row(
         "status": job_status(ledger, cancel, queued),
         "started": ledger is not None,
         "queue_position": None,
-        "step": progress.get("step"),
-        "total_steps": progress.get("total_steps"),
-        "cost_usd": float(cost) if isinstance(cost, int | float) else None,
+        "step": progress.step if progress is not None else None,
+        "total_steps": progress.total_steps if progress is not None else None,
+        "cost_usd": ledger.total_cost_usd if ledger is not None else None,
         "created_at": created,
         "age_s": None if moment is None else max(0.0, (now - moment).total_seconds()),
         "resume_from": (record or {}).get("resume_from"),
@@ -171,16 +179,10 @@ class WaitingReasons:
         if lanes > 1:
             busy = lanes - free_lanes(clients, outputs, pool, lanes)
         else:
-            pointer = read_json(
-                clients, outputs.bucket, outputs.prefix(StackOutput.STATE_PREFIX) + pointer_name(pool)
-            )
-            running = str((pointer or {}).get("job_id") or "")
-            ledger = (
-                read_json(clients, outputs.bucket, JobPrefixes.of(running).state + LEDGER)
-                if running
-                else None
-            )
-            busy = int(bool(ledger) and str((ledger or {}).get("status")) not in ENDED)
+            pointer = read_pointer(clients, outputs, pool)
+            running = pointer.job_id if pointer is not None else ""
+            ledger = read_ledger(clients, outputs.bucket, JobPrefixes.of(running)) if running else None
+            busy = int(ledger is not None and not ledger.ended)
         group = read_group(clients, str(info.get("group_name") or outputs.group_name), lifecycles=False)
         return cls(name, lanes, busy, group.desired, group.in_service)
 
@@ -221,7 +223,7 @@ def describe(
 def still_waiting(clients: Clients, bucket: str, job_id: str) -> bool:
     """A queued job no instance has taken and nobody cancelled."""
     job = JobPrefixes.of(job_id)
-    ledger = read_json(clients, bucket, job.state + LEDGER)
+    ledger = read_ledger(clients, bucket, job)
     cancel = read_json(clients, bucket, job.state + CANCEL_REQUEST)
     return job_status(ledger, cancel, True) == QUEUED
 

@@ -19,14 +19,13 @@ import yaml
 from botocore.exceptions import ClientError
 
 from bootstrap.devices import device_profile
-from bootstrap.job import JobSpec, JobSpecError, load_job_spec
 from infra.bundle import REPO_ROOT, BundleError, LinkOutsideError, job_files
 
 # Re-exported: the check behind load_definition's refusal of links, where tests/cli/test_run_links.py looks.
 from infra.bundle import links_outside as links_outside
 from infra.submission import Submission, prepare_submission, training_config_problems
 from trainstack import datasets, follow
-from trainstack.aws import Clients, error_code, is_not_found
+from trainstack.aws import Clients, is_not_found
 from trainstack.errors import CliError
 from trainstack.jobs import describe
 from trainstack.output import console, print_error, print_json
@@ -34,7 +33,9 @@ from trainstack.stack import Stack, StackOutputs
 from trainstack.state import Group, encryption_args, free_lanes, read_group
 from trainstack.sweep import SweepError, SweepPoint, grid, parse_axes, trainer_point, user_job_point
 from trainstack_job.datasets import DEFAULT_DATASET, DatasetError, check_dataset_name, label, push_command
+from trainstack_job.jobfile import JobSpec, JobSpecError, load_job_spec
 from trainstack_job.queue import JOB_CODE_PREFIX, SOURCE_RUN
+from trainstack_job.records import is_conflict
 from trainstack_job.resources import (
     RESOURCES_KEY,
     PoolOffer,
@@ -50,7 +51,6 @@ from trainstack_job.text import not_utf8
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 EXAMPLE_CONFIG = "training/configs/default.yaml"
-_CONFLICT = {"PreconditionFailed", "ConditionalRequestConflict"}
 
 
 @dataclass(frozen=True)
@@ -398,7 +398,7 @@ def upload(clients: Clients, outputs: StackOutputs, submissions: Sequence[Submis
                     Bucket=bucket, Key=key, Body=body, ContentType=content_type, IfNoneMatch="*", **encryption
                 )
             except ClientError as error:
-                if error_code(error) in _CONFLICT:
+                if is_conflict(error):
                     raise CliError(
                         f"s3://{bucket}/{key} already exists: job {job_id} was submitted before; "
                         "`trainstack jobs` lists it (run again for a new job)"
@@ -417,7 +417,7 @@ def _create(
             Bucket=bucket, Key=key, Body=body, ContentType=content_type, IfNoneMatch="*", **encryption
         )
     except ClientError as error:
-        if error_code(error) in _CONFLICT:
+        if is_conflict(error):
             return False
         raise
     return True

@@ -21,12 +21,19 @@ from typing import Any, TextIO
 
 from botocore.exceptions import ClientError
 
-from bootstrap.secrets import SECRETS_MANAGER, SSM, name_problem, parameter_name, parameter_path, secret_id
 from trainstack.aws import Clients, error_code
 from trainstack.errors import CliError
 from trainstack.output import console, print_json
 from trainstack.stack import Stack
 from trainstack_job.contract import StackOutput
+from trainstack_job.secret_refs import (
+    SECRETS_MANAGER,
+    SSM,
+    name_problem,
+    parameter_name,
+    parameter_path,
+    secret_id,
+)
 
 # A standard-tier parameter holds 4 KB; an advanced one costs 0.05 USD a month.
 MAX_VALUE_BYTES = 4096

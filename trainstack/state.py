@@ -11,7 +11,7 @@ from botocore.exceptions import ClientError
 from trainstack.aws import Clients, is_not_found
 from trainstack.errors import CliError
 from trainstack.stack import StackOutputs
-from trainstack_job.contract import CONTROL, ENDED_STATUSES, LATEST, LEDGER, PROGRESS, JobStatus, StackOutput
+from trainstack_job.contract import CONTROL, LATEST, LEDGER, PROGRESS, JobStatus, StackOutput
 from trainstack_job.jobs import (
     CURRENT_JOB,
     JOBS_PREFIX,
@@ -21,6 +21,7 @@ from trainstack_job.jobs import (
     check_job_id,
     pointer_name,
 )
+from trainstack_job.records import JobPointer, Ledger, Progress
 
 JOBS_COMMAND = "trainstack jobs"
 
@@ -120,19 +121,37 @@ def read_json(clients: Clients, bucket: str, key: str) -> dict[str, Any] | None:
     return document if isinstance(document, dict) else None
 
 
+def read_ledger(clients: Clients, bucket: str, job: JobPrefixes) -> Ledger | None:
+    """The job's ledger; None while there is none (no instance has taken the job yet)."""
+    raw = read_json(clients, bucket, job.state + LEDGER)
+    return None if raw is None else Ledger.from_json(raw)
+
+
+def read_progress(clients: Clients, bucket: str, job: JobPrefixes) -> Progress | None:
+    """The job's progress; None until its trainer first reported a step."""
+    return Progress.from_json(read_json(clients, bucket, job.state + PROGRESS))
+
+
+def read_pointer(clients: Clients, outputs: StackOutputs, pool: str = "", lane: int = 0) -> JobPointer | None:
+    """The job a pool's lane serves (`pool`: "" = the default pool); None while its pointer names none."""
+    state = outputs.prefix(StackOutput.STATE_PREFIX)
+    return JobPointer.from_json(read_json(clients, outputs.bucket, state + pointer_name(pool, lane)))
+
+
 @dataclass(frozen=True)
 class JobState:
-    """The training job as the bucket records it; each part is None until first written."""
+    """The training job as the bucket records it; each part is None until first written (the ledger: until an
+    instance first took the job)."""
 
-    ledger: dict[str, Any] | None
-    progress: dict[str, Any] | None
+    ledger: Ledger | None
+    progress: Progress | None
     checkpoint: dict[str, Any] | None
     control: dict[str, Any] | None
     job_id: str = LEGACY_JOB_ID
 
     @property
     def status(self) -> str:
-        return str((self.ledger or {}).get("status", "not started"))
+        return "not started" if self.ledger is None else self.ledger.status
 
 
 def has_objects(clients: Clients, bucket: str, prefix: str) -> bool:
@@ -149,10 +168,13 @@ def current_job_id(clients: Clients, outputs: StackOutputs) -> str:
     (the `job_id` output; a stack deployed before jobs has none, so its job is the legacy one).
     """
     bucket, state = outputs.bucket, outputs.prefix(StackOutput.STATE_PREFIX)
-    pointer = read_json(clients, bucket, state + CURRENT_JOB)
-    if pointer is not None:
-        job_id: Any = pointer.get("job_id")
+    raw = read_json(clients, bucket, state + CURRENT_JOB)
+    if raw is not None:
+        pointer = JobPointer.from_json(raw)
+        job_id = pointer.job_id if pointer is not None else None
         try:
+            if job_id is None:
+                raise JobIdError("the pointer names no job")
             return LEGACY_JOB_ID if job_id == LEGACY_JOB_ID else check_job_id(job_id)
         except JobIdError:
             raise CliError(
@@ -210,8 +232,8 @@ def read_job(clients: Clients, outputs: StackOutputs, job: JobPrefixes | None = 
     job = job or resolve_job(clients, outputs)
     bucket = outputs.bucket
     return JobState(
-        ledger=read_json(clients, bucket, job.state + LEDGER),
-        progress=read_json(clients, bucket, job.state + PROGRESS),
+        ledger=read_ledger(clients, bucket, job),
+        progress=read_progress(clients, bucket, job),
         checkpoint=read_json(clients, bucket, job.checkpoints + LATEST),
         control=read_json(clients, bucket, job.state + CONTROL),
         job_id=job.job_id,
@@ -239,15 +261,13 @@ def free_lanes(clients: Clients, outputs: StackOutputs, pool: str, lanes: int) -
     names no job, or one that is over. A pool of one lane: 0 (its one job runs, or the group is at zero)."""
     if lanes <= 1:
         return 0
-    state = outputs.prefix(StackOutput.STATE_PREFIX)
     free = 0
     for lane in range(lanes):
-        pointer = read_json(clients, outputs.bucket, state + pointer_name(pool, lane))
-        job_id = str((pointer or {}).get("job_id") or "")
-        if not job_id:
+        pointer = read_pointer(clients, outputs, pool, lane)
+        if pointer is None or not pointer.job_id:
             free += 1
             continue
-        ledger = read_json(clients, outputs.bucket, JobPrefixes.of(job_id).state + LEDGER)
-        if str((ledger or {}).get("status", "")) in ENDED_STATUSES:
+        ledger = read_ledger(clients, outputs.bucket, JobPrefixes.of(pointer.job_id))
+        if ledger is not None and ledger.ended:
             free += 1
     return free

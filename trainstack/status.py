@@ -15,7 +15,8 @@ from trainstack.jobs import queue_note
 from trainstack.output import console, format_duration, format_usd, parse_time, print_json
 from trainstack.stack import Stack
 from trainstack.state import JobState, read_group, read_job, resolve_job
-from trainstack_job.contract import PROGRESS_UPDATED_AT, RESUME_COMMAND, JobStatus, LifeOutcome, StackOutput
+from trainstack_job.contract import RESUME_COMMAND, JobStatus, StackOutput
+from trainstack_job.records import Ledger
 
 
 @dataclass(frozen=True)
@@ -46,51 +47,39 @@ def _seconds_since(value: Any, now: datetime) -> float | None:
     return None if moment is None else max(0.0, (now - moment).total_seconds())
 
 
-def _progress_time(progress: dict[str, Any]) -> Any:
-    """When progress.json was written; files from trainstack_job before it wrote `updated_at` say
-    `written_at`."""
-    return progress.get(PROGRESS_UPDATED_AT) or progress.get("written_at")
-
-
 def remaining_seconds(job: JobState, now: datetime) -> float | None:
     """The trainer's ETA, less the time since it wrote it; zero once the job is over."""
     if job.status == JobStatus.COMPLETED:
         return 0.0
-    progress = job.progress or {}
-    eta = progress.get("eta_s")
-    if not isinstance(eta, int | float):
+    progress = job.progress
+    if progress is None or progress.eta_s is None:
         return None
-    return max(0.0, float(eta) - (_seconds_since(_progress_time(progress), now) or 0.0))
+    return max(0.0, float(progress.eta_s) - (_seconds_since(progress.updated_at, now) or 0.0))
 
 
 def estimate_cost(job: JobState, now: datetime) -> Cost:
-    ledger = job.ledger or {}
-    lives = [life for life in ledger.get("lives", []) if isinstance(life, dict)]
-    running = [
-        life for life in lives if life.get("outcome") == LifeOutcome.RUNNING and not life.get("ended_at")
-    ]
+    ledger = job.ledger
+    lives = ledger.lives if ledger is not None else []
+    running = [life for life in lives if life.running and not life.ended_at]
     # The agent records None when it could not learn its price: unknown, not free. The hourly price is the
     # instance's (by its purchase option) plus its share of storage (root volume, bucket).
     prices = [
-        float(life["price_usd_per_hour"]) + float(life.get("storage_usd_per_hour") or 0.0)
+        life.price_usd_per_hour + life.storage_usd_per_hour
         for life in running
-        if life.get("price_usd_per_hour") is not None
+        if life.price_usd_per_hour is not None
     ]
     rate = sum(prices) if prices else None
-    if (
-        not running
-        and lives
-        and job.status == JobStatus.RUNNING
-        and lives[-1].get("price_usd_per_hour") is not None
-    ):
+    newest_price = lives[-1].price_usd_per_hour if lives else None
+    if not running and newest_price is not None and job.status == JobStatus.RUNNING:
         # Between lives (a replacement is launching) the last price is the best guess of the next.
-        rate = float(lives[-1]["price_usd_per_hour"])
-    so_far = ledger.get("total_cost_usd")
-    so_far_usd = float(so_far) if isinstance(so_far, int | float) else None
-    if so_far_usd is not None and running:
-        # The ledger is as of its last write; running lives have kept billing since.
-        since = _seconds_since(ledger.get("updated_at"), now) or 0.0
-        so_far_usd += (rate or 0.0) * since / 3600
+        rate = newest_price
+    so_far_usd = None
+    if ledger is not None:
+        so_far_usd = ledger.total_cost_usd
+        if running:
+            # The ledger is as of its last write; running lives have kept billing since.
+            since = _seconds_since(ledger.updated_at, now) or 0.0
+            so_far_usd += (rate or 0.0) * since / 3600
     return Cost(so_far_usd=so_far_usd, rate_usd_per_hour=rate, remaining_s=remaining_seconds(job, now))
 
 
@@ -107,11 +96,13 @@ def collect(
     checkpoint = dict(job.checkpoint) if job.checkpoint else None
     if checkpoint is not None:
         checkpoint["age_s"] = _seconds_since(checkpoint.get("written_at"), now)
-    progress = dict(job.progress) if job.progress else None
-    if progress is not None:
-        progress["age_s"] = _seconds_since(_progress_time(progress), now)
-        progress["remaining_s"] = cost.remaining_s
-    ledger = job.ledger or {}
+    progress = None
+    if job.progress is not None:
+        progress = job.progress.to_json() | {
+            "age_s": _seconds_since(job.progress.updated_at, now),
+            "remaining_s": cost.remaining_s,
+        }
+    ledger = job.ledger
     # A job no instance has taken yet (no ledger) or one that yielded to a `--now` job: the queue says whether
     # it waits, and where, or was withdrawn.
     untaken = job.status in ("not started", JobStatus.QUEUED)
@@ -127,8 +118,8 @@ def collect(
         "dashboard_url": outputs.values.get(StackOutput.DASHBOARD_URL.value),
         "progress": progress,
         "checkpoint": checkpoint,
-        "interruptions": int(ledger.get("interruptions") or 0),
-        "consecutive_failures": int(ledger.get("consecutive_failures") or 0),
+        "interruptions": ledger.interruptions if ledger is not None else 0,
+        "consecutive_failures": ledger.consecutive_failures if ledger is not None else 0,
         "cost": {
             "so_far_usd": cost.so_far_usd,
             **_cost_split(ledger),
@@ -139,15 +130,15 @@ def collect(
     }
 
 
-def _cost_split(ledger: dict[str, Any]) -> dict[str, Any]:
+def _cost_split(ledger: Ledger | None) -> dict[str, Any]:
     """The ledger's total by kind, and how the newest life is priced (docs/internals.md → ledger)."""
-    lives = [life for life in ledger.get("lives", []) if isinstance(life, dict)]
-    newest = lives[-1] if lives else {}
+    lives = ledger.lives if ledger is not None else []
+    newest = lives[-1] if lives else None
     return {
-        "instance_usd": round(sum(float(x.get("instance_cost_usd") or 0.0) for x in lives), 6),
-        "storage_usd": round(sum(float(x.get("storage_cost_usd") or 0.0) for x in lives), 6),
-        "purchase_option": newest.get("purchase_option") or newest.get("lifecycle"),
-        "price_source": newest.get("price_source"),
+        "instance_usd": round(sum(life.instance_cost_usd for life in lives), 6),
+        "storage_usd": round(sum(life.storage_cost_usd for life in lives), 6),
+        "purchase_option": (newest.purchase_option or newest.lifecycle) if newest is not None else None,
+        "price_source": newest.price_source if newest is not None else None,
     }
 
 

@@ -15,15 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bootstrap.job import JobSpec, JobSpecError
 from training.config import ConfigError, apply_overrides, parse_override
 from trainstack.errors import CliError
+from trainstack_job.jobfile import JobSpec, JobSpecError
+from trainstack_job.secret_refs import ENV_NAME
 
 # A grid is queued as one job per point: past this it is more likely a typo than an experiment.
 MAX_POINTS = 100
 # The built-in trainer's main metric, from results/metrics.json (training/metrics.py): higher is better.
 DEFAULT_METRIC = "final.val_accuracy"
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LABEL = re.compile(r"[^a-z0-9.]+")
 
 
@@ -122,7 +122,7 @@ def user_job_point(spec: JobSpec, point: SweepPoint, source: str) -> JobSpec:
     problems = [
         f"--sweep {key}: a user's job is swept through its environment; use a variable name (e.g. LR)"
         for key in point.values
-        if not _ENV_NAME.match(key)
+        if not ENV_NAME.match(key)
     ]
     if problems:
         raise SweepError(problems)

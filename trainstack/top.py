@@ -29,8 +29,8 @@ from trainstack.dev.instances import require_dev_instance
 from trainstack.errors import CliError
 from trainstack.output import console, print_json
 from trainstack.stack import Stack
-from trainstack.state import read_json, resolve_job
-from trainstack_job.contract import LEDGER, PROGRESS
+from trainstack.state import read_ledger, read_progress, resolve_job
+from trainstack_job.records import Progress
 
 # The write-ups' rule: a GPU under ~70% busy is waiting on something.
 GPU_BUSY_PERCENT = 70.0
@@ -142,23 +142,22 @@ class Target:
 
     label: str
     instances: dict[str, str]  # instance id → type
-    progress: dict[str, Any] | None = None
+    progress: Progress | None = None
     note: str = ""
 
 
 def job_target(clients: Clients, stack: Stack, job_id: str | None) -> Target:
     outputs = stack.outputs
     job = resolve_job(clients, outputs, job_id)
-    ledger = read_json(clients, outputs.bucket, job.state + LEDGER) or {}
-    lives = [life for life in ledger.get("lives", []) if isinstance(life, dict)]
+    ledger = read_ledger(clients, outputs.bucket, job)
     running = {
-        str(life["instance_id"]): str(life.get("instance_type") or "?")
-        for life in lives
-        if life.get("outcome") == "running" and not life.get("ended_at") and life.get("instance_id")
+        life.instance_id: life.instance_type or "?"
+        for life in (ledger.lives if ledger is not None else [])
+        if life.running and not life.ended_at and life.instance_id
     }
-    status = ledger.get("status", "not started")
+    status = ledger.status if ledger is not None else "not started"
     note = "" if running else f"no instance runs job {job.job_id} now (status: {status})"
-    progress = read_json(clients, outputs.bucket, job.state + PROGRESS)
+    progress = read_progress(clients, outputs.bucket, job)
     return Target(f"job {job.job_id}", running, progress, note)
 
 
@@ -239,12 +238,11 @@ def read_instances(cloudwatch: Any, instances: dict[str, str], now: datetime) ->
     return list(readings.values())
 
 
-def load_of(reading: InstanceReading, progress: dict[str, Any] | None) -> Load:
-    wait = (progress or {}).get("data_wait_fraction")
+def load_of(reading: InstanceReading, progress: Progress | None) -> Load:
     return Load(
         gpu_percent=reading.value(hm.GPU_UTILIZATION),
         cpu_percent=reading.value(hm.CPU_UTILIZATION),
-        data_wait_fraction=float(wait) if isinstance(wait, int | float) else None,
+        data_wait_fraction=progress.data_wait_fraction if progress is not None else None,
         gpu_memory_percent=reading.value(hm.GPU_MEMORY_UTILIZATION),
     )
 
@@ -266,13 +264,18 @@ def snapshot(target: Target, readings: Sequence[InstanceReading], now: datetime)
                 "diagnosis": {"bottleneck": diagnosis.bottleneck.value, "line": diagnosis.line},
             }
         )
-    progress = target.progress or {}
+    progress = target.progress
     return {
         "target": target.label,
         "note": target.note,
         "at": now.isoformat(timespec="seconds"),
-        "progress": {k: progress.get(k) for k in ("step", "total_steps", "samples_per_s", "updated_at")}
-        if target.progress
+        "progress": {
+            "step": progress.step,
+            "total_steps": progress.total_steps,
+            "samples_per_s": progress.samples_per_s,
+            "updated_at": progress.updated_at,
+        }
+        if progress is not None
         else None,
         "instances": instances,
     }

@@ -11,6 +11,8 @@ from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any
 
+from trainstack_job.atomic import write_atomic
+
 
 class ExitCode(IntEnum):
     """What a job's exit status means to the agent."""
@@ -71,9 +73,6 @@ STEP_DIR_PREFIX = "step-"
 # Objects under the stack bucket's state/ prefix.
 LEDGER = "ledger.json"
 PROGRESS = "progress.json"
-# progress.json's time field (ISO 8601 UTC): written by the built-in trainer and trainstack_job, read by
-# `trainstack status` for the progress age. Files from older trainstack_job versions say "written_at".
-PROGRESS_UPDATED_AT = "updated_at"
 CONTROL = "control.json"
 DATA_MANIFEST = "data-manifest.json"
 # Beside a synced dataset on the instance (bootstrap/datasync.py): key -> [size, ETag] of every object synced;
@@ -105,21 +104,6 @@ class JobStatus(str, Enum):
     # skipped, a running one checkpoints first); a job that yielded to a `--now` job waits to resume.
     CANCELLED = "cancelled"
     QUEUED = "queued"
-
-
-# A job in one of these is over: it trains no more, the queue (and its lane) moves on. The one definition;
-# stopped, cost_cap and no_data are also resumable (`trainstack resume`). JobStatus is a str enum: these
-# match the ledger's plain strings.
-ENDED_STATUSES = frozenset(
-    {
-        JobStatus.COMPLETED,
-        JobStatus.FAILED,
-        JobStatus.STOPPED,
-        JobStatus.COST_CAP,
-        JobStatus.NO_DATA,
-        JobStatus.CANCELLED,
-    }
-)
 
 
 class LifeOutcome(str, Enum):
@@ -211,9 +195,6 @@ class NodeExit:
     ranks: dict[int, int] = field(default_factory=dict)
 
     def write(self, path: Path) -> None:
-        # Imported here: trainstack_job.layout imports this module.
-        from trainstack_job.layout import write_atomic
-
         # Atomic: the agent may read it the moment the launcher exits, and must never see half of it.
         path.parent.mkdir(parents=True, exist_ok=True)
         body = {

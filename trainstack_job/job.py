@@ -20,20 +20,20 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
+from trainstack_job.atomic import fsync_dir, write_atomic
 from trainstack_job.context import CheckpointContext, environment_context
-from trainstack_job.contract import PROGRESS_UPDATED_AT, ExitCode, JobEnv
+from trainstack_job.contract import ExitCode, JobEnv
 from trainstack_job.layout import (
     LATEST,
     MANIFEST,
     build_manifest,
     committed_steps,
-    fsync_dir,
     latest_json,
     now_iso,
     step_dir_name,
     verify_dir,
-    write_atomic,
 )
+from trainstack_job.records import Progress
 
 LOCAL_CHECKPOINT_DIR = Path("checkpoints")
 LOCAL_OUTPUT_DIR = Path("output")
@@ -262,7 +262,7 @@ class Job:
         Cheap enough to call every step: no fsync, a reader sees the old file or the new one."""
         if self.progress_file is None:
             return
-        value = {"step": step, "total_steps": total_steps, **metrics, PROGRESS_UPDATED_AT: now_iso()}
+        value = Progress(step, total_steps, updated_at=now_iso(), extra=metrics).to_json()
         tmp = self.progress_file.with_name(f".{self.progress_file.name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(value, default=_plain))
         tmp.replace(self.progress_file)

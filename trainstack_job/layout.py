@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,7 +18,18 @@ from typing import Any
 from trainstack_job.contract import LATEST, MANIFEST, STEP_DIR_PREFIX
 
 STEP_DIR = re.compile(rf"^{STEP_DIR_PREFIX}(\d+)$")
-__all__ = ["LATEST", "MANIFEST", "STEP_DIR"]
+__all__ = ["LATEST", "MANIFEST", "STEP_DIR", "CheckpointRefusedError"]
+
+
+class CheckpointRefusedError(Exception):
+    """S3 refused to hand over a file of a confirmed checkpoint (access denied, a key it cannot decrypt with,
+    an outage outlasting botocore's retries), or the agent refused it: its manifest names a file outside the
+    step's folder, which restoring (as root) would write anywhere on the instance. Unlike a damaged checkpoint
+    it is not skipped for nothing: with no older checkpoint left, restore fails rather than start the job
+    over, which would write a lower step over the one `latest.json` names.
+
+    Defined beside the layout, not in the persister (bootstrap/checkpoint_store.py raises it): the trainer
+    run by hand (training/__main__.py) ends on it in one line without importing the agent."""
 
 
 def step_dir_name(step: int) -> str:
@@ -36,29 +46,6 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: handle.read(4 * 2**20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temp file, fsync, rename and fsync the directory: readers see old or new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 def latest_json(step: int, epoch: int | None, token: int | None = None) -> bytes:

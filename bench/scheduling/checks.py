@@ -15,8 +15,8 @@ from bench.scheduling.instances import Instance, Scaler, World
 from bench.scheduling.journal import Holding, Journal
 from bench.scheduling.metering import Meter, Tally
 from bench.scheduling.runs import RunSpec
+from trainstack_job.records import ENDED_STATUSES
 
-ENDED_TEXT = frozenset({"completed", "failed", "cancelled", "stopped", "cost_cap", "no_data"})
 # No run may take longer than this: a hung instance must not hold the bench for ever.
 RUN_TIMEOUT_S = 1800.0
 
@@ -78,7 +78,9 @@ def check_run(spec: RunSpec, journal: Journal) -> list[Check]:
     if twice:
         once_detail += f"; twice: {', '.join(twice[:5])}" + (" ..." if len(twice) > 5 else "")
         reborn = [
-            h for h in journal.holdings if h.trained and h.job in twice and h.status_at_begin in ENDED_TEXT
+            h
+            for h in journal.holdings
+            if h.trained and h.job in twice and h.status_at_begin in ENDED_STATUSES
         ]
         if reborn:
             once_detail += (

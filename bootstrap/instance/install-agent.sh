@@ -7,7 +7,7 @@
 # is installed and no package's build code runs. The wheels come from the stack's bucket (code/wheels/,
 # uploaded by `pulumi up` under trainstack:networkIsolation) or else from PyPI, downloaded by an
 # unprivileged user; root installs only the verified local files, offline. Packages the AMI already has at
-# the locked version, and the AMI's own numpy and torch (bootstrap/bootlock.py), are left as they are.
+# the locked version, and the AMI's own numpy and torch (trainstack_job/bootlock.py), are left as they are.
 # Root installs into the AMI's env because the agent and the trainer run with that interpreter.
 set -euo pipefail
 
@@ -68,7 +68,7 @@ install_offline() {
 # Called in an `if`, where set -e does not apply: every step returns its own failure.
 install_locked() {
   local lock=$1 wheels="$work/wheels" wanted="$work/wanted.txt" count
-  "$PYTHON" "$dest/bootstrap/bootlock.py" select "$lock" >"$wanted" || return 1
+  "$PYTHON" "$dest/trainstack_job/bootlock.py" select "$lock" >"$wanted" || return 1
   if [ ! -s "$wanted" ]; then
     log "every locked package is already installed in $PYTHON"
     return 0

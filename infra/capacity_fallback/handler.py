@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -18,7 +17,11 @@ from typing import Any
 
 import boto3
 
-# Stdlib + boto3 only: this file is the whole Lambda package (infra/capacity.py zips it alone).
+# The package is this file and trainstack_job's stdlib modules (infra/capacity.py function_code): the records
+# the agent writes are read through their one definition.
+from trainstack_job.contract import LEDGER
+from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
+from trainstack_job.records import JobPointer, Ledger
 
 LOG = logging.getLogger("trainstack.capacity_fallback")
 LOG.setLevel(logging.INFO)
@@ -38,13 +41,6 @@ _ACTIVE_STATES = ("Pending", "Pending:Wait", "Pending:Proceed", "InService")
 _LAUNCH_FAILED = ("Failed", "Cancelled")
 CAP_STOP = "stop_at_cost_cap"
 CAP_UNREADABLE = "cost_cap_unreadable"
-LEGACY_JOB_ID = "legacy"
-# The ledger statuses of a job no instance trains (trainstack_job/contract.py JobStatus; this file is packaged
-# alone): it ended, and the agent already acted on that (notified and scaled the group to zero, or moved on to
-# the next queued job on the same instance), or it yielded to a `--now` job and waits in the queue. Any other
-# status, one this function does not know included, still bills: the cap is enforced.
-ENDED_JOB_STATUSES = ("completed", "failed", "stopped", "cost_cap", "no_data", "cancelled", "queued")
-_JOB_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 
 @dataclass(frozen=True)
@@ -72,7 +68,6 @@ class CostCap:
     bucket: str
     topic_arn: str
     state_prefix: str = "state/"
-    jobs_prefix: str = "jobs/"
     # The current-job pointer of this group's pool (a pool other than the default keeps its own).
     pointer: str = "current-job.json"
 
@@ -91,13 +86,10 @@ class CostCap:
     def current_job_key(self) -> str:
         return f"{self.state_prefix}{self.pointer}"
 
-    def ledger_key(self, job_id: str) -> str:
-        # The legacy job (a stack from before jobs) keeps its ledger at the stack's state/ prefix.
-        return (
-            f"{self.state_prefix}ledger.json"
-            if job_id == LEGACY_JOB_ID
-            else f"{self.jobs_prefix}{job_id}/state/ledger.json"
-        )
+    @staticmethod
+    def ledger_key(job_id: str) -> str:
+        """The job's ledger; the legacy job (a stack from before jobs) keeps it at the stack's state/."""
+        return JobPrefixes.of(job_id).state + LEDGER
 
 
 @dataclass(frozen=True)
@@ -212,27 +204,21 @@ def distribution_update(description: Mapping[str, Any], on_demand_percentage: in
     }
 
 
-def estimated_cost(
-    ledger: Mapping[str, Any], now: datetime, in_group: Collection[str] | None = None
-) -> float:
+def estimated_cost(ledger: Ledger, now: datetime, in_group: Collection[str] | None = None) -> float:
     """The job's cost now: the ledger's total, plus each running life's hourly price since the agent last
     priced it. A ledger whose agent stopped updating it (wedged, or its instance's job hostile) still
     counts up, at the prices the agent recorded, for as long as the life is open — and its instance is
     still in the group (`in_group`): a life whose instance died without a word stays `running` in the
     ledger until the next life closes it, but bills nothing more, so it must not trip the cap."""
-    total = float(ledger.get("total_cost_usd") or 0.0)
-    for life in ledger.get("lives") or []:
-        if life.get("outcome") != "running" or life.get("price_usd_per_hour") is None:
+    total = ledger.total_cost_usd
+    for life in ledger.lives:
+        if not life.running or life.price_usd_per_hour is None:
             continue
-        if in_group is not None and life.get("instance_id") and life["instance_id"] not in in_group:
+        if in_group is not None and life.instance_id and life.instance_id not in in_group:
             continue
-        since = life.get("priced_at") or life.get("heartbeat_at") or life.get("started_at")
-        if not since:
-            continue
-        hours = max(
-            0.0, (now - datetime.fromisoformat(str(since).replace("Z", "+00:00"))).total_seconds() / 3600
-        )
-        total += hours * (float(life["price_usd_per_hour"]) + float(life.get("storage_usd_per_hour") or 0.0))
+        since = life.priced_at or life.heartbeat_at or life.started_at
+        hours = max(0.0, (now - datetime.fromisoformat(since.replace("Z", "+00:00"))).total_seconds() / 3600)
+        total += hours * (life.price_usd_per_hour + life.storage_usd_per_hour)
     return total
 
 
@@ -249,6 +235,18 @@ def read_json(s3: Any, bucket: str, key: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _job_id(pointer: JobPointer | None) -> str | None:
+    """The job a pointer names, when it names one (the legacy job included)."""
+    if pointer is None:
+        return None
+    if pointer.job_id == LEGACY_JOB_ID:
+        return LEGACY_JOB_ID
+    try:
+        return check_job_id(pointer.job_id)
+    except JobIdError:
+        return None
+
+
 def enforce_cost_cap(
     cap: CostCap,
     description: Mapping[str, Any],
@@ -263,12 +261,17 @@ def enforce_cost_cap(
     the agent's own cap normally gets there first, and then this finds the group at zero and says nothing."""
     if int(description.get("DesiredCapacity", 0)) == 0:
         return None
-    pointer = read_json(s3, cap.bucket, cap.current_job_key)
-    job_id = str(pointer.get("job_id", "")) if pointer else ""
-    if not (_JOB_ID.match(job_id) or job_id == LEGACY_JOB_ID):
+    pointer = JobPointer.from_json(read_json(s3, cap.bucket, cap.current_job_key))
+    job_id = _job_id(pointer)
+    if job_id is None:
         return None
-    ledger = read_json(s3, cap.bucket, cap.ledger_key(job_id))
-    if ledger is None or ledger.get("status") in ENDED_JOB_STATUSES:
+    raw = read_json(s3, cap.bucket, cap.ledger_key(job_id))
+    ledger = Ledger.from_json(raw)
+    if raw is None or ledger.idle:
+        # Idle (trainstack_job/records.py IDLE_STATUSES): it ended, and the agent already acted on that
+        # (notified and scaled the group to zero, or moved on to the next queued job on the same instance),
+        # or it yielded to a `--now` job and waits in the queue. Any other status, one this function does
+        # not know included, still bills: the cap is enforced.
         # An ended job (its own cost cap among them): a second notification, or the next queued job's
         # instance scaled away in the moment before the agent moves the pointer on.
         return None

@@ -19,26 +19,12 @@ from typing import Any
 
 import yaml  # PyYAML: a dependency of the pulumi SDK the pack already requires
 
-# The credential shapes checkov's CKV_AWS_46 and detect-secrets look for, plus private keys and tokens.
-_SECRET_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("an AWS access key ID", re.compile(r"\b(?:AKIA|ASIA|ABIA|ACCA|A3T[A-Z0-9])[A-Z0-9]{16}\b")),
-    (
-        "an AWS secret access key",
-        re.compile(r"(?i)aws_?secret_?access_?key[\"']?\s*[:=]\s*[\"']?[A-Za-z0-9/+=]{40}(?![A-Za-z0-9/+=])"),
-    ),
-    ("a private key", re.compile(r"-----BEGIN (?:[A-Z]+ )?PRIVATE KEY-----")),
-    ("a GitHub token", re.compile(r"\bgh[pousr]_[A-Za-z0-9]{36,}\b")),
-    ("a Slack token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}\b")),
-    ("credentials in a URL", re.compile(r"\b[a-z][a-z0-9+.-]*://[^/\s:@]+:[^/\s:@$<{]{3,}@")),
-    ("a password", re.compile(r"(?i)\b(?:password|passwd)[\"']?\s*[:=]\s*[\"']?[^\s\"'$<{]{8,}")),
-    ("a GitHub token", re.compile(r"\bgithub_pat_[A-Za-z0-9_]{22,}")),
-    ("a Hugging Face token", re.compile(r"\bhf_[A-Za-z0-9]{30,}\b")),
-    ("a .netrc password", re.compile(r"(?is)\b(?:machine\s+\S+|default)\s.*?\bpassword\s+(?![$<{(])\S+")),
-)
-# Name segments (split at '_', any case) that say a value is a credential, and endings that do.
-_CREDENTIAL_WORDS = frozenset(
-    {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "APIKEY", "CREDENTIALS"}
-)
+# The one definition of the credential shapes, shared with the job file's and the trainer config's checks
+# (standard library only; __main__.py puts the checkout's root on the path when Pulumi runs the pack).
+from trainstack_job.credentials import CREDENTIAL_PATTERNS, CREDENTIAL_WORDS
+
+# A mapping key or variable that ends so names a credential (the words are CREDENTIAL_WORDS). Not any
+# `*_KEY`, as a job's env check counts it: user data holds settings such as the agent config's `bundle_key`.
 _CREDENTIAL_ENDINGS = ("API_KEY", "ACCESS_KEY", "SECRET_KEY", "PRIVATE_KEY", "ACCESS_KEY_ID", "AUTH_KEY")
 # `NAME=value` in a script or dotenv file (`export`, systemd's Environment=, `env NAME=...` alike).
 _ASSIGNMENT = re.compile(r"(?:^|[\s;'\"=])([A-Za-z_][A-Za-z0-9_]*)=([\"']?)([^\s\"';]+)", re.MULTILINE)
@@ -68,7 +54,7 @@ def decode(user_data: str, *, base64_encoded: bool) -> str:
 
 def find_secrets(text: str) -> list[str]:
     """What kinds of secret the text holds, in the order checked (empty when none)."""
-    return [kind for kind, pattern in _SECRET_PATTERNS if pattern.search(text)]
+    return [kind for kind, pattern in CREDENTIAL_PATTERNS if pattern.search(text)]
 
 
 # A download fed straight to an interpreter: `curl ... | sudo bash`, `wget -qO- ... | sh -s --`,
@@ -98,7 +84,7 @@ def find_piped_downloads(text: str) -> list[str]:
 def credential_name(name: str) -> bool:
     """Whether a variable or key named so holds a credential (HF_TOKEN, wandb_api_key, DB_PASSWORD)."""
     upper = name.upper()
-    return bool(_CREDENTIAL_WORDS.intersection(upper.split("_"))) or upper.endswith(_CREDENTIAL_ENDINGS)
+    return bool(CREDENTIAL_WORDS.intersection(upper.split("_"))) or upper.endswith(_CREDENTIAL_ENDINGS)
 
 
 def _literal(value: Any) -> bool:
@@ -138,7 +124,7 @@ def _walk(node: Any, depth: int, under_references: bool = False) -> Iterator[str
             if content is not None:
                 yield from _scan_string(content, depth)
         for key, value in node.items():
-            # A `secrets:` mapping names secrets by reference (bootstrap/secrets.py): its names are expected.
+            # A `secrets:` mapping names secrets by reference (trainstack_job/secret_refs.py): names expected.
             references = under_references or str(key) == "secrets"
             if isinstance(value, dict | list):
                 yield from _walk(value, depth, references)

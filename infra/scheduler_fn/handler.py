@@ -27,9 +27,10 @@ from typing import Any
 import boto3
 from botocore.exceptions import ClientError
 
-from trainstack_job.contract import ENDED_STATUSES, LEDGER, BucketPrefix
+from trainstack_job.contract import LEDGER, BucketPrefix
 from trainstack_job.jobs import JobPrefixes, pointer_name
 from trainstack_job.queue import CANCEL_REQUEST, QUEUE_PREFIX, QueueEntry, QueueError, parse_entry, stored_at
+from trainstack_job.records import ENDED_STATUSES
 
 LOG = logging.getLogger("trainstack.scheduler")
 LOG.setLevel(logging.INFO)

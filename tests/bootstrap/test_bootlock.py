@@ -14,7 +14,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from bootstrap.bootlock import (
+from trainstack_job.bootlock import (
     AMI_OWNED,
     NEVER_LOCKED,
     LockEntry,
@@ -95,7 +95,7 @@ def test_the_script_form_prints_the_entries_this_interpreter_lacks(tmp_path: Pat
     lock = tmp_path / "lock.txt"
     other = "trainstack-not-installed==1.0 --hash=sha256:" + "e" * 64
     lock.write_text("pip==0.0.1 --hash=sha256:" + "d" * 64 + "\n" + other + "\n")
-    script = REPO / "bootstrap" / "bootlock.py"
+    script = REPO / "trainstack_job" / "bootlock.py"
     out = subprocess.run([sys.executable, str(script), "select", str(lock)], capture_output=True, text=True,
                          check=True, timeout=60).stdout  # fmt: skip
     assert [entry.name for entry in parse_lock(out)] == ["pip", "trainstack-not-installed"]

@@ -26,13 +26,13 @@ import boto3
 import pytest
 from boto3.exceptions import S3UploadFailedError
 
-from bootstrap.job import JobSpec
 from bootstrap.results import upload_results
 from bootstrap.safefiles import PlantedLinkError
 from bootstrap.trainer import TrainerPaths
 from bootstrap.watchdog import MAX_PROGRESS_BYTES, read_progress
 from tests.bootstrap.test_secrets import _supervisor
 from tests.conftest import MotoServer
+from trainstack_job.jobfile import JobSpec
 
 BUCKET = "trainstack-contained-outputs"
 PREFIX = "jobs/demo-1a2b3c4d/results/"

@@ -21,10 +21,10 @@ import pytest
 from botocore.exceptions import ClientError
 
 from bootstrap.lease import DRIFT_SECONDS, JobLease, LeaseLostError
-from bootstrap.ledger import _is_conflict
 from bootstrap.persist import CheckpointPersister, Fence
 from tests.checkpoints import commit_step
 from tests.conftest import MotoServer
+from trainstack_job.records import is_conflict
 
 BUCKET = "trainstack-fence"
 JOB = "jobs/demo-1a2b3c4d/"
@@ -300,7 +300,7 @@ class OrderedLatest:
             with self._lock:
                 return self._client.put_object(**kwargs)
         except ClientError as exc:
-            if _is_conflict(exc):
+            if is_conflict(exc):
                 self.conflicts += 1
             raise
         finally:

@@ -253,14 +253,17 @@ def test_the_dashboard_shows_every_host_metric_of_the_group() -> None:
 def test_an_instance_without_an_agent_publishes_under_its_own_id(
     aws: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The dev box runs `python3 -m bootstrap.hostmetrics`: its role's grant is checked by the IAM check."""
+    """The dev box runs `python3 -m bootstrap.gpumetrics`: its role's grant is checked by the IAM check."""
     monkeypatch.setattr(gpumetrics, "gpu_samples", lambda: GPUS[:1])
     simulator = ImdsSimulator(SimulatedInstance(instance_id="i-0devbox"))
     simulator.start()
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", simulator.endpoint)
     proc = write_proc(tmp_path, STAT_BEFORE, DISKSTATS_BEFORE, NET_BEFORE)
     try:
-        assert hm.main(["--region", "us-east-1", "--once", "--interval", "0.01", "--proc", str(proc)]) == 0
+        assert (
+            gpumetrics.main(["--region", "us-east-1", "--once", "--interval", "0.01", "--proc", str(proc)])
+            == 0
+        )
     finally:
         simulator.stop()
 

@@ -132,9 +132,11 @@ def _probe_wheel(folder: Path, body: str = "VALUE = 1\n") -> Path:
 
 
 def _bundle_with_lock(tmp_path: Path, lock: str) -> tuple[bytes, str]:
-    """The real bootstrap/ with `lock` as its requirements-instance.lock.txt."""
+    """The real bootstrap/ with `lock` as its requirements-instance.lock.txt, and trainstack_job/ (the boot
+    lock's reader, trainstack_job/bootlock.py, which install-agent.sh runs)."""
     root = tmp_path / "repo"
-    shutil.copytree(REPO / "bootstrap", root / "bootstrap", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("bootstrap", "trainstack_job"):
+        shutil.copytree(REPO / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
     (root / "bootstrap" / "requirements-instance.lock.txt").write_text(lock)
     built = build_bundle(root)
     return built.data, built.sha256

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.job import JobSpecError, pip_install_args, prepare_python
+from bootstrap.job import pip_install_args, prepare_python
 from tests.bootstrap.test_install_agent import _probe_wheel
+from trainstack_job.jobfile import JobSpecError
 
 
 class RecordingLaunch:

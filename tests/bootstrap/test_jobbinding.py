@@ -10,25 +10,45 @@ import sys
 import tarfile
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
+from botocore.exceptions import ClientError
 
-from bootstrap.agent_config import AgentConfig
-from bootstrap.eventlog import EventLog
-from bootstrap.jobbinding import JobBinding, JobDirectory, bind_job
+from bootstrap.agent_config import AgentConfig, Prefixes
+from bootstrap.eventlog import EventLog, iso
+from bootstrap.jobbinding import (
+    MAX_OBJECT_BYTES,
+    JobBinding,
+    JobBindingError,
+    JobDirectory,
+    Staffing,
+    bind_job,
+    claim_scratch,
+    record_fields,
+    same_code,
+    work_in_lanes,
+)
 from bootstrap.pinned import PinnedCodeError, pinned_config, reexec_argv, unpack_bundle
-from demo.stack import LocalStack, create_stack
-from trainstack_job.queue import list_entries
+from demo.stack import LocalStack
+from trainstack_job.jobs import JobPrefixes
+from trainstack_job.queue import SOURCE_RUN, job_record, list_entries, queue_entry, queue_key
+from trainstack_job.text import clip
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
 
 
 @pytest.fixture()
 def stack(aws: Any) -> LocalStack:
-    return create_stack(name="trainstack-binding")
+    """The stack's names with its bucket alone: job binding touches nothing else, and a whole stack (key,
+    topic, queue, VPC, group) made every test a second slower, its mutants (bench/mutate.py) with it."""
+    region, name = "us-east-1", "trainstack-binding"
+    boto3.client("s3", region_name=region).create_bucket(Bucket=f"{name}-data")
+    arn = f"arn:aws:sns:{region}:123456789012:{name}-alerts"
+    return LocalStack(name, region, f"{name}-data", "", arn, f"{name}-gpu", f"/trainstack/{name}", "")
 
 
 def _config(stack: LocalStack, job_id: str, **more: Any) -> AgentConfig:
@@ -284,3 +304,902 @@ def test_the_queue_is_fifo_by_s3s_clock_not_the_submitters(stack: LocalStack) ->
     cli_order = [e.job_id for e in list_entries(s3, stack.bucket)]
 
     assert agent_order == cli_order == ["early-skewed-a1", "later-b2", "sweep-c3", "sweep-c4"]
+
+
+# -- the binding's promises, one at a time, against a bare bucket in moto (no stack: each test ~0.1 s) ----
+
+FAST_BUCKET = "trainstack-binding-fast"
+AT = "2026-12-01T11:00:00.000Z"
+
+
+class Bucket:
+    """A bare bucket in the moto server: the only AWS resource job binding touches."""
+
+    def __init__(self) -> None:
+        self.s3 = boto3.client("s3", region_name="us-east-1")
+        self.s3.create_bucket(Bucket=FAST_BUCKET)
+        self.name = FAST_BUCKET
+        self.stream = io.StringIO()
+        self.log = EventLog(stream=self.stream)
+
+    def config(self, **more: Any) -> AgentConfig:
+        values: dict[str, Any] = {
+            "region": "us-east-1",
+            "bucket": FAST_BUCKET,
+            "group_name": "g",
+            "topic_arn": "arn:aws:sns:us-east-1:123456789012:t",
+            "log_group": "/trainstack/t",
+            "stack": "t",
+            "prefixes": Prefixes(),
+            "gpu_required": False,
+            "job_id": "",
+            **more,
+        }
+        return AgentConfig(**values)
+
+    def directory(self, *, lane: int = 0, group_max: int | None = None, **more: Any) -> JobDirectory:
+        return JobDirectory(self.s3, self.config(**more), self.log, group_max=group_max, lane=lane)
+
+    def put(self, key: str, value: dict[str, Any] | bytes) -> None:
+        body = value if isinstance(value, bytes) else json.dumps(value).encode()
+        self.s3.put_object(Bucket=FAST_BUCKET, Key=key, Body=body)
+
+    def get(self, key: str) -> Any:
+        try:
+            body = self.s3.get_object(Bucket=FAST_BUCKET, Key=key)["Body"].read()
+        except ClientError:
+            return None
+        return json.loads(body)
+
+    def content_type(self, key: str) -> str:
+        return str(self.s3.head_object(Bucket=FAST_BUCKET, Key=key)["ContentType"])
+
+    def submit(
+        self,
+        job_id: str,
+        at: str = AT,
+        *,
+        pool: str = "",
+        now: bool = False,
+        priority: int = 0,
+        sweep: dict[str, Any] | None = None,
+        bundle_key: str = "",
+        bundle_sha256: str = "",
+        **agent: Any,
+    ) -> None:
+        """A `trainstack run`: the job's record, then its queue entry."""
+        name = job_id.rsplit("-", 1)[0]
+        fields: dict[str, Any] = {
+            "job_id": job_id,
+            "job_name": name,
+            "job": {"fake": {}},
+            "user_job": None,
+        }
+        fields |= {"bundle_key": bundle_key, "bundle_sha256": bundle_sha256, **agent}
+        record = job_record(
+            job_id=job_id,
+            name=name,
+            agent=fields,
+            submitted_at=at,
+            source=SOURCE_RUN,
+            sweep=sweep,
+        )
+        self.put(f"jobs/{job_id}/job.json", record)
+        self.put(queue_key(job_id), queue_entry(job_id, at, pool=pool, now=now, priority=priority))
+
+    def ledger(self, job_id: str, status: str) -> None:
+        self.put(
+            f"{JobPrefixes.of(job_id).state}ledger.json", {"job_id": job_id, "status": status, "lives": []}
+        )
+
+    def status(self, job_id: str) -> Any:
+        ledger = self.get(f"{JobPrefixes.of(job_id).state}ledger.json")
+        return None if ledger is None else (ledger.get("status"), ledger.get("reason"))
+
+    def pointer(self, name: str = "current-job.json") -> Any:
+        return self.get(f"state/{name}")
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.stream.getvalue().splitlines()]
+
+    def said(self, text: str) -> list[dict[str, Any]]:
+        return [event for event in self.events() if text in event["message"]]
+
+
+@pytest.fixture()
+def bucket(aws: Any) -> Bucket:
+    return Bucket()
+
+
+class Racing:
+    """The moto client, with every write to `keys` lost to another instance's conditional write."""
+
+    def __init__(self, s3: Any, *keys: str) -> None:
+        self._s3 = s3
+        self.keys = set(keys)
+        self.lost = 0
+
+    def put_object(self, **call: Any) -> Any:
+        if call["Key"] in self.keys:
+            self.lost += 1
+            raise ClientError({"Error": {"Code": "PreconditionFailed", "Message": "moved"}}, "PutObject")
+        return self._s3.put_object(**call)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._s3, name)
+
+
+A, B, C = "alpha-aaaaaaaa", "bravo-bbbbbbbb", "charlie-cccccccc"
+LATER, LAST = "2026-12-01T11:00:01.000Z", "2026-12-01T11:00:02.000Z"
+
+
+def test_a_defined_job_is_queued_once_and_the_pointer_names_it_with_when(bucket: Bucket) -> None:
+    config = bucket.config(job_id=A, job_name="alpha", job={"model": "a"}, bundle_key="code/a.tgz")
+    binding = bind_job(bucket.s3, config, NOW, log=bucket.log)
+    assert binding is not None and (binding.job_id, binding.pinned, binding.switched_from) == (A, None, None)
+    assert (binding.lane, binding.resuming, binding.job_code) == (0, False, None)
+    assert binding.config is not None and binding.config.job == {"model": "a"}
+    assert bucket.pointer() == {"job_id": A, "since": "2026-12-01T12:00:00.000Z", "previous": None}
+    record = bucket.get(f"jobs/{A}/job.json")
+    assert (record["name"], record["source"], record["submitted_at"]) == ("alpha", "pulumi", iso(NOW))
+    assert record["agent"]["bundle_key"] == "code/a.tgz" and record["agent"]["job"] == {"model": "a"}
+    assert bucket.events() == [], "no pointer yet is no damaged pointer"
+    assert bucket.get(queue_key(A)) == {"job_id": A, "submitted_at": iso(NOW), "now": False}
+    for key in (f"jobs/{A}/job.json", queue_key(A), "state/current-job.json"):
+        assert bucket.content_type(key) == "application/json", key
+    jobs = bucket.directory()
+    assert jobs.submit(config, NOW) is False, "written once: the entry is there"
+    # Unnamed, a job is named by its id; a pool's entry says its pool.
+    assert bucket.directory(pool="big").submit(bucket.config(job_id=B), NOW) is True
+    assert bucket.get(f"jobs/{B}/job.json")["name"] == B
+    assert bucket.get(queue_key(B))["pool"] == "big"
+
+
+def test_a_started_job_whose_entry_was_taken_away_is_never_queued_again(bucket: Bucket) -> None:
+    jobs = bucket.directory()
+    config = bucket.config(job_id=A)
+    assert jobs.submit(config, NOW) is True
+    bucket.s3.delete_object(Bucket=bucket.name, Key=queue_key(A))
+    assert jobs.submit(config, NOW) is True, "never started: queued again"
+    bucket.s3.delete_object(Bucket=bucket.name, Key=queue_key(A))
+    bucket.ledger(A, "stopped")
+    assert jobs.submit(config, NOW) is False
+    assert bucket.get(queue_key(A)) is None
+
+
+def test_a_pointer_naming_the_legacy_job_or_a_job_is_read_and_a_damaged_one_is_named_once(
+    bucket: Bucket,
+) -> None:
+    jobs = bucket.directory()
+    assert jobs.current() == (None, None)
+    bucket.put("state/current-job.json", {"job_id": "legacy"})
+    assert jobs.current()[0] == "legacy"
+    bucket.put("state/current-job.json", {"job_id": A})
+    job_id, etag = jobs.current()
+    assert job_id == A and etag is not None
+    for damaged in ({"job_id": "Not An Id"}, {"job": A}):
+        bucket.put("state/current-job.json", damaged)
+        job_id, etag = jobs.current()
+        assert job_id is None and etag is not None
+    [line] = bucket.said("not a job pointer")
+    assert line["message"] == (
+        f's3://{FAST_BUCKET}/state/current-job.json is not a job pointer ({{"job_id": ...}}): '
+        "pointing it at the oldest queued job"
+    )
+    assert (line["stage"], line["level"]) == ("queue", "error")
+
+
+def test_the_pointer_moves_only_from_the_version_read(bucket: Bucket) -> None:
+    jobs = bucket.directory()
+    assert jobs.point_at(A, None, None, NOW) is True
+    assert jobs.point_at(B, None, None, NOW) is False, "created by another life meanwhile"
+    _, etag = jobs.current()
+    assert jobs.point_at(B, etag, A, NOW) is True
+    assert jobs.point_at(C, etag, A, NOW) is False, "moved since"
+    assert bucket.pointer() == {"job_id": B, "since": iso(NOW), "previous": A}
+    # A pool's lane keeps a pointer of its own.
+    lane = bucket.directory(lane=2, pool="big")
+    assert lane.point_at(C, None, None, NOW) is True
+    assert bucket.pointer("current-job-big-lane2.json")["job_id"] == C
+    assert bucket.pointer()["job_id"] == B
+
+
+def test_a_missing_bucket_is_raised_not_taken_for_a_stack_without_jobs(bucket: Bucket) -> None:
+    config = bucket.config(job_id=A, bucket="no-such-bucket-here")
+    with pytest.raises(ClientError, match="NoSuchBucket"):
+        bind_job(bucket.s3, config, NOW)
+    with pytest.raises(ClientError, match="NoSuchBucket"):
+        JobDirectory(bucket.s3, config).submit(config, NOW)
+
+
+def test_an_object_over_a_mebibyte_is_not_read_and_named_once_and_one_of_exactly_that_is(
+    bucket: Bucket,
+) -> None:
+    bucket.submit(A)
+    record = bucket.get(f"jobs/{A}/job.json")
+    exact = json.dumps(record).encode()
+    bucket.put(f"jobs/{A}/job.json", exact + b" " * (MAX_OBJECT_BYTES - len(exact)))
+    jobs = bucket.directory()
+    found = jobs.binding(A)
+    assert found is not None and found.job_id == A
+    bucket.put(f"jobs/{A}/job.json", exact + b" " * (MAX_OBJECT_BYTES + 1 - len(exact)))
+    assert jobs.binding(A) is None
+    assert jobs.binding(A) is None
+    [line] = bucket.said("bytes: not read")
+    assert line["message"] == (
+        f"s3://{FAST_BUCKET}/jobs/{A}/job.json is over {MAX_OBJECT_BYTES} bytes: not read; delete it"
+    )
+    assert (line["key"], line["level"], line["stage"]) == (f"jobs/{A}/job.json", "error", "queue")
+    assert bucket.status(A) == ("failed", f"s3://{FAST_BUCKET}/jobs/{A}/job.json is missing or not a job "
+                                "record: submit the job again with `trainstack run`")  # fmt: skip
+
+
+def test_an_ended_status_is_kept_for_the_life_and_a_resumable_one_read_again(bucket: Bucket) -> None:
+    jobs = bucket.directory()
+    assert jobs.status(A) is None
+    bucket.put(f"jobs/{A}/state/ledger.json", b"not json")
+    assert jobs.status(A) is None
+    bucket.ledger(A, "completed")
+    assert jobs.status(A) == "completed"
+    bucket.ledger(A, "running")
+    assert jobs.status(A) == "completed", "a final end never changes"
+    for status in ("stopped", "cost_cap", "no_data"):
+        bucket.ledger(B, status)
+        assert jobs.status(B) == status
+    bucket.ledger(B, "running")
+    assert jobs.status(B) == "running", "a resumable end may be resumed"
+    assert jobs.status("legacy") is None
+    bucket.ledger("legacy", "failed")
+    assert jobs.status("legacy") == "failed"
+
+
+def test_cancel_and_stop_requests_and_the_queue_entry_are_read_as_written(bucket: Bucket) -> None:
+    jobs = bucket.directory()
+    assert not jobs.cancel_requested(A) and not jobs.stop_requested(A) and not jobs.queued(A)
+    bucket.put(f"jobs/{A}/state/cancel.json", b"whatever it holds")
+    assert jobs.cancel_requested(A)
+    bucket.put(f"jobs/{A}/state/control.json", {"action": "pause"})
+    assert not jobs.stop_requested(A)
+    bucket.put(f"jobs/{A}/state/control.json", {"action": "stop"})
+    assert jobs.stop_requested(A)
+    bucket.put(queue_key(A), b"not an entry")
+    assert jobs.queued(A)
+    assert jobs.record("legacy") is None and jobs.record(A) is None
+
+
+def test_the_queue_is_this_pools_readable_entries_now_first_then_priority_then_fifo(bucket: Bucket) -> None:
+    bucket.submit(A, AT)
+    bucket.submit(B, LATER, priority=3)
+    bucket.submit(C, LAST, now=True)
+    bucket.submit("delta-dddddddd", LAST, pool="big")
+    bucket.put("queue/notes.txt", b"not an entry, and not named one")
+    jobs = bucket.directory()
+    assert [entry.job_id for entry in jobs.entries()] == [C, B, A]
+    assert all(entry.queued_at.startswith("20") for entry in jobs.entries()), "S3's clock orders the queue"
+    assert [entry.job_id for entry in bucket.directory(pool="big").entries()] == ["delta-dddddddd"]
+    assert bucket.events() == [], "an object not named *.json is no entry, nor reported"
+    # An entry rewritten (its ETag moved) is read again.
+    bucket.put(queue_key(C), queue_entry(C, LAST, pool="big"))
+    assert [entry.job_id for entry in jobs.entries()] == [B, A]
+    assert jobs.next_job() == B
+
+
+def test_an_unreadable_entry_is_named_once_cut_short_and_the_queue_goes_on(bucket: Bucket) -> None:
+    long_key = "queue/" + "x" * 250 + ".json"
+    bucket.put(long_key, b"not json at all")
+    bucket.submit(A)
+    jobs = bucket.directory()
+    for _ in range(2):
+        assert [entry.job_id for entry in jobs.entries()] == [A]
+    [line] = bucket.said("is not a queue entry")
+    prefix = f"s3://{FAST_BUCKET}/"
+    assert line["message"].startswith(prefix + long_key + " is not a queue entry")
+    assert len(line["message"]) == len(prefix) + 300, "cut at 300 characters"
+    assert (line["key"], line["level"], line["stage"]) == (long_key[:200], "error", "queue")
+
+
+def test_a_cancelled_queued_job_is_skipped_once_and_marked_cancelled_with_why(bucket: Bucket) -> None:
+    bucket.submit(A, AT)
+    bucket.submit(B, LATER)
+    bucket.put(f"jobs/{A}/state/cancel.json", {"by": "me"})
+    jobs = bucket.directory()
+    assert jobs.next_job() == B
+    assert bucket.status(A) == ("cancelled", "cancelled while it waited in the queue")
+    [line] = bucket.said("cancelled before it ran")
+    assert (line["message"], line["job_id"], line["stage"]) == (
+        f"job {A} was cancelled before it ran: skipped",
+        A,
+        "queue",
+    )
+    # Stopped while queued (yielded, then cancelled): cancelled too. A completed job is left as it ended.
+    bucket.ledger(B, "stopped")
+    bucket.put(f"jobs/{B}/state/cancel.json", {"by": "me"})
+    bucket.submit(C, LAST)
+    bucket.ledger(C, "completed")
+    bucket.put(f"jobs/{C}/state/cancel.json", {"by": "me"})
+    assert bucket.directory().next_job() is None
+    assert bucket.status(B) == ("cancelled", "cancelled while it waited in the queue")
+    assert bucket.status(C) == ("completed", None)
+
+
+def test_a_stopped_job_in_the_queue_is_not_its_head_and_an_ended_one_never(bucket: Bucket) -> None:
+    bucket.submit(A, AT)
+    bucket.submit(B, LATER)
+    bucket.submit(C, LAST)
+    bucket.ledger(A, "stopped")
+    bucket.ledger(B, "failed")
+    assert bucket.directory().next_job() == C
+    bucket.ledger(C, "running")
+    assert bucket.directory().next_job() == C, "a running job is still the queue's"
+
+
+def test_a_ledger_that_is_not_json_skips_its_job_saying_so(bucket: Bucket) -> None:
+    bucket.submit(A, AT)
+    bucket.submit(B, LATER)
+    bucket.put(f"jobs/{A}/state/ledger.json", b"{not json")
+    bucket.put(f"jobs/{A}/state/cancel.json", {"by": "me"})
+    jobs = bucket.directory()
+    assert jobs.next_job() == B
+    [line] = bucket.said("is not JSON")
+    assert line["message"].startswith(f"s3://{FAST_BUCKET}/jobs/{A}/state/ledger.json is not JSON (")
+    assert line["message"].endswith(f"); job {A} skipped") and line["level"] == "error"
+    assert line["stage"] == "queue"
+    assert jobs.status(A) == "cancelled" and jobs.next_job() == B
+
+
+def _refusal(bucket: Bucket, job_id: str) -> str:
+    [line] = bucket.said(f"job {job_id} refused: ")
+    assert (line["job_id"], line["level"], line["stage"]) == (job_id, "error", "queue")
+    status, reason = bucket.status(job_id)
+    assert status == "failed" and line["message"] == f"job {job_id} refused: {reason}"
+    return str(reason)
+
+
+def test_a_record_that_is_missing_or_not_one_fails_its_job_in_one_line(bucket: Bucket) -> None:
+    jobs = bucket.directory()
+    assert jobs.binding(A) is None
+    assert jobs.binding(A) is None
+    assert _refusal(bucket, A) == (
+        f"s3://{FAST_BUCKET}/jobs/{A}/job.json is missing or not a job record: submit the job again with "
+        "`trainstack run`"
+    )
+    bucket.put(f"jobs/{B}/job.json", {"job_id": B, "agent": "not a mapping"})
+    assert jobs.binding(B) is None
+    assert _refusal(bucket, B).startswith(f"s3://{FAST_BUCKET}/jobs/{B}/job.json is missing or not a job")
+
+
+def test_a_record_with_a_bad_agent_field_or_another_jobs_id_is_refused_naming_it(bucket: Bucket) -> None:
+    bucket.submit(A, instance_count=0)
+    jobs = bucket.directory()
+    assert jobs.binding(A) is None
+    reason = _refusal(bucket, A)
+    assert "instance_count" in reason and f"s3://{FAST_BUCKET}/jobs/{A}/job.json" in reason
+    assert reason.endswith("; submit the job again with `trainstack run`")
+    bucket.submit(B)
+    record = bucket.get(f"jobs/{B}/job.json")
+    bucket.put(f"jobs/{B}/job.json", record | {"agent": record["agent"] | {"job_id": C}})
+    assert jobs.binding(B) is None
+    assert _refusal(bucket, B) == f"s3://{FAST_BUCKET}/jobs/{B}/job.json names job {C}; submit the job again"
+
+
+def test_a_job_asking_for_more_instances_than_the_group_holds_is_refused_and_the_group_max_is_enough(
+    bucket: Bucket,
+) -> None:
+    bucket.submit(A, instance_count=3)
+    bucket.submit(B, instance_count=4)
+    jobs = bucket.directory(group_max=3)
+    found = jobs.binding(A)
+    assert found is not None and found.config is not None and found.config.instance_count == 3
+    assert jobs.binding(B) is None
+    assert _refusal(bucket, B) == (
+        "it asks for 4 instances and the group allows at most 3: submit it with fewer, or raise "
+        "trainstack:instanceCount and run pulumi up"
+    )
+    # Unknown, the group holds the stack's instance count.
+    assert bucket.directory(instance_count=3).binding(A) is not None
+    assert bucket.directory(instance_count=2).binding(A) is None
+
+
+def test_only_the_environments_code_is_re_executed_and_other_code_fails_the_job(bucket: Bucket) -> None:
+    mine: dict[str, Any] = {"bundle_key": "code/mine/bundle.tar.gz", "bundle_sha256": "a" * 64}
+    bucket.submit(A, bundle_key="code/old/bundle.tar.gz", bundle_sha256="b" * 64)
+    bucket.submit(B, bundle_key="job-code/" + "c" * 64 + "/bundle.tar.gz", bundle_sha256="c" * 64)
+    bucket.submit(C, bundle_key="elsewhere/" + "x" * 200, bundle_sha256="d" * 64)
+    bucket.submit("delta-dddddddd", **mine)
+    bucket.submit("echo-eeeeeeee")
+    jobs = bucket.directory(**mine)
+    old = jobs.binding(A, switched_from=C)
+    assert (
+        old is not None
+        and old.switched_from == C
+        and old.pinned is not None
+        and old.pinned["bundle_key"] == "code/old/bundle.tar.gz"
+    )
+    assert old.job_code is None and old.config is not None and old.config.job_id == A
+    submitted = jobs.binding(B, switched_from=C)
+    assert (
+        submitted is not None
+        and submitted.switched_from == C
+        and submitted.pinned is None
+        and submitted.job_code is not None
+    )
+    assert submitted.job_code["bundle_sha256"] == "c" * 64 and submitted.config is not None
+    assert jobs.binding(C) is None
+    assert _refusal(bucket, C) == (
+        f"s3://{FAST_BUCKET}/jobs/{C}/job.json: its bundle_key {clip('elsewhere/' + 'x' * 200, 120)} is "
+        "neither the environment's code (code/, written by `pulumi up` only) nor job code (job-code/); the "
+        "agent runs only the environment's code as root: submit the job again with `trainstack run`"
+    )
+    for same in ("delta-dddddddd", "echo-eeeeeeee"):
+        here = jobs.binding(same, switched_from=A)
+        assert here is not None and (here.pinned, here.job_code, here.switched_from) == (None, None, A)
+    assert jobs.binding("legacy", switched_from=A) == JobBinding(
+        "legacy", JobPrefixes.of("legacy"), switched_from=A
+    )
+
+
+def test_a_jobs_record_decides_its_fields_never_the_previous_jobs(bucket: Bucket) -> None:
+    config = bucket.config(job_name="stack", dataset="old", allow_data_change=True, max_cost_usd=5.0)
+    record = {"agent": {"job_id": A, "resume_from": "", "max_cost_usd": 9.5, "instance_count": None}}
+    merged = record_fields(config, record)
+    assert (merged["job_id"], merged["job_name"], merged["dataset"], merged["allow_data_change"]) == (
+        A,
+        "",
+        "",
+        False,
+    )
+    assert (merged["resume_from"], merged["max_cost_usd"], merged["instance_count"]) == (None, 9.5, 1)
+    assert merged["job"] == {} and merged["user_job"] is None and merged["bundle_key"] == ""
+    merged = record_fields(config, {"agent": {"resume_from": B, "instance_count": 2, "job_name": "n"}})
+    assert (merged["resume_from"], merged["instance_count"], merged["job_name"]) == (B, 2, "n")
+    assert merged["max_cost_usd"] == 5.0, "the stack's cap where the record sets none"
+    assert record_fields(config, {"agent": "damaged"})["job_name"] == ""
+
+
+def test_the_same_code_is_the_same_sha256_or_else_the_same_key_and_sha256() -> None:
+    config = AgentConfig("us-east-1", "b", "g", "t", "l", bundle_key="code/k", bundle_sha256="1" * 64)
+    assert same_code(config, {})
+    assert same_code(config, {"bundle_key": "code/other", "bundle_sha256": "1" * 64})
+    assert not same_code(config, {"bundle_key": "code/k", "bundle_sha256": "2" * 64})
+    assert not same_code(config, {"bundle_key": "code/other"})
+    assert same_code(config, {"bundle_key": "code/k", "bundle_sha256": None}) is False
+    unknown = AgentConfig("us-east-1", "b", "g", "t", "l", bundle_key="code/k")
+    assert same_code(unknown, {"bundle_key": "code/k"})
+    assert not same_code(unknown, {"bundle_key": "code/k", "bundle_sha256": "1" * 64})
+    assert not same_code(unknown, {"bundle_key": "code/j"})
+
+
+def test_a_current_job_goes_on_while_it_runs_and_after_a_resumable_end_only_on_a_fresh_boot(
+    bucket: Bucket,
+) -> None:
+    bucket.submit(A)
+    jobs = bucket.directory()
+    running = jobs.serving(A, fresh=False)
+    assert running is not None and (running.job_id, running.resuming) == (A, False)
+    bucket.ledger(A, "running")
+    assert jobs.serving(A, fresh=False) == running
+    bucket.ledger(A, "stopped")
+    assert jobs.serving(A, fresh=False) is None, "the life that just ended it moves on"
+    resumed = jobs.serving(A, fresh=True)
+    assert resumed is not None and resumed.resuming is True
+    bucket.put(f"jobs/{A}/state/control.json", {"action": "stop"})
+    assert jobs.serving(A, fresh=True) is None, "its stop request is in force"
+    bucket.s3.delete_object(Bucket=bucket.name, Key=f"jobs/{A}/state/control.json")
+    bucket.put(f"jobs/{A}/state/cancel.json", {"by": "me"})
+    assert jobs.serving(A, fresh=True) is None, "cancelled"
+    bucket.s3.delete_object(Bucket=bucket.name, Key=f"jobs/{A}/state/cancel.json")
+    bucket.s3.delete_object(Bucket=bucket.name, Key=queue_key(A))
+    assert jobs.serving(A, fresh=True) is None, "its entry was taken away (a replaced default job)"
+    bucket.put(queue_key(A), queue_entry(A, AT))
+    assert jobs.serving(A, fresh=True) is not None
+    bucket.ledger(A, "completed")
+    assert jobs.serving(A, fresh=True) is None
+    bucket.submit(B)
+    bucket.s3.delete_object(Bucket=bucket.name, Key=f"jobs/{B}/job.json")
+    assert jobs.serving(B, fresh=True) is None, "a record deleted by hand: the queue moves on"
+    assert bucket.events() == [], "and nothing is refused for it"
+
+
+def test_the_legacy_job_goes_on_for_a_config_from_before_jobs_and_for_no_other(bucket: Bucket) -> None:
+    old = bucket.directory(job_id="legacy")
+    new = bucket.directory(job_id=A)
+    fresh_legacy = old.serving("legacy", fresh=False)
+    assert fresh_legacy is not None and (fresh_legacy.job_id, fresh_legacy.resuming) == ("legacy", False)
+    assert new.serving("legacy", fresh=True) is None, "no ledger: nothing of its own to continue"
+    bucket.ledger("legacy", "running")
+    found = new.serving("legacy", fresh=False)
+    assert found is not None and found.resuming is False
+    bucket.ledger("legacy", "stopped")
+    assert bucket.directory(job_id=A).serving("legacy", fresh=True) is None
+    assert bucket.directory(job_id="legacy").serving("legacy", fresh=False) is None
+    resumed = bucket.directory(job_id="legacy").serving("legacy", fresh=True)
+    assert resumed is not None and resumed.resuming is True
+
+
+def test_bind_job_points_a_stack_from_before_jobs_at_the_legacy_job_only_while_it_is_wanted(
+    bucket: Bucket,
+) -> None:
+    old = bucket.config(job_id="legacy")
+    bound = bind_job(bucket.s3, old, NOW)
+    assert bound is not None and (bound.job_id, bound.resuming) == ("legacy", False)
+    assert bucket.pointer()["job_id"] == "legacy"
+    assert bucket.get("queue/legacy.json") is None, "a config from before jobs queues nothing"
+    bucket.s3.delete_object(Bucket=bucket.name, Key="state/current-job.json")
+    bucket.ledger("legacy", "stopped")
+    resumed = bind_job(bucket.s3, old, NOW)
+    assert resumed is not None and (resumed.job_id, resumed.resuming) == ("legacy", True)
+    bucket.s3.delete_object(Bucket=bucket.name, Key="state/current-job.json")
+    assert bind_job(bucket.s3, old, NOW, after="legacy") is None, "the life that ended it moves on"
+    assert bind_job(bucket.s3, bucket.config(), NOW) is None, "nothing queued, no legacy job running"
+    assert bucket.pointer() is None
+    bucket.ledger("legacy", "running")
+    running = bind_job(bucket.s3, bucket.config(), NOW)
+    assert running is not None and (running.job_id, running.resuming) == ("legacy", False)
+
+
+def test_bind_job_moves_on_from_the_job_just_ended_here_to_the_queues_head(bucket: Bucket) -> None:
+    bucket.submit(A, AT)
+    bucket.submit(B, LATER)
+    config = bucket.config()
+    first = bind_job(bucket.s3, config, NOW)
+    assert first is not None and (first.job_id, first.switched_from) == (A, None)
+    again = bind_job(bucket.s3, config, NOW)
+    assert again is not None and (again.job_id, again.switched_from) == (A, None)
+    # Its life yielded here (still running by its ledger): the next life goes on to the next job.
+    bucket.s3.delete_object(Bucket=bucket.name, Key=queue_key(A))
+    moved = bind_job(bucket.s3, config, NOW, after=A)
+    assert moved is not None and (moved.job_id, moved.switched_from) == (B, A)
+    assert bucket.pointer() == {"job_id": B, "since": iso(NOW), "previous": A}
+    # The head is the current job itself (no pointer move).
+    bucket.ledger(B, "running")
+    same = bind_job(bucket.s3, config, NOW, after=B)
+    assert same is not None and (same.job_id, same.switched_from) == (B, None)
+
+
+def test_a_pointer_moved_by_others_every_time_gives_up_naming_it(bucket: Bucket) -> None:
+    bucket.submit(A)
+    racing = Racing(bucket.s3, "state/current-job.json")
+    with pytest.raises(JobBindingError) as raised:
+        bind_job(racing, bucket.config(), NOW)
+    assert str(raised.value) == (
+        f"s3://{FAST_BUCKET}/state/current-job.json: moved by another instance 10 times in a row; the next "
+        "life tries again"
+    )
+    assert racing.lost == 10
+    bucket.s3.delete_object(Bucket=bucket.name, Key=queue_key(A))
+    legacy = Racing(bucket.s3, "state/current-job.json")
+    with pytest.raises(JobBindingError):
+        bind_job(legacy, bucket.config(job_id="legacy"), NOW)
+    assert legacy.lost == 10
+
+
+def test_a_now_job_waiting_behind_the_running_one_is_the_one_it_yields_to(bucket: Bucket) -> None:
+    bucket.submit(A, AT)
+    jobs = bucket.directory()
+    assert jobs.yield_to(A) is None, "no --now entry"
+    bucket.submit(B, AT, now=True)
+    bucket.submit(C, LATER, now=True)
+    bucket.ledger(B, "completed")
+    assert bucket.directory().yield_to(A) == C
+    bucket.put(f"jobs/{C}/job.json", b"gone bad")
+    assert bucket.directory().yield_to(A) is None
+    bucket.submit("delta-dddddddd", LAST, now=True)
+    assert bucket.directory().yield_to("delta-dddddddd") is None, "never to itself"
+    assert bucket.directory().yield_to(A) == "delta-dddddddd"
+
+
+def test_a_new_job_clears_the_scratch_folder_of_the_previous_jobs_files_and_keeps_the_dataset(
+    tmp_path: Path,
+) -> None:
+    stream = io.StringIO()
+    log = EventLog(stream=stream)
+    claim_scratch(tmp_path, A, log)
+    assert (tmp_path / ".trainstack-job").read_text() == A + "\n"
+    local = ("checkpoints", "output", "control", "home", "python", "job-credentials")
+    for name in local:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_text("x")
+    (tmp_path / "job.yaml").write_text("x")
+    (tmp_path / "data").mkdir()
+    claim_scratch(tmp_path, A, log)
+    assert all((tmp_path / name).exists() for name in (*local, "job.yaml")), "its own job's files stay"
+    assert stream.getvalue() == ""
+    claim_scratch(tmp_path, B, log)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".trainstack-job", "data"]
+    assert (tmp_path / ".trainstack-job").read_text() == B + "\n"
+    [line] = [json.loads(text) for text in stream.getvalue().splitlines()]
+    assert (line["stage"], line["previous"]) == ("job", A)
+    assert (
+        line["message"]
+        == "scratch cleared of the previous job's local files, home and venvs; the dataset stays"
+    )
+    # A folder without an owner (an agent from before the queue) is kept.
+    other = tmp_path / "old"
+    other.mkdir()
+    (other / "checkpoints").mkdir()
+    claim_scratch(other, C, log)
+    assert (other / "checkpoints").is_dir() and (other / ".trainstack-job").read_text() == C + "\n"
+
+
+# -- a pool's lanes: several jobs at once --------------------------------------------------------------
+
+
+def _lease(bucket: Bucket, job_id: str, *, heartbeat: float, expires: float, released: bool = False) -> None:
+    lease = {
+        "job_id": job_id,
+        "holder": "i-other",
+        "life_id": "l1",
+        "token": 1,
+        "acquired_at": heartbeat,
+        "heartbeat_at": heartbeat,
+        "expires_at": expires,
+        "released_at": heartbeat if released else None,
+    }
+    bucket.put(f"jobs/{job_id}/state/lease.json", lease)
+
+
+def _standby(bucket: Bucket, job_id: str, heartbeat: float) -> None:
+    standby = {"instance_id": "i-third", "life_id": "l2", "since": heartbeat, "heartbeat_at": heartbeat}
+    bucket.put(f"jobs/{job_id}/state/standby.json", standby)
+
+
+def test_a_running_jobs_staffing_is_read_as_the_lease_will_judge_it(bucket: Bucket) -> None:
+    now = NOW.timestamp()
+    jobs = bucket.directory(lanes=2)
+    assert jobs.staffing(A, now, 60) is Staffing.HOLDER, "no lease, no lane's claim"
+    bucket.put(f"jobs/{A}/state/lane.json", {"pool": "", "lane": 1, "since": iso(NOW)})
+    assert jobs.staffing(A, now + 59, 60) is Staffing.STANDBY, "claimed a moment ago: its holder is coming"
+    assert jobs.staffing(A, now + 60, 60) is Staffing.HOLDER, "claimed a stale limit ago"
+    bucket.put(f"jobs/{A}/state/lane.json", {"lane": 1, "since": "not a time"})
+    assert jobs.staffing(A, now, 60) is Staffing.HOLDER
+    _lease(bucket, A, heartbeat=now, expires=now + 30)
+    assert jobs.staffing(A, now + 39, 60) is Staffing.STANDBY, "live up to its expiry plus the drift margin"
+    assert jobs.staffing(A, now + 40, 60) is Staffing.HOLDER
+    _lease(bucket, A, heartbeat=now, expires=now + 30, released=True)
+    assert jobs.staffing(A, now, 60) is Staffing.HOLDER, "let go"
+    _lease(bucket, A, heartbeat=now, expires=now + 600)
+    _standby(bucket, A, now)
+    assert jobs.staffing(A, now + 59, 60) is Staffing.FULL
+    assert jobs.staffing(A, now + 60, 60) is Staffing.STANDBY, "a silent standby"
+
+
+def test_a_job_is_claimed_once_for_one_lane_and_the_other_lanes_pass_it_by(bucket: Bucket) -> None:
+    first, second = bucket.directory(lanes=2, pool="p"), bucket.directory(lanes=2, pool="p", lane=1)
+    assert first.claim(A, NOW) is True
+    assert bucket.get(f"jobs/{A}/state/lane.json") == {"pool": "p", "lane": 0, "since": iso(NOW)}
+    assert bucket.content_type(f"jobs/{A}/state/lane.json") == "application/json"
+    assert first.claim(A, NOW) is True, "its own claim"
+    assert second.claim(A, NOW) is False
+    assert second.claimed_elsewhere(A) and not first.claimed_elsewhere(A)
+    assert not second.claimed_elsewhere(B), "nobody's"
+    bucket.submit(A, AT, pool="p")
+    bucket.submit(B, LATER, pool="p")
+    assert second.next_job() == B and first.next_job() == A
+    # One lane only: a claim is never looked at.
+    assert bucket.directory(pool="p", lane=1).next_job() == A
+
+
+def test_lanes_serve_a_holderless_job_first_then_a_free_lanes_next_job_then_a_standby(bucket: Bucket) -> None:
+    now = NOW.timestamp()
+    config = bucket.config(lanes=3)
+    bucket.submit(A, AT)
+    bucket.submit(B, LATER)
+    bucket.submit(C, LAST)
+    first = bind_job(bucket.s3, config, NOW, log=bucket.log)
+    assert first is not None and (first.job_id, first.lane, first.switched_from) == (A, 0, None)
+    assert bucket.pointer()["job_id"] == A
+    assert bucket.get(f"jobs/{A}/state/lane.json")["lane"] == 0
+    # A is claimed and on its way to its lease: the next instance takes the next free lane's job.
+    second = bind_job(bucket.s3, config, NOW)
+    assert second is not None and (second.job_id, second.lane) == (B, 1)
+    assert bucket.pointer("current-job-lane1.json") == {"job_id": B, "since": iso(NOW), "previous": None}
+    for job in (A, B):
+        _lease(bucket, job, heartbeat=now, expires=now + 600)
+        _standby(bucket, job, now)
+    # Lane 0's holder died: that job needs a holder before any queued job starts.
+    _lease(bucket, A, heartbeat=now - 700, expires=now - 100)
+    third = bind_job(bucket.s3, config, NOW)
+    assert third is not None and (third.job_id, third.lane) == (A, 0)
+    _lease(bucket, A, heartbeat=now, expires=now + 600)
+    fourth = bind_job(bucket.s3, config, NOW)
+    assert fourth is not None and (fourth.job_id, fourth.lane) == (C, 2)
+    _lease(bucket, C, heartbeat=now, expires=now + 600)
+    # Every lane runs, one without a live standby: that is where the next instance goes.
+    standby = bind_job(bucket.s3, config, NOW)
+    assert standby is not None and (standby.job_id, standby.lane) == (C, 2)
+    _standby(bucket, C, now)
+    assert bind_job(bucket.s3, config, NOW) is None, "nothing here needs this instance"
+
+
+def test_a_lane_whose_job_ended_moves_to_the_next_and_a_look_for_work_writes_nothing(bucket: Bucket) -> None:
+    config = bucket.config(lanes=2, job_id=A)
+    assert work_in_lanes(bucket.s3, config, NOW, after=None) is None, "no job queued yet"
+    first = bind_job(bucket.s3, config, NOW)
+    assert first is not None and first.job_id == A, "the config's job, queued first"
+    bucket.submit(B, "2026-12-01T13:00:00.000Z")
+    bucket.ledger(A, "completed")
+    assert work_in_lanes(bucket.s3, config, NOW, after=A) == B
+    assert bucket.get(f"jobs/{B}/state/lane.json") is None and bucket.pointer()["job_id"] == A
+    moved = bind_job(bucket.s3, config, NOW, after=A)
+    assert moved is not None and (moved.job_id, moved.switched_from, moved.lane) == (B, A, 0)
+    assert bucket.pointer() == {"job_id": B, "since": iso(NOW), "previous": A}
+
+
+def test_a_look_for_work_submits_nothing_and_says_a_holderless_job(bucket: Bucket) -> None:
+    config = bucket.config(lanes=2, job_id=A)
+    assert work_in_lanes(bucket.s3, config, NOW, after=None) is None
+    assert bucket.get(queue_key(A)) is None and bucket.get(f"jobs/{A}/job.json") is None
+    bucket.submit(B)
+    bucket.put("state/current-job-lane1.json", {"job_id": B})
+    bucket.ledger(B, "running")
+    assert work_in_lanes(bucket.s3, config, NOW, after=None) == B
+
+
+def test_lanes_that_lose_every_claim_give_up_naming_the_pools_state(bucket: Bucket) -> None:
+    bucket.submit(A)
+    racing = Racing(bucket.s3, "state/current-job.json", "state/current-job-lane1.json")
+    with pytest.raises(JobBindingError) as raised:
+        bind_job(racing, bucket.config(lanes=2), NOW)
+    assert str(raised.value) == (
+        f"s3://{FAST_BUCKET}/state/: the pool's lanes moved 10 times in a row while this instance looked for "
+        "work; the next life tries again"
+    )
+    assert racing.lost == 10, "lane 0 claims A and loses its pointer; lane 1 then finds A claimed by lane 0"
+
+
+def test_a_sweep_runs_as_many_points_as_its_parallel_and_a_bad_parallel_limits_nothing(
+    bucket: Bucket,
+) -> None:
+    now = NOW.timestamp()
+    two = {"name": "lrs", "point": {}, "parallel": 2}
+    bucket.submit(A, AT, sweep=two)
+    bucket.submit(B, LATER, sweep=two)
+    bucket.submit(C, LAST, sweep=two)
+    bucket.submit("delta-dddddddd", "2026-12-01T11:00:03.000Z")
+    config = bucket.config(lanes=4)
+    bound = []
+    for _ in range(3):
+        found = bind_job(bucket.s3, config, NOW)
+        assert found is not None
+        bound.append(found.job_id)
+        _lease(bucket, found.job_id, heartbeat=now, expires=now + 600)
+        _standby(bucket, found.job_id, now)
+    assert bound == [A, B, "delta-dddddddd"], "the third point waits while two run"
+    config = bucket.config(lanes=5)
+    assert work_in_lanes(bucket.s3, config, NOW, after=None) is None, "C waits while A and B run"
+    three = {"name": "lrs", "parallel": 3}
+    for sweep in (three, {"name": "x", "parallel": True}, {"name": 7, "parallel": 1}, {"parallel": 1}, "lrs"):
+        for job in (A, B, C):
+            record = bucket.get(f"jobs/{job}/job.json")
+            bucket.put(f"jobs/{job}/job.json", record | {"sweep": sweep})
+        assert work_in_lanes(bucket.s3, config, NOW, after=None) == C, sweep
+
+
+def test_a_lane_whose_job_yielded_here_takes_it_again_when_it_is_still_the_queues_head(
+    bucket: Bucket,
+) -> None:
+    bucket.submit(A)
+    config = bucket.config(lanes=2)
+    first = bind_job(bucket.s3, config, NOW)
+    assert first is not None and first.job_id == A
+    bucket.ledger(A, "running")
+    pointer = bucket.pointer()
+    again = bind_job(bucket.s3, config, NOW + timedelta(minutes=1), after=A)
+    assert again is not None and (again.job_id, again.lane, again.switched_from) == (A, 0, None)
+    assert bucket.pointer() == pointer, "the pointer already names it"
+
+
+class Vanishing(Racing):
+    """The moto client, with `key` deleted by another client just before this one reads it."""
+
+    def get_object(self, **call: Any) -> Any:
+        if call["Key"] in self.keys:
+            self.keys.discard(call["Key"])
+            self._s3.delete_object(Bucket=call["Bucket"], Key=call["Key"])
+        return self._s3.get_object(**call)
+
+
+def test_an_entry_deleted_while_the_queue_is_listed_is_left_out_and_read_when_written_again(
+    bucket: Bucket,
+) -> None:
+    bucket.submit(A, AT)
+    bucket.submit(B, LATER)
+    entry = bucket.get(queue_key(A))
+    vanishing = Vanishing(bucket.s3, queue_key(A))
+    jobs = JobDirectory(vanishing, bucket.config(), bucket.log)
+    assert [e.job_id for e in jobs.entries()] == [B]
+    assert bucket.events() == [], "gone is not damaged"
+    bucket.put(queue_key(A), entry)
+    assert [e.job_id for e in jobs.entries()] == [A, B]
+
+
+def test_a_lease_record_without_its_expiry_lasts_the_stale_limit_after_its_heartbeat(bucket: Bucket) -> None:
+    now = NOW.timestamp()
+    jobs = bucket.directory(lanes=2)
+    lease = {"holder": "i-other", "life_id": "l1", "token": 1, "acquired_at": now, "heartbeat_at": now}
+    bucket.put(f"jobs/{A}/state/lease.json", lease)
+    assert jobs.staffing(A, now + 69, 60) is Staffing.STANDBY, "its heartbeat + the limit + the drift margin"
+    assert jobs.staffing(A, now + 70, 60) is Staffing.HOLDER
+
+
+def test_a_look_for_work_judges_a_standby_silent_after_a_minute_by_default(bucket: Bucket) -> None:
+    now = NOW.timestamp()
+    bucket.submit(A)
+    bucket.put("state/current-job.json", {"job_id": A})
+    bucket.put(f"jobs/{A}/state/lane.json", {"lane": 0, "since": iso(NOW)})
+    bucket.ledger(A, "running")
+    _lease(bucket, A, heartbeat=now, expires=now + 600)
+    config = bucket.config(lanes=2)
+    _standby(bucket, A, now - 59.5)
+    assert work_in_lanes(bucket.s3, config, NOW, after=None) is None
+    assert bind_job(bucket.s3, config, NOW) is None
+    _standby(bucket, A, now - 60.5)
+    assert work_in_lanes(bucket.s3, config, NOW, after=None) == A
+    found = bind_job(bucket.s3, config, NOW)
+    assert found is not None and found.job_id == A
+
+
+def test_a_look_for_work_after_a_stop_here_goes_on_to_the_next_job_and_a_fresh_one_resumes(
+    bucket: Bucket,
+) -> None:
+    bucket.submit(A, AT)
+    config = bucket.config(lanes=2)
+    first = bind_job(bucket.s3, config, NOW)
+    assert first is not None and first.job_id == A
+    bucket.ledger(A, "stopped")
+    bucket.submit(B, LATER)
+    later = NOW + timedelta(minutes=2)  # its lane's claim is not one a holder is still on its way to
+    assert work_in_lanes(bucket.s3, config, later, after=A) == B
+    assert work_in_lanes(bucket.s3, config, later, after=None) == A, "a new boot resumes it"
+
+
+def test_a_look_for_work_uses_the_groups_size_and_names_damage_once_in_the_lifes_log(bucket: Bucket) -> None:
+    bucket.submit(A, instance_count=2)
+    bucket.put("state/current-job.json", b"damaged")
+    config = bucket.config(lanes=2)
+    reported: set[str] = set()
+    for _ in range(2):
+        found = work_in_lanes(
+            bucket.s3, config, NOW, after=None, log=bucket.log, group_max=2, reported=reported
+        )
+        assert found == A
+    assert len(bucket.said("is not a job pointer")) == 1
+    assert work_in_lanes(bucket.s3, config, NOW, after=None, log=bucket.log, reported=reported) is None
+    assert _refusal(bucket, A).startswith("it asks for 2 instances and the group allows at most 1")
+
+
+def test_every_lanes_damaged_pointer_is_named_once_in_the_lifes_log(bucket: Bucket) -> None:
+    bucket.put("state/current-job.json", b"damaged")
+    bucket.put("state/current-job-lane1.json", {"job_id": "Not An Id"})
+    config = bucket.config(lanes=2)
+    reported: set[str] = set()
+    for _ in range(2):
+        assert bind_job(bucket.s3, config, NOW, log=bucket.log, reported=reported) is None
+    lines = bucket.said("is not a job pointer")
+    assert [line["message"].split(" ")[0] for line in lines] == [
+        f"s3://{FAST_BUCKET}/state/current-job.json",
+        f"s3://{FAST_BUCKET}/state/current-job-lane1.json",
+    ]
+    assert bind_job(bucket.s3, config, NOW, log=bucket.log) is None, "a life without its set: said again"
+    assert len(bucket.said("is not a job pointer")) == 4
+
+
+def test_each_lane_takes_a_job_as_big_as_the_group_allows(bucket: Bucket) -> None:
+    now = NOW.timestamp()
+    bucket.submit(A, AT, instance_count=2)
+    bucket.submit(B, LATER, instance_count=2)
+    config = bucket.config(lanes=2)
+    first = bind_job(bucket.s3, config, NOW, group_max=2)
+    assert first is not None and (first.job_id, first.lane) == (A, 0)
+    _lease(bucket, A, heartbeat=now, expires=now + 600)
+    _standby(bucket, A, now)
+    second = bind_job(bucket.s3, config, NOW, group_max=2)
+    assert second is not None and (second.job_id, second.lane) == (B, 1)
+
+
+def test_a_cancelled_job_is_skipped_once_by_all_of_a_pools_lanes(bucket: Bucket) -> None:
+    bucket.submit(A)
+    bucket.put(f"jobs/{A}/state/ledger.json", b"{damaged")
+    bucket.put(f"jobs/{A}/state/cancel.json", {"by": "me"})
+    assert bind_job(bucket.s3, bucket.config(lanes=3), NOW, log=bucket.log) is None
+    assert len(bucket.said("cancelled before it ran")) == 1, "the lanes share what one of them learnt"

@@ -35,12 +35,12 @@ import pytest
 from bootstrap import jobuser, supervisor
 from bootstrap.agent import Lives
 from bootstrap.eventlog import EventLog
-from bootstrap.job import JobSpec
 from bootstrap.jobuser import JobLaunch, JobUser
 from bootstrap.lifecycle import InstanceLife
 from demo.imds import ImdsSimulator
 from demo.stack import LocalStack
 from tests.bootstrap.test_queue_agent import submit
+from trainstack_job.jobfile import JobSpec
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None,

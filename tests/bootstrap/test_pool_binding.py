@@ -122,7 +122,7 @@ def test_a_higher_priority_runs_first_and_fifo_within_one(stack: LocalStack) -> 
 
 
 def test_a_job_that_ended_while_an_instance_bound_it_never_runs_twice(stack: LocalStack) -> None:
-    """Found by bench/scheduling.py: an instance binds a running job (as its standby), the holder completes
+    """Found by bench/scheduling/: an instance binds a running job (as its standby), the holder completes
     it and lets go, and the instance's life would reopen the completed ledger and take the free lease."""
     _submit(stack, SMALL_JOB, "2026-12-06T11:00:01.000Z")
     s3 = stack.client("s3")

@@ -20,9 +20,9 @@ import pytest
 from botocore.exceptions import ClientError
 
 from bootstrap import rendezvous as rendezvous_module
-from bootstrap.ledger import _is_conflict
 from bootstrap.rendezvous import RECORD, Membership, Rendezvous
 from tests.conftest import MotoServer
+from trainstack_job.records import is_conflict
 
 BUCKET = "trainstack-rdzv"
 PREFIX = "state/"
@@ -73,7 +73,7 @@ class SharedS3:
             try:
                 return self._client.put_object(**kwargs)
             except ClientError as exc:
-                if _is_conflict(exc):
+                if is_conflict(exc):
                     self.conflicts += 1
                 raise
 

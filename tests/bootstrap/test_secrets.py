@@ -19,22 +19,14 @@ import pytest
 
 from bootstrap.agent_config import AgentConfig
 from bootstrap.eventlog import EventLog
-from bootstrap.job import JobSpec, JobSpecError
-from bootstrap.secrets import (
-    MASK,
-    Redactor,
-    SecretRef,
-    SecretUnavailableError,
-    env_secret_problem,
-    find_secret_values,
-    parse_ref,
-    parse_secrets,
-    resolve,
-)
+from bootstrap.secrets import MASK, Redactor, SecretUnavailableError, resolve
 from bootstrap.stops import StopRequests
 from bootstrap.supervisor import Supervisor
 from bootstrap.trainer import TrainerPaths
 from tests.conftest import MotoServer
+from trainstack_job.credentials import env_secret_problem, find_secret_values
+from trainstack_job.jobfile import JobSpec, JobSpecError
+from trainstack_job.secret_refs import SecretRef, parse_ref, parse_secrets
 
 REGION = "us-east-1"
 STACK = "dev"

@@ -25,7 +25,7 @@ from bootstrap import supervisor as supervisor_module
 from bootstrap.agent_config import AgentConfig, Prefixes
 from bootstrap.eventlog import EventLog
 from bootstrap.imds import InstanceIdentity
-from bootstrap.job import VENV_READY, JobSpec, JobSpecError, pinned_constraints
+from bootstrap.job import VENV_READY, pinned_constraints
 from bootstrap.jobuser import job_session_policy
 from bootstrap.outcomes import Failure, LifeEnd
 from bootstrap.persist import CheckpointPersister, PersistResult
@@ -34,6 +34,7 @@ from bootstrap.stops import STOP_OUTCOMES, StopRequests
 from bootstrap.supervisor import Supervisor, TrainerExit, credentials_directory
 from bootstrap.trainer import TrainerPaths, TrainerProcess, trainer_python
 from trainstack_job.contract import RESUME_COMMAND
+from trainstack_job.jobfile import JobSpec, JobSpecError
 
 
 class Script:

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from bootstrap.eventlog import EventLog
-from bootstrap.job import JobSpec, JobSpecError, load_job_spec, pinned_constraints, prepare_python
+from bootstrap.job import pinned_constraints, prepare_python
 from bootstrap.lifecycle import InstanceLife
 from demo.imds import ImdsSimulator
 from demo.stack import LocalStack
+from trainstack_job.jobfile import JobSpec, JobSpecError, load_job_spec
 
 JOB_DIR = Path(__file__).with_name("user_job")
 # The first life counts without end (only the notice can stop it, however late it lands on a loaded

@@ -26,6 +26,7 @@ from trainstack import drill
 from trainstack.aws import Clients
 from trainstack.logs import LogEvent
 from trainstack_job.jobs import JobPrefixes
+from trainstack_job.records import Ledger
 
 from .conftest import REGION, Deployed, Result, write_project
 
@@ -61,10 +62,10 @@ def _at(seconds: float) -> str:
     return (T0 + timedelta(seconds=seconds)).isoformat()
 
 
-LIVES = [
+LIVES = Ledger.from_json({"lives": [
     {"started_at": _at(-3575), "ended_at": _at(25), "cost_usd": 0.36, "outcome": "preempted"},
     {"started_at": _at(95), "heartbeat_at": _at(195), "cost_usd": 0.01, "outcome": "running"},
-]
+]}).lives  # fmt: skip
 
 
 def test_the_recorded_drill_reads_as_notice_checkpoint_replacement_resume() -> None:
@@ -154,7 +155,7 @@ def test_a_standby_seen_training_before_the_old_holders_stop_arrives_waits_for_t
     batches = Batches([*RECORDED[:3], standby], [], [RECORDED[3]])
     monkeypatch.setattr(drill, "LogReader", lambda *args, **kwargs: batches)
     monkeypatch.setattr(drill, "resolve_job", lambda *args: JobPrefixes.of(JOB))
-    monkeypatch.setattr(drill, "read_json", lambda *args: {"status": "running", "lives": []})
+    monkeypatch.setattr(drill, "read_ledger", lambda *args: Ledger(status="running"))
     started = drill.Started("EXP1", "EXT1", JOB, T0, "i-aaa", 1190, 5000)
     clients = Clients(None, overrides={"fis": RunningExperiment()})
 

@@ -431,7 +431,7 @@ class FakeAgent:
             )
 
         log("epoch 1/1 step 5/10 loss 1.0")
-        life = {"instance_id": "i-0123456789abcdef0", "outcome": "running"}
+        life = {"instance_id": "i-0123456789abcdef0", "outcome": "running", "started_at": _now()}
         ledger = {"status": "running", "lives": [life], "total_cost_usd": 0.25}
         _put(self.deployed, state + "ledger.json", ledger)
         _put(self.deployed, state + "progress.json", {"step": 5, "total_steps": 10, "updated_at": _now()})

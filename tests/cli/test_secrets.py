@@ -10,8 +10,9 @@ from typing import Any
 import boto3
 import pytest
 
-from bootstrap.secrets import parse_ref, resolve
+from bootstrap.secrets import resolve
 from tests.cli.conftest import REGION, Deployed, Result
+from trainstack_job.secret_refs import parse_ref
 
 TOKEN = "hf_" + "Zz9" * 11 + "q"
 

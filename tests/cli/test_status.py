@@ -12,6 +12,7 @@ from trainstack.state import JobState
 from trainstack.status import estimate_cost
 from trainstack_job import Job
 from trainstack_job.contract import JobEnv
+from trainstack_job.records import Ledger, Progress
 
 from .conftest import BUCKET, Deployed
 
@@ -77,9 +78,14 @@ def _running_job(now: datetime) -> dict[str, dict]:
     return {"ledger": ledger, "progress": progress, "checkpoint": checkpoint}
 
 
+def _state(job: dict[str, dict], checkpoint: dict | None = None) -> JobState:
+    """The job as `trainstack status` reads it from the bucket."""
+    return JobState(Ledger.from_json(job["ledger"]), Progress.from_json(job["progress"]), checkpoint, None)
+
+
 def test_cost_so_far_counts_running_lives_since_the_ledger_was_written_and_estimates_the_rest():
     job = _running_job(NOW)
-    cost = estimate_cost(JobState(job["ledger"], job["progress"], job["checkpoint"], None), NOW)
+    cost = estimate_cost(_state(job, job["checkpoint"]), NOW)
     assert cost.rate_usd_per_hour == pytest.approx(0.36)
     # 1.30 in the ledger, plus 10 minutes of the running life since.
     assert cost.so_far_usd == pytest.approx(1.30 + 0.36 / 6)
@@ -98,7 +104,7 @@ def test_projection_prices_the_remaining_hours_at_the_instance_plus_storage_pric
         instance_cost_usd=0.28,
         storage_cost_usd=0.02,
     )
-    cost = estimate_cost(JobState(job["ledger"], job["progress"], job["checkpoint"], None), NOW)
+    cost = estimate_cost(_state(job, job["checkpoint"]), NOW)
     assert cost.rate_usd_per_hour == pytest.approx(0.40)
     assert cost.so_far_usd == pytest.approx(1.30 + 0.40 / 6)
     # Two hours left (the trainer's remaining steps at its recent speed) at 0.40/h.
@@ -110,7 +116,7 @@ def test_completed_job_has_nothing_left_to_pay():
     job = _running_job(NOW)
     job["ledger"].update(status="completed", total_cost_usd=2.0)
     job["ledger"]["lives"][-1].update(outcome="completed", ended_at=_iso(NOW))
-    cost = estimate_cost(JobState(job["ledger"], job["progress"], None, None), NOW)
+    cost = estimate_cost(_state(job), NOW)
     assert cost.remaining_s == 0
     assert cost.estimate_total_usd == pytest.approx(2.0)
 
@@ -118,7 +124,7 @@ def test_completed_job_has_nothing_left_to_pay():
 def test_an_unknown_price_leaves_the_estimate_unknown_rather_than_free():
     job = _running_job(NOW)
     job["ledger"]["lives"][-1]["price_usd_per_hour"] = None
-    cost = estimate_cost(JobState(job["ledger"], job["progress"], None, None), NOW)
+    cost = estimate_cost(_state(job), NOW)
     assert cost.rate_usd_per_hour is None
     assert cost.to_finish_usd is None
     assert cost.so_far_usd == pytest.approx(1.30)

@@ -73,14 +73,19 @@ GPUS = [
 ]
 
 
+# When the ledger's lives started and ended (top reads only which of them still run).
+T0, T1 = "2026-01-01T10:00:00+00:00", "2026-01-01T11:00:00+00:00"
+
+
 @pytest.fixture()
 def training(deployed: Deployed) -> Iterator[tuple[Deployed, str]]:
     """The current job runs on one instance that published its metrics 20 s ago."""
     instance = deployed.launch_instance()
     deployed.put_state("current-job.json", {"job_id": JOB})
     state = f"jobs/{JOB}/state/"
-    life = {"instance_id": instance, "instance_type": "g6.12xlarge", "outcome": "running", "ended_at": None}
-    ended = {"instance_id": "i-0gone", "instance_type": "g6.xlarge", "outcome": "preempted", "ended_at": "x"}
+    life = {"instance_id": instance, "instance_type": "g6.12xlarge", "outcome": "running", "started_at": T1}
+    ended = {"instance_id": "i-0gone", "instance_type": "g6.xlarge", "outcome": "preempted", "started_at": T0}
+    ended["ended_at"] = T1
     s3 = deployed.s3()
     s3.put_object(
         Bucket=BUCKET,
@@ -140,7 +145,8 @@ def test_a_new_instance_not_yet_listed_per_gpu_shows_the_gpus_mean(
 
 def test_a_job_with_no_running_instance_says_so(deployed: Deployed) -> None:
     deployed.put_state("current-job.json", {"job_id": JOB})
-    ledger = {"status": "completed", "lives": [{"instance_id": "i-0old", "outcome": "completed"}]}
+    life = {"instance_id": "i-0old", "outcome": "completed", "started_at": T0, "ended_at": T1}
+    ledger = {"status": "completed", "lives": [life]}
     deployed.s3().put_object(Bucket=BUCKET, Key=f"jobs/{JOB}/state/ledger.json", Body=json.dumps(ledger))
 
     result = deployed.run("top", "--once")

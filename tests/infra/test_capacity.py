@@ -16,7 +16,7 @@ from moto.autoscaling.models import FakeAutoScalingGroup, autoscaling_backends
 from moto.core import DEFAULT_ACCOUNT_ID
 
 from demo.stack import STAND_IN_AMI
-from infra.capacity import HANDLER, function_policy, group_arn_pattern
+from infra.capacity import HANDLER, function_code, function_policy, group_arn_pattern
 from infra.capacity_fallback import handler
 from infra.capacity_fallback.handler import FALL_BACK, RETURN_TO_SPOT, STAY, Settings
 from tests.iam import principals
@@ -116,7 +116,9 @@ def test_fallback_minutes_zero_declares_nothing(fallback_off: StackRun) -> None:
     assert not _capacity_functions(fallback_off)
 
 
-def test_lambda_package_is_one_file_of_stdlib_and_boto3() -> None:
+def test_lambda_package_is_its_handler_and_trainstack_job_of_stdlib_and_boto3() -> None:
+    # The runtime has the standard library and boto3; trainstack_job (stdlib only) travels in the package,
+    # so the handler reads the agent's records through their one definition.
     tree = ast.parse(HANDLER.read_text())
     modules = {
         ((node.module or "") if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
@@ -125,7 +127,15 @@ def test_lambda_package_is_one_file_of_stdlib_and_boto3() -> None:
         for alias in node.names
         if not (isinstance(node, ast.ImportFrom) and node.level)
     }
-    assert modules - set(sys.stdlib_module_names) == {"boto3"}
+    assert modules - set(sys.stdlib_module_names) == {"boto3", "trainstack_job"}
+    packaged = set(function_code(HANDLER).assets)
+    assert {
+        "handler.py",
+        "trainstack_job/records.py",
+        "trainstack_job/jobs.py",
+        "trainstack_job/contract.py",
+    } <= packaged
+    assert not any(name.endswith(("lightning.py", "hf.py")) or "__pycache__" in name for name in packaged)
 
 
 def test_group_arn_pattern_names_the_group() -> None:

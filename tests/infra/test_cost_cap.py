@@ -1,6 +1,7 @@
 """The cost cap outside the instance: the capacity function reads the current job's ledger and, at or over
 `maxCostUsd`, scales the group to zero and publishes one line, against moto. Its calls are recorded as the
-function role's, so the session's IAM check (tests/iam) holds them to the role the program declares."""
+function role's, so the session's IAM check (tests/iam) holds them to the role the program declares. At the
+end, the spot fallback's decision that shares the function (infra/capacity_fallback/handler.py)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,22 @@ from botocore.exceptions import ClientError
 
 from demo.stack import STAND_IN_AMI
 from infra.capacity_fallback import handler
-from infra.capacity_fallback.handler import CAP_STOP, STAY, CostCap, Settings, estimated_cost
+from infra.capacity_fallback.handler import (
+    CAP_STOP,
+    RETURN_TO_SPOT,
+    STAY,
+    CostCap,
+    Decision,
+    Group,
+    Launch,
+    Settings,
+    decide,
+    estimated_cost,
+)
 from tests.iam.plugin import record_as
 from tests.iam.principals import CAPACITY_FALLBACK
 from trainstack_job.contract import JobStatus
+from trainstack_job.records import IDLE_STATUSES, Ledger
 
 REGION = "us-east-1"
 STACK = "trainstack-test"
@@ -140,7 +153,7 @@ def test_a_job_the_agent_already_ended_is_left_to_it(world: World, status: str) 
 
 def test_the_statuses_left_alone_are_every_status_of_the_contract_but_the_billing_ones() -> None:
     billing = {JobStatus.WAITING_FOR_DATA.value, JobStatus.RUNNING.value}
-    assert set(handler.ENDED_JOB_STATUSES) == {status.value for status in JobStatus} - billing
+    assert {status.value for status in IDLE_STATUSES} == {status.value for status in JobStatus} - billing
 
 
 @pytest.mark.parametrize("status", ["waiting_for_data", "runing", None])
@@ -256,9 +269,59 @@ def test_estimated_cost_adds_only_open_priced_lives() -> None:
     raw = ledger(10.0, running_since=NOW - timedelta(hours=2), price=1.5)
     raw["lives"].append({**raw["lives"][0], "outcome": "completed"})
     raw["lives"].append({**raw["lives"][0], "price_usd_per_hour": None})
-    assert estimated_cost(raw, NOW) == pytest.approx(13.0)
-    assert estimated_cost({"total_cost_usd": 4.0}, NOW) == 4.0
+    assert estimated_cost(Ledger.from_json(raw), NOW) == pytest.approx(13.0)
+    assert estimated_cost(Ledger.from_json({"total_cost_usd": 4.0}), NOW) == 4.0
     # An open life whose instance the group no longer has died without a word: it bills nothing more.
     gone = {**raw["lives"][0], "instance_id": "i-0gone"}
-    assert estimated_cost({"total_cost_usd": 10.0, "lives": [gone]}, NOW, {"i-0alive"}) == 10.0
-    assert estimated_cost({"total_cost_usd": 10.0, "lives": [gone]}, NOW, {"i-0gone"}) == pytest.approx(13.0)
+    alone = Ledger.from_json({"total_cost_usd": 10.0, "lives": [gone]})
+    assert estimated_cost(alone, NOW, {"i-0alive"}) == 10.0
+    assert estimated_cost(alone, NOW, {"i-0gone"}) == pytest.approx(13.0)
+
+
+# -- the spot fallback's decision, beside the cap in the same function ------------------------------------
+# Pure (the group and its launches in, an action and the reason out); the reason is the one line an operator
+# reads in the function's log to learn why the group moved or did not: each situation gives its own line.
+
+
+SPOT = Settings(group_name=GROUP, fallback_minutes=15, spot_on_demand_percentage=0)
+
+
+def launched(minutes_ago: float, *, ok: bool) -> Launch:
+    return Launch(started_at=NOW - timedelta(minutes=minutes_ago), succeeded=ok)
+
+
+@pytest.mark.parametrize(
+    "group, launches, decision",
+    [
+        (
+            Group(desired=1, active=1, on_demand_percentage=100),
+            [launched(30, ok=True)],
+            Decision(STAY, "on-demand instance running; spot is tried again at the next launch"),
+        ),
+        (
+            Group(desired=0, active=0, on_demand_percentage=100),
+            [],
+            Decision(RETURN_TO_SPOT, "group at zero: the next launch tries spot first"),
+        ),
+        (
+            Group(desired=1, active=0, on_demand_percentage=100),
+            [launched(1, ok=True), launched(40, ok=False)],
+            Decision(RETURN_TO_SPOT, "the on-demand life ended and a launch is due: spot first"),
+        ),
+        (
+            Group(desired=1, active=0, on_demand_percentage=100),
+            [launched(1, ok=False)],
+            Decision(STAY, "waiting for the on-demand launch"),
+        ),
+        (
+            Group(desired=1, active=0, on_demand_percentage=100),
+            [],
+            Decision(STAY, "waiting for the on-demand launch"),
+        ),
+    ],
+    ids=["on-demand-running", "at-zero", "on-demand-ended", "on-demand-launch-failed", "nothing-launched"],
+)
+def test_in_fallback_each_situation_says_why_in_its_own_line(
+    group: Group, launches: list[Launch], decision: Decision
+) -> None:
+    assert decide(group, launches, NOW, SPOT) == decision

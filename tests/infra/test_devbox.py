@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import yaml
 
-from bootstrap.bootlock import NEVER_LOCKED, canonical, parse_lock
 from bootstrap.cloud_init import UserDataError
 from bootstrap.devbox.cloud_init import INSTALL_CLI_PATH, WATCHER_SERVICE, render_dev_user_data
 from infra import policies
@@ -28,6 +27,7 @@ from tests.policy.harness import Resource, check
 from tests.policy.test_program_passes_pack import _as_engine_sees_it
 from tests.tools import require_tool
 from trainstack.dev.instances import DEV_TAG
+from trainstack_job.bootlock import NEVER_LOCKED, canonical, parse_lock
 
 REPO = Path(__file__).resolve().parents[2]
 DEVBOX = REPO / "bootstrap" / "devbox"

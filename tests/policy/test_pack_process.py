@@ -149,7 +149,9 @@ def test_pack_needs_only_what_its_requirements_install() -> None:
     assert "pulumi-policy" in requirements and "pulumi>=" in requirements
     # PyYAML comes with the pulumi SDK (a declared requirement of it), so the pack's virtualenv has it too.
     assert any(r.lower().startswith("pyyaml") for r in importlib.metadata.requires("pulumi") or [])
-    allowed = set(sys.stdlib_module_names) | {"pulumi", "pulumi_policy", "yaml"}
+    # trainstack_job: the credential shapes' one definition, read from the checkout (__main__.py puts its root
+    # on the path); the pack's virtualenv can import it because it loads only the standard library (below).
+    allowed = set(sys.stdlib_module_names) | {"pulumi", "pulumi_policy", "yaml", "trainstack_job"}
     for source in PACK.glob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):
             if isinstance(node, ast.Import):
@@ -165,3 +167,15 @@ def test_policy_project_file_runs_python_in_the_packs_own_virtualenv() -> None:
     project = yaml.safe_load((PACK / "PulumiPolicy.yaml").read_text())
     assert project["runtime"]["name"] == "python"
     assert project["runtime"]["options"]["virtualenv"] == ".venv"
+
+
+def test_what_the_pack_imports_from_trainstack_job_loads_only_the_standard_library() -> None:
+    """The pack's virtualenv holds pulumi, pulumi-policy and PyYAML: trainstack_job.credentials (and the
+    package it sits in) must need nothing else. -I: the repository root alone is put on the path."""
+    script = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); before = set(sys.modules); "
+        "import trainstack_job.credentials; print('\\n'.join(sorted(set(sys.modules) - before)))"
+    )
+    result = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, check=True)
+    loaded = {name.split(".")[0] for name in result.stdout.split()}
+    assert loaded - set(sys.stdlib_module_names) == {"trainstack_job"}

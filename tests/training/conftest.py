@@ -94,6 +94,9 @@ class Run:
 
     root: Path
     args: list[str]
+    # `python -m <module>`: the trainer alone, or bootstrap.standalone, which gives it the agent's persister
+    # for checkpoint.uri.
+    module: str = "training"
 
     @property
     def checkpoints(self) -> Path:
@@ -108,7 +111,7 @@ class Run:
         return self.output / "model.pt"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "training", "--config", str(TINY), *self.args]
+        return [sys.executable, "-m", self.module, "--config", str(TINY), *self.args]
 
     def popen(self, env: dict[str, str] | None = None, fault: str = "") -> subprocess.Popen[str]:
         full_env = {**os.environ, **(env or {})}

@@ -10,9 +10,18 @@ import boto3
 import pytest
 import torch
 
+from bootstrap.persist import CheckpointPersister
+from bootstrap.standalone import s3_persister
+from tests.training.conftest import TINY, Dataset
 from training.checkpoint import CheckpointManager
 
 BUCKET = "trainstack-test"
+
+
+def by_hand(root: Path, uri: str, keep: int = 3) -> CheckpointManager:
+    """The checkpoints of a trainer run by hand with checkpoint.uri: bootstrap/standalone.py gives it the
+    agent's persister."""
+    return CheckpointManager(root, uri, keep, persister_factory=s3_persister)
 
 
 def state_for(step: int) -> dict[str, object]:
@@ -76,7 +85,7 @@ def test_corrupted_latest_is_skipped_for_the_previous_good_checkpoint(
 
 
 def test_s3_upload_order_layout_and_keep_k(tmp_path: Path, bucket: str) -> None:
-    manager = CheckpointManager(tmp_path, bucket, keep=2)
+    manager = by_hand(tmp_path, bucket, keep=2)
     save_steps(manager, 1, 2, 3)
     assert manager.finish(timeout=10)
     assert s3_keys() == [
@@ -92,8 +101,8 @@ def test_s3_upload_order_layout_and_keep_k(tmp_path: Path, bucket: str) -> None:
 
 
 def test_a_new_instance_restores_from_s3(tmp_path: Path, bucket: str) -> None:
-    save_steps(CheckpointManager(tmp_path / "first-life", bucket), 5, 7)
-    restored = CheckpointManager(tmp_path / "replacement", bucket).restore()
+    save_steps(by_hand(tmp_path / "first-life", bucket), 5, 7)
+    restored = by_hand(tmp_path / "replacement", bucket).restore()
     assert restored is not None and restored.step == 7
     assert restored.directory == tmp_path / "replacement" / "step-7"
     assert torch.equal(restored.load_state()["weights"], torch.full((1000,), 7.0))
@@ -102,40 +111,59 @@ def test_a_new_instance_restores_from_s3(tmp_path: Path, bucket: str) -> None:
 def test_s3_checksum_mismatch_skips_that_checkpoint(
     tmp_path: Path, bucket: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    save_steps(CheckpointManager(tmp_path / "first-life", bucket, keep=3), 5, 7)
+    save_steps(by_hand(tmp_path / "first-life", bucket, keep=3), 5, 7)
     s3 = boto3.client("s3")
     key = "checkpoints/step-7/state.pt"
     good = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
     # Same size, one byte different: only the manifest's sha256 can tell.
     s3.put_object(Bucket=BUCKET, Key=key, Body=good[:-1] + bytes([good[-1] ^ 0x01]))
     with caplog.at_level(logging.WARNING):
-        restored = CheckpointManager(tmp_path / "replacement", bucket).restore()
+        restored = by_hand(tmp_path / "replacement", bucket).restore()
     assert restored is not None and restored.step == 5
     assert "step=7" in caplog.text and "sha256 mismatch" in caplog.text
     assert not (tmp_path / "replacement" / "step-7").exists()
 
 
 def test_a_trainer_run_by_hand_exits_truthfully_when_s3_never_confirms(tmp_path: Path, bucket: str) -> None:
-    manager = CheckpointManager(tmp_path / "first-life", bucket)
+    manager = by_hand(tmp_path / "first-life", bucket)
     save_steps(manager, 5)
 
     def s3_unreachable(**_: object) -> None:
         raise ConnectionError("S3 unreachable")
 
     # From here on every upload of this trainer's persister fails, as in an outage that outlasts the stop.
-    manager.persister._s3.meta.events.register("before-call.s3.PutObject", s3_unreachable)  # type: ignore[union-attr]
+    assert isinstance(manager.persister, CheckpointPersister)
+    manager.persister._s3.meta.events.register("before-call.s3.PutObject", s3_unreachable)
     manager.save(state_for(9), step=9, epoch=0, world_size=1, config_hash="h")
     assert manager.finish(timeout=2) is False
     assert read_latest()["step"] == 5
-    restored = CheckpointManager(tmp_path / "replacement", bucket).restore()
+    restored = by_hand(tmp_path / "replacement", bucket).restore()
     assert restored is not None and restored.step == 5
 
 
 def test_local_checkpoint_newer_than_s3_is_uploaded_on_restore(tmp_path: Path, bucket: str) -> None:
-    save_steps(CheckpointManager(tmp_path, bucket), 5)
+    save_steps(by_hand(tmp_path, bucket), 5)
     save_steps(CheckpointManager(tmp_path), 8)  # a life that was killed before its upload
-    manager = CheckpointManager(tmp_path, bucket)
+    manager = by_hand(tmp_path, bucket)
     restored = manager.restore()
     assert restored is not None and restored.step == 8
     assert manager.wait_uploaded(timeout=30)
     assert read_latest()["step"] == 8
+
+
+def test_checkpoint_uri_without_a_persister_is_refused(tmp_path: Path) -> None:
+    """The trainer never imports the agent's persister: without one given, it cannot upload, and says so."""
+    with pytest.raises(ValueError, match="no persister to upload with"):
+        CheckpointManager(tmp_path, "s3://job/checkpoints")
+
+
+def test_python_m_training_names_the_entry_point_that_uploads(
+    tmp_path: Path, bucket: str, image_folders: Dataset, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`python -m training` with checkpoint.uri: one config error naming `python -m bootstrap.standalone`,
+    which runs the same trainer with the agent's persister."""
+    from training.__main__ import NO_PERSISTER, main
+
+    overrides = [*image_folders.overrides(), f"checkpoint.dir={tmp_path}", f"checkpoint.uri={bucket}"]
+    assert main(["--config", str(TINY), *overrides]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"config error: {NO_PERSISTER}"]

@@ -14,6 +14,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,11 +67,15 @@ def test_stops_signals_a_checkpoint_request_and_a_replacement_from_s3_resume_bit
     import boto3
 
     boto3.client("s3").create_bucket(Bucket="job")
-    run = make_run("checkpoint.uri=s3://job/checkpoints", "output.uri=s3://job/results")
+    # Run by hand with checkpoint.uri: bootstrap/standalone.py gives the trainer the agent's persister.
+    run = replace(
+        make_run("checkpoint.uri=s3://job/checkpoints", "output.uri=s3://job/results"),
+        module="bootstrap.standalone",
+    )
     stop_file = run.root / "STOP"
     stop_file.parent.mkdir(parents=True, exist_ok=True)
     stop_file.touch()
-    run = type(run)(run.root, [*run.args, f"train.stop_file={stop_file}"])
+    run = replace(run, args=[*run.args, f"train.stop_file={stop_file}"])
     code, output = lives.life(run, env=aws.env())
     assert code == EXIT_STOPPED, output
     assert latest(run.checkpoints)["step"] == 0
@@ -106,7 +111,7 @@ def test_stops_signals_a_checkpoint_request_and_a_replacement_from_s3_resume_bit
     periodic = (resumed // EVERY_STEPS + 1) * EVERY_STEPS
     assert periodic + 1 < TOTAL_STEPS, "the stop must land mid-training"
     stop_file.symlink_to(run.checkpoints / f"step-{periodic}" / "manifest.json")
-    code, output = lives.life(type(run)(run.root, [*run.args, "data.num_workers=2"]), env=aws.env())
+    code, output = lives.life(replace(run, args=[*run.args, "data.num_workers=2"]), env=aws.env())
     assert code == EXIT_STOPPED, output
     assert f"restored checkpoint from S3 (step={resumed} uri=s3://job/checkpoints)" in output
     stopped = latest(run.checkpoints)["step"]
@@ -119,9 +124,14 @@ def test_stops_signals_a_checkpoint_request_and_a_replacement_from_s3_resume_bit
     # tells it from a periodic checkpoint when that step happens to be one (12, 15) or the last.
     request = run.root / "CHECKPOINT"
     request.touch()
-    run = type(run)(
-        run.root,
-        [*run.args, "data.num_workers=1", f"train.checkpoint_request_file={request}", "checkpoint.keep=10"],
+    run = replace(
+        run,
+        args=[
+            *run.args,
+            "data.num_workers=1",
+            f"train.checkpoint_request_file={request}",
+            "checkpoint.keep=10",
+        ],
     )
     code, output = lives.life(run, env=aws.env())
     assert code == 0, output

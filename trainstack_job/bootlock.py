@@ -1,8 +1,9 @@
 """The hashed lock of the instance's boot-time packages: parse it, and pick what a boot must install.
 
-Standard library only: install-agent.sh runs this file as a script with the AMI's Python before anything
-is installed (`python bootstrap/bootlock.py select LOCK`), and preview (infra/wheels.py) and the job's
-environment (bootstrap/job.py) import it.
+Standard library only, importing no other trainstack module: install-agent.sh runs this file as a script
+with the AMI's Python before anything is installed (`python trainstack_job/bootlock.py select LOCK`), and
+preview (infra/wheels.py) and the job's environment (bootstrap/job.py) import it. It lives in trainstack_job/,
+beside the job's other shared definitions, so the Pulumi program reads the lock without importing the agent.
 
 What a boot installs: every locked package the AMI's env does not already hold at the locked version,
 except the packages the AMI owns (AMI_OWNED: its numpy is the one its torch and compiled packages were

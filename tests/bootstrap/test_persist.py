@@ -1,7 +1,7 @@
-"""Checkpoint persistence (bootstrap/persist.py): the promises `make mutate` found untested, against the moto
-server. Restore picks the newest checkpoint that verifies and never one above `latest.json`; S3's conflict
-answers are retried, any other error is not; old steps are pruned down to `keep`; what `finish` reports is
-what S3 holds."""
+"""Checkpoint persistence (bootstrap/persist.py) against the moto server. Restore picks the newest
+checkpoint that verifies and never one above `latest.json`; S3's conflict answers are retried, any other
+error is not; old steps are pruned down to `keep`; what `finish` reports is what S3 holds; every journal
+line is well formed. The lease's fencing of these writes: test_fencing.py."""
 
 from __future__ import annotations
 

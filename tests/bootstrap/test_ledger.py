@@ -1,8 +1,9 @@
-"""The job ledger (bootstrap/ledger.py): the promises `make mutate` found untested. What a life's record
-says when it opens and when the next life closes it (crashed here, vanished elsewhere, a lease holder that
-died), what every life cost (legacy lives, price notes, standby waits, hand-overs), the counters a crash
-loop and the interruption rate read, and the store's conditional write: two writers never lose each
-other's change. Mostly in memory; the store against the moto server with S3's other answers injected."""
+"""The job ledger (bootstrap/ledger.py): what a life's record says when it opens and when the next life
+closes it (crashed here, vanished elsewhere, a lease holder that died), what every life cost (legacy lives,
+price notes, standby waits, hand-overs), the counters a crash loop and the interruption rate read, and the
+store's conditional write: two writers never lose each other's change. Mostly in memory; the store against
+the moto server with S3's other answers injected. `make mutate ledger` runs these with the ledger's other
+tests (bench/mutate.py)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ import pytest
 from botocore.exceptions import ClientError
 
 from bootstrap.imds import InstanceIdentity
-from bootstrap.ledger import JobLedger, LedgerStore, _is_conflict
+from bootstrap.ledger import JobLedger, LedgerStore
 from bootstrap.pricing import LifeQuote
 from tests.conftest import MotoServer
 from trainstack_job.contract import JobStatus, LifeOutcome
+from trainstack_job.records import is_conflict
 
 T0 = datetime(2030, 1, 1, tzinfo=timezone.utc)
-BUCKET = "trainstack-ledger-mutants"
+BUCKET = "trainstack-ledger"
 KEY = "jobs/demo-1a2b3c4d/state/ledger.json"
 URI = f"s3://{BUCKET}/{KEY}"
 
@@ -62,6 +64,8 @@ def test_a_new_ledger_is_a_running_job_with_nothing_spent_and_no_life() -> None:
         "interruptions": 0,
         "consecutive_failures": 0,
         "total_cost_usd": 0.0,
+        "standby_cost_usd": 0.0,
+        "handovers": 0,
     }
     assert ledger.current_life() is None and ledger.previous_life() is None
     ledger.begin_life(node(), 1.0, T0)
@@ -397,7 +401,7 @@ def s3_error(operation: str, code: str | None, status: int | None) -> ClientErro
 def test_a_conflict_is_s3s_every_answer_to_a_lost_conditional_write(
     code: str | None, status: int | None, conflict: bool
 ) -> None:
-    assert _is_conflict(s3_error("PutObject", code, status)) is conflict
+    assert is_conflict(s3_error("PutObject", code, status)) is conflict
 
 
 class Interleaved:
