@@ -122,9 +122,11 @@ TARGETS: dict[str, Target] = {
     # The cost cap on the instance (`trainstack stop` and the cap as each life reads them; the agent's own
     # tests start trainers) and from outside it (the capacity Lambda, whose spot fallback shares the file).
     "costcap": Target(
-        ("bootstrap/jobstate.py", "infra/capacity_fallback/handler.py"),
+        ("bootstrap/jobstate.py", "infra/capacity_fallback/handler.py", "trainstack_job/launches.py"),
         (
             "tests/bootstrap/test_jobstate.py",
+            # The launch history: a spot drought as both the function and `trainstack jobs` read it.
+            "tests/job/test_launches.py",
             # The cap from outside, and the spot fallback's decision with the line saying why.
             "tests/infra/test_cost_cap.py",
             # The fallback's decisions against moto's group (not the Pulumi program's preview tests).

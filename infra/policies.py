@@ -686,9 +686,11 @@ def dev_role_policy(
             "Resource": group_arn_pattern,
         },
         {
+            # The group's size, and why its launches fail (`trainstack jobs`: "no instance for 12 min").
+            # Describe calls name no resource: "*" is the only resource AWS accepts.
             "Sid": "ReadTheJobGroup",
             "Effect": "Allow",
-            "Action": "autoscaling:DescribeAutoScalingGroups",
+            "Action": ["autoscaling:DescribeAutoScalingGroups", "autoscaling:DescribeScalingActivities"],
             "Resource": "*",
         },
         {

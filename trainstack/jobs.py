@@ -19,6 +19,7 @@ from trainstack.state import (
     current_job_id,
     free_lanes,
     job_exists,
+    read_drought,
     read_group,
     read_json,
     read_ledger,
@@ -34,8 +35,10 @@ from trainstack_job.jobs import (
     JobPrefixes,
     check_job_id,
 )
+from trainstack_job.launches import Drought
 from trainstack_job.queue import CANCEL_REQUEST, QueueEntry, QueueError, list_entries, scan_queue
 from trainstack_job.records import ENDED_STATUSES, Ledger
+from trainstack_job.text import clip
 
 NOT_STARTED = "not started"
 # Also what the CLI calls a job no instance has taken yet: waiting in the queue, or withdrawn from it.
@@ -143,7 +146,7 @@ def collect(clients: Clients, outputs: StackOutputs, now: datetime | None = None
         if rows[entry.job_id]["status"] == QUEUED:
             by_pool.setdefault(entry.pool, []).append(entry.job_id)
     for pool, waiting in by_pool.items():
-        reasons = WaitingReasons.of(clients, outputs, pool)
+        reasons = WaitingReasons.of(clients, outputs, pool, now)
         for position, job_id in enumerate(waiting, start=1):
             rows[job_id] |= {
                 "queue_position": position,
@@ -168,9 +171,12 @@ class WaitingReasons:
     busy: int
     desired: int
     in_service: int
+    # Launches failing now (no capacity for the pool's types, a quota): read only while an instance is wanted.
+    drought: Drought | None = None
+    now: datetime | None = None
 
     @classmethod
-    def of(cls, clients: Clients, outputs: StackOutputs, pool: str) -> WaitingReasons:
+    def of(cls, clients: Clients, outputs: StackOutputs, pool: str, now: datetime) -> WaitingReasons:
         """`pool`: as a queue entry names it ("" = the default pool)."""
         pools = outputs.pools
         name = pool or next((n for n, v in pools.items() if v.get("default")), next(iter(pools), "default"))
@@ -183,8 +189,11 @@ class WaitingReasons:
             running = pointer.job_id if pointer is not None else ""
             ledger = read_ledger(clients, outputs.bucket, JobPrefixes.of(running)) if running else None
             busy = int(ledger is not None and not ledger.ended)
-        group = read_group(clients, str(info.get("group_name") or outputs.group_name), lifecycles=False)
-        return cls(name, lanes, busy, group.desired, group.in_service)
+        group_name = str(info.get("group_name") or outputs.group_name)
+        group = read_group(clients, group_name, lifecycles=False)
+        wanting = group.in_service < group.desired
+        drought = read_drought(clients, group_name, now) if wanting else None
+        return cls(name, lanes, busy, group.desired, group.in_service, drought, now)
 
     def why(self, position: int) -> str:
         """The reason for the job at `position` (1 = next) in the pool's queue."""
@@ -194,6 +203,15 @@ class WaitingReasons:
             return f"pool {self.name}: {self.busy} of {self.lanes} {jobs} running"
         if self.desired == 0:
             return f"pool {self.name}: no instance (the group is at zero; `trainstack resume` wakes it)"
+        if self.in_service < self.desired and self.drought is not None and self.now is not None:
+            # What Auto Scaling says, so the user can tell a spot drought from a quota or a bad type; the
+            # capacity function falls back to on-demand after `spotFallbackMinutes` of this.
+            minutes = max(0, round((self.now - self.drought.since).total_seconds() / 60))
+            failed = "launch" if self.drought.failed == 1 else "launches"
+            return (
+                f"pool {self.name}: no instance for {minutes} min ({self.drought.failed} {failed} failed: "
+                f"{clip(self.drought.message or 'no reason given', 120)})"
+            )
         if self.in_service < self.desired:
             return f"pool {self.name}: an instance is starting ({self.in_service} of {self.desired} up)"
         return f"pool {self.name}: the next free instance takes it"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from botocore.exceptions import ClientError
@@ -21,6 +22,7 @@ from trainstack_job.jobs import (
     check_job_id,
     pointer_name,
 )
+from trainstack_job.launches import Drought, drought, read_launches
 from trainstack_job.records import JobPointer, Ledger, Progress
 
 JOBS_COMMAND = "trainstack jobs"
@@ -61,6 +63,20 @@ class Group:
             "in_service": self.in_service,
             "instances": [vars(i) for i in self.instances],
         }
+
+
+def read_drought(clients: Clients, group_name: str, now: datetime) -> Drought | None:
+    """The group's launches failing now (trainstack_job/launches.py), from its newest scaling activities:
+    one page is the last hour or more of a group that keeps trying. None when the last launch succeeded,
+    or when the caller may not read the activities (a reason left out beats `trainstack jobs` failing)."""
+    try:
+        page = clients.autoscaling().describe_scaling_activities(
+            AutoScalingGroupName=group_name, MaxRecords=50
+        )
+    except ClientError:
+        return None
+    launches = sorted(read_launches(page.get("Activities", [])), key=lambda x: x.started_at, reverse=True)
+    return drought(launches, now)
 
 
 def read_group(clients: Clients, group_name: str, *, lifecycles: bool = True) -> Group:

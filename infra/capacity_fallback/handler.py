@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -21,6 +21,7 @@ import boto3
 # the agent writes are read through their one definition.
 from trainstack_job.contract import LEDGER
 from trainstack_job.jobs import LEGACY_JOB_ID, JobIdError, JobPrefixes, check_job_id
+from trainstack_job.launches import Launch, drought_start, read_launches
 from trainstack_job.records import JobPointer, Ledger
 
 LOG = logging.getLogger("trainstack.capacity_fallback")
@@ -31,14 +32,10 @@ RETURN_TO_SPOT = "return_to_spot"
 STAY = "none"
 
 ON_DEMAND_ONLY = 100
-# Auto Scaling retries a failed launch within minutes for as long as it wants capacity. A longer silence
-# between two failures means it stopped wanting (scaled to zero, then resumed): a new drought starts.
-DROUGHT_GAP = timedelta(minutes=30)
 # How far back the scaling activities are read: longer than any fallback delay a user would configure.
 LOOKBACK = timedelta(hours=12)
 _MAX_PAGES = 10
 _ACTIVE_STATES = ("Pending", "Pending:Wait", "Pending:Proceed", "InService")
-_LAUNCH_FAILED = ("Failed", "Cancelled")
 CAP_STOP = "stop_at_cost_cap"
 CAP_UNREADABLE = "cost_cap_unreadable"
 
@@ -90,14 +87,6 @@ class CostCap:
     def ledger_key(job_id: str) -> str:
         """The job's ledger; the legacy job (a stack from before jobs) keeps it at the stack's state/."""
         return JobPrefixes.of(job_id).state + LEDGER
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One launch attempt from the group's scaling activities."""
-
-    started_at: datetime
-    succeeded: bool
 
 
 @dataclass(frozen=True)
@@ -157,17 +146,6 @@ def _in_fallback(group: Group, newest_first: Sequence[Launch]) -> Decision:
     return Decision(STAY, "waiting for the on-demand launch")
 
 
-def drought_start(newest_first: Sequence[Launch], now: datetime) -> datetime | None:
-    """When the current run of unsuccessful launches began (None: the newest launch succeeded, or none)."""
-    start: datetime | None = None
-    later = now
-    for launch in newest_first:
-        if launch.succeeded or later - launch.started_at > DROUGHT_GAP:
-            break
-        start = later = launch.started_at
-    return start
-
-
 def read_group(description: Mapping[str, Any]) -> Group:
     distribution = description.get("MixedInstancesPolicy", {}).get("InstancesDistribution", {})
     active = sum(1 for i in description.get("Instances", []) if i.get("LifecycleState") in _ACTIVE_STATES)
@@ -176,15 +154,6 @@ def read_group(description: Mapping[str, Any]) -> Group:
         active=active,
         on_demand_percentage=int(distribution.get("OnDemandPercentageAboveBaseCapacity", ON_DEMAND_ONLY)),
     )
-
-
-def read_launches(activities: Iterable[Mapping[str, Any]]) -> list[Launch]:
-    """Launch attempts only (terminations are not launches); a launch in progress counts as launched."""
-    return [
-        Launch(started_at=activity["StartTime"], succeeded=activity.get("StatusCode") not in _LAUNCH_FAILED)
-        for activity in activities
-        if str(activity.get("Description", "")).startswith("Launching a new EC2 instance")
-    ]
 
 
 def distribution_update(description: Mapping[str, Any], on_demand_percentage: int) -> dict[str, Any]:

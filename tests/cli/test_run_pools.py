@@ -5,11 +5,16 @@ serves is refused at submit in one line that names every pool and what it offers
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
+
+from trainstack.jobs import WaitingReasons
+from trainstack.state import read_drought
 
 from .conftest import BUCKET, GROUP, REGION, REPO, Deployed, create_group
 
@@ -196,3 +201,72 @@ def test_cancelling_the_last_waiting_job_keeps_a_pool_up_while_another_lane_trai
         "nothing trains: to zero"
     )
     assert _desired(GROUP) == 0
+
+
+# -- why a job waits when its pool cannot launch ------------------------------------------------------
+
+NO_SPOT = (
+    "Could not launch Spot Instances. InsufficientInstanceCapacity - There is no Spot capacity available."
+)
+AT = datetime(2026, 12, 6, 18, 0, tzinfo=timezone.utc)
+
+
+class _Activities:
+    """An autoscaling client whose group keeps failing to launch (moto's groups always launch)."""
+
+    def __init__(self, activities: list[dict[str, Any]] | None = None, error: str = "") -> None:
+        self.activities = activities or []
+        self.error = error
+        self.asked: list[dict[str, Any]] = []
+
+    def describe_scaling_activities(self, **request: Any) -> dict[str, Any]:
+        self.asked.append(request)
+        if self.error:
+            raise ClientError({"Error": {"Code": self.error, "Message": "no"}}, "DescribeScalingActivities")
+        return {"Activities": self.activities}
+
+
+class _Clients:
+    def __init__(self, autoscaling: _Activities) -> None:
+        self._autoscaling = autoscaling
+
+    def autoscaling(self) -> _Activities:
+        return self._autoscaling
+
+
+def _failed(minutes_ago: float) -> dict[str, Any]:
+    return {
+        "Description": "Launching a new EC2 instance.  Status Reason: no capacity",
+        "StartTime": AT - timedelta(minutes=minutes_ago),
+        "StatusCode": "Failed",
+        "StatusMessage": NO_SPOT,
+    }
+
+
+def test_a_pool_whose_launches_keep_failing_says_so_with_aws_words_and_for_how_long() -> None:
+    autoscaling = _Activities([_failed(2), _failed(7), _failed(12)])
+    found = read_drought(_Clients(autoscaling), "trainstack-dev-big", AT)  # type: ignore[arg-type]
+    assert autoscaling.asked == [{"AutoScalingGroupName": "trainstack-dev-big", "MaxRecords": 50}]
+    reasons = WaitingReasons("big", lanes=1, busy=0, desired=1, in_service=0, drought=found, now=AT)
+    assert reasons.why(1) == (
+        "pool big: no instance for 12 min (3 launches failed: 'Could not launch Spot Instances. "
+        "InsufficientInstanceCapacity - There is no Spot capacity available.')"
+    )
+    one = WaitingReasons("big", 1, 0, 1, 0, read_drought(_Clients(_Activities([_failed(1)])), "g", AT), AT)  # type: ignore[arg-type]
+    assert one.why(1).startswith("pool big: no instance for 1 min (1 launch failed: ")
+    # A job behind a busy lane waits for the lane first, whatever the launches do.
+    assert WaitingReasons("big", 1, 1, 1, 0, found, AT).why(1) == "pool big: 1 of 1 job running"
+
+
+def test_a_pool_still_launching_or_unreadable_says_an_instance_is_starting() -> None:
+    succeeded = {**_failed(1), "StatusCode": "Successful"}
+    for clients in (
+        _Clients(_Activities([succeeded, _failed(5)])),
+        _Clients(_Activities(error="AccessDenied")),
+    ):
+        found = read_drought(clients, "g", AT)  # type: ignore[arg-type]
+        assert found is None
+        assert (
+            WaitingReasons("big", 1, 0, 2, 1, found, AT).why(1)
+            == "pool big: an instance is starting (1 of 2 up)"
+        )

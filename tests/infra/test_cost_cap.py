@@ -24,7 +24,6 @@ from infra.capacity_fallback.handler import (
     CostCap,
     Decision,
     Group,
-    Launch,
     Settings,
     decide,
     estimated_cost,
@@ -32,6 +31,7 @@ from infra.capacity_fallback.handler import (
 from tests.iam.plugin import record_as
 from tests.iam.principals import CAPACITY_FALLBACK
 from trainstack_job.contract import JobStatus
+from trainstack_job.launches import Launch
 from trainstack_job.records import IDLE_STATUSES, Ledger
 
 REGION = "us-east-1"
