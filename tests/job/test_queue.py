@@ -4,6 +4,7 @@ one bounded line naming its key and the fix, and never stops the reading of the 
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import boto3
@@ -12,13 +13,19 @@ import pytest
 from trainstack_job.jobs import JobIdError, check_job_id
 from trainstack_job.queue import (
     MAX_ENTRY_BYTES,
+    SOURCE_PULUMI,
+    SOURCE_RUN,
     QueueEntry,
     QueueError,
+    QueueScan,
+    cancel_key,
+    job_record,
     list_entries,
     parse_entry,
     queue_entry,
     queue_key,
     scan_queue,
+    stored_at,
 )
 from trainstack_job.text import clip
 
@@ -198,3 +205,115 @@ def test_priority_orders_the_queue_within_now_and_a_boolean_one_is_refused() -> 
     assert ordered == ["urgent-cccccccc", "high-dddddddd", "high-bbbbbbbb", "low-aaaaaaaa"]
     with pytest.raises(QueueError, match="'priority' is a boolean"):
         entry("odd-eeeeeeee", "2026-12-06T11:00:04Z", priority=True)
+
+
+# -- every field of an entry and a record, as the agent and the CLI read them ---------------------------
+
+
+def test_an_entry_reads_every_field_and_an_absent_optional_one_as_its_default() -> None:
+    full = _entry(job_id="a-12345678", submitted_at="t1", now=True, pool="big", priority=3)
+    assert parse_entry(KEY, full, "2026-12-06T10:00:00+00:00") == QueueEntry(
+        "a-12345678", "t1", True, "2026-12-06T10:00:00+00:00", "big", 3
+    )
+    assert parse_entry(KEY, _entry(job_id="a-12345678", submitted_at="t1")) == QueueEntry(
+        "a-12345678", "t1", False, "", "", 0
+    )
+
+
+def test_a_bad_optional_field_after_an_absent_one_is_still_refused() -> None:
+    # `now` left out (allowed) must not stop the checks of the fields after it.
+    why = _refusal(KEY, _entry(job_id="a-12345678", submitted_at="t", pool=5))
+    assert "'pool' is a number (5), not a string" in why
+    why = _refusal(KEY, _entry(job_id={"x": 1}, submitted_at="t"))
+    assert "'job_id' is an object, not a string" in why
+    assert why.endswith(
+        "delete it (`trainstack cancel` never needs it) and submit the job again with `trainstack run`"
+    )
+
+
+def test_an_entry_of_exactly_the_limit_is_read_and_one_byte_more_is_refused() -> None:
+    body = _entry(job_id="a-12345678", submitted_at="t")
+    exact = body[:-1] + b" " * (MAX_ENTRY_BYTES - len(body)) + b"}"
+    assert len(exact) == MAX_ENTRY_BYTES and parse_entry(KEY, exact).job_id == "a-12345678"
+    assert "more than the" in _refusal(KEY, exact[:-1] + b" }")
+
+
+def test_the_entry_and_the_cancel_request_are_where_the_agent_looks() -> None:
+    assert queue_entry("a-12345678", "t") == {"job_id": "a-12345678", "submitted_at": "t", "now": False}
+    assert queue_entry("a-12345678", "t", now=True, pool="big", priority=-2) == {
+        "job_id": "a-12345678",
+        "submitted_at": "t",
+        "now": True,
+        "pool": "big",
+        "priority": -2,
+    }
+    assert cancel_key("a-12345678") == "jobs/a-12345678/state/cancel.json"
+    assert cancel_key("legacy") == "state/cancel.json"
+    with pytest.raises(JobIdError):
+        queue_entry("Not_An_Id", "t")
+
+
+def test_a_record_says_what_the_job_is_and_copies_what_it_was_given() -> None:
+    agent = {
+        "job_id": "a-12345678",
+        "bundle_key": "job-code/ab/bundle.tar.gz",
+        "bundle_sha256": "ab",
+        "resume_from": "b-1",
+    }
+    sweep, dataset, resources = {"point": 1}, {"name": "d"}, {"gpus": "L4:1"}
+    record = job_record(
+        job_id="a-12345678",
+        name="resnet",
+        agent=agent,
+        submitted_at="t",
+        source=SOURCE_RUN,
+        sweep=sweep,
+        dataset=dataset,
+        pool="big",
+        resources=resources,
+    )
+    assert record == {
+        "job_id": "a-12345678",
+        "name": "resnet",
+        "created_at": "t",
+        "submitted_at": "t",
+        "source": "run",
+        "bundle_key": "job-code/ab/bundle.tar.gz",
+        "bundle_sha256": "ab",
+        "resume_from": "b-1",
+        "sweep": {"point": 1},
+        "dataset": {"name": "d"},
+        "pool": "big",
+        "resources": {"gpus": "L4:1"},
+        "agent": agent,
+    }
+    # Copies: the caller's dicts changed afterwards do not change the record it wrote.
+    sweep["point"], agent["bundle_key"] = 2, "other"
+    assert record["sweep"] == {"point": 1} and record["agent"]["bundle_key"] == "job-code/ab/bundle.tar.gz"
+    bare = job_record(job_id="a-12345678", name="x", agent={}, submitted_at="t", source=SOURCE_PULUMI)
+    assert (bare["bundle_key"], bare["bundle_sha256"], bare["resume_from"]) == ("", "", None)
+    assert (bare["sweep"], bare["dataset"], bare["pool"], bare["resources"]) == (None, None, "", None)
+    with pytest.raises(JobIdError):
+        job_record(job_id="../x", name="x", agent={}, submitted_at="t", source=SOURCE_RUN)
+
+
+def test_when_s3_stored_an_entry_is_utc_text_whatever_the_listing_says() -> None:
+    moment = datetime(2026, 12, 6, 10, 0, 5)
+    assert stored_at({"LastModified": moment}) == "2026-12-06T10:00:05+00:00"
+    east = timezone(timedelta(hours=2))
+    assert stored_at({"LastModified": moment.replace(tzinfo=east)}) == "2026-12-06T08:00:05+00:00"
+    assert stored_at({}) == "" and stored_at({"LastModified": "2026-12-06"}) == ""
+
+
+def test_scan_reads_only_the_queue_of_an_empty_or_busy_bucket(aws: Any) -> None:
+    s3 = boto3.client("s3", region_name="us-east-1")
+    s3.create_bucket(Bucket=BUCKET)
+    assert scan_queue(s3, BUCKET) == QueueScan([], [])
+    # Not queue objects: a job's record and a stray JSON file outside queue/.
+    s3.put_object(Bucket=BUCKET, Key="jobs/a-12345678/job.json", Body=b"not an entry")
+    s3.put_object(Bucket=BUCKET, Key="queue-old.json", Body=b"[]")
+    body = _entry(job_id="a-12345678", submitted_at="t")
+    exact = body[:-1] + b" " * (MAX_ENTRY_BYTES - len(body)) + b"}"
+    s3.put_object(Bucket=BUCKET, Key=KEY, Body=exact)
+    scan = scan_queue(s3, BUCKET)
+    assert [entry.job_id for entry in scan.entries] == ["a-12345678"] and scan.bad == []
