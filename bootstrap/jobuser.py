@@ -340,7 +340,8 @@ def _which(name: str) -> str:
 SESSION_SECONDS = 3600
 REFRESH_BEFORE = timedelta(minutes=25)
 RETRY_SECONDS = 60.0
-LOG_STREAM_SOURCE = "job"  # infra/policies.py JOB_LOG_STREAM_SOURCE: the role allows only `*/job` streams
+# infra/iam/machine_roles.py JOB_LOG_STREAM_SOURCE: the role allows only `*/job` streams.
+LOG_STREAM_SOURCE = "job"
 _ROLE_ARN = re.compile(r"^arn:(?P<partition>aws[a-z-]*):iam::(?P<account>\d{12}):role/")
 
 

@@ -12,12 +12,12 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from infra import policies
+from infra.iam import common, service_roles
 
-# The role's document and the group's ARN are pure functions in infra/policies.py (tests/iam evaluates them
+# The role's document and the group's ARN are pure functions in infra/iam/ (tests/iam evaluates them
 # without importing Pulumi); the names stay importable from here.
-from infra.policies import autoscaling_group_arn as group_arn_pattern
-from infra.policies import capacity_fallback_policy as function_policy
+from infra.iam.common import autoscaling_group_arn as group_arn_pattern
+from infra.iam.service_roles import capacity_fallback_policy as function_policy
 from trainstack_job.jobs import CURRENT_JOB
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -128,7 +128,7 @@ class CapacityFallback(pulumi.ComponentResource):
             f"{self._name}-role",
             name=args.function_name,
             description=f"{args.name} capacity fallback: reads and switches {args.group_name} only",
-            assume_role_policy=json.dumps(policies.assume_role_policy("lambda.amazonaws.com")),
+            assume_role_policy=json.dumps(common.assume_role_policy("lambda.amazonaws.com")),
             max_session_duration=3600,
             tags=args.tags,
             opts=self._child,
@@ -149,7 +149,7 @@ class CapacityFallback(pulumi.ComponentResource):
                     function_policy(
                         group_arn=group_arn,
                         log_group_arn=arns[0],
-                        cost_cap=policies.CostCapAccess(
+                        cost_cap=service_roles.CostCapAccess(
                             bucket_arn=arns[1],
                             key_arn=arns[2],
                             topic_arn=arns[3],

@@ -134,8 +134,8 @@ class DefaultJob(pulumi.ComponentResource):
         content: str | None = None,
         content_base64: str | None = None,
     ) -> aws.s3.BucketObjectv2:
-        # The bucket policy refuses any upload not SSE-KMS with the stack's key (infra/policies.py), the
-        # deployer's included.
+        # The bucket policy refuses any upload not SSE-KMS with the stack's key
+        # (infra/iam/resource_policies.py), the deployer's included.
         return aws.s3.BucketObjectv2(
             name,
             bucket=args.bucket_name,

@@ -21,11 +21,11 @@ import pulumi_aws as aws
 
 from bootstrap.cloud_init import UserDataError
 from bootstrap.devbox.cloud_init import render_dev_user_data
-from infra import policies
 from infra.baseline import code_bundle_object, encrypted_root, metadata_options, primary_interface
 from infra.bundle import CodeBundle
 from infra.config import NAMESPACE, StackConfig, StackConfigError
 from infra.fleet import MachineImage
+from infra.iam import common, machine_roles
 
 
 @dataclass
@@ -99,7 +99,7 @@ class DevBox(pulumi.ComponentResource):
             f"{self._name}-role",
             name=config.dev_box_name,
             description=f"{config.name} dev box: its data, code, dev/ folder, job submission and the topic",
-            assume_role_policy=json.dumps(policies.assume_role_policy("ec2.amazonaws.com")),
+            assume_role_policy=json.dumps(common.assume_role_policy("ec2.amazonaws.com")),
             max_session_duration=3600,
             tags=args.tags,
             opts=self._child,
@@ -109,13 +109,13 @@ class DevBox(pulumi.ComponentResource):
             f"{self._name}-session-manager",
             role=role.id,
             policy=json.dumps(
-                policies.session_manager_policy(
+                machine_roles.session_manager_policy(
                     partition=args.partition, region=config.region, account_id=args.account_id
                 )
             ),
             opts=self._child,
         )
-        group_arn = policies.autoscaling_group_arn(
+        group_arn = common.autoscaling_group_arn(
             partition=args.partition,
             region=config.region,
             account_id=args.account_id,
@@ -128,7 +128,7 @@ class DevBox(pulumi.ComponentResource):
                 args.bucket_arn, args.kms_key_arn, args.topic_arn, args.log_group_arn
             ).apply(
                 lambda arns: json.dumps(
-                    policies.dev_role_policy(
+                    machine_roles.dev_role_policy(
                         bucket_arn=arns[0],
                         key_arn=arns[1],
                         topic_arn=arns[2],

@@ -10,7 +10,7 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from infra import policies
+from infra.iam import common
 
 # The FIS action and target resource type, as the FIS actions reference names them.
 ACTION_ID = "aws:ec2:send-spot-instance-interruptions"
@@ -44,7 +44,7 @@ class DrillArgs:
 
 def drill_role_policy(
     *, partition: str, region: str, account_id: str, project: str, stack: str, group_name: str
-) -> policies.Document:
+) -> common.Document:
     """What FIS may do with the role: interrupt this stack's instances, and read instances to find them.
 
     SendSpotInstanceInterruptions names the account's instance ARNs and requires the stack's own tags on the
@@ -77,9 +77,9 @@ def drill_role_policy(
     }
 
 
-def fis_trust_policy(*, partition: str, region: str, account_id: str) -> policies.Document:
+def fis_trust_policy(*, partition: str, region: str, account_id: str) -> common.Document:
     """FIS may assume the role only for this account's experiments (confused-deputy guard)."""
-    document = policies.assume_role_policy("fis.amazonaws.com", account_id=account_id)
+    document = common.assume_role_policy("fis.amazonaws.com", account_id=account_id)
     statement: dict[str, Any] = document["Statement"][0]
     statement["Condition"]["ArnLike"] = {
         "aws:SourceArn": f"arn:{partition}:fis:{region}:{account_id}:experiment/*"

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_aws as aws
 
-from infra import policies
+from infra.iam import common, machine_roles
 
 # No AWS managed policy is attached: AmazonSSMManagedInstanceCore grants ssm:GetParameter(s) on `*` (any
 # process on the instance could read every SSM parameter in the region); Session Manager's few actions are
-# written here instead (infra/policies.py session_manager_policy).
+# written here instead (infra/iam/machine_roles.py session_manager_policy).
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Identity(pulumi.ComponentResource):
             f"{name}-instance-role",
             name=f"{args.name}-instance",
             description=f"{args.name} GPU instances: this stack's bucket, key, topic, logs and group only",
-            assume_role_policy=json.dumps(policies.assume_role_policy("ec2.amazonaws.com")),
+            assume_role_policy=json.dumps(common.assume_role_policy("ec2.amazonaws.com")),
             max_session_duration=3600,
             tags=args.tags,
             opts=child,
@@ -56,20 +56,20 @@ class Identity(pulumi.ComponentResource):
             f"{name}-session-manager",
             role=self.role.id,
             policy=json.dumps(
-                policies.session_manager_policy(
+                machine_roles.session_manager_policy(
                     partition=args.partition, region=args.region, account_id=args.account_id
                 )
             ),
             opts=child,
         )
-        self.job_role_arn = policies.job_role_arn(
+        self.job_role_arn = machine_roles.job_role_arn(
             partition=args.partition, account_id=args.account_id, name=args.name
         )
         self.job_role = self._create_job_role(name, args, child)
         # The stack's groups by name, each one (never a wildcard name: another stack's group could match);
         # one group, as before pools, is the one ARN.
         group_arns = [
-            policies.autoscaling_group_arn(
+            common.autoscaling_group_arn(
                 partition=args.partition, region=args.region, account_id=args.account_id, group_name=group
             )
             for group in args.group_names or (args.group_name,)
@@ -82,7 +82,7 @@ class Identity(pulumi.ComponentResource):
                 args.bucket_arn, args.kms_key_arn, args.topic_arn, args.log_group_arn
             ).apply(
                 lambda arns: json.dumps(
-                    policies.instance_policy(
+                    machine_roles.instance_policy(
                         bucket_arn=arns[0],
                         key_arn=arns[1],
                         topic_arn=arns[2],
@@ -120,7 +120,7 @@ class Identity(pulumi.ComponentResource):
             name=f"{args.name}-job",
             description=f"{args.name} job credentials: its jobs/<id>/ prefix, the dataset, its log stream",
             assume_role_policy=json.dumps(
-                policies.job_role_trust_policy(
+                machine_roles.job_role_trust_policy(
                     partition=args.partition, account_id=args.account_id, instance_role_arn=instance_role_arn
                 )
             ),
@@ -133,7 +133,7 @@ class Identity(pulumi.ComponentResource):
             role=role.id,
             policy=pulumi.Output.all(args.bucket_arn, args.kms_key_arn, args.log_group_arn).apply(
                 lambda arns: json.dumps(
-                    policies.job_role_policy(
+                    machine_roles.job_role_policy(
                         bucket_arn=arns[0], key_arn=arns[1], region=args.region, log_group_arn=arns[2]
                     )
                 )

@@ -17,7 +17,7 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from infra import policies
+from infra.iam import common, service_roles
 
 # Each subnet is the VPC cut in 16: room for MAX_ZONES public and MAX_ZONES private subnets.
 _SUBNET_BITS = 4
@@ -321,7 +321,7 @@ class Network(pulumi.ComponentResource):
             f"{name}-flow-logs-role",
             # Only on behalf of this account's flow logs (the confused-deputy guard AWS recommends).
             assume_role_policy=json.dumps(
-                policies.assume_role_policy("vpc-flow-logs.amazonaws.com", account_id=args.account_id)
+                common.assume_role_policy("vpc-flow-logs.amazonaws.com", account_id=args.account_id)
             ),
             tags=args.tags,
             opts=self._child,
@@ -329,7 +329,9 @@ class Network(pulumi.ComponentResource):
         aws.iam.RolePolicy(
             f"{name}-flow-logs-policy",
             role=role.id,
-            policy=log_group.arn.apply(lambda arn: json.dumps(policies.flow_logs_policy(log_group_arn=arn))),
+            policy=log_group.arn.apply(
+                lambda arn: json.dumps(service_roles.flow_logs_policy(log_group_arn=arn))
+            ),
             opts=self._child,
         )
         aws.ec2.FlowLog(

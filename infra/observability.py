@@ -11,8 +11,8 @@ import pulumi
 import pulumi_aws as aws
 
 from bootstrap import hostmetrics
-from infra import policies
 from infra.config import Pool
+from infra.iam import common, resource_policies
 from trainstack_job.contract import StackOutput
 
 GPU_IDLE_THRESHOLD_PERCENT = 10
@@ -156,7 +156,7 @@ class Observability(pulumi.ComponentResource):
             arn=topic.arn,
             policy=topic.arn.apply(
                 lambda arn: json.dumps(
-                    policies.topic_policy(
+                    resource_policies.topic_policy(
                         topic_arn=arn,
                         account_id=args.account_id,
                         partition=args.partition,
@@ -221,7 +221,7 @@ class Observability(pulumi.ComponentResource):
                 "Check `trainstack logs` (data_wait_fraction) or `trainstack stop`."
                 + (f" (group {group_name})" if suffix else "")
             ),
-            namespace=policies.METRIC_NAMESPACE,
+            namespace=common.METRIC_NAMESPACE,
             metric_name="GPUUtilization",
             dimensions={"AutoScalingGroupName": group_name},
             statistic="Average",
@@ -287,7 +287,7 @@ def dashboard_body(region: str, group_name: str, log_group_name: str) -> dict[st
 
     def load(x: int, title: str, metrics: dict[str, str], y_axis: dict[str, Any]) -> dict[str, Any]:
         lines = [
-            [policies.METRIC_NAMESPACE, name, *_flatten(group), {"label": label}]
+            [common.METRIC_NAMESPACE, name, *_flatten(group), {"label": label}]
             for name, label in metrics.items()
         ]
         properties = {"title": title, "region": region, "stat": "Average", "period": 60, "metrics": lines}
@@ -308,7 +308,7 @@ def dashboard_body(region: str, group_name: str, log_group_name: str) -> dict[st
                     "stat": "Average",
                     "period": 60,
                     "metrics": [
-                        [policies.METRIC_NAMESPACE, "GPUUtilization", "AutoScalingGroupName", group_name]
+                        [common.METRIC_NAMESPACE, "GPUUtilization", "AutoScalingGroupName", group_name]
                     ],
                     "yAxis": {"left": {"min": 0, "max": 100}},
                 },

@@ -14,9 +14,9 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from infra import policies
 from infra.capacity import function_code, invoke_on
 from infra.config import Pool
+from infra.iam import common, service_roles
 from trainstack_job.queue import QUEUE_PREFIX
 
 HANDLER = Path(__file__).resolve().parent / "scheduler_fn" / "handler.py"
@@ -60,7 +60,7 @@ class SchedulerArgs:
 
     def group_arns(self) -> list[str]:
         return [
-            policies.autoscaling_group_arn(
+            common.autoscaling_group_arn(
                 partition=self.partition,
                 region=self.region,
                 account_id=self.account_id,
@@ -113,7 +113,7 @@ class Scheduler(pulumi.ComponentResource):
             f"{name}-role",
             name=args.function_name,
             description=f"{args.name} scheduler: reads the queue, raises its pools' desired capacity",
-            assume_role_policy=json.dumps(policies.assume_role_policy("lambda.amazonaws.com")),
+            assume_role_policy=json.dumps(common.assume_role_policy("lambda.amazonaws.com")),
             max_session_duration=3600,
             tags=args.tags,
             opts=self._child,
@@ -123,7 +123,7 @@ class Scheduler(pulumi.ComponentResource):
             role=self.role.id,
             policy=pulumi.Output.all(args.bucket_arn, args.kms_key_arn, self.log_group.arn).apply(
                 lambda arns: json.dumps(
-                    policies.scheduler_policy(
+                    service_roles.scheduler_policy(
                         bucket_arn=arns[0],
                         key_arn=arns[1],
                         region=args.region,

@@ -12,7 +12,7 @@ import pulumi
 import pulumi_aws as aws
 
 from bootstrap.agent_config import Prefixes
-from infra import policies
+from infra.iam import resource_policies
 from trainstack_job.contract import StackOutput
 
 # The bucket's access log (FSBP S3.9): who read or wrote which object, when, from where. Kept a year, like
@@ -87,12 +87,12 @@ def data_bucket_policy(
     instance_principal_arns: Sequence[str],
     prefixes: Prefixes | None = None,
 ) -> dict[str, Any]:
-    """TLS and this stack's key only (policies.bucket_policy); the instances through their endpoint only;
-    the stack's roles create submissions and never write the environment's code
-    (policies.create_only_statements)."""
-    document = policies.bucket_policy(bucket_arn=bucket_arn, key_arn=key_arn)
+    """TLS and this stack's key only (resource_policies.bucket_policy); the instances through their endpoint
+    only; the stack's roles create submissions and never write the environment's code
+    (resource_policies.create_only_statements)."""
+    document = resource_policies.bucket_policy(bucket_arn=bucket_arn, key_arn=key_arn)
     document["Statement"].extend(
-        policies.create_only_statements(
+        resource_policies.create_only_statements(
             bucket_arn=bucket_arn, role_arns=instance_principal_arns, prefixes=prefixes
         )
     )
@@ -160,7 +160,7 @@ class Storage(pulumi.ComponentResource):
             enable_key_rotation=True,
             deletion_window_in_days=7,
             policy=json.dumps(
-                policies.key_policy(
+                resource_policies.key_policy(
                     partition=args.partition,
                     account_id=args.account_id,
                     region=args.region,

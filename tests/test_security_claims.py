@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from bootstrap import jobuser, safefiles
-from infra.policies import JOB_DENIED_WRITE_ACTIONS, RESOURCE_STAR_REQUIRED
+from infra.iam.common import RESOURCE_STAR_REQUIRED
+from infra.iam.machine_roles import JOB_DENIED_WRITE_ACTIONS
 from infra.policy import exposure, grants
 from infra.policy.compute import no_piped_downloads_in_user_data, no_secrets_in_user_data
 from infra.policy.documents import statements

@@ -2,7 +2,8 @@
 
 Values are read from stdin (a pipe, or a hidden prompt on a terminal), never from the command line (shell
 history, `ps`), and never printed: `list` shows names and dates only. Each is encrypted with the stack's own
-KMS key, the one the instance role may decrypt through SSM (infra/policies.py secret_read_statements).
+KMS key, the one the instance role may decrypt through SSM (infra/iam/machine_roles.py
+secret_read_statements).
 
 Why SSM Parameter Store and not Secrets Manager by default: a standard parameter costs nothing to keep (its
 SecureString calls cost the KMS requests only), while a secret costs 0.40 USD a month plus 0.05 USD per

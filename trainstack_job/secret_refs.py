@@ -1,7 +1,7 @@
 """A job's secrets by reference: what `secrets:` names and where each one lives (docs/job-contract.md).
 Standard library only: the job file's schema (trainstack_job/jobfile.py), the agent that resolves them
 (bootstrap/secrets.py), the CLI that stores them (trainstack/secrets.py) and the instance role's grant
-(infra/policies.py) all read these names from here.
+(infra/iam/machine_roles.py) all read these names from here.
 
 Reference syntax (`secrets: {ENV_NAME: REF}` in job.yaml, or at the top of the built-in trainer's config):
 
@@ -10,8 +10,8 @@ Reference syntax (`secrets: {ENV_NAME: REF}` in job.yaml, or at the top of the b
 - `secretsmanager:wandb`: the Secrets Manager secret `trainstack/<stack>/wandb`.
 
 A reference is a name under the stack's own path, never a full path or ARN: the instance role may read that
-path only (infra/policies.py), so a job file cannot even name another stack's or the account's other secrets,
-and one job file serves every stack (each stack holds its own token).
+path only (infra/iam/machine_roles.py), so a job file cannot even name another stack's or the account's
+other secrets, and one job file serves every stack (each stack holds its own token).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-# The dev box's own folder in the bucket (infra/policies.py dev_role_policy): the one prefix it may write
-# besides job submissions; its idle watcher's heartbeat and whatever its user keeps there.
+# The dev box's own folder in the bucket (infra/iam/machine_roles.py dev_role_policy): the one prefix it may
+# write besides job submissions; its idle watcher's heartbeat and whatever its user keeps there.
 DEV_PREFIX = "dev/"
 HEARTBEAT_KEY = f"{DEV_PREFIX}status.json"
 

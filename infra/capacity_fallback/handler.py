@@ -194,8 +194,8 @@ def estimated_cost(ledger: Ledger, now: datetime, in_group: Collection[str] | No
 def read_json(s3: Any, bucket: str, key: str) -> dict[str, Any] | None:
     """The object as JSON; None when it does not exist (no job yet, or a new job before its first instance
     wrote its ledger: nothing to cap). The role may list exactly the keys it reads, so S3 answers a missing
-    one NoSuchKey, not AccessDenied (infra/policies.py). Access denied is not "none": it is raised, so a
-    real refusal fails the cap check loudly instead of disabling the cap."""
+    one NoSuchKey, not AccessDenied (infra/iam/service_roles.py). Access denied is not "none": it is raised,
+    so a real refusal fails the cap check loudly instead of disabling the cap."""
     try:
         body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     except s3.exceptions.NoSuchKey:

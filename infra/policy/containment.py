@@ -34,9 +34,9 @@ from .roles import (
 )
 from .stack import configurers, describe, of_type
 
-# The agent's control objects (infra/policies.py job_role_policy): the stack's state, every job's state
-# (ledger, cost, crash counter, lease), every job's record, and every job's checkpoint pointer (it carries
-# the lease's fencing token). As written in a fix, and as a key the Deny must cover.
+# The agent's control objects (infra/iam/machine_roles.py job_role_policy): the stack's state, every job's
+# state (ledger, cost, crash counter, lease), every job's record, and every job's checkpoint pointer (it
+# carries the lease's fencing token). As written in a fix, and as a key the Deny must cover.
 CONTROL_OBJECTS = (
     ("state/*", "state/current-job.json"),
     ("jobs/*/state/*", "jobs/any-job/state/ledger.json"),
@@ -400,7 +400,7 @@ def _confines(
 
 # -- a submitter is not root: submissions created only, the environment's code from the operator only ------
 
-# What a submission writes (infra/policies.py submitted_objects): a job's code, its record, its queue entry.
+# What a submission writes (infra/iam/common.py submitted_objects): a job's code, its record, its queue entry.
 # As written in a fix, and as a key the create-only Deny must cover.
 SUBMITTED_OBJECTS = (
     ("job-code/*", "job-code/any-job.tar.gz"),

@@ -33,7 +33,7 @@ from bootstrap.standby import Role
 from bootstrap.trainer import TrainerPaths
 from demo.imds import ImdsSimulator
 from demo.stack import LocalStack
-from infra.policies import job_role_policy
+from infra.iam.machine_roles import job_role_policy
 from tests.bootstrap.test_fencing import Events
 from tests.checkpoints import commit_step
 from tests.conftest import MotoServer

@@ -231,8 +231,8 @@ def test_an_unreadable_proc_still_publishes_the_gpus_and_says_so_once(
 
 
 def test_the_dashboard_shows_every_host_metric_of_the_group() -> None:
+    from infra.iam.common import METRIC_NAMESPACE
     from infra.observability import dashboard_body
-    from infra.policies import METRIC_NAMESPACE
 
     # The instance role may put metrics only into this namespace (its cloudwatch:namespace condition).
     assert hm.NAMESPACE == METRIC_NAMESPACE

@@ -456,7 +456,7 @@ def test_the_refresh_outlives_a_failing_sts_and_a_log_that_raises(tmp_path: Path
 def test_a_job_reads_its_own_dataset_and_no_other(dataset: str, readable: str, refused: str) -> None:
     """What AWS grants is the intersection of the job role's policy and the session policy: a job reads the
     dataset it was submitted with (the default `data/` or a named `datasets/<name>/`) and nothing else."""
-    from infra.policies import job_role_policy
+    from infra.iam.machine_roles import job_role_policy
     from tests.iam.evaluate import Caller, Request, decide
     from trainstack_job.datasets import DatasetPlace
 

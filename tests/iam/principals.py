@@ -1,5 +1,5 @@
 """The policies the program declares, per principal, for one stack: built by the same functions the Pulumi
-program calls (infra/policies.py, infra/capacity.py). tests/infra/test_capacity.py runs the program under the
+program calls (infra/iam/, infra/capacity.py). tests/infra/test_capacity.py runs the program under the
 Pulumi mocks and checks that what it attaches to each role is exactly what these return for its ARNs.
 
 The instance role carries two documents: the stack's instance policy and its own Session Manager policy
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from infra import policies
+from infra.iam import common, machine_roles, resource_policies, service_roles
 from tests.iam.evaluate import Caller
 from tests.iam.requests import PARTITION, Stack
 
@@ -27,17 +27,17 @@ PRINCIPALS = (INSTANCE, CAPACITY_FALLBACK, CLI, DEV, SCHEDULER)
 
 
 def group_pattern(stack: Stack) -> str:
-    return policies.autoscaling_group_arn(
+    return common.autoscaling_group_arn(
         partition=PARTITION, region=stack.region, account_id=stack.account, group_name=stack.group_name
     )
 
 
 def pool_group_patterns(stack: Stack) -> list[str]:
     """Every pool's group: the single group's, and any other pool's (`<stack>-gpu-<pool>`), as the instance
-    role names each pool's group one by one in the program (infra/policies.py instance_policy)."""
+    role names each pool's group one by one in the program (infra/iam/machine_roles.py instance_policy)."""
     return [
         group_pattern(stack),
-        policies.autoscaling_group_arn(
+        common.autoscaling_group_arn(
             partition=PARTITION,
             region=stack.region,
             account_id=stack.account,
@@ -47,7 +47,7 @@ def pool_group_patterns(stack: Stack) -> list[str]:
 
 
 def instance_policy(stack: Stack) -> dict[str, Any]:
-    return policies.instance_policy(
+    return machine_roles.instance_policy(
         bucket_arn=stack.bucket_arn,
         key_arn=stack.key_arn,
         topic_arn=stack.topic_arn,
@@ -58,7 +58,7 @@ def instance_policy(stack: Stack) -> dict[str, Any]:
 
 
 def dev_role_policy(stack: Stack) -> dict[str, Any]:
-    return policies.dev_role_policy(
+    return machine_roles.dev_role_policy(
         bucket_arn=stack.bucket_arn,
         key_arn=stack.key_arn,
         topic_arn=stack.topic_arn,
@@ -69,16 +69,18 @@ def dev_role_policy(stack: Stack) -> dict[str, Any]:
 
 
 def session_manager_policy(stack: Stack) -> dict[str, Any]:
-    return policies.session_manager_policy(partition=PARTITION, region=stack.region, account_id=stack.account)
+    return machine_roles.session_manager_policy(
+        partition=PARTITION, region=stack.region, account_id=stack.account
+    )
 
 
 def capacity_fallback_policy(stack: Stack, *, cost_cap: bool = True) -> dict[str, Any]:
     """The function's role; with `cost_cap` (a stack with trainstack:maxCostUsd, the check's model) it also
     reads the current job's ledger, scales the group to zero and publishes through the stack's key."""
-    return policies.capacity_fallback_policy(
+    return service_roles.capacity_fallback_policy(
         group_arn=group_pattern(stack),
         log_group_arn=f"{stack.log_group_arn}/capacity-fallback",
-        cost_cap=policies.CostCapAccess(
+        cost_cap=service_roles.CostCapAccess(
             bucket_arn=stack.bucket_arn, key_arn=stack.key_arn, topic_arn=stack.topic_arn, region=stack.region
         )
         if cost_cap
@@ -102,12 +104,12 @@ def caller(principal: str, stack: Stack) -> Caller:
     if principal == DEV:
         return Caller(
             principal,
-            policies.dev_role_arn(partition=PARTITION, account_id=stack.account, name=stack.name),
+            machine_roles.dev_role_arn(partition=PARTITION, account_id=stack.account, name=stack.name),
             stack.account,
             [dev_role_policy(stack), session_manager_policy(stack)],
         )
     if principal == SCHEDULER:
-        document = policies.scheduler_policy(
+        document = service_roles.scheduler_policy(
             bucket_arn=stack.bucket_arn,
             key_arn=stack.key_arn,
             region=stack.region,
@@ -126,18 +128,18 @@ def caller(principal: str, stack: Stack) -> Caller:
 def resource_policy(resource: str, stack: Stack) -> tuple[Mapping[str, Any] | None, bool]:
     """The policy the resource itself carries (bucket, key), and whether it is a key policy."""
     if resource == stack.bucket_arn or resource.startswith(f"{stack.bucket_arn}/"):
-        document = policies.bucket_policy(bucket_arn=stack.bucket_arn, key_arn=stack.key_arn)
+        document = resource_policies.bucket_policy(bucket_arn=stack.bucket_arn, key_arn=stack.key_arn)
         # The stack's roles create submissions only and never write the environment's code (the endpoint
         # Deny is left out: a recorded call has no VPC endpoint to judge).
         roles = [caller(INSTANCE, stack).arn, caller(DEV, stack).arn, stack.job_role_arn]
         document["Statement"].extend(
-            policies.create_only_statements(bucket_arn=stack.bucket_arn, role_arns=roles)
+            resource_policies.create_only_statements(bucket_arn=stack.bucket_arn, role_arns=roles)
         )
         return document, False
     if resource == stack.key_arn:
         logs = f"arn:{PARTITION}:logs:{stack.region}:{stack.account}:log-group:/trainstack/{stack.name}*"
         return (
-            policies.key_policy(
+            resource_policies.key_policy(
                 partition=PARTITION, account_id=stack.account, region=stack.region, log_group_arns_like=logs
             ),
             True,

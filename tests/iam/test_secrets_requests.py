@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infra import policies
+from infra.iam import machine_roles
 from tests.iam.check import check_calls
 from tests.iam.evaluate import Caller, Request, decide
 from tests.iam.principals import CLI, INSTANCE
@@ -71,7 +71,9 @@ def test_the_secret_statements_decrypt_only_through_the_service_for_the_stacks_p
     # The secret statements alone (without the instance policy's other key statement): kms:ViaService and the
     # encryption context decide.
     document = {
-        "Statement": policies.secret_read_statements(key_arn=STACK.key_arn, log_group_arn=STACK.log_group_arn)
+        "Statement": machine_roles.secret_read_statements(
+            key_arn=STACK.key_arn, log_group_arn=STACK.log_group_arn
+        )
     }
     role = Caller(INSTANCE, STACK.instance_role_arn, ACCOUNT, [document])
 

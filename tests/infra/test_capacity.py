@@ -396,7 +396,7 @@ def test_the_update_names_no_launch_template_so_aws_checks_no_launch_permissions
 def test_the_iam_check_evaluates_the_documents_the_program_attaches_to_each_role(
     example_stack: StackRun,
 ) -> None:
-    """tests/iam builds each role's policy from infra/policies.py for a stack's ARNs: for the example stack's
+    """tests/iam builds each role's policy from infra/iam/ for a stack's ARNs: for the example stack's
     ARNs it must be, statement for statement, what the program attaches to the instance and function roles."""
 
     class ExampleStack(Stack):

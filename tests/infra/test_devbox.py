@@ -18,8 +18,8 @@ import yaml
 
 from bootstrap.cloud_init import UserDataError
 from bootstrap.devbox.cloud_init import INSTALL_CLI_PATH, WATCHER_SERVICE, render_dev_user_data
-from infra import policies
 from infra.bundle import BUNDLED_PACKAGES, DEV_BOX_PACKAGES, build_bundle
+from infra.iam import common, machine_roles
 from tests.cloud_config import assert_valid_cloud_config
 from tests.iam.evaluate import arn_matches
 from tests.infra.program import ACCOUNT_ID, REGION, RecordedResource, StackRun, example_config, run_stack
@@ -185,22 +185,22 @@ def test_the_user_data_needs_the_outputs_it_writes() -> None:
 def test_the_dev_role_has_exactly_the_declared_documents(dev_stack: StackRun) -> None:
     role = _named(dev_stack, "devbox-role").inputs
     assert role["name"] == NAME
-    assert json.loads(role["assumeRolePolicy"]) == policies.assume_role_policy("ec2.amazonaws.com")
+    assert json.loads(role["assumeRolePolicy"]) == common.assume_role_policy("ec2.amazonaws.com")
     attached = {
         r.name: json.loads(r.inputs["policy"]) for r in dev_stack.of_type(ROLE_POLICY) if r.parent == "devbox"
     }
     arn = f"arn:aws:{{}}:{REGION}:{ACCOUNT_ID}:{{}}"
     assert attached == {
-        "devbox-session-manager": policies.session_manager_policy(
+        "devbox-session-manager": machine_roles.session_manager_policy(
             partition="aws", region=REGION, account_id=ACCOUNT_ID
         ),
-        "devbox-policy": policies.dev_role_policy(
+        "devbox-policy": machine_roles.dev_role_policy(
             bucket_arn=f"arn:aws:s3:::{dev_stack.outputs['bucket_name']}",
             key_arn=KEY_ARN,
             topic_arn=arn.format("sns", "trainstack-dev-alerts"),
             region=REGION,
             log_group_arn=arn.format("logs", "log-group:/trainstack/dev"),
-            group_arn_pattern=policies.autoscaling_group_arn(
+            group_arn_pattern=common.autoscaling_group_arn(
                 partition="aws", region=REGION, account_id=ACCOUNT_ID, group_name="trainstack-dev-gpu"
             ),
         ),
@@ -217,7 +217,7 @@ def _actions(document: dict[str, Any]) -> set[str]:
 
 def test_the_dev_role_is_least_privilege() -> None:
     bucket = "arn:aws:s3:::b"
-    document = policies.dev_role_policy(
+    document = machine_roles.dev_role_policy(
         bucket_arn=bucket,
         key_arn="arn:aws:kms:us-east-1:1:key/k",
         topic_arn="arn:aws:sns:us-east-1:1:t",
@@ -255,7 +255,7 @@ def test_the_dev_role_is_least_privilege() -> None:
     for hidden in ("jobs/j-1/checkpoints/step-00000100/model.pt", "jobs/j-1/results/model.safetensors"):
         assert not any(arn_matches(r, f"{bucket}/{hidden}") for r in reads), hidden
     star = {a for s in document["Statement"] if s["Resource"] == "*" for a in _actions({"Statement": [s]})}
-    assert star <= policies.RESOURCE_STAR_REQUIRED
+    assert star <= common.RESOURCE_STAR_REQUIRED
     kms = next(s for s in document["Statement"] if s["Sid"] == "UseStackKeyThroughS3AndSns")
     assert kms["Condition"]["StringEquals"]["kms:ViaService"] == [
         "s3.us-east-1.amazonaws.com",

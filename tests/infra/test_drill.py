@@ -11,7 +11,7 @@ import pytest
 
 from infra import drill
 from infra.config import StackConfigError, parse_stack_config
-from infra.policies import RESOURCE_STAR_REQUIRED
+from infra.iam.common import RESOURCE_STAR_REQUIRED
 from tests.infra.program import ACCOUNT_ID, REGION, StackRun, example_config, run_stack
 from tests.policy.harness import Resource, check
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bootstrap.jobuser import job_session_policy
-from infra import policies
+from infra.iam import common, machine_roles
 from tests.iam import principals
 from tests.iam.evaluate import Caller, Request, decide
 from tests.iam.requests import Stack
@@ -34,7 +34,7 @@ def _role_policies(stack: StackRun) -> dict[str, dict[str, Any]]:
 
 
 def _actions(document: dict[str, Any]) -> set[str]:
-    return set(policies.actions_of(document))
+    return set(common.actions_of(document))
 
 
 class _Mocked(Stack):
@@ -107,7 +107,7 @@ def test_nothing_on_the_instance_may_read_ssm_parameters(example_stack: StackRun
     # The only parameters the instance may read are its stack's own secrets (`secrets:`, issue 24 part 1).
     for name in ("identity-instance-policy", "identity-session-manager"):
         for statement in attached[name]["Statement"]:
-            reads = [a for a in policies.actions_of({"Statement": [statement]}) if a.startswith("ssm:Get")]
+            reads = [a for a in common.actions_of({"Statement": [statement]}) if a.startswith("ssm:Get")]
             resources = (
                 statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
             )
@@ -130,7 +130,7 @@ def test_job_role_is_trusted_only_by_the_stacks_instance_role(example_stack: Sta
     }
     # ... and the instance role may take exactly that role, nothing else by sts.
     instance = _role_policies(example_stack)["identity-instance-policy"]
-    assume = [s for s in instance["Statement"] if "sts:AssumeRole" in policies.actions_of({"Statement": [s]})]
+    assume = [s for s in instance["Statement"] if "sts:AssumeRole" in common.actions_of({"Statement": [s]})]
     assert assume == [
         {
             "Sid": "AssumeTheJobRole",
@@ -142,7 +142,7 @@ def test_job_role_is_trusted_only_by_the_stacks_instance_role(example_stack: Sta
 
 
 def _job_caller() -> Caller:
-    role = policies.job_role_policy(
+    role = machine_roles.job_role_policy(
         bucket_arn=MOCKED.bucket_arn,
         key_arn=MOCKED.key_arn,
         region=REGION,
@@ -163,7 +163,7 @@ def _allowed(caller: Caller, action: str, key_or_arn: str, session: dict[str, An
 
 
 def test_job_role_policy_is_what_the_program_attaches(example_stack: StackRun) -> None:
-    assert _role_policies(example_stack)["identity-job-policy"] == policies.job_role_policy(
+    assert _role_policies(example_stack)["identity-job-policy"] == machine_roles.job_role_policy(
         bucket_arn=MOCKED.bucket_arn,
         key_arn=MOCKED.key_arn,
         region=REGION,

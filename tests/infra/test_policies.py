@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from infra.policies import RESOURCE_STAR_REQUIRED
+from infra.iam.common import RESOURCE_STAR_REQUIRED
 from tests.infra.program import StackRun
 
 with warnings.catch_warnings():

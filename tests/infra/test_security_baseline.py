@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from infra.policies import actions_of
+from infra.iam.common import actions_of
 from tests.infra.program import ACCOUNT_ID, RecordedResource, StackRun, example_config, run_stack
 
 LT = "aws:ec2/launchTemplate:LaunchTemplate"

@@ -26,7 +26,9 @@ from pulumi_policy.proxy import UNKNOWN_STRING_VALUE
 from bootstrap.agent_config import Prefixes
 from bootstrap.cloud_init import JOB_SANDBOX_PATH
 from bootstrap.jobuser import job_session_policy
-from infra.policies import create_only_statements, job_role_policy, submitted_objects
+from infra.iam.common import submitted_objects
+from infra.iam.machine_roles import job_role_policy
+from infra.iam.resource_policies import create_only_statements
 from infra.policy.containment import CODE_WRITES, CONTROL_OBJECTS, ENVIRONMENT_CODE, SUBMITTED_OBJECTS
 from infra.policy.user_data import SANDBOX_PATH
 from tests.infra.program import example_config, run_stack
