@@ -4,6 +4,7 @@ one bounded line naming its key and the fix, and never stops the reading of the 
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -303,6 +304,19 @@ def test_when_s3_stored_an_entry_is_utc_text_whatever_the_listing_says() -> None
     east = timezone(timedelta(hours=2))
     assert stored_at({"LastModified": moment.replace(tzinfo=east)}) == "2026-12-06T08:00:05+00:00"
     assert stored_at({}) == "" and stored_at({"LastModified": "2026-12-06"}) == ""
+
+
+def test_the_stored_time_does_not_depend_on_the_readers_time_zone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A laptop in Tokyo lists the same queue order as the agent in UTC: a naive time is S3's UTC.
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        assert stored_at({"LastModified": datetime(2026, 12, 6, 10, 0, 5)}) == "2026-12-06T10:00:05+00:00"
+        utc = datetime(2026, 12, 6, 10, 0, 5, tzinfo=timezone.utc)
+        assert stored_at({"LastModified": utc}) == "2026-12-06T10:00:05+00:00"
+    finally:
+        monkeypatch.undo()
+        time.tzset()
 
 
 def test_scan_reads_only_the_queue_of_an_empty_or_busy_bucket(aws: Any) -> None:
