@@ -930,7 +930,8 @@ def _parse_pool(
         problems.add(
             f"{POOLS_KEY}[{index}]",
             f"must be a mapping with name, instanceTypes and maxInstances, got {_clip(entry)}",
-            "gpu",
+            # Never `gpu`: the name check below refuses it (its group could be another stack's).
+            "big",
             fix_key=keys("name"),
         )
         return None
@@ -955,7 +956,7 @@ def _parse_pool(
             problems.add(keys(key), str(exc), example)
             return POOL_DEFAULTS[key]
 
-    name = value("name", _string, "gpu")
+    name = value("name", _string, "big")
     typed = len(problems.lines)
     types = tuple(value("instanceTypes", _string_list, '\'["g6.xlarge","g5.xlarge"]\'') or ())
     # A missing or mistyped list is its own line already; an empty one is judged below.
@@ -1028,7 +1029,7 @@ def _check_pool_name(name: str, keys: _GroupKeys, stack_name: str, problems: _Pr
             keys("name"),
             f"{name!r} is not a pool name: 1 to 16 lowercase letters, digits and dashes, starting with a "
             "letter and not ending with a dash (it becomes part of the group's and its resources' names)",
-            "gpu",
+            "big",
         )
         return
     if "gpu" in name.split("-"):

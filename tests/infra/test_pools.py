@@ -474,6 +474,11 @@ REFUSALS = [
     ([{**GOOD, "spotMaxPrice": "-1"}], "pools[0].spotMaxPrice", "is not a positive USD/hour price"),
     ([{**GOOD, "spotFallbackMinutes": -1}], "pools[0].spotFallbackMinutes", "between 0 and 1440"),
     ([{**GOOD, "placementGroup": "maybe"}], "pools[0].placementGroup", "must be true or false"),
+    ([{**GOOD, "minNodes": "two"}], "pools[0].minNodes", "must be an integer"),
+    ([{**GOOD, "onDemandBaseCapacity": "none"}], "pools[0].onDemandBaseCapacity", "must be an integer"),
+    ([{**GOOD, "spotMaxPrice": 5}], "pools[0].spotMaxPrice", "must be a string"),
+    ([{**GOOD, "spotFallbackMinutes": "soon"}], "pools[0].spotFallbackMinutes", "must be an integer"),
+    ([{**GOOD, "maxJobs": 0}], "pools[0].maxJobs", "between 1 and"),
     ([{**GOOD, "instanceType": ["g5.xlarge"]}], "pools[0].instanceType", "did you mean 'instanceTypes'?"),
 ]
 
@@ -487,14 +492,15 @@ def test_a_bad_pool_is_one_line_naming_its_key_and_a_fix_that_is_accepted(
     if "unknown key" in line:
         assert line.endswith(f"(remove it with `pulumi config rm --path 'trainstack:{key}'`)")
         return
-    reason = line.split(" (e.g. `")[0]
-    assert not [p for p in _problems(_fix(pools, line)) if p.startswith(reason)], "the fix is refused too"
+    # The fix the line gives is accepted: no line about that key at all (not merely another reason).
+    fixed = _problems(_fix(pools, line))
+    assert not [p for p in fixed if p.startswith(f"trainstack:{key}: ")], f"the fix is refused too: {fixed}"
 
 
 def test_a_pool_that_is_not_a_mapping_is_one_line() -> None:
     assert _problems([GOOD, "big"]) == [
         "trainstack:pools[1]: must be a mapping with name, instanceTypes and maxInstances, got 'big' "
-        "(e.g. `pulumi config set --path 'trainstack:pools[1].name' gpu`)"
+        "(e.g. `pulumi config set --path 'trainstack:pools[1].name' big`)"
     ]
 
 
@@ -554,6 +560,8 @@ def test_an_efa_pool_in_public_subnets_is_refused_as_the_single_group_is() -> No
     ]
     assert _problems([GOOD, efa]) == [], "without a placement group: no EFA"
     assert _parse([GOOD, {**efa, "placementGroup": True}], privateSubnets="true").pools[1].efa
+    # One instance trains alone: no placement group, no EFA, so a public subnet serves it.
+    assert _problems([GOOD, {**efa, "maxInstances": 1, "placementGroup": True}]) == []
 
 
 def test_the_default_job_must_fit_every_pool_any_of_whose_agents_may_take_it() -> None:
@@ -563,6 +571,13 @@ def test_the_default_job_must_fit_every_pool_any_of_whose_agents_may_take_it() -
     (line,) = _problems([GOOD, BIG], job="examples/charlm/job.yaml")
     assert line.startswith("trainstack:pools[1].maxInstances: 2 nodes with trainstack:job: a user's job runs")
     assert "any pool may run the stack's default job" in line
+
+
+def test_a_pool_without_types_still_has_its_size_checked() -> None:
+    problems = _problems([{"name": "big", "maxInstances": 0}])
+    assert "trainstack:pools[0].instanceTypes: is required" in "\n".join(problems), problems
+    (size,) = [p for p in problems if p.startswith("trainstack:pools[0].maxInstances: ")]
+    assert "instances training one job; above 1 they train it together" in size, size
 
 
 def test_an_empty_pools_list_is_the_single_group() -> None:
@@ -940,6 +955,7 @@ def test_several_jobs_at_once_are_refused_on_a_multi_node_pool_and_out_of_range(
     assert any(
         "trainstack:pools[0].maxJobs: several jobs at once run one-instance jobs" in p
         and "maxInstances is 2" in p
+        and "`pulumi config set --path 'trainstack:pools[0].maxJobs' 1`" in p
         for p in problems
     ), problems
     assert any(p.startswith("trainstack:pools[1].maxJobs") for p in problems), problems
