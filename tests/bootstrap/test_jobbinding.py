@@ -10,6 +10,7 @@ import sys
 import tarfile
 import threading
 import time
+from collections import Counter
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -716,6 +717,7 @@ def test_only_the_environments_code_is_re_executed_and_other_code_fails_the_job(
         and old.pinned["bundle_key"] == "code/old/bundle.tar.gz"
     )
     assert old.job_code is None and old.config is not None and old.config.job_id == A
+    assert (old.job_id, old.prefixes) == (A, JobPrefixes.of(A))
     submitted = jobs.binding(B, switched_from=C)
     assert (
         submitted is not None
@@ -724,6 +726,7 @@ def test_only_the_environments_code_is_re_executed_and_other_code_fails_the_job(
         and submitted.job_code is not None
     )
     assert submitted.job_code["bundle_sha256"] == "c" * 64 and submitted.config is not None
+    assert (submitted.job_id, submitted.prefixes, submitted.config.job_id) == (B, JobPrefixes.of(B), B)
     assert jobs.binding(C) is None
     assert _refusal(bucket, C) == (
         f"s3://{FAST_BUCKET}/jobs/{C}/job.json: its bundle_key {clip('elsewhere/' + 'x' * 200, 120)} is "
@@ -732,6 +735,7 @@ def test_only_the_environments_code_is_re_executed_and_other_code_fails_the_job(
     )
     for same in ("delta-dddddddd", "echo-eeeeeeee"):
         here = jobs.binding(same, switched_from=A)
+        assert here is not None and (here.job_id, here.prefixes) == (same, JobPrefixes.of(same))
         assert here is not None and (here.pinned, here.job_code, here.switched_from) == (None, None, A)
     assert jobs.binding("legacy", switched_from=A) == JobBinding(
         "legacy", JobPrefixes.of("legacy"), switched_from=A
@@ -750,6 +754,9 @@ def test_a_jobs_record_decides_its_fields_never_the_previous_jobs(bucket: Bucket
     )
     assert (merged["resume_from"], merged["max_cost_usd"], merged["instance_count"]) == (None, 9.5, 1)
     assert merged["job"] == {} and merged["user_job"] is None and merged["bundle_key"] == ""
+    assert record_fields(bucket.config(job_id=C), {"agent": {}})["job_id"] == C, (
+        "the only field with no default"
+    )
     merged = record_fields(config, {"agent": {"resume_from": B, "instance_count": 2, "job_name": "n"}})
     assert (merged["resume_from"], merged["instance_count"], merged["job_name"]) == (B, 2, "n")
     assert merged["max_cost_usd"] == 5.0, "the stack's cap where the record sets none"
@@ -1009,6 +1016,9 @@ def test_lanes_serve_a_holderless_job_first_then_a_free_lanes_next_job_then_a_st
     assert standby is not None and (standby.job_id, standby.lane) == (C, 2)
     _standby(bucket, C, now)
     assert bind_job(bucket.s3, config, NOW) is None, "nothing here needs this instance"
+    _lease(bucket, B, heartbeat=now - 700, expires=now - 100)
+    holderless = bind_job(bucket.s3, config, NOW)
+    assert holderless is not None and (holderless.job_id, holderless.lane) == (B, 1)
 
 
 def test_a_lane_whose_job_ended_moves_to_the_next_and_a_look_for_work_writes_nothing(bucket: Bucket) -> None:
@@ -1109,8 +1119,8 @@ def test_an_entry_deleted_while_the_queue_is_listed_is_left_out_and_read_when_wr
     jobs = JobDirectory(vanishing, bucket.config(), bucket.log)
     assert [e.job_id for e in jobs.entries()] == [B]
     assert bucket.events() == [], "gone is not damaged"
-    bucket.put(queue_key(A), entry)
-    assert [e.job_id for e in jobs.entries()] == [A, B]
+    bucket.put(queue_key(A), entry)  # the same body: the same ETag
+    assert sorted(e.job_id for e in jobs.entries()) == [A, B]
 
 
 def test_a_lease_record_without_its_expiry_lasts_the_stale_limit_after_its_heartbeat(bucket: Bucket) -> None:
@@ -1151,6 +1161,8 @@ def test_a_look_for_work_after_a_stop_here_goes_on_to_the_next_job_and_a_fresh_o
     later = NOW + timedelta(minutes=2)  # its lane's claim is not one a holder is still on its way to
     assert work_in_lanes(bucket.s3, config, later, after=A) == B
     assert work_in_lanes(bucket.s3, config, later, after=None) == A, "a new boot resumes it"
+    moved = bind_job(bucket.s3, config, later, after=A)
+    assert moved is not None and (moved.job_id, moved.switched_from) == (B, A)
 
 
 def test_a_look_for_work_uses_the_groups_size_and_names_damage_once_in_the_lifes_log(bucket: Bucket) -> None:
@@ -1203,3 +1215,149 @@ def test_a_cancelled_job_is_skipped_once_by_all_of_a_pools_lanes(bucket: Bucket)
     bucket.put(f"jobs/{A}/state/cancel.json", {"by": "me"})
     assert bind_job(bucket.s3, bucket.config(lanes=3), NOW, log=bucket.log) is None
     assert len(bucket.said("cancelled before it ran")) == 1, "the lanes share what one of them learnt"
+
+
+class ClaimedMeanwhile(Racing):
+    """The moto client, with another instance's lane `lane` claiming `job_id` (and pointing at it) just
+    before this one's claim is written."""
+
+    def __init__(self, s3: Any, job_id: str, lane: int) -> None:
+        super().__init__(s3)
+        self.job_id, self.lane = job_id, lane
+
+    def put_object(self, **call: Any) -> Any:
+        if call["Key"] == f"jobs/{self.job_id}/state/lane.json" and not self.lost:
+            self.lost += 1
+            claim = {"pool": "", "lane": self.lane, "since": iso(NOW)}
+            self._s3.put_object(Bucket=FAST_BUCKET, Key=call["Key"], Body=json.dumps(claim).encode())
+            pointer = {"job_id": self.job_id}
+            key = f"state/current-job-lane{self.lane}.json"
+            self._s3.put_object(Bucket=FAST_BUCKET, Key=key, Body=json.dumps(pointer).encode())
+        return self._s3.put_object(**call)
+
+
+def test_a_job_another_lane_claims_first_is_passed_by_for_the_next_free_lanes_next_job(
+    bucket: Bucket,
+) -> None:
+    bucket.submit(A, AT)
+    bucket.submit(B, LATER)
+    racing = ClaimedMeanwhile(bucket.s3, A, 2)
+    found = bind_job(racing, bucket.config(lanes=3), NOW)
+    assert racing.lost == 1
+    assert found is not None and (found.job_id, found.lane) == (B, 1), "the next free lane, in the same look"
+    assert bucket.get(f"jobs/{A}/state/lane.json")["lane"] == 2 and bucket.pointer() is None
+
+
+def test_a_job_another_instance_claims_while_this_one_looks_is_looked_at_again(bucket: Bucket) -> None:
+    """Lane 1 is busy here; another instance claims the queued job for it (its job just ended there): this
+    instance looks again and finds the job on its way to its holder, and waits beside it as its standby."""
+    now = NOW.timestamp()
+    bucket.submit(C, AT)
+    bucket.put("state/current-job-lane1.json", {"job_id": C})
+    bucket.put(f"jobs/{C}/state/lane.json", {"pool": "", "lane": 1, "since": iso(NOW)})
+    _lease(bucket, C, heartbeat=now, expires=now + 600)
+    _standby(bucket, C, now)
+    bucket.submit(A, LATER)
+    racing = ClaimedMeanwhile(bucket.s3, A, 1)
+    found = bind_job(racing, bucket.config(lanes=2), NOW)
+    assert found is not None and (found.job_id, found.lane) == (A, 1)
+
+
+def test_a_job_claimed_for_a_lane_whose_pointer_never_moved_is_started_there(bucket: Bucket) -> None:
+    bucket.submit(A)
+    bucket.put(f"jobs/{A}/state/lane.json", {"pool": "", "lane": 1, "since": iso(NOW)})
+    found = bind_job(bucket.s3, bucket.config(lanes=2), NOW)
+    assert found is not None and (found.job_id, found.lane) == (A, 1)
+    assert bucket.pointer("current-job-lane1.json")["job_id"] == A and bucket.pointer() is None
+
+
+def test_one_lane_takes_a_job_as_big_as_the_group_allows_and_names_a_damaged_pointer_once(
+    bucket: Bucket,
+) -> None:
+    bucket.put("state/current-job.json", b"damaged")
+    reported: set[str] = set()
+    for _ in range(2):
+        assert bind_job(bucket.s3, bucket.config(), NOW, log=bucket.log, reported=reported) is None
+    assert len(bucket.said("is not a job pointer")) == 1, "nothing queued: the pointer stays as it is"
+    bucket.submit(A, instance_count=2)
+    found = bind_job(bucket.s3, bucket.config(), NOW, log=bucket.log, group_max=2, reported=reported)
+    assert found is not None and found.job_id == A
+
+
+def test_a_current_job_whose_record_is_refused_is_not_served(bucket: Bucket) -> None:
+    bucket.submit(A, instance_count=2)
+    bucket.ledger(A, "running")
+    assert bucket.directory().serving(A, fresh=False) is None
+    assert _refusal(bucket, A).startswith("it asks for 2 instances")
+
+
+class Counting(Racing):
+    """The moto client, counting the reads of queue entries."""
+
+    def __init__(self, s3: Any) -> None:
+        super().__init__(s3)
+        self.reads: Counter[str] = Counter()
+
+    def get_object(self, **call: Any) -> Any:
+        if call["Key"].startswith("queue/"):
+            self.reads[call["Key"]] += 1
+        return self._s3.get_object(**call)
+
+
+def test_each_queue_entry_is_read_once_per_life_and_once_for_all_of_a_pools_lanes(bucket: Bucket) -> None:
+    bucket.submit(A, AT)
+    bucket.submit(B, LATER)
+    counting = Counting(bucket.s3)
+    jobs = JobDirectory(counting, bucket.config(), bucket.log)
+    for _ in range(3):
+        assert [entry.job_id for entry in jobs.entries()] == [A, B]
+    assert counting.reads == {queue_key(A): 1, queue_key(B): 1}
+    lanes = Counting(bucket.s3)
+    # Both wait to resume in lane 2, which trains C with its standby: lanes 0 and 1 find nothing to do.
+    for job in (A, B, C):
+        bucket.put(f"jobs/{job}/state/lane.json", {"pool": "", "lane": 2, "since": iso(NOW)})
+    bucket.put(f"jobs/{C}/job.json", bucket.get(f"jobs/{A}/job.json") | {"agent": {"job_id": C}})
+    bucket.put("state/current-job-lane2.json", {"job_id": C})
+    _lease(bucket, C, heartbeat=NOW.timestamp(), expires=NOW.timestamp() + 600)
+    _standby(bucket, C, NOW.timestamp())
+    assert bind_job(lanes, bucket.config(lanes=3), NOW) is None
+    assert lanes.reads == {queue_key(A): 1, queue_key(B): 1}
+
+
+def test_every_unreadable_entry_is_named_once_and_other_objects_under_queue_are_not(bucket: Bucket) -> None:
+    bucket.put("queue/0-notes.txt", b"not an entry, and not named one")
+    bucket.put(queue_key(A), b"not json")
+    bucket.put(queue_key(B), {"job_id": C, "submitted_at": AT})
+    bucket.submit(C)
+    jobs = bucket.directory()
+    for _ in range(2):
+        assert [entry.job_id for entry in jobs.entries()] == [C]
+    lines = bucket.said("is not a queue entry")
+    assert [line["key"] for line in lines] == [queue_key(A), queue_key(B)]
+
+
+def test_objects_that_are_json_but_not_objects_read_as_absent(bucket: Bucket) -> None:
+    bucket.submit(A)
+    for name in ("job.json", "state/ledger.json", "state/control.json", "state/lane.json"):
+        bucket.put(f"jobs/{A}/{name}", b'["a list"]')
+    jobs = bucket.directory(lanes=2, lane=1)
+    assert jobs.status(A) is None and not jobs.stop_requested(A) and not jobs.claimed_elsewhere(A)
+    assert jobs.record(A) is None and jobs.binding(A) is None
+    assert _refusal(bucket, A).endswith(
+        "is missing or not a job record: submit the job again with `trainstack run`"
+    )
+
+
+def test_a_huge_claim_every_lane_reads_is_named_once_in_one_look(bucket: Bucket) -> None:
+    now = NOW.timestamp()
+    sweep = {"name": "lrs", "point": {}, "parallel": 1}
+    bucket.submit(C, AT, sweep=sweep)
+    bucket.put("state/current-job-lane2.json", {"job_id": C})
+    bucket.put(f"jobs/{C}/state/lane.json", {"pool": "", "lane": 2, "since": iso(NOW)})
+    bucket.ledger(C, "running")
+    _lease(bucket, C, heartbeat=now, expires=now + 600)
+    _standby(bucket, C, now)
+    bucket.submit(A, LATER, sweep=sweep)
+    bucket.put(f"jobs/{A}/state/lane.json", b" " * (MAX_OBJECT_BYTES + 1))
+    assert bind_job(bucket.s3, bucket.config(lanes=3), NOW, log=bucket.log) is None, "A waits for its sweep"
+    assert len(bucket.said("bytes: not read")) == 1, "lanes 0 and 1 both read it"
