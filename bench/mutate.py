@@ -225,6 +225,7 @@ TARGETS: dict[str, Target] = {
                     "test_pools_together_with_the_single_groups_keys_is_one_line_saying_which_to_keep",
                     "test_an_efa_pool_in_public_subnets_is_refused_as_the_single_group_is",
                     "test_a_pool_without_types_still_has_its_size_checked",
+                    "test_a_pool_keeps_every_setting_it_was_given",
                     "test_an_empty_pools_list_is_the_single_group",
                     "test_the_single_groups_fields_describe_the_first_pool",
                     "test_the_readme_and_example_stack_pools_are_accepted",

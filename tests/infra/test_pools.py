@@ -562,6 +562,10 @@ def test_an_efa_pool_in_public_subnets_is_refused_as_the_single_group_is() -> No
     assert _parse([GOOD, {**efa, "placementGroup": True}], privateSubnets="true").pools[1].efa
     # One instance trains alone: no placement group, no EFA, so a public subnet serves it.
     assert _problems([GOOD, {**efa, "maxInstances": 1, "placementGroup": True}]) == []
+    # Types whose network cards differ cannot share the pool's one template: named at the pool's own key.
+    mixed = {**efa, "instanceTypes": ["p5.48xlarge", "p4d.24xlarge"], "placementGroup": True}
+    (line,) = _problems([GOOD, mixed], privateSubnets="true")
+    assert line.startswith("trainstack:pools[1].instanceTypes: p5.48xlarge (32 network cards), p4d.24xlarge")
 
 
 def test_the_default_job_must_fit_every_pool_any_of_whose_agents_may_take_it() -> None:
@@ -577,7 +581,30 @@ def test_a_pool_without_types_still_has_its_size_checked() -> None:
     problems = _problems([{"name": "big", "maxInstances": 0}])
     assert "trainstack:pools[0].instanceTypes: is required" in "\n".join(problems), problems
     (size,) = [p for p in problems if p.startswith("trainstack:pools[0].maxInstances: ")]
-    assert "instances training one job; above 1 they train it together" in size, size
+    assert "(instances training one job; above 1 they train it together (docs/multi-node.md))" in size, size
+
+
+def test_a_pool_keeps_every_setting_it_was_given() -> None:
+    given = {
+        **GOOD,
+        "spotMaxPrice": "0.75",
+        "spotAllocationStrategy": "capacity-optimized",
+        "onDemandBaseCapacity": 1,
+        "onDemandPercentageAboveBase": 50,
+        "spotFallbackMinutes": 30,
+        "placementGroup": False,
+    }
+    pool = _parse([given]).pools[0]
+    assert (pool.spot_max_price, pool.spot_allocation_strategy, pool.spot_fallback_minutes) == (
+        "0.75",
+        "capacity-optimized",
+        30,
+    )
+    assert (pool.on_demand_base_capacity, pool.on_demand_percentage_above_base, pool.placement_group) == (
+        1,
+        50,
+        False,
+    )
 
 
 def test_an_empty_pools_list_is_the_single_group() -> None:
