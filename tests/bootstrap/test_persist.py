@@ -21,6 +21,7 @@ import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
 import bootstrap.persist as persist_module
+from bootstrap.checkpoint_store import close_when_done
 from bootstrap.lease import LeaseLostError
 from bootstrap.persist import (
     CheckpointPersister,
@@ -1495,3 +1496,44 @@ def test_a_confirmed_step_is_not_written_again(s3: Any, tmp_path: Path) -> None:
     for _ in range(3):
         assert owner.persist_newest(soon(), background=True) == 3
     assert counting.writes == []
+
+
+# -- an upload's file descriptor, and the token record kept only when asked ----------------------------
+
+
+class _Future:
+    """A transfer's future: done, or cancelled (its result raises)."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+    def result(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize("error", [None, RuntimeError("cancelled"), KeyboardInterrupt()])
+def test_an_uploads_descriptor_is_closed_however_its_transfer_ended(tmp_path: Path, error: Any) -> None:
+    # The job's files are opened by root with O_NOFOLLOW and handed to the transfer: the descriptor must be
+    # closed once the transfer has no task left, and a cancelled transfer's error was said where it was
+    # cancelled (this runs on a daemon thread: raising here would only print a traceback).
+    handle = os.open(tmp_path / "part", os.O_CREAT | os.O_RDONLY)
+    close_when_done(_Future(error), handle)
+    with pytest.raises(OSError):
+        os.fstat(handle)
+
+
+def test_without_a_token_record_no_record_is_read_or_written(s3: Any, tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    class Watched:
+        def __getattr__(self, name: str) -> Any:
+            calls.append(name)
+            return getattr(s3, name)
+
+    events = Events()
+    keeper = persister(Watched(), tmp_path / "ckpt", events)
+    assert keeper.token_floor(soon()) is None
+    keeper._record_token(7, soon())
+    assert not [c for c in calls if c in ("get_object", "put_object")], calls
+    assert events.records == [], "nothing to record is no failure to say either"
