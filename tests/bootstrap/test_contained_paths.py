@@ -160,10 +160,15 @@ def test_a_staging_folder_the_job_swaps_for_a_link_mid_restore_is_never_written_
     restored = persister(client, local, events).restore()
     assert client.swapped
     assert list(outside.iterdir()) == [], "root wrote through the job's link"
-    # What lies in step-5, if anything, is the folder the agent verified, never the job's link.
-    assert restored is None or not (local / "step-5").is_symlink()
-    if restored is None:
-        assert "restored checkpoint from S3" not in events.messages()
+    # The folder put in place is not the one verified: nothing is restored, said once as a warning naming
+    # the step's folder.
+    assert restored is None and not (local / "step-5").exists()
+    assert "restored checkpoint from S3" not in events.messages()
+    assert (
+        "checkpoint",
+        "skipping an S3 checkpoint whose folder was replaced while it was restored",
+        {"level": "warning", "step": 5, "uri": f"s3://{BUCKET}/{PREFIX}/step-5/"},
+    ) in events.records, events.records
 
 
 def commit_nested_step(root: Path, step: int) -> None:

@@ -180,7 +180,12 @@ def test_a_damaged_s3_checkpoint_is_skipped_for_the_older_one_that_verifies(s3: 
     assert replacement.restore() == 2
     assert (tmp_path / "replacement" / "step-2" / "state.bin").read_bytes() == data[2]
     assert not (tmp_path / "replacement" / "step-5").exists()
-    assert events.messages("skipping an S3 checkpoint that fails verification")
+    (why,) = [
+        f["why"] for _, m, f in events.records if m == "skipping an S3 checkpoint that fails verification"
+    ]
+    # The line names the folder as the operator finds it on disk, never the agent's /proc descriptor path.
+    staging = str(tmp_path / "replacement" / ".step-5.download-")
+    assert staging in why and "/proc/" not in why and "state.bin" in why, why
 
 
 def test_an_s3_step_without_a_manifest_is_skipped(s3: Any, tmp_path: Path) -> None:
