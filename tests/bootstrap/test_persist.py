@@ -1542,3 +1542,27 @@ def test_without_a_token_record_no_record_is_read_or_written(s3: Any, tmp_path: 
     keeper._record_token(7, soon())
     assert not [c for c in calls if c in ("get_object", "put_object")], calls
     assert events.records == [], "nothing to record is no failure to say either"
+
+
+def _held_under(root: Path) -> list[str]:
+    """This process's open descriptors on files under `root`."""
+    held = []
+    for entry in Path("/proc/self/fd").iterdir():
+        try:
+            target = str(entry.readlink())
+        except OSError:  # closed while listed
+            continue
+        if target.startswith(str(root)):
+            held.append(target)
+    return held
+
+
+def test_every_file_an_upload_opened_is_closed_once_its_transfer_is_done(s3: Any, tmp_path: Path) -> None:
+    # Each file goes up through a descriptor root opened (never following a link the job put); a long job
+    # uploads thousands: one left open per file would run the agent out of descriptors.
+    root = tmp_path / "ckpt"
+    upload(s3, root, 1, 2, 3)
+    deadline = time.monotonic() + 10
+    while _held_under(root) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _held_under(root) == []
