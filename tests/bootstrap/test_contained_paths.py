@@ -109,6 +109,12 @@ def test_a_manifest_naming_a_file_outside_its_step_is_never_restored_and_the_lin
     assert "\n" not in str(refused.value)
     assert "restored checkpoint from S3" not in events.messages()
     assert sorted(p.name for p in local.iterdir()) == [], "nothing of the step, no staging left"
+    (said,) = [r for r in events.records if r[1].endswith("whose manifest names a file outside its folder")]
+    assert (
+        said[0] == "checkpoint"
+        and said[2]["level"] == "warning"
+        and said[2]["uri"] == f"{folder}manifest.json"
+    )
 
 
 def test_with_an_older_checkpoint_the_outside_one_is_skipped_saying_why_and_the_older_restored(
