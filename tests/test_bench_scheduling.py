@@ -52,7 +52,10 @@ def test_the_quick_runs_keep_one_writer_never_lose_a_lease_and_never_scale_in_a_
         assert figures["s3_usd_per_job"] > 0
         assert 0 < figures["utilisation"] <= 1
     burst = quick["runs"][2]["figures"]
-    assert "SetDesiredCapacity" in burst["autoscaling_calls"], "the burst run's scaler lowers the capacity"
+    # Capacity comes down as the burst's jobs end: by the scaler, or by an idle instance that leaves with a
+    # decrement first (which of the two gets there is a race; CI's clean clone once saw only the second).
+    lowered = {"SetDesiredCapacity", "TerminateInstanceInAutoScalingGroup"} & set(burst["autoscaling_calls"])
+    assert lowered, f"the burst run's capacity never came down: {burst['autoscaling_calls']}"
     assert "0.005" in quick["prices"] and "2026-12-06" in quick["prices"]
 
 
