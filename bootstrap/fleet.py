@@ -63,11 +63,24 @@ class Fleet:
 
     def leave_for_good(self, instance_id: str) -> None:
         """This instance goes, and the group wants one instance fewer (a pool running several jobs at once:
-        the others' instances run on). Its protection comes off first: it protects it from scale-in only."""
-        self.protect(instance_id, False)
-        self._autoscaling.terminate_instance_in_auto_scaling_group(
-            InstanceId=instance_id, ShouldDecrementDesiredCapacity=True
-        )
+        the others' instances run on). Its protection comes off first: it protects it from scale-in only.
+        Unprotected, a scale-in may take it before the terminate call, which AWS then refuses ("No managed
+        instance found"): it is going already, and the capacity came down with it."""
+        try:
+            self.protect(instance_id, False)
+            self._autoscaling.terminate_instance_in_auto_scaling_group(
+                InstanceId=instance_id, ShouldDecrementDesiredCapacity=True
+            )
+        except Exception:
+            if not self.leaving(instance_id):
+                raise
+
+    def leaving(self, instance_id: str) -> bool:
+        """Whether the group is taking this instance away: a `Terminating` state (AWS lists it so while it
+        drains), or no longer listed (gone already). Chosen by a scale-in, it must claim no job."""
+        found = self._autoscaling.describe_auto_scaling_instances(InstanceIds=[instance_id])
+        states = [i.get("LifecycleState", "") for i in found.get("AutoScalingInstances", [])]
+        return not states or all(s.startswith("Terminat") for s in states)
 
     def instance_gone(self, instance_id: str) -> bool:
         """Whether the group no longer has this instance (terminated, or past its drain hook): a lease it

@@ -428,6 +428,8 @@ class InstanceLife:
         )
         if self.boot.group_scaled_to_zero():
             return LifeResult(LifeEnd.SKIPPED)
+        if self._stack_config.lanes > 1 and self._leaving_before_binding(identity):
+            return LifeResult(LifeEnd.SKIPPED)
         if not self._bind_job():
             return self.outcomes.nothing_queued()
         self._life_started = utc_now()
@@ -663,25 +665,46 @@ class InstanceLife:
         self._spawn("lease-clock", lambda: writer.watch_own_clock(self.stops, self._background_stop.wait))
         if role is Role.STANDBY:
             self.job.record(lambda ledger: ledger.mark_standby(utc_now()))
-        if role is Role.HOLDER and self.config.lanes > 1:
-            self._protect_from_scale_in()
+            if self.config.lanes > 1:
+                # Protected since before its claim; a standby trains nothing, so a lower desired capacity
+                # may take it (the holder trains on). Protected again if it takes the lease over.
+                self._protect_from_scale_in(False)
         self._close_dead_holder()
         return role
 
-    def _protect_from_scale_in(self) -> None:
+    def _leaving_before_binding(self, identity: InstanceIdentity) -> bool:
+        """A pool running several jobs at once: this instance is protected from scale-in before it claims a
+        job, so a lower desired capacity never takes it between its claim and its lease (the job would wait
+        for the dead instance's claim to go stale, minutes). True when scale-in chose it before the
+        protection came: it is on its way out and claims nothing. When the group cannot be read it goes on:
+        a dead instance's claim still goes stale."""
+        self._protect_from_scale_in(True, why="while it looks for a job and serves it")
+        try:
+            leaving = self.fleet.leaving(identity.instance_id)
+        except Exception as exc:
+            self.log.event("fleet", "could not read this instance's state in its group", error=one_line(exc))
+            return False
+        if leaving:
+            self.log.event(
+                "fleet", "scaled in before it claimed a job: it takes none", group=self.config.group_name
+            )
+        return leaving
+
+    def _protect_from_scale_in(self, protected: bool = True, why: str = "while it serves the job") -> None:
         """A pool running several jobs at once: while this instance trains a job (holds its lease), a lower
         desired capacity (a cancel, the cost cap, a scheduler) takes an idle instance or a standby, never
-        this one. It comes off when the instance leaves (Fleet.leave_for_good). Best effort: the lease still
-        keeps one writer."""
+        this one. It comes off when the instance leaves (Fleet.leave_for_good) or waits as a standby. Best
+        effort: the lease still keeps one writer."""
         assert self.identity is not None
         try:
-            self.fleet.protect(self.identity.instance_id, True)
+            self.fleet.protect(self.identity.instance_id, protected)
         except Exception as exc:
-            self.log.event("fleet", "could not protect this instance from scale-in", error=one_line(exc))
+            self.log.event("fleet", "could not set this instance's scale-in protection", error=one_line(exc))
             return
-        self.log.event(
-            "fleet", "protected from scale-in while it serves the job", group=self.config.group_name
-        )
+        if protected:
+            self.log.event("fleet", f"protected from scale-in {why}", group=self.config.group_name)
+        else:
+            self.log.event("fleet", "scale-in protection off while it waits as a standby")
 
     def _close_dead_holder(self) -> None:
         """A lease taken because it expired names a life whose instance vanished: close it truthfully."""

@@ -6,6 +6,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 # For every moto server that holds an embedded stack: moto otherwise builds its catalogue of 1,300 public
 # AMIs, a volume and a snapshot each, for every EC2 backend it creates (again after each reset), about a
@@ -35,6 +36,34 @@ def cache_moto_service_list() -> None:
     backends.list_of_moto_modules = list_of_moto_modules
 
 
+def answer_as_aws() -> None:
+    """Teach moto what AWS says where moto says nothing useful. Idempotent.
+
+    - TerminateInstanceInAutoScalingGroup for an instance its group no longer has (a scale-in took it a
+      moment before): AWS refuses with a ValidationError, "Instance Id not found - No managed instance found
+      for instance ID: ..."; moto fails inside with StopIteration, an HTTP 500 that botocore retries and
+      then cannot parse."""
+    from moto.autoscaling.exceptions import ValidationError
+    from moto.autoscaling.models import AutoScalingBackend
+
+    terminate = AutoScalingBackend.terminate_instance
+    if getattr(terminate, "as_aws", False):
+        return
+
+    def terminate_instance(self: AutoScalingBackend, instance_id: str, should_decrement: bool) -> Any:
+        managed = {
+            state.instance.id for group in self.autoscaling_groups.values() for state in group.instance_states
+        }
+        if instance_id not in managed:
+            raise ValidationError(
+                f"Instance Id not found - No managed instance found for instance ID: {instance_id}"
+            )
+        return terminate(self, instance_id, should_decrement)
+
+    terminate_instance.as_aws = True  # type: ignore[attr-defined]
+    AutoScalingBackend.terminate_instance = terminate_instance
+
+
 @contextmanager
 def moto_server() -> Iterator[str]:
     """A moto server on 127.0.0.1, on a port the OS picks; yields its endpoint URL, stops it on exit."""
@@ -44,6 +73,7 @@ def moto_server() -> Iterator[str]:
     from moto.server import ThreadedMotoServer
 
     cache_moto_service_list()
+    answer_as_aws()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

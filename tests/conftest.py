@@ -92,6 +92,24 @@ class MotoServer:
         return {**_ISOLATED_ENV, **iam_check.recording_env(), "AWS_ENDPOINT_URL": self.endpoint_url}
 
 
+# What a test may never leave behind for the next one on its worker: an endpoint or identity another test
+# then reaches instead of its own (a demo's endpoint once sent the next test's moto calls to a closed port).
+_ENVIRONMENT_GUARDED = ("AWS_ENDPOINT_URL", "AWS_PROFILE", *_ISOLATED_ENV)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    before = {key: os.environ.get(key) for key in _ENVIRONMENT_GUARDED}
+    yield
+    left = {key: os.environ.get(key) for key in _ENVIRONMENT_GUARDED if os.environ.get(key) != before[key]}
+    for key, value in before.items():  # put back, so that one leak fails one test only
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    assert not left, f"the test left {left} in os.environ: set them with monkeypatch, which restores them"
+
+
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[MotoServer]:
     """One moto server per test session, started on port 0 and stopped at the end."""

@@ -18,7 +18,7 @@ def serve() -> None:
     """The child process: a moto server on 127.0.0.1 that handles one request at a time; prints its port."""
     import logging
 
-    from demo.moto_server import MOTO_SETTINGS, cache_moto_service_list
+    from demo.moto_server import MOTO_SETTINGS, answer_as_aws, cache_moto_service_list
 
     os.environ.update(MOTO_SETTINGS)
     logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
@@ -30,6 +30,7 @@ def serve() -> None:
     from werkzeug.serving import make_server
 
     cache_moto_service_list()
+    answer_as_aws()
     app = DomainDispatcherApplication(create_backend_app)
     lock = threading.Lock()
 

@@ -255,6 +255,13 @@ class Instance:
         while not self.world.stop.is_set():
             if self._gone():
                 return
+            if self.config.lanes > 1:
+                # As the agent (`_leaving_before_binding`): protected before its claim, so scale-in never
+                # takes a claimed job's instance; one chosen before that claims nothing.
+                self._protect(True)
+                if self.fleet.leaving(self.instance_id):
+                    self._note(f"{self.instance_id} was scaled in before it claimed a job; it claimed none")
+                    return
             job = self._decide("bind", after)
             if job is None:
                 self._leave()
@@ -304,6 +311,8 @@ class Instance:
             return None
         if role is Role.STANDBY:
             store.update(lambda ledger: ledger.mark_standby(datetime.now(timezone.utc)))
+            if self.config.lanes > 1:
+                self._protect(False)  # a standby trains nothing: scale-in may take it
             token = writer.wait_for_lease(
                 stopping=lambda _timeout: world.stop.wait(STANDBY_POLL_S) or self._gone(),
                 job_ended=lambda: _ended(store),

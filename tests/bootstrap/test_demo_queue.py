@@ -106,10 +106,12 @@ def test_no_flag_and_queue_tell_the_same_story_and_refuse_the_others(
     """`python -m demo` and `python -m demo --queue` both run the queue story (stopped here at its start, no
     server); with `--job`, `--nodes` or `--rebalance` `--queue` is refused in one line."""
     for key in [*ISOLATED_ENV, "AWS_ENDPOINT_URL", "AWS_PROFILE"]:  # main() sets them: restored after
-        if key in os.environ:
-            monkeypatch.setenv(key, os.environ[key])
-        else:
-            monkeypatch.delenv(key, raising=False)
+        # setenv records the value to restore, the absence included: delenv alone records nothing for an
+        # absent key, and the endpoint main() sets then leaked into the next test on this worker.
+        absent = key not in os.environ
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+        if absent:
+            monkeypatch.delenv(key)
     monkeypatch.setattr(demo.moto_server, "moto_server", _no_moto)
 
     def reached(self: demo.queue.QueueDemo) -> QueueResult:

@@ -137,3 +137,47 @@ def test_a_lower_desired_capacity_takes_the_idle_instance_never_the_training_one
     release.touch()
     assert first.join(timeout=120).outcome == "completed"
     assert json.dumps(_ledger(stack, A)["status"]) == '"completed"'
+
+
+def test_an_instance_is_protected_before_it_claims_a_job_and_one_scaled_in_first_claims_none(
+    lanes_pool: LocalStack, agents: Callable[..., Agent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between its claim and its lease an instance prepares the job (code, ledger): a lower desired capacity
+    then must not take it, or the claimed job waits minutes for the dead instance's claim to go stale (the
+    scheduling bench's burst once lost a job so). And an instance that scale-in chose before it could
+    protect itself claims nothing: the job stays queued for an instance that stays."""
+    import bootstrap.lifecycle as lifecycle
+
+    stack = lanes_pool
+    release = tmp_path / "release"
+    submit(stack, A, {**HELD, "hold_until": str(release)}, "2026-12-06T12:00:00.000Z")
+    first_id, second_id = stack.instance_ids()[:2]
+    at_claim: list[tuple[str, bool | None]] = []
+    real_bind = lifecycle.bind_job
+
+    def bind_and_look(*args: Any, **kwargs: Any) -> Any:
+        binding = real_bind(*args, **kwargs)
+        if binding is not None:
+            at_claim.append((binding.job_id, _protected(stack).get(first_id)))
+        return binding
+
+    monkeypatch.setattr(lifecycle, "bind_job", bind_and_look)
+    first = agents("first", first_id, job_id="", lanes=2)
+    _run_lives(first)
+    first.wait_for("trainer starting")
+    assert at_claim == [(A, True)], "protected from scale-in before its claim"
+    assert first.said("protected from scale-in while it looks for a job")
+    # Scale-in picks the second instance before its agent runs; its agent then finds itself leaving.
+    stack.client("autoscaling").set_desired_capacity(AutoScalingGroupName=stack.group_name, DesiredCapacity=1)
+    assert stack.instance_ids() == [first_id]
+    submit(stack, B, SHORT, "2026-12-06T12:00:01.000Z")
+    second = agents("second", second_id, job_id="", lanes=2)
+    _run_lives(second)
+    assert second.join(timeout=60).outcome == "skipped"
+    assert second.said("scaled in before it claimed a job: it takes none")
+    assert stack.read_json(f"jobs/{B}/state/lane.json") is None, "the second job stays queued, unclaimed"
+    assert stack.read_json(f"jobs/{B}/state/ledger.json") is None
+    release.touch()
+    # The holder's job ends and it takes the waiting job itself, in the lane the second never claimed.
+    _wait(lambda: (stack.read_json(f"jobs/{B}/state/ledger.json") or {}).get("status") == "completed", "B")
+    first.join(timeout=120)
