@@ -149,6 +149,9 @@ TARGETS: dict[str, Target] = {
     # The queue and its entry parser: every malformed entry is the queue's own one-line error, never a
     # KeyError or TypeError that escapes the agent's reader; entries and records are created once.
     "queue": Target(("trainstack_job/queue.py",), ("tests/job/test_queue.py",)),
+    # The stack's maxConcurrentJobs: no more jobs start than the run slots, a job's end or a start that never
+    # came frees its slot, a job named twice holds one.
+    "slots": Target(("trainstack_job/slots.py",), ("tests/job/test_slots.py",)),
     # A stop is acted on in every phase: before the launch nothing starts, each reason ends its own way.
     "stops": Target(("bootstrap/stops.py",), ("tests/bootstrap/test_stops.py",)),
     # The pools' scheduler: each pool raised to what its waiting jobs need, never lowered, concurrent passes

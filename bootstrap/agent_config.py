@@ -107,6 +107,9 @@ class AgentConfig:
     # How many jobs the pool runs at once (its `maxJobs`): each has a lane, with its own current-job pointer
     # (bootstrap/jobbinding.py). 1 = one job at a time, as before.
     lanes: int = 1
+    # The stack's `maxConcurrentJobs`: at most this many jobs run at once across every pool, each holding a
+    # run slot (trainstack_job/slots.py). 0 = no stack-wide limit (each pool's own lanes still apply).
+    max_concurrent_jobs: int = 0
 
     def to_yaml(self) -> str:
         values = asdict(self)
@@ -115,6 +118,8 @@ class AgentConfig:
             del values["pool"]
         if self.lanes == 1:
             del values["lanes"]
+        if not self.max_concurrent_jobs:
+            del values["max_concurrent_jobs"]
         return yaml.safe_dump(values, sort_keys=False)
 
     @classmethod
@@ -164,6 +169,7 @@ class AgentConfig:
         _check_number(raw, "instance_count", problems, low=1, high=1000, integer=True)
         _check_number(raw, "root_volume_gb", problems, low=1, high=65536, integer=True)
         _check_number(raw, "lanes", problems, low=1, high=256, integer=True)
+        _check_number(raw, "max_concurrent_jobs", problems, low=0, high=256, integer=True)
         count = raw.get("instance_count", 1)
         _check_number(
             raw,

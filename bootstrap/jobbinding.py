@@ -62,6 +62,7 @@ from trainstack_job.records import (
     is_missing,
     write_condition,
 )
+from trainstack_job.slots import Slots
 from trainstack_job.text import clip
 
 # The job-record fields that define a job; a job's life takes them over the stack's agent config.
@@ -423,6 +424,26 @@ class JobDirectory:
                 return binding
         return None
 
+    # -- the stack's maxConcurrentJobs (trainstack_job/slots.py) ----------------------------------------
+
+    def room(self, job_id: str, now: datetime, stale_seconds: float, *, take: bool) -> bool:
+        """Whether the job may start under the stack's `maxConcurrentJobs` (always, without a limit). With
+        `take`, its run slot is taken first (a conditional write); without, only looked at. A job that may
+        not start is said once per life: it waits in the queue until a running job ends."""
+        limit = self.config.max_concurrent_jobs
+        if not limit:
+            return True
+        slots = Slots(self._s3, self.bucket, self.config.prefixes.state, limit, self.status, stale_seconds)
+        allowed = slots.take(job_id, now) is not None if take else slots.room_for(job_id, now)
+        if not allowed and f"slots:{job_id}" not in self._reported:
+            self._reported.add(f"slots:{job_id}")
+            self.log.event(
+                "queue",
+                f"maxConcurrentJobs {limit} reached: {job_id} waits until a running job ends",
+                job_id=job_id,
+            )
+        return allowed
+
     # -- lanes: several jobs at once in one pool --------------------------------------------------------
 
     def _claim_key(self, job_id: str) -> str:
@@ -643,6 +664,8 @@ def bind_job(
         target = jobs.head()
         if target is None:
             return None
+        if not jobs.room(target.job_id, now, stale_seconds, take=True):
+            return None  # the stack runs maxConcurrentJobs jobs: this pool's next waits for one to end
         if target.job_id == current or jobs.point_at(target.job_id, etag, current, now):
             return replace(target, switched_from=current if current != target.job_id else None)
     raise JobBindingError(
@@ -746,6 +769,8 @@ def _bind_lanes(
             target = jobs.head(held_back)
             if target is None:
                 continue
+            if not jobs.room(target.job_id, now, stale_seconds, take=not look_only):
+                break  # the stack runs maxConcurrentJobs jobs: no free lane starts one until one ends
             if look_only:
                 return replace(target, lane=jobs.lane)
             if not jobs.claim(target.job_id, now):

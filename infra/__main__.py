@@ -229,6 +229,7 @@ scheduler = Scheduler(
         kms_key_arn=storage.key.arn,
         log_group_name=f"{config.log_group_name}/scheduler",
         log_retention_days=config.log_retention_days,
+        max_concurrent_jobs=config.max_concurrent_jobs,
         depends_on=[p.fleet.group for p in pools],
         tags=tags,
     ),
@@ -266,6 +267,7 @@ pulumi.export(
 )
 pulumi.export(StackOutput.GROUP_NAME.value, fleet.group.name)
 pulumi.export(StackOutput.INSTANCE_COUNT.value, config.instance_count)
+pulumi.export(StackOutput.MAX_CONCURRENT_JOBS.value, config.max_concurrent_jobs)
 pulumi.export(StackOutput.INSTANCE_TYPES.value, list(config.instance_types))
 # Every pool (the single group's is `default`): name -> group_name, instance_types, max_instances, default.
 pulumi.export(POOLS_OUTPUT, pools_output(config.pools, {p.pool.name: p.fleet.group.name for p in pools}))

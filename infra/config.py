@@ -68,6 +68,7 @@ DEFAULTS: dict[str, Any] = {
     "drill": False,
     "networkIsolation": False,
     "devBox": False,
+    "maxConcurrentJobs": 0,
 }
 
 # trainstack:pools (docs/internals.md, "Pools"): a list of mappings, so no entry of DEFAULTS (Pulumi.yaml's
@@ -83,6 +84,8 @@ LEGACY_POOL = "default"
 MAX_POOLS = 8
 # The most jobs one pool runs at once: each is a pointer that every instance of the pool reads for work.
 MAX_JOBS_PER_POOL = 64
+# The stack-wide limit's ceiling: every look for work reads each slot object (one GET each).
+MAX_CONCURRENT_JOBS = 256
 # A pool's name is part of AWS names of at most 64 characters (its capacity function's role and rules).
 POOL_NAME = re.compile(r"^[a-z](?:[a-z0-9-]{0,14}[a-z0-9])?$")
 # A pool's keys with their defaults (None: required). The purchase and placement keys mirror the single
@@ -298,6 +301,8 @@ class StackConfig:
     dev_box: bool = False
     # trainstack:pools as declared (the first is the default pool); empty: the single group's keys define one.
     declared_pools: tuple[Pool, ...] = ()
+    # At most this many jobs run at once across every pool (trainstack_job/slots.py); 0 = no stack-wide limit.
+    max_concurrent_jobs: int = 0
 
     @property
     def name(self) -> str:
@@ -475,6 +480,7 @@ def parse_stack_config(
     ssh_cidrs = tuple(value("sshIngressCidrs", _string_list, "'[\"203.0.113.7/32\"]'"))
     alert_email = value("alertEmail", _string, "ml-team@example.com").strip()
     budget = value("monthlyBudgetUsd", _integer, "100")
+    max_concurrent = value("maxConcurrentJobs", _integer, "4")
     retain = value("retainDataOnDestroy", _boolean, "true")
     noncurrent_days = value("noncurrentVersionDays", _integer, "30")
     log_days = value("logRetentionDays", _integer, "30")
@@ -549,6 +555,10 @@ def parse_stack_config(
     _check_ssh_cidrs(ssh_cidrs, problems)
     if alert_email and not _EMAIL.match(alert_email):
         problems.add("alertEmail", f"{alert_email!r} is not an e-mail address", "ml-team@example.com")
+    _check_range(
+        problems, "maxConcurrentJobs", max_concurrent, 0, MAX_CONCURRENT_JOBS, "4",
+        "jobs running at once across every pool; 0 = no limit beyond each pool's maxJobs",
+    )  # fmt: skip
     if isinstance(budget, int) and budget <= 0:
         problems.add("monthlyBudgetUsd", f"must be a positive number of USD, got {budget}", "100")
     _check_range(
@@ -648,6 +658,7 @@ def parse_stack_config(
         network_isolation=network_isolation,
         dev_box=dev_box,
         declared_pools=declared_pools,
+        max_concurrent_jobs=max_concurrent if isinstance(max_concurrent, int) else 0,
     )
 
 

@@ -343,4 +343,5 @@ def agent_config(
         job_role_arn=job_role_arn,
         pool="" if pool.default else pool.name,
         lanes=pool.max_jobs,
+        max_concurrent_jobs=config.max_concurrent_jobs,
     )

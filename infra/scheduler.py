@@ -36,6 +36,8 @@ class SchedulerArgs:
     kms_key_arn: pulumi.Input[str]
     log_group_name: str
     log_retention_days: int
+    # trainstack:maxConcurrentJobs (0: none): the function starts no more instances than the slots allow.
+    max_concurrent_jobs: int = 0
     depends_on: list[pulumi.Resource] = field(default_factory=list)
     tags: dict[str, str] = field(default_factory=dict)
 
@@ -57,6 +59,13 @@ class SchedulerArgs:
             ],
             separators=(",", ":"),
         )
+
+    def variables(self) -> dict[str, pulumi.Input[str]]:
+        """The function's environment; the limit only when set, so a stack without one diffs to nothing."""
+        variables: dict[str, pulumi.Input[str]] = {"BUCKET": self.bucket_name, "POOLS": self.pools_variable()}
+        if self.max_concurrent_jobs:
+            variables["MAX_CONCURRENT_JOBS"] = str(self.max_concurrent_jobs)
+        return variables
 
     def group_arns(self) -> list[str]:
         return [
@@ -148,9 +157,7 @@ class Scheduler(pulumi.ComponentResource):
             # One pass at a time is enough (a second would compute the same numbers); it also bounds the
             # S3 reads a burst of submissions costs.
             reserved_concurrent_executions=1,
-            environment=aws.lambda_.FunctionEnvironmentArgs(
-                variables={"BUCKET": args.bucket_name, "POOLS": args.pools_variable()}
-            ),
+            environment=aws.lambda_.FunctionEnvironmentArgs(variables=args.variables()),
             logging_config=aws.lambda_.FunctionLoggingConfigArgs(
                 log_format="Text", log_group=self.log_group.name
             ),

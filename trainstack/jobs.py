@@ -25,6 +25,7 @@ from trainstack.state import (
     read_ledger,
     read_pointer,
     read_progress,
+    running_in_slots,
 )
 from trainstack.sweep import DEFAULT_METRIC, metric_value, rank
 from trainstack_job.contract import JobStatus, StackOutput
@@ -145,8 +146,9 @@ def collect(clients: Clients, outputs: StackOutputs, now: datetime | None = None
     for entry in entries:
         if rows[entry.job_id]["status"] == QUEUED:
             by_pool.setdefault(entry.pool, []).append(entry.job_id)
+    running = running_in_slots(clients, outputs, now) if by_pool else None
     for pool, waiting in by_pool.items():
-        reasons = WaitingReasons.of(clients, outputs, pool, now)
+        reasons = WaitingReasons.of(clients, outputs, pool, now, running)
         for position, job_id in enumerate(waiting, start=1):
             rows[job_id] |= {
                 "queue_position": position,
@@ -174,10 +176,16 @@ class WaitingReasons:
     # Launches failing now (no capacity for the pool's types, a quota): read only while an instance is wanted.
     drought: Drought | None = None
     now: datetime | None = None
+    # The stack's maxConcurrentJobs and how many of its run slots hold a job now (None: no limit, or unread).
+    limit: int = 0
+    running: int | None = None
 
     @classmethod
-    def of(cls, clients: Clients, outputs: StackOutputs, pool: str, now: datetime) -> WaitingReasons:
-        """`pool`: as a queue entry names it ("" = the default pool)."""
+    def of(
+        cls, clients: Clients, outputs: StackOutputs, pool: str, now: datetime, running: int | None = None
+    ) -> WaitingReasons:
+        """`pool`: as a queue entry names it ("" = the default pool); `running`: the stack's run slots that
+        hold a job (`running_in_slots`, read once for every pool)."""
         pools = outputs.pools
         name = pool or next((n for n, v in pools.items() if v.get("default")), next(iter(pools), "default"))
         info = pools.get(name) or {}
@@ -186,14 +194,15 @@ class WaitingReasons:
             busy = lanes - free_lanes(clients, outputs, pool, lanes)
         else:
             pointer = read_pointer(clients, outputs, pool)
-            running = pointer.job_id if pointer is not None else ""
-            ledger = read_ledger(clients, outputs.bucket, JobPrefixes.of(running)) if running else None
+            serving = pointer.job_id if pointer is not None else ""
+            ledger = read_ledger(clients, outputs.bucket, JobPrefixes.of(serving)) if serving else None
             busy = int(ledger is not None and not ledger.ended)
         group_name = str(info.get("group_name") or outputs.group_name)
         group = read_group(clients, group_name, lifecycles=False)
         wanting = group.in_service < group.desired
         drought = read_drought(clients, group_name, now) if wanting else None
-        return cls(name, lanes, busy, group.desired, group.in_service, drought, now)
+        limit = outputs.max_concurrent_jobs
+        return cls(name, lanes, busy, group.desired, group.in_service, drought, now, limit, running)
 
     def why(self, position: int) -> str:
         """The reason for the job at `position` (1 = next) in the pool's queue."""
@@ -201,6 +210,9 @@ class WaitingReasons:
         if position > free:
             jobs = "job" if self.lanes == 1 else "jobs at once"
             return f"pool {self.name}: {self.busy} of {self.lanes} {jobs} running"
+        if self.limit and self.running is not None and self.running >= self.limit:
+            runs = "job runs" if self.running == 1 else "jobs run"
+            return f"maxConcurrentJobs {self.limit} reached: {self.running} {runs} across the stack"
         if self.desired == 0:
             return f"pool {self.name}: no instance (the group is at zero; `trainstack resume` wakes it)"
         if self.in_service < self.desired and self.drought is not None and self.now is not None:

@@ -30,7 +30,7 @@ from trainstack.errors import CliError
 from trainstack.jobs import describe
 from trainstack.output import console, print_error, print_json
 from trainstack.stack import Stack, StackOutputs
-from trainstack.state import Group, encryption_args, free_lanes, read_group
+from trainstack.state import Group, encryption_args, free_lanes, read_group, running_in_slots
 from trainstack.sweep import SweepError, SweepPoint, grid, parse_axes, trainer_point, user_job_point
 from trainstack_job.datasets import DEFAULT_DATASET, DatasetError, check_dataset_name, label, push_command
 from trainstack_job.jobfile import JobSpec, JobSpecError, load_job_spec
@@ -466,7 +466,12 @@ def submit(clients: Clients, stack: Stack, job: PreparedJob) -> dict[str, Any]:
     free = free_lanes(clients, outputs, "" if pool.default else pool.name, lanes)
     # A sweep's points start together, as many as the pool's free lanes take (one pool at zero: its first).
     starting = max(1, min(free, len(submissions), request.parallel or len(submissions))) if lanes > 1 else 1
-    woken = wake_group(clients, group, needed * starting, free_lanes=free)
+    # The stack's maxConcurrentJobs: no instance is woken for a job that could not start (the scheduler
+    # function wakes one when a running job ends).
+    running = running_in_slots(clients, outputs, submitted_at)
+    if running is not None:
+        starting = min(starting, max(0, outputs.max_concurrent_jobs - running))
+    woken = wake_group(clients, group, needed * starting, free_lanes=free) if starting else None
     return {
         "jobs": [
             {

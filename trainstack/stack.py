@@ -133,6 +133,12 @@ class StackOutputs:
         return [str(t) for t in value] if isinstance(value, list) else [str(value)]
 
     @property
+    def max_concurrent_jobs(self) -> int:
+        """trainstack:maxConcurrentJobs; 0 (no stack-wide limit) for a stack from before it."""
+        value = self.values.get(StackOutput.MAX_CONCURRENT_JOBS.value)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+    @property
     def pools(self) -> dict[str, dict[str, Any]]:
         """Every pool: name -> {group_name, instance_types, max_instances, default}. A stack from before pools
         (no `pools` output) has its one group, as the pool `default`."""

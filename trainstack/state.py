@@ -24,6 +24,7 @@ from trainstack_job.jobs import (
 )
 from trainstack_job.launches import Drought, drought, read_launches
 from trainstack_job.records import JobPointer, Ledger, Progress
+from trainstack_job.slots import Slots
 
 JOBS_COMMAND = "trainstack jobs"
 
@@ -152,6 +153,24 @@ def read_pointer(clients: Clients, outputs: StackOutputs, pool: str = "", lane: 
     """The job a pool's lane serves (`pool`: "" = the default pool); None while its pointer names none."""
     state = outputs.prefix(StackOutput.STATE_PREFIX)
     return JobPointer.from_json(read_json(clients, outputs.bucket, state + pointer_name(pool, lane)))
+
+
+def running_in_slots(clients: Clients, outputs: StackOutputs, now: datetime) -> int | None:
+    """How many of the stack's `maxConcurrentJobs` run slots hold a job now (trainstack_job/slots.py); None
+    when the stack sets no limit."""
+    limit = outputs.max_concurrent_jobs
+    if not limit:
+        return None
+
+    def status_of(job_id: str) -> str | None:
+        ledger = read_ledger(clients, outputs.bucket, JobPrefixes.of(job_id))
+        return None if ledger is None else ledger.status
+
+    slots = Slots(clients.s3(), outputs.bucket, outputs.prefix(StackOutput.STATE_PREFIX), limit, status_of)
+    try:
+        return len(slots.running(now))
+    except ClientError:  # a caller who may not read them: the other reasons still show
+        return None
 
 
 @dataclass(frozen=True)

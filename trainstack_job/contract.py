@@ -148,6 +148,8 @@ class StackOutput(str, Enum):
     JOB_ID = "job_id"
     DATA_UPLOAD_COMMAND = "data_upload_command"
     GROUP_NAME = "group_name"
+    # trainstack:maxConcurrentJobs: at most this many jobs run at once across every pool (0: no limit).
+    MAX_CONCURRENT_JOBS = "max_concurrent_jobs"
     INSTANCE_COUNT = "instance_count"
     INSTANCE_TYPES = "instance_types"
     LOG_GROUP_NAME = "log_group_name"

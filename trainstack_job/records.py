@@ -497,6 +497,28 @@ class StandbyState:
         )
 
 
+# -- the stack's run slots (trainstack_job/slots.py) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSlot:
+    """One of the stack's `maxConcurrentJobs` run slots: the job that holds it and `since` when (ISO 8601
+    UTC). Free again once that job has ended, or if it never started within the staleness window."""
+
+    job_id: str
+    since: str | None = None
+
+    @classmethod
+    def from_json(cls, raw: Any) -> RunSlot | None:
+        """None for anything that is not a slot (no job id): a free slot, replaced against its ETag."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("job_id"), str) or not raw["job_id"]:
+            return None
+        return cls(raw["job_id"], _text(raw, "since"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "since": self.since}
+
+
 # -- the current-job pointer ------------------------------------------------------------------------
 
 

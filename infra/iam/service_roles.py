@@ -10,6 +10,7 @@ from bootstrap.agent_config import Prefixes
 from infra.iam.common import Document, doc, via
 from trainstack_job.jobs import CURRENT_JOB, JOB_RECORD
 from trainstack_job.queue import QUEUE_PREFIX
+from trainstack_job.slots import SLOTS_FOLDER
 
 # Auto Scaling's Describe* actions take no resource ARN; AWS requires `"Resource": "*"` for them.
 CAPACITY_FALLBACK_DESCRIBE_ACTIONS = [
@@ -125,13 +126,14 @@ def _cost_cap_statements(group_arn: str, access: CostCapAccess) -> list[Document
 
 
 def scheduler_reads(prefixes: Prefixes | None = None) -> list[str]:
-    """The keys the scheduler reads (infra/scheduler_fn/handler.py): the queue, each pool's lane pointers, and
-    of a job its record, ledger and cancel request."""
+    """The keys the scheduler reads (infra/scheduler_fn/handler.py): the queue, each pool's lane pointers, the
+    stack's run slots (maxConcurrentJobs), and of a job its record, ledger and cancel request."""
     prefixes = prefixes or Prefixes()
     jobs = prefixes.jobs
     return [
         f"{QUEUE_PREFIX}*",
         f"{prefixes.state}current-job*.json",
+        f"{prefixes.state}{SLOTS_FOLDER}*",
         f"{jobs}*/{JOB_RECORD}",
         f"{jobs}*/state/ledger.json",
         f"{jobs}*/state/cancel.json",

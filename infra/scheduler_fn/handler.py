@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 import boto3
@@ -31,6 +32,7 @@ from trainstack_job.contract import LEDGER, BucketPrefix
 from trainstack_job.jobs import JobPrefixes, pointer_name
 from trainstack_job.queue import CANCEL_REQUEST, QUEUE_PREFIX, QueueEntry, QueueError, parse_entry, stored_at
 from trainstack_job.records import ENDED_STATUSES
+from trainstack_job.slots import Slots
 
 LOG = logging.getLogger("trainstack.scheduler")
 LOG.setLevel(logging.INFO)
@@ -151,26 +153,43 @@ class StackState:
         return settings.max_instances
 
 
-def plan(state: StackState, settings: PoolSettings) -> tuple[int, int, int]:
-    """(waiting jobs, busy lanes, instances the pool needs now). A pool of one lane needs instances only
-    while its lane is free and a job waits (the instance up takes the next job itself); one of several
-    lanes needs one per busy lane plus one per waiting job its free lanes can start."""
+def plan(state: StackState, settings: PoolSettings, room: int | None = None) -> tuple[int, int, int, int]:
+    """(waiting jobs, busy lanes, instances the pool needs now, jobs it starts). A pool of one lane needs
+    instances only while its lane is free and a job waits (the instance up takes the next job itself); one
+    of several lanes needs one per busy lane plus one per waiting job its free lanes can start. `room`: how
+    many more jobs the stack's maxConcurrentJobs lets start (None: no limit)."""
     waiting = state.waiting(settings.pool)
     busy = state.busy_lanes(settings)
+    free = 1 - min(busy, 1) if settings.lanes == 1 else settings.lanes - busy
+    starts = min(len(waiting), free, len(waiting) if room is None else room)
     if settings.lanes == 1:
-        needed = state.instances_for(waiting[0], settings) if waiting and busy == 0 else 0
-        return len(waiting), busy, needed
-    return len(waiting), busy, busy + min(len(waiting), settings.lanes - busy)
+        needed = state.instances_for(waiting[0], settings) if starts else 0
+        return len(waiting), busy, needed, starts
+    return len(waiting), busy, busy + starts, starts
 
 
 def run(
-    autoscaling: Any, s3: Any, bucket: str, state_prefix: str, pools: Sequence[PoolSettings]
+    autoscaling: Any,
+    s3: Any,
+    bucket: str,
+    state_prefix: str,
+    pools: Sequence[PoolSettings],
+    max_concurrent_jobs: int = 0,
+    now: datetime | None = None,
 ) -> list[Decision]:
-    """One pass over every pool: raise the desired capacity of each that needs more; never lower one."""
+    """One pass over every pool: raise the desired capacity of each that needs more; never lower one. With
+    a stack-wide `max_concurrent_jobs`, the pools (in their declared order) start no more jobs than the
+    free run slots (trainstack_job/slots.py)."""
     state = StackState(s3, bucket, state_prefix)
+    room: int | None = None
+    if max_concurrent_jobs:
+        slots = Slots(s3, bucket, state_prefix, max_concurrent_jobs, state.status)
+        room = max(0, max_concurrent_jobs - len(slots.running(now or datetime.now(timezone.utc))))
     decisions: list[Decision] = []
     for settings in pools:
-        waiting, busy, needed = plan(state, settings)
+        waiting, busy, needed, starts = plan(state, settings, room)
+        if room is not None:
+            room -= starts
         found = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[settings.group])
         groups = found.get("AutoScalingGroups", [])
         if not groups:
@@ -197,6 +216,7 @@ def handler(event: Mapping[str, Any], context: object) -> dict[str, Any]:
         env["BUCKET"],
         STATE_PREFIX,
         PoolSettings.many_from_env(env),
+        int(env.get("MAX_CONCURRENT_JOBS") or 0),
     )
     result = {"decisions": [decision.to_json() for decision in decisions]}
     LOG.info(json.dumps(result))

@@ -1361,3 +1361,81 @@ def test_a_huge_claim_every_lane_reads_is_named_once_in_one_look(bucket: Bucket)
     bucket.put(f"jobs/{A}/state/lane.json", b" " * (MAX_OBJECT_BYTES + 1))
     assert bind_job(bucket.s3, bucket.config(lanes=3), NOW, log=bucket.log) is None, "A waits for its sweep"
     assert len(bucket.said("bytes: not read")) == 1, "lanes 0 and 1 both read it"
+
+
+# -- the stack's maxConcurrentJobs (trainstack_job/slots.py) ----------------------------------------
+
+
+def test_max_concurrent_jobs_holds_a_second_pools_job_until_the_first_ends(bucket: Bucket) -> None:
+    """Two pools, one slot: the default pool's job starts; the other pool's free lanes start nothing, say
+    why once, and the look a job's end makes finds nothing either; once the first ends, the second starts."""
+    single = bucket.config(max_concurrent_jobs=1)
+    lanes = bucket.config(max_concurrent_jobs=1, pool="p", lanes=2)
+    bucket.submit(A, AT)
+    bucket.submit(B, LATER, pool="p")
+    first = bind_job(bucket.s3, single, NOW, log=bucket.log)
+    assert first is not None and first.job_id == A
+    assert bucket.get("state/slots/slot-0.json") == {"job_id": A, "since": iso(NOW)}
+    bucket.put(f"jobs/{A}/state/ledger.json", {"status": "running", "lives": []})
+    reported: set[str] = set()
+    for _ in range(2):
+        assert bind_job(bucket.s3, lanes, NOW, log=bucket.log, reported=reported) is None
+    assert work_in_lanes(bucket.s3, lanes, NOW, after=None, log=bucket.log) is None
+    said = [e for e in bucket.events() if "maxConcurrentJobs" in e["message"]]
+    assert [e["message"] for e in said][:1] == [
+        f"maxConcurrentJobs 1 reached: {B} waits until a running job ends"
+    ]
+    assert said[0]["job_id"] == B and said[0].get("level", "info") == "info"
+    assert len(said) == 2, "once per life (the look is another life's)"
+    assert bucket.get(f"jobs/{B}/state/lane.json") is None, "no lane claimed"
+    assert bucket.pointer("current-job-p.json") is None, "no pointer moved"
+    bucket.put(f"jobs/{A}/state/ledger.json", {"status": "completed", "lives": []})
+    assert work_in_lanes(bucket.s3, lanes, NOW, after=None) == B
+    second = bind_job(bucket.s3, lanes, NOW, log=bucket.log)
+    assert second is not None and second.job_id == B
+    assert bucket.get("state/slots/slot-0.json")["job_id"] == B
+
+
+def test_max_concurrent_jobs_holds_a_single_lane_pools_next_job(bucket: Bucket) -> None:
+    config = bucket.config(max_concurrent_jobs=1)
+    other = bucket.config(max_concurrent_jobs=1, pool="q")
+    bucket.submit(A, AT, pool="q")
+    bucket.submit(B, LATER)
+    started = bind_job(bucket.s3, other, NOW)
+    assert started is not None and started.job_id == A
+    bucket.put(f"jobs/{A}/state/ledger.json", {"status": "running", "lives": []})
+    assert bind_job(bucket.s3, config, NOW) is None, "the slot is A's: the default pool's job waits"
+    assert bucket.pointer() is None
+    # Without a limit (0), the same stack starts it at once.
+    unlimited = bind_job(bucket.s3, bucket.config(), NOW)
+    assert unlimited is not None and unlimited.job_id == B
+    assert bucket.get("state/slots/slot-1.json") is None, "no slot taken without a limit"
+
+
+def test_instances_of_two_pools_racing_start_no_more_jobs_than_max_concurrent_jobs(bucket: Bucket) -> None:
+    """Eight instances of two pools of lanes look for work at once over eight queued jobs: exactly the
+    limit's number of jobs start (a slot and a lane claimed each), whichever instances win the races."""
+    jobs = [f"job{i}-{i:08x}" for i in range(8)]
+    for index, job in enumerate(jobs):
+        bucket.submit(job, f"2026-12-01T11:00:0{index}.000Z", pool="p" if index % 2 else "")
+    configs = [bucket.config(max_concurrent_jobs=3, lanes=4, pool="p" if i % 2 else "") for i in range(8)]
+    bound: list[str | None] = []
+    start = threading.Barrier(len(configs))
+
+    def look(config: AgentConfig) -> None:
+        s3 = boto3.client("s3", region_name="us-east-1")  # one client per instance
+        start.wait()
+        binding = bind_job(s3, config, NOW)
+        bound.append(binding.job_id if binding is not None else None)
+
+    threads = [threading.Thread(target=look, args=(config,)) for config in configs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    # The others come as standbys of those three (a running job without one), never as a fourth job.
+    started = {job for job in bound if job is not None}
+    assert len(bound) == 8 and len(started) == 3, bound
+    slots = {bucket.get(f"state/slots/slot-{k}.json")["job_id"] for k in range(3)}
+    claimed = {job for job in jobs if bucket.get(f"jobs/{job}/state/lane.json") is not None}
+    assert slots == started == claimed

@@ -270,3 +270,28 @@ def test_a_pool_still_launching_or_unreadable_says_an_instance_is_starting() -> 
             WaitingReasons("big", 1, 0, 2, 1, found, AT).why(1)
             == "pool big: an instance is starting (1 of 2 up)"
         )
+
+
+def test_max_concurrent_jobs_reached_wakes_no_instance_and_says_why_the_job_waits(pooled: Deployed) -> None:
+    """The stack runs its maxConcurrentJobs: a job submitted to a pool with a free lane waits, no instance
+    boots for it (it would find no slot), and `trainstack jobs` names the limit."""
+    _lanes(pooled, 2)
+    pooled.outputs["max_concurrent_jobs"] = 1
+    pooled.outputs_file.write_text(json.dumps(pooled.outputs), encoding="utf-8")
+    _running(pooled, "current-job.json", "first-aaaaaaaa")
+    slot = {"job_id": "first-aaaaaaaa", "since": "2026-12-06T11:00:00.000Z"}
+    pooled.s3().put_object(Bucket=BUCKET, Key="state/slots/slot-0.json", Body=json.dumps(slot).encode())
+    submitted = pooled.run("run", "--config", str(CONFIG), "--json").json()
+    assert submitted["scaled_up_to"] is None and _desired(GROUP) == 1, "a free lane, but no free slot"
+    waiting = submitted["jobs"][0]["job_id"]
+    rows = {row["job_id"]: row for row in pooled.run("jobs", "--json").json()["jobs"]}
+    assert rows[waiting]["waiting"] == "maxConcurrentJobs 1 reached: 1 job runs across the stack"
+    # The running job ends: its slot is free, and the next submission wakes its instance again.
+    ended = {"job_id": "first-aaaaaaaa", "status": "completed", "lives": []}
+    pooled.s3().put_object(
+        Bucket=BUCKET, Key="jobs/first-aaaaaaaa/state/ledger.json", Body=json.dumps(ended).encode()
+    )
+    rows = {row["job_id"]: row for row in pooled.run("jobs", "--json").json()["jobs"]}
+    assert "maxConcurrentJobs" not in rows[waiting]["waiting"]
+    again = pooled.run("run", "--config", str(CONFIG), "--json").json()
+    assert again["scaled_up_to"] == 2 and _desired(GROUP) == 2

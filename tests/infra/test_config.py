@@ -417,6 +417,23 @@ VPC_LIMITS = "must be an IPv4 network from /16 to /24 (a VPC's limits)"
 EDGES = [
     ("monthlyBudgetUsd", "1", "0", "must be a positive number of USD, got 0", "100"),
     (
+        "maxConcurrentJobs",
+        "256",
+        "257",
+        "must be between 0 and 256, got 257 (jobs running at once across every pool; 0 = no limit beyond "
+        "each pool's maxJobs)",
+        "4",
+    ),
+    (
+        "maxConcurrentJobs",
+        "0",
+        "-1",
+        "must be between 0 and 256, got -1 (jobs running at once across every pool; 0 = no limit beyond "
+        "each pool's maxJobs)",
+        "4",
+    ),
+    ("maxConcurrentJobs", "3", "three", "must be an integer, got 'three'", "4"),
+    (
         "logRetentionDays",
         "3653",
         "3654",
@@ -583,6 +600,7 @@ def test_every_key_set_reaches_the_typed_config_trimmed() -> None:
         "resumeFrom": " legacy ",
         "drill": "true",
         "devBox": "true",
+        "maxConcurrentJobs": " 6 ",
     }
     config = parse_stack_config(raw, region="eu-west-1", project="proj", stack="prod")
     assert config == StackConfig(
@@ -620,6 +638,7 @@ def test_every_key_set_reaches_the_typed_config_trimmed() -> None:
         drill=True,
         network_isolation=False,
         dev_box=True,
+        max_concurrent_jobs=6,
     )
     # The names every resource and the agent derive from it.
     assert (config.name, config.group_name, config.dev_box_name) == (
@@ -639,6 +658,7 @@ def test_a_config_left_at_its_defaults_is_the_documented_default() -> None:
     assert not (config.multi_node or config.cluster_placement or config.efa or config.private_subnets)
     assert (config.max_cost_usd, config.expected_hours, config.user_job, config.user_job_dir) == (None,) * 4
     assert (config.spot_fallback_minutes, config.flow_log_retention_days) == (15, 365)
+    assert config.max_concurrent_jobs == 0, "no stack-wide limit unless set"
     assert config.job["train"]["batch_size"] == 256
 
 
@@ -1063,6 +1083,9 @@ AGENT_BAD = [
     ("allow_data_change", "no", "'allow_data_change' must be true or false"),
     # Several jobs at once in one pool (`maxJobs`): a lane each, one to 256.
     ("lanes", 0, "'lanes' must be an integer between 1 and 256, got 0"),
+    ("max_concurrent_jobs", -1, "'max_concurrent_jobs' must be an integer between 0 and 256, got -1"),
+    ("max_concurrent_jobs", 257, "'max_concurrent_jobs' must be an integer between 0 and 256, got 257"),
+    ("max_concurrent_jobs", True, "'max_concurrent_jobs' must be an integer between 0 and 256, got True"),
     ("lanes", 257, "'lanes' must be an integer between 1 and 256, got 257"),
     ("lanes", 2.0, "'lanes' must be an integer between 1 and 256, got 2.0"),
     ("pool", "Bad_Pool", "'pool' must be a pool name (a-z, 0-9 and '-') or empty, got 'Bad_Pool'"),
@@ -1129,6 +1152,7 @@ AGENT_EDGES = [
     ("efa", (True,)),
     ("allow_data_change", (True,)),
     ("lanes", (1, 256)),
+    ("max_concurrent_jobs", (0, 1, 256)),
     ("pool", ("", "gpu-a100")),
     ("user_job", (None, {"name": "probe", "command": ["python", "train.py"]})),
 ]  # fmt: skip
@@ -1224,9 +1248,11 @@ def test_the_agent_config_written_by_infra_loads_back_equal(tmp_path: Path) -> N
     assert AgentConfig.load(path) == config
     # In the order the dataclass declares its keys, for a person reading the file on the instance; `pool` and
     # `lanes` only when not the default pool's (its user data renders as before pools).
-    declared = [k for k in AgentConfig.__dataclass_fields__ if k not in ("pool", "lanes")]
+    declared = [
+        k for k in AgentConfig.__dataclass_fields__ if k not in ("pool", "lanes", "max_concurrent_jobs")
+    ]
     assert list(yaml.safe_load(config.to_yaml())) == declared
-    pooled = AgentConfig.from_mapping({**AGENT, "pool": "big", "lanes": 3})
+    pooled = AgentConfig.from_mapping({**AGENT, "pool": "big", "lanes": 3, "max_concurrent_jobs": 4})
     assert list(yaml.safe_load(pooled.to_yaml())) == list(AgentConfig.__dataclass_fields__)
     assert AgentConfig.from_mapping(yaml.safe_load(pooled.to_yaml())) == pooled
 
@@ -1320,6 +1346,7 @@ WRONG_TYPE = {
     "drill": ("x", "must be true or false, got 'x'", "true"),
     "networkIsolation": ("x", "must be true or false, got 'x'", "true"),
     "devBox": ("x", "must be true or false, got 'x'", "true"),
+    "maxConcurrentJobs": ("x", "must be an integer, got 'x'", "4"),
 }
 
 

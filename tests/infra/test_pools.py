@@ -666,7 +666,8 @@ CAPACITY_TYPES = [
 
 @pytest.fixture(scope="module")
 def pools_stack() -> StackRun:
-    return run_stack({**example_config(), "trainstack:pools": POOLS})
+    # With a stack-wide limit: every pool's agents and the scheduler know it; nothing else changes.
+    return run_stack({**example_config(), "trainstack:pools": POOLS, "trainstack:maxConcurrentJobs": "3"})
 
 
 def _groups(stack: StackRun) -> dict[str, RecordedResource]:
@@ -754,6 +755,7 @@ def test_each_pools_user_data_carries_its_group_and_size(pools_stack: StackRun) 
         )
         # A pool other than the default names itself: its instances take only its jobs.
         assert loaded.pool == ("" if pool is POOLS[0] else pool["name"])
+        assert loaded.max_concurrent_jobs == 3, "the stack's run slots, shared by every pool"
     # Nothing else differs between pools.
     shared = [
         {k: v for k, v in c.items() if k not in ("group_name", "instance_count", "pool")}
@@ -986,3 +988,20 @@ def test_several_jobs_at_once_are_refused_on_a_multi_node_pool_and_out_of_range(
         for p in problems
     ), problems
     assert any(p.startswith("trainstack:pools[1].maxJobs") for p in problems), problems
+
+
+def test_max_concurrent_jobs_reaches_the_scheduler_and_the_outputs_only_when_set(
+    example_stack: StackRun, pools_stack: StackRun
+) -> None:
+    def scheduler_env(stack: StackRun) -> dict[str, Any]:
+        (function,) = [f for f in stack.of_type(FUNCTION) if f.parent == "scheduler"]
+        variables: dict[str, Any] = function.inputs["environment"]["variables"]
+        return variables
+
+    assert scheduler_env(pools_stack)["MAX_CONCURRENT_JOBS"] == "3"
+    assert pools_stack.outputs["max_concurrent_jobs"] == 3
+    # A stack without a limit: the function's environment and every agent's config as before (no diff).
+    assert set(scheduler_env(example_stack)) == {"BUCKET", "POOLS"}
+    assert example_stack.outputs["max_concurrent_jobs"] == 0
+    for template in example_stack.of_type(TEMPLATE):
+        assert "max_concurrent_jobs" not in _agent_mapping(template)

@@ -145,3 +145,51 @@ def test_the_lambda_entry_point_reads_its_pools_from_its_environment(
     }
     assert result == expected and _desired(stack) == 2
     assert [json.loads(r.getMessage()) for r in caplog.records] == [expected], "one log line, as returned"
+    # MAX_CONCURRENT_JOBS (set by the program only when the stack sets a limit): the running job's slot is
+    # the one slot, so the waiting job gets no instance.
+    stack.client("autoscaling").set_desired_capacity(AutoScalingGroupName=stack.group_name, DesiredCapacity=0)
+    _put(stack, "state/slots/slot-0.json", {"job_id": "first-aaaaaaaa", "since": "2026-12-06T11:00:00.000Z"})
+    monkeypatch.setenv("MAX_CONCURRENT_JOBS", "1")
+    limited = handler({"source": "aws.events"}, None)["decisions"][0]
+    assert (limited["busy"], limited["waiting"], limited["wanted"], limited["action"]) == (1, 1, 1, "raised")
+    monkeypatch.setenv("MAX_CONCURRENT_JOBS", "2")
+    assert handler({"source": "aws.events"}, None)["decisions"][0]["wanted"] == 2
+
+
+def test_max_concurrent_jobs_caps_what_every_pool_starts_in_their_declared_order(stack: LocalStack) -> None:
+    """With trainstack:maxConcurrentJobs, the pools start no more jobs than the free run slots: the running
+    job's slot counts, the first pool takes what is left, the second pool gets no instance for a job that
+    could not start (its instance would find no slot and leave, billed for nothing)."""
+    big = f"{stack.name}-gpu-big"
+    stack.client("autoscaling").create_auto_scaling_group(
+        AutoScalingGroupName=big,
+        LaunchTemplate={"LaunchTemplateName": f"{stack.name}-instance", "Version": "$Latest"},
+        VPCZoneIdentifier=stack.group()["VPCZoneIdentifier"],
+        MinSize=0,
+        MaxSize=2,
+        DesiredCapacity=0,
+    )
+    pools = [
+        PoolSettings("", stack.group_name, lanes=3, max_instances=1),
+        PoolSettings("big", big, lanes=1, max_instances=2),
+    ]
+    _running(stack, "current-job.json", "first-aaaaaaaa")
+    _put(stack, "state/slots/slot-1.json", {"job_id": "first-aaaaaaaa", "since": "2026-12-06T11:00:00.000Z"})
+    for index in range(3):
+        _queue(stack, f"wait{index}-bbbbbbbb", f"2026-12-06T12:00:0{index}.000Z")
+    _queue(stack, "large-cccccccc", "2026-12-06T12:00:05.000Z", pool="big")
+    autoscaling, s3 = (
+        record_as(boto3.client(n, region_name="us-east-1"), SCHEDULER) for n in ("autoscaling", "s3")
+    )
+    default, large = run(autoscaling, s3, stack.bucket, "state/", pools, max_concurrent_jobs=2)
+    assert (default.busy, default.waiting, default.wanted) == (1, 3, 2), "one slot left: one more job starts"
+    assert (large.waiting, large.wanted, large.action) == (1, 0, "none"), "no slot left for the big pool"
+    groups = {g["AutoScalingGroupName"]: g["DesiredCapacity"] for g in stack.client("autoscaling")
+              .describe_auto_scaling_groups()["AutoScalingGroups"]}  # fmt: skip
+    assert groups == {stack.group_name: 2, big: 0}
+    # The running job ends: its slot is free, and the two pools share the two slots in their order.
+    _put(stack, "jobs/first-aaaaaaaa/state/ledger.json", {"status": "completed", "lives": []})
+    default, large = run(autoscaling, s3, stack.bucket, "state/", pools, max_concurrent_jobs=2)
+    assert (default.busy, default.wanted, large.wanted) == (0, 2, 0)
+    default, large = run(autoscaling, s3, stack.bucket, "state/", pools, max_concurrent_jobs=4)
+    assert (default.wanted, large.wanted) == (3, 2), "no limit reached: every pool by its lanes, as before"
