@@ -42,12 +42,20 @@ Runs (sizes are flags; `--quick` is the test's size):
   thread lowers the group's desired capacity towards what the unfinished jobs need (the scheduler Lambda's
   rule), so AWS (moto) takes instances away: protected (training) ones must never go.
 
+- `limit`: 60 jobs over 2 pools of 8 lanes and at most 8 instances each, under a stack-wide maxConcurrentJobs
+  of 6, and no instance started by the bench: the groups start at zero and the scheduler function (the real
+  `infra/scheduler_fn/handler.py run`, invoked once per queue entry, once per instance that ends and on a
+  schedule, one at a time as its reserved concurrency makes it) raises them; a launcher thread boots an
+  instance for each one the group lists. Its invocations are counted by trigger.
+
 Pass conditions (per run): every job ran exactly once (one completed holder life per job, nothing run
 twice, nothing left unrun); never two writers at once (the lease-holding intervals of each job, recorded in
 this
 process on one monotonic clock, never overlap; an interval starts after the acquiring write returned and ends
 before the releasing write is sent); no job's lease lost (every holder's `confirm` True, every release done);
-no busy instance scaled in (an instance terminated by scale-in was not protected and training at the time).
+no busy instance scaled in (an instance terminated by scale-in was not protected and training at the time);
+in the limit run, never more than maxConcurrentJobs jobs at once (from a holder's lease taken until the job's
+end was written to its ledger, which is when its run slot frees).
 
 The package, one module per part, each importing only those above it: `metering` (counting requests),
 `runs` (the runs' specs), `journal` (what happened), `embedded_aws` (the moto server), `instances` (the

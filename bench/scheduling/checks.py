@@ -8,10 +8,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from bench.scheduling.embedded_aws import reset
-from bench.scheduling.instances import Instance, Scaler, World
+from bench.scheduling.instances import STOP, Instance, Launcher, Scaler, SchedulerFunction, World
 from bench.scheduling.journal import Holding, Journal
 from bench.scheduling.metering import Meter, Tally
 from bench.scheduling.runs import RunSpec
@@ -45,6 +46,9 @@ class RunResult:
     lowered: int
     checks: list[Check] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict)
+    # The scheduler function's invocations by trigger, and how many of them raised a pool (scheduler runs).
+    invocations: dict[str, int] = field(default_factory=dict)
+    raised: int = 0
 
     @property
     def passed(self) -> bool:
@@ -66,6 +70,24 @@ def overlaps(holdings: list[Holding]) -> list[str]:
                     f"{second.instance} took it"
                 )
     return found
+
+
+def most_at_once(holdings: list[Holding]) -> int:
+    """The most jobs running at one instant: each from its holder's lease taken until its end was written
+    (the lease's release, for a job that did not complete in that hold). Each interval lies within the
+    job's hold of its run slot, so an overlap here is an overlap there."""
+    trained = [h for h in holdings if h.trained]
+    edges = sorted(
+        [(h.start, 1, h.job) for h in trained]
+        + [(h.ran_until if h.ran_until is not None else h.end, -1, h.job) for h in trained],
+        key=lambda edge: (edge[0], edge[1]),  # an end before a start at the same instant
+    )
+    running: Counter[str] = Counter()
+    most = 0
+    for _, step, job in edges:
+        running[job] += step
+        most = max(most, sum(1 for count in running.values() if count > 0))
+    return most
 
 
 def check_run(spec: RunSpec, journal: Journal) -> list[Check]:
@@ -114,6 +136,20 @@ def check_run(spec: RunSpec, journal: Journal) -> list[Check]:
             else "no scale-in in this run (holders protected; checked in the burst run)",
         ),
         Check("no errors", not journal.errors, "; ".join(journal.errors[:3]) or "none"),
+        *_limit_check(spec, journal),
+    ]
+
+
+def _limit_check(spec: RunSpec, journal: Journal) -> list[Check]:
+    if not spec.max_concurrent_jobs:
+        return []
+    most = most_at_once(journal.holdings)
+    return [
+        Check(
+            "never more than maxConcurrentJobs at once",
+            most <= spec.max_concurrent_jobs,
+            f"at most {most} jobs trained at once (maxConcurrentJobs {spec.max_concurrent_jobs})",
+        )
     ]
 
 
@@ -161,6 +197,9 @@ def figures(result: RunResult) -> dict[str, Any]:
         ),
         "roles": dict(journal.roles),
         "notes": list(journal.notes),
+        "lambda_invocations": dict(result.invocations),
+        "lambda_raised": result.raised,
+        "most_at_once": most_at_once(journal.holdings),
     }
 
 
@@ -169,6 +208,13 @@ def run_one(spec: RunSpec, endpoint: str, seed: int, say: Callable[[str], None] 
     reset(endpoint)
     meter = Meter()
     world = World(spec, meter, seed)
+    function = launcher = None
+    if spec.scheduler:
+        function, launcher = SchedulerFunction(world), Launcher(world)
+        world.on_submit = partial(function.trigger, "queue entry")
+        world.on_instance_end = partial(function.trigger, "instance ended")
+        function.thread.start()
+        launcher.thread.start()
     started = time.monotonic()
     if spec.submit_over_s <= 0:
         for job in spec.jobs:
@@ -181,6 +227,8 @@ def run_one(spec: RunSpec, endpoint: str, seed: int, say: Callable[[str], None] 
             if pause > 0:
                 time.sleep(pause)
     say(f"  {spec.name}: {len(spec.jobs)} jobs queued in {time.monotonic() - started:.2f} s; instances start")
+    if function is not None and launcher is not None:
+        return _driven_by_the_function(spec, world, function, launcher, started, meter)
     instances = [
         Instance(world, pool, instance_id) for pool in spec.pools for instance_id in world.launch(pool)
     ]
@@ -203,6 +251,44 @@ def run_one(spec: RunSpec, endpoint: str, seed: int, say: Callable[[str], None] 
         scaler.thread.join(10)
     seconds = time.monotonic() - began
     result = RunResult(spec, seconds, world.journal, meter.total, scaler.lowered if scaler else 0)
+    result.checks = check_run(spec, world.journal)
+    result.figures = figures(result)
+    return result
+
+
+def _driven_by_the_function(
+    spec: RunSpec,
+    world: World,
+    function: SchedulerFunction,
+    launcher: Launcher,
+    began: float,
+    meter: Meter,
+) -> RunResult:
+    """A run whose instances the scheduler function starts: it ends once every job completed and every
+    instance left (the pools back at zero), or at the timeout."""
+    wanted = {job.job_id for job in spec.jobs}
+    deadline = began + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with world.journal.lock:
+            completed = {h.job for h in world.journal.holdings if h.completed}
+        if completed >= wanted and not launcher.running():
+            break
+        time.sleep(0.05)
+    else:
+        world.stop.set()
+        world.journal.errors.append(f"the run did not end within {RUN_TIMEOUT_S:.0f} s")
+    launcher.done.set()
+    launcher.thread.join(10)
+    for instance in launcher.instances:
+        instance.thread.join(30)
+    function.done.set()
+    function.trigger(STOP)
+    function.thread.join(30)
+    invocations = dict(function.invocations)
+    seconds = time.monotonic() - began
+    result = RunResult(
+        spec, seconds, world.journal, meter.total, 0, invocations=invocations, raised=function.raised
+    )
     result.checks = check_run(spec, world.journal)
     result.figures = figures(result)
     return result

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import io
 import json
+import queue
 import random
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 from bench.scheduling.journal import Decision, Holding, Journal
@@ -63,11 +67,17 @@ class World:
         )
         self.entries = 0  # queue entries written so far
         self.groups: dict[str, str] = {}
+        # What EventBridge sends the scheduler function (a queue entry created, an instance ended): set by
+        # the run when the function drives the pools.
+        self.on_submit: Callable[[], None] = lambda: None
+        self.on_instance_end: Callable[[], None] = lambda: None
         subnets = self.stack.group()["VPCZoneIdentifier"]
         for pool in spec.pools:
             group = self.stack.group_name if not pool.name else f"{self.stack.name}-gpu-{pool.name}"
             self.groups[pool.name] = group
-            size: dict[str, Any] = {"MinSize": 0, "MaxSize": pool.lanes * 2, "DesiredCapacity": 0}
+            # Driven by the scheduler, the group's maximum is the pool's size (what the function caps at).
+            maximum = pool.instances if spec.scheduler else pool.lanes * 2
+            size: dict[str, Any] = {"MinSize": 0, "MaxSize": maximum, "DesiredCapacity": 0}
             if pool.name:
                 self.quiet_autoscaling.create_auto_scaling_group(
                     AutoScalingGroupName=group,
@@ -83,7 +93,11 @@ class World:
 
     def config(self, pool: PoolSpec) -> Any:
         return self.stack.agent_config(
-            job_id="", pool=pool.name, lanes=pool.lanes, group_name=self.groups[pool.name]
+            job_id="",
+            pool=pool.name,
+            lanes=pool.lanes,
+            group_name=self.groups[pool.name],
+            max_concurrent_jobs=self.spec.max_concurrent_jobs,
         )
 
     def submit(self, job: JobSpec) -> None:
@@ -118,6 +132,7 @@ class World:
         with self.journal.lock:
             self.entries += 1
             self.journal.submitted[job.job_id] = moment
+        self.on_submit()
 
     def launch(self, pool: PoolSpec) -> list[str]:
         """The pool's group at its instance count: moto launches the instances the threads stand for."""
@@ -248,6 +263,7 @@ class Instance:
             world.journal.note(
                 lambda j: j.alive.__setitem__(self.instance_id, (j.alive[self.instance_id][0], ended))
             )
+            world.on_instance_end()  # EC2 Instance Terminate Successful, as the function's rule sees it
 
     def _lives(self) -> None:
         after: str | None = None
@@ -367,14 +383,26 @@ class Instance:
             ledger.end_life(LifeOutcome.COMPLETED, datetime.now(timezone.utc))
             ledger.set_status(JobStatus.COMPLETED)
 
+        ran_until = time.monotonic()  # before its end is written: the job holds its run slot until then
         store.update(complete)
         following = self._go_on(job_id, keep_lease=True)
-        self._release(writer, job_id, acquired, trained=True, completed=True)
+        self._release(writer, job_id, acquired, trained=True, completed=True, ran_until=ran_until)
         return following
 
-    def _release(self, writer: Any, job_id: str, start: float, *, trained: bool, completed: bool) -> None:
+    def _release(
+        self,
+        writer: Any,
+        job_id: str,
+        start: float,
+        *,
+        trained: bool,
+        completed: bool,
+        ran_until: float | None = None,
+    ) -> None:
         end = time.monotonic()  # before the releasing write is sent: the hold ends no later than this
-        holding = Holding(job_id, self.instance_id, start, end, trained, completed, self.status_at_begin)
+        holding = Holding(
+            job_id, self.instance_id, start, end, trained, completed, self.status_at_begin, ran_until
+        )
 
         def note(journal: Journal) -> None:
             journal.holdings.append(holding)
@@ -454,3 +482,99 @@ class Scaler:
             for instance in sorted(before - now_there):
                 if instance not in world.journal.left:
                     world.journal.scaled_in.append((instance, instance in holding))
+
+
+def _error(message: str, journal: Journal) -> None:
+    journal.errors.append(message)
+
+
+# Not an event: wakes the function's loop at the run's end.
+STOP = "stop"
+
+
+class SchedulerFunction:
+    """The scheduler function (infra/scheduler_fn/handler.py `run`, the real code) invoked as EventBridge
+    invokes it: once per queue entry created, once per instance of a pool that ends, and on a schedule
+    (every `schedule_s` here for the stack's 5 minutes, in proportion to jobs of a fraction of a second). One
+    invocation at a time, as its reserved concurrency of 1 makes it; each counted by its trigger."""
+
+    def __init__(self, world: World, schedule_s: float = 1.0) -> None:
+        from infra.scheduler_fn.handler import PoolSettings
+
+        self.world = world
+        self.schedule_s = schedule_s
+        self.pools = [
+            PoolSettings(pool.name, world.groups[pool.name], pool.lanes, 1) for pool in world.spec.pools
+        ]
+        self.triggers: queue.Queue[str] = queue.Queue()
+        self.invocations: Counter[str] = Counter()
+        self.raised = 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="scheduler-function", daemon=True)
+
+    def trigger(self, kind: str) -> None:
+        self.triggers.put(kind)
+
+    def run(self) -> None:
+        from infra.scheduler_fn.handler import run
+
+        world = self.world
+        tick = time.monotonic() + self.schedule_s
+        # Once the run is over, the events already sent are still delivered (each instance's end included).
+        while not (self.done.is_set() and self.triggers.empty()):
+            try:
+                kind = self.triggers.get(timeout=max(0.0, tick - time.monotonic()))
+            except queue.Empty:
+                kind, tick = "schedule", time.monotonic() + self.schedule_s
+            if kind == STOP:
+                continue
+            self.invocations[kind] += 1
+            try:
+                decisions = run(
+                    world.autoscaling,
+                    world.s3,
+                    world.stack.bucket,
+                    "state/",
+                    self.pools,
+                    world.spec.max_concurrent_jobs,
+                )
+            except Exception as exc:  # reported as a failed check
+                world.journal.note(partial(_error, f"scheduler function: {type(exc).__name__}: {exc}"))
+                continue
+            self.raised += sum(1 for decision in decisions if decision.action == "raised")
+
+
+class Launcher:
+    """What EC2 does once a group's desired capacity rises: each instance it launches boots the agent. Here a
+    thread per instance, started as the group lists it (moto launches at once)."""
+
+    def __init__(self, world: World, every_s: float = 0.05) -> None:
+        self.world = world
+        self.every_s = every_s
+        self.instances: list[Instance] = []
+        self._seen: set[str] = set()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="launcher", daemon=True)
+
+    def run(self) -> None:
+        world = self.world
+        while not self.done.wait(self.every_s):
+            for pool in world.spec.pools:
+                try:
+                    found = world.quiet_autoscaling.describe_auto_scaling_groups(
+                        AutoScalingGroupNames=[world.groups[pool.name]]
+                    )["AutoScalingGroups"][0]["Instances"]
+                except Exception as exc:
+                    world.journal.note(partial(_error, f"launcher: {type(exc).__name__}: {exc}"))
+                    continue
+                for item in found:
+                    instance_id = item["InstanceId"]
+                    if instance_id in self._seen or item.get("LifecycleState") != "InService":
+                        continue
+                    self._seen.add(instance_id)
+                    instance = Instance(world, pool, instance_id)
+                    self.instances.append(instance)
+                    instance.thread.start()
+
+    def running(self) -> bool:
+        return any(instance.thread.is_alive() for instance in list(self.instances))

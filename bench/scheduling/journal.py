@@ -38,6 +38,9 @@ class Holding:
     # The job's ledger status when this life began (read by the bench, uncounted): "completed" here means the
     # life bound a job that ended meanwhile, and `begin_life` set it back to running.
     status_at_begin: str | None = None
+    # A completed job: before its end was written to its ledger, which frees its run slot (maxConcurrentJobs);
+    # the holder keeps the lease a little longer while it looks for its next job.
+    ran_until: float | None = None
 
 
 @dataclass

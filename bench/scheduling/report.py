@@ -15,7 +15,7 @@ from bench.scheduling import instances
 from bench.scheduling.checks import RunResult, run_one
 from bench.scheduling.embedded_aws import embedded_aws, serve
 from bench.scheduling.metering import PRICE_NOTE
-from bench.scheduling.runs import RunSpec, burst_run, pools_run, sweep_run
+from bench.scheduling.runs import RunSpec, burst_run, limit_run, pools_run, sweep_run
 
 
 def hardware() -> dict[str, str]:
@@ -57,6 +57,12 @@ def describe(result: RunResult) -> list[str]:
         ),
         f"  roles taken: {f['roles']}",
     ]
+    if result.spec.scheduler:
+        lines.append(
+            f"  scheduler function: {sum(f['lambda_invocations'].values())} invocations "
+            f"({f['lambda_invocations']}), {f['lambda_raised']} raised a pool; at most {f['most_at_once']} "
+            "jobs trained at once"
+        )
     lines += [f"  note: {note}" for note in f["notes"][:5]]
     lines += [f"  [{'PASS' if c.passed else 'FAIL'}] {c.name}: {c.detail}" for c in result.checks]
     return lines
@@ -68,6 +74,7 @@ def _sizes(args: argparse.Namespace) -> list[RunSpec]:
             "pools": pools_run(4, 2, 2, 1, 1, args.seed),
             "sweep": sweep_run(3, 2, 2, 1, args.seed),
             "burst": burst_run(4, 2, 2, args.seed),
+            "limit": limit_run(6, 2, 2, 2, args.seed),
         }
     else:
         runs = {
@@ -80,6 +87,7 @@ def _sizes(args: argparse.Namespace) -> list[RunSpec]:
             "burst": burst_run(
                 args.burst_jobs, args.burst_lanes, args.burst_lanes, args.seed, not args.no_scale_in
             ),
+            "limit": limit_run(args.limit_jobs, args.limit_lanes, args.limit_lanes, args.limit, args.seed),
         }
     return [runs[name] for name in args.runs]
 
@@ -93,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="a few jobs and instances per run (the test's size)"
     )
     parser.add_argument(
-        "--runs", nargs="+", choices=("pools", "sweep", "burst"), default=["pools", "sweep", "burst"]
+        "--runs",
+        nargs="+",
+        choices=("pools", "sweep", "burst", "limit"),
+        default=["pools", "sweep", "burst", "limit"],
     )
     parser.add_argument("--jobs", type=int, default=200)
     parser.add_argument("--instances-a", type=int, default=24)
@@ -106,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst-jobs", type=int, default=50)
     parser.add_argument("--burst-lanes", type=int, default=16)
     parser.add_argument("--no-scale-in", action="store_true", help="the burst run without the scaler")
+    parser.add_argument("--limit-jobs", type=int, default=60, help="the limit run's jobs (half per pool)")
+    parser.add_argument("--limit-lanes", type=int, default=8, help="each pool's lanes and instances")
+    parser.add_argument("--limit", type=int, default=6, help="the limit run's maxConcurrentJobs")
     parser.add_argument("--seed", type=int, default=32)
     parser.add_argument("--json", type=Path, help="write the figures and checks here")
     parser.add_argument("--verbose", action="store_true", help="the simulated agents' event lines")

@@ -38,6 +38,11 @@ class RunSpec:
     # while the instances start (the first submission woke the group).
     submit_over_s: float = 0.0
     scale_in: bool = False
+    # The scheduler function drives the pools (infra/scheduler_fn/handler.py, invoked on each queue entry,
+    # each instance's end and a schedule): the groups start at zero and every instance is one it started.
+    scheduler: bool = False
+    # trainstack:maxConcurrentJobs (0: none): the agents' run slots and the scheduler's limit.
+    max_concurrent_jobs: int = 0
 
 
 def _job_id(name: str, index: int) -> str:
@@ -99,4 +104,22 @@ def burst_run(jobs: int, lanes: int, instances: int, seed: int, scale_in: bool =
         specs,
         submit_over_s=1.0,
         scale_in=scale_in,
+    )
+
+
+def limit_run(jobs: int, instances: int, lanes: int, limit: int, seed: int) -> RunSpec:
+    """Two pools of `lanes` lanes and `instances` instances each, driven by the scheduler function alone,
+    under a stack-wide maxConcurrentJobs of `limit`: jobs submitted over one second, half to each pool."""
+    rng = random.Random(seed + 3)
+    times = _train_times(jobs, rng, 0.05, 0.3)
+    specs = tuple(JobSpec(_job_id("cap", i), POOL_B if i % 2 else "", times[i]) for i in range(jobs))
+    return RunSpec(
+        "limit",
+        f"{jobs} jobs over 2 pools of {lanes} lanes and at most {instances} instances each, "
+        f"maxConcurrentJobs {limit}, every instance started by the scheduler function",
+        (PoolSpec("", instances, lanes), PoolSpec(POOL_B, instances, lanes)),
+        specs,
+        submit_over_s=1.0,
+        scheduler=True,
+        max_concurrent_jobs=limit,
     )
