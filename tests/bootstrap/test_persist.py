@@ -1566,3 +1566,27 @@ def test_every_file_an_upload_opened_is_closed_once_its_transfer_is_done(s3: Any
     while _held_under(root) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _held_under(root) == []
+
+
+def test_an_abandoned_uploads_file_stays_open_while_its_request_is_out_then_is_closed(
+    s3: Any, tmp_path: Path
+) -> None:
+    """A deadline gives up on a file whose request S3 never answers: its descriptor stays open while the
+    request is out (the part may still read it, and a number closed early could be the next file the agent
+    opens), and is closed once the request ends, so abandoned uploads leak no descriptor."""
+    hung = HungManifest(s3, hangs="/state.bin")
+    local = tmp_path / "a"
+    owner = persister(hung, local)
+    commit_step(local, 2)
+    try:
+        with pytest.raises(UploadAbandonedError, match=r"^step 2: deadline passed$"):
+            owner.persist_newest(time.monotonic() + 0.5)
+        held = [path for path in _held_under(local) if path.endswith("/state.bin")]
+        assert held, "closed while its request was still out"
+    finally:
+        hung.release.set()
+    deadline = time.monotonic() + 15
+    while _held_under(local) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _held_under(local) == [], "an abandoned upload's file was never closed"
+    owner.close()
