@@ -211,7 +211,16 @@ TARGETS: dict[str, Target] = {
         deselect=("tests/policy/test_capacity_rules.py::test_the_programs_fallback_passes_the_pack",),
     ),
     "config": Target(
-        ("infra/config.py", "training/config.py", "bootstrap/agent_config.py"),
+        (
+            "infra/config/values.py",
+            "infra/config/groups.py",
+            "infra/config/pools.py",
+            "infra/config/jobs.py",
+            "infra/config/network.py",
+            "infra/config/stack.py",
+            "training/config.py",
+            "bootstrap/agent_config.py",
+        ),
         (
             "tests/infra/test_config.py",
             "tests/infra/test_config_security.py",

@@ -6,7 +6,7 @@ TRAINSTACK_GPU_COUNT, TRAINSTACK_GPU_MEMORY_GIB, TRAINSTACK_PRECISION). On a GPU
 profile decides, so a simulated T4 trains in fp16 with a loss scaler and a simulated L4 in bf16, as the real
 ones would, and a checkpoint crosses the same precision boundaries it would cross on AWS.
 
-Standard library only: the agent imports it before any install. infra/config.py NVIDIA_FAMILIES lists the
+Standard library only: the agent imports it before any install. infra/config/ NVIDIA_FAMILIES lists the
 families the stack accepts; tests keep the two in step (every family there has a profile here).
 """
 

@@ -126,7 +126,7 @@ def _venv_ready(marker: Path) -> bool:
 def pip_install_args(requirements: Path) -> list[str]:
     """How pip reads the job's requirements: --require-hashes (and wheels only) when they pin hashes, as the
     instance's own lock is installed; offline from a `wheels/` folder next to them when the job vendors one
-    (trainstack:networkIsolation requires both, infra/config.py)."""
+    (trainstack:networkIsolation requires both, infra/config/)."""
     args = ["-r", str(requirements)]
     if has_hashes(requirements.read_text(encoding="utf-8")):
         args += ["--require-hashes", "--only-binary=:all:"]

@@ -735,7 +735,7 @@ def _bind_lanes(
     running job without a live standby. None: nothing here needs this instance, which leaves the group.
 
     `look_only`: say which job it would be, writing nothing (what a job's end asks before it leaves).
-    Single-node jobs only: a pool of several lanes has `maxInstances` 1 (infra/config.py)."""
+    Single-node jobs only: a pool of several lanes has `maxInstances` 1 (infra/config/)."""
     shared: set[str] = reported if reported is not None else set()
     first = JobDirectory(s3, config, log, group_max=group_max, reported=shared)
     lanes = [first] + [

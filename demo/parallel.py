@@ -1,7 +1,7 @@
 """`python -m demo --parallel`: several jobs at once, each on the pool that serves it, through a spot notice.
 
 The stack declares two pools (`trainstack:pools`, each its own Auto Scaling group, rendered as `pulumi up`
-would: infra/config.py parses the pools, infra/fleet.py `agent_config` renders each pool's agent config):
+would: infra/config/ parses the pools, infra/fleet.py `agent_config` renders each pool's agent config):
 
 - `default`: g6.xlarge (an L4), `maxJobs: 2`, `maxInstances: 1`: two one-instance jobs train at once, each
   in its own lane, each with one writer (its lease); its group's maximum is 2 x (1 + 1) = 4;

@@ -157,7 +157,7 @@ storage.attach_bucket_policy(
     prefixes=prefixes,
 )
 if config.network_isolation:
-    # No PyPI from inside: the locked boot-time wheels (checked at preview, infra/config.py) go to the bucket.
+    # No PyPI from inside: the locked boot-time wheels (checked at preview, infra/config/) go to the bucket.
     VendoredWheels(
         "wheels",
         bucket=storage.bucket.bucket,

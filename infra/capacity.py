@@ -54,7 +54,7 @@ class CapacityFallbackArgs:
     bucket_arn: pulumi.Input[str] | None = None
     topic_arn: pulumi.Input[str] | None = None
     # The pool whose group this function watches (trainstack:pools): its AWS names end with it. "" = the
-    # single group's pool (infra/config.py LEGACY_POOL), whose names carry none.
+    # single group's pool (infra/config/ LEGACY_POOL), whose names carry none.
     pool: str = ""
     # The current-job pointer of the pool's instances (trainstack_job.jobs.pointer_name): the cost cap reads
     # the job it names. The default pool's is the stack's `current-job.json` (no variable: nothing changes).
@@ -66,7 +66,7 @@ class CapacityFallbackArgs:
 
     @property
     def function_name(self) -> str:
-        """The function's and its role's name (at most 64 characters: infra/config.py checks a pool's)."""
+        """The function's and its role's name (at most 64 characters: infra/config/ checks a pool's)."""
         return f"{self.name}-capacity-fallback" + (f"-{self.pool}" if self.pool else "")
 
     def rule_name(self, role: str) -> str:

@@ -1,13 +1,13 @@
 """Which GPU instance types take an Elastic Fabric Adapter (EFA), on how many network cards, and the network
 interfaces the launch template gives them: one EFA per network card. Plain data, shared by preview
-(infra/config.py) and the launch template (infra/fleet.py).
+(infra/config/) and the launch template (infra/fleet.py).
 
 Sources: AWS, "Elastic Fabric Adapter", Supported instance types
 (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa.html#efa-instance-types); "Maximize network bandwidth
 on Amazon EC2 instances with multiple network cards" (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/
 efa-acc-inst-types.html: P5 and P5e up to 32 network cards and 3,200 Gbps, G6e up to 4 and 400 Gbps); the
 archived awsdocs/amazon-ec2-user-guide doc_source/efa.md for the older types; p4d.24xlarge 4 x 100 Gbps:
-AWS Compute Blog, "Amazon EC2 P4d instances deep dive". Only the families infra/config.py allows are listed.
+AWS Compute Blog, "Amazon EC2 P4d instances deep dive". Only the families infra/config/ allows are listed.
 Check a type with `aws ec2 describe-instance-types --instance-types TYPE
 --query 'InstanceTypes[].NetworkInfo.[MaximumNetworkCards,EfaInfo.MaximumEfaInterfaces]'`.
 """

@@ -186,7 +186,7 @@ class Fleet(pulumi.ComponentResource):
             return [primary_interface(args.security_group_id, private_subnets=config.private_subnets)]
         try:
             interfaces = efa_interfaces(pool.instance_types)
-        # Preview refuses these first (infra/config.py); here too, never a half-built template.
+        # Preview refuses these first (infra/config/); here too, never a half-built template.
         except EfaTableError as exc:
             raise StackConfigError(f"{NAMESPACE}:instanceTypes: {exc}") from exc
         several = len(interfaces) > 1

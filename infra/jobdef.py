@@ -80,7 +80,7 @@ def define_job(
 
 
 class StackJob(Protocol):
-    """What a stack's config says about its default job: infra/config.py's StackConfig is one. Named here,
+    """What a stack's config says about its default job: infra/config/'s StackConfig is one. Named here,
     not imported from there: the config defines its job (the `resumeFrom` check) while it parses, so it
     imports this module."""
 

@@ -34,7 +34,7 @@ class ObservabilityArgs:
     alert_email: str
     monthly_budget_usd: int
     tags: dict[str, str] = field(default_factory=dict)
-    # Every pool (trainstack:pools; infra/config.py StackConfig.pools): each group's launches and terminations
+    # Every pool (trainstack:pools; infra/config/ StackConfig.pools): each group's launches and terminations
     # reach the topic, and each pool gets a GPU-idle alarm. Empty: `group_name`'s alone, as before pools.
     pools: tuple[Pool, ...] = ()
 
@@ -201,7 +201,7 @@ class Observability(pulumi.ComponentResource):
             )
 
     def _create_gpu_idle_alarm(self) -> None:
-        """One alarm per pool's group, named as the group's pool is (infra/config.py Pool.suffixed)."""
+        """One alarm per pool's group, named as the group's pool is (infra/config/ Pool.suffixed)."""
         args = self._args
         for pool in args.pools:
             self._create_gpu_idle_alarm_for(pool.group_name, pool.suffixed(""))

@@ -1,7 +1,7 @@
 """Pools: one call declares one pool's resources (its launch template and Auto Scaling group, and its capacity
 function when on) over the baseline every pool shares (network, bucket, key, roles, topic, log group).
 
-The single group's pool (trainstack's keys before pools; infra/config.py LEGACY_POOL) keeps the Pulumi names
+The single group's pool (trainstack's keys before pools; infra/config/ LEGACY_POOL) keeps the Pulumi names
 and AWS names it always had: `fleet`, `capacity`, `<project>-<stack>-gpu`. Any other pool's carry its name:
 `fleet-<pool>`, `capacity-<pool>`, `<project>-<stack>-gpu-<pool>` (docs/internals.md, "Pools")."""
 

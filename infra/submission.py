@@ -108,7 +108,7 @@ def prepare_submission(
     resources: Mapping[str, Any] | None = None,
     priority: int = 0,
 ) -> Submission:
-    """Build one job's submission from an already validated definition (infra/config.py for the stack's
+    """Build one job's submission from an already validated definition (infra/config/ for the stack's
     default job, trainstack/run.py for `trainstack run`).
 
     The id is infra/jobdef.py's definition digest: `unique=False` gives equal definitions equal ids (the

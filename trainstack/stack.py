@@ -35,7 +35,7 @@ def run_pulumi(argv: Sequence[str], cwd: Path) -> subprocess.CompletedProcess[st
 
 @dataclass(frozen=True)
 class StackConfig:
-    """The stack's config as the Pulumi program reads it (infra/config.py's schema, Pulumi.yaml's defaults),
+    """The stack's config as the Pulumi program reads it (infra/config/'s schema, Pulumi.yaml's defaults),
     and the file it was read from; the fields are what the CLI's commands use, `settings` is everything."""
 
     stack: str

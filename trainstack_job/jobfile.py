@@ -1,5 +1,5 @@
 """A user's job file (`job.yaml`, docs/job-contract.md): its schema, validated the same way at preview
-(infra/config.py), by `trainstack run` and `trainstack sweep`, and on the instance (the agent). The agent's
+(infra/config/), by `trainstack run` and `trainstack sweep`, and on the instance (the agent). The agent's
 side of a job (its Python environment, its contract environment) is bootstrap/job.py's.
 
 Standard library and PyYAML only (load_job_spec reads the file): the CLI, the Pulumi program and the agent all

@@ -280,7 +280,7 @@ def job_role_policy(
 def secret_arn_patterns(log_group_arn: str) -> tuple[str, str, str]:
     """The stack's own secrets path as ARN patterns: (SSM parameters `/trainstack/<stack>/*`, Secrets Manager
     secrets `trainstack/<stack>/*`, the region), read off the stack's log group `/trainstack/<stack>`
-    (infra/config.py log_group_name): its ARN carries the partition, region, account and stack, so every
+    (infra/config/ log_group_name): its ARN carries the partition, region, account and stack, so every
     caller of instance_policy gets the path without a new argument. The agent and the CLI build the same
     path from the stack's name (bootstrap/secrets.py; tests/infra/test_secrets_iam.py pins that they
     agree)."""

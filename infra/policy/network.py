@@ -21,7 +21,7 @@ _ALL_PROTOCOLS = ("-1", "all")
 # Judged on the union of a resource's ingress sources, so 0.0.0.0/1 + 128.0.0.0/1 is the internet too.
 # IPv4: at most one /8 (16.7 M addresses), the largest block any single organisation was ever assigned;
 # an office, VPN or CI egress range is /16 or smaller. IPv6: at most one /32, a regional registry's
-# minimum allocation to a whole ISP; a site gets a /48. infra/config.py refuses sshIngressCidrs the same way.
+# minimum allocation to a whole ISP; a site gets a /48. infra/config/ refuses sshIngressCidrs the same way.
 MAX_INGRESS_ADDRESSES = {4: 2**24, 6: 2**96}
 _WIDEST = {4: "/8", 6: "/32"}
 _IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network

@@ -160,7 +160,7 @@ def test_doctor_rejects_unknown_and_gpu_less_instance_types_naming_the_key(docto
     assert result.code == 1
     assert "✘ type g6.huge: g6.huge does not exist in us-east-1  → fix trainstack:instanceTypes" in result.out
     assert "✔ type g6.xlarge" in result.out
-    # A type the program's schema refuses (infra/config.py) stops doctor with preview's own line.
+    # A type the program's schema refuses (infra/config/) stops doctor with preview's own line.
     refused = doctor({"trainstack:instanceTypes": ["g6.xlarge", "m5.large"]}, quotas)
     assert refused.code == 1 and refused.err.count("\n") == 1
     assert "Pulumi.test.yaml: trainstack:instanceTypes: 'm5.large' has no NVIDIA GPU" in refused.err

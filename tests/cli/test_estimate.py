@@ -120,7 +120,7 @@ def test_a_bad_expected_hours_is_one_line_naming_the_key(estimate: Callable[...,
 
     assert result.code == 1
     assert result.err.count("\n") == 1
-    # The program's own line (infra/config.py), after the file it was read from.
+    # The program's own line (infra/config/), after the file it was read from.
     assert (
         f"Pulumi.{STACK}.yaml: trainstack:expectedHours: 'a day' is not a positive number of hours; "
         "empty = unknown (e.g. `pulumi config set trainstack:expectedHours 24`)"

@@ -118,7 +118,7 @@ def stack_named_by(call: Mapping[str, Any]) -> str | None:
         if isinstance(name, str) and name.endswith(suffix):
             return name.removesuffix(suffix)
         if isinstance(name, str) and suffix == "-gpu" and "-gpu-" in name:
-            # A pool's group, `<stack>-gpu-<pool>` (infra/config.py pool_group_name; no pool name holds gpu).
+            # A pool's group, `<stack>-gpu-<pool>` (infra/config/ pool_group_name; no pool name holds gpu).
             return name.rpartition("-gpu-")[0]
     group = params.get("logGroupName")
     if isinstance(group, str) and group.startswith("/trainstack/"):

@@ -1,4 +1,4 @@
-"""Every stack-config mistake (infra/config.py) is refused with one message that names the key, why, and a
+"""Every stack-config mistake (infra/config/) is refused with one message that names the key, why, and a
 valid example; so is every mistake in the agent's config on the instance (bootstrap/agent_config.py)."""
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ def test_min_nodes_is_bounded_by_the_instance_count_and_prefixes_are_relative() 
     assert AgentConfig.from_mapping({**AGENT, "prefixes": {"data": "d/"}}).prefixes.data == "d/"
 
 
-# -- every key's range at its edges (infra/config.py) ---------------------------------------------------
+# -- every key's range at its edges (infra/config/) ---------------------------------------------------
 
 
 def range_line(key: str, low: int, high: int, got: object, why: str, example: str) -> str:
@@ -1022,10 +1022,10 @@ def test_resume_from_is_checked_even_when_other_keys_are_bad() -> None:
 
 def test_resume_from_the_stacks_own_job_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # The id includes resumeFrom, so only a digest collision makes them equal: stand one in.
-    import infra.config
+    import infra.config.jobs
 
     monkeypatch.setattr(
-        infra.config, "define_job", lambda **_: JobDefinition("own-1a2b3c4d", "own", "1a" * 32)
+        infra.config.jobs, "define_job", lambda **_: JobDefinition("own-1a2b3c4d", "own", "1a" * 32)
     )
     assert problems({"resumeFrom": "own-1a2b3c4d"}) == [
         f"{NAMESPACE}:resumeFrom: 'own-1a2b3c4d' is this stack's own job; name the earlier job to start from "
@@ -1038,11 +1038,11 @@ def test_resume_from_a_users_job_of_this_stack_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A stand-in for a collision: the stack's job as defined without resumeFrom (the real digest includes it).
-    import infra.config
+    import infra.config.jobs
     from infra import jobdef
 
     monkeypatch.setattr(
-        infra.config, "define_job", lambda **kw: jobdef.define_job(**{**kw, "resume_from": ""})
+        infra.config.jobs, "define_job", lambda **kw: jobdef.define_job(**{**kw, "resume_from": ""})
     )
     job = user_job(tmp_path / "job")
     own = parse({"job": job})
@@ -1384,9 +1384,9 @@ def test_no_instance_type_is_refused_with_the_default_list_to_paste() -> None:
 def test_the_trainers_problems_name_a_config_in_the_repository_as_typed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import infra.config
+    import infra.config.jobs
 
-    monkeypatch.setattr(infra.config, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(infra.config.jobs, "REPO_ROOT", tmp_path)  # where the job files are read
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "bad.yaml").write_text("train: {lr: 0}\n")
     assert problems({"trainingConfig": "configs/bad.yaml"}) == [

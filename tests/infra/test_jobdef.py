@@ -151,10 +151,12 @@ def test_resume_from_that_is_not_a_job_id_fails_preview_on_one_line(value: str) 
 
 def test_resume_from_the_jobs_own_id_fails_preview(monkeypatch: pytest.MonkeyPatch) -> None:
     # The id includes resumeFrom, so only a digest collision makes them equal: stand one in.
-    import infra.config
+    import infra.config.jobs
 
     monkeypatch.setattr(
-        infra.config, "define_job", lambda **_: JobDefinition("default-1a2b3c4d", "default", "1a2b3c4d" * 8)
+        infra.config.jobs,
+        "define_job",
+        lambda **_: JobDefinition("default-1a2b3c4d", "default", "1a2b3c4d" * 8),
     )
     with pytest.raises(
         StackConfigError, match=r"trainstack:resumeFrom: 'default-1a2b3c4d' is this stack's own job"

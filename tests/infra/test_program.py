@@ -18,7 +18,7 @@ INTERNALS_OUTPUTS = {
     "instance_types", "log_group_name",
     "topic_arn", "kms_key_arn", "dashboard_url", "ssm_session_command",
     # infra/pools.py POOLS_OUTPUT (trainstack_job/contract.py's StackOutput does not name it yet).
-    "pools",
+    "pools", "max_concurrent_jobs",
 }  # fmt: skip
 BILLING_TYPES_DELETED_ON_DESTROY = (
     "aws:autoscaling/group:Group",

@@ -1,4 +1,4 @@
-"""Pulumi.yaml and the example stack agree with infra/config.py: same keys, types and defaults."""
+"""Pulumi.yaml and the example stack agree with infra/config/: same keys, types and defaults."""
 
 from __future__ import annotations
 

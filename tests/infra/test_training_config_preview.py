@@ -60,7 +60,7 @@ def test_every_training_config_problem_is_one_line_in_the_same_report(tmp_path: 
 def test_a_file_inside_the_repository_is_named_relative_to_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("infra.config.REPO_ROOT", tmp_path)
+    monkeypatch.setattr("infra.config.jobs.REPO_ROOT", tmp_path)  # where the job files are read
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "job.yaml").write_text(yaml.safe_dump(TYPO))
     [line] = _problem_lines(trainingConfig="configs/job.yaml")
