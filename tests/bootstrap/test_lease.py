@@ -817,23 +817,43 @@ def test_a_delete_refused_for_a_record_rewritten_meanwhile_reads_again_and_leave
     assert faulty.calls["delete_object"] == 1 and stored(s3, STANDBY_KEY)["instance_id"] == "i-c"
 
 
-ACTS: dict[str, Callable[[Any], object]] = {
-    "try_acquire": lambda s3: lease(s3, "i-a").try_acquire(T0),
-    "standby claim": lambda s3: standby(s3, "i-b").claim(T0),
-}
+ACTS = ("try_acquire", "standby claim", "renew", "release", "standby heartbeat")
 
 
-@pytest.mark.parametrize("act", ACTS, ids=list(ACTS))
+def _prepared(act: str, s3: Any) -> Callable[[], object]:
+    """The act, on a record first set up through `s3` (its writes go through until the test fails them)."""
+    if act in ("renew", "release"):
+        held = lease(s3, "i-a")
+        held.try_acquire(T0)
+        return (lambda: held.renew(T0 + 1)) if act == "renew" else (lambda: held.release(T0 + 1, None))
+    if act == "standby heartbeat":
+        waiting = standby(s3, "i-b")
+        waiting.claim(T0)
+        return lambda: waiting.heartbeat(T0 + 1)
+    if act == "try_acquire":
+        return lambda: lease(s3, "i-a").try_acquire(T0)
+    return lambda: standby(s3, "i-b").claim(T0)
+
+
+@pytest.mark.parametrize("act", ACTS)
 def test_a_write_s3_keeps_refusing_gives_up_naming_the_record(s3: Any, act: str) -> None:
     """Every conditional write answered 412: someone keeps rewriting the record. The call gives up after
     ATTEMPTS reads-and-writes, naming the record, for the state poller to try again (never spins)."""
     faulty = Answers(s3)
+    run = _prepared(act, faulty)
+    faulty.calls.clear()
     faulty.fail["put_object"] = lambda: s3_error("PutObject", "PreconditionFailed", 412)
-    uri = URI if act == "try_acquire" else STANDBY_URI
+    uri = STANDBY_URI if act.startswith("standby") else URI
     with pytest.raises(RuntimeError) as gave_up:
-        ACTS[act](faulty)
+        run()
     assert str(gave_up.value) == f"{uri}: {ATTEMPTS} conditional writes lost in a row; will retry"
     assert faulty.calls["put_object"] == ATTEMPTS
+
+
+def test_clearing_a_standby_record_that_is_not_one_removes_nothing(s3: Any) -> None:
+    s3.put_object(Bucket=BUCKET, Key=STANDBY_KEY, Body=b"{not json")
+    assert standby(s3, "i-b").clear() is False
+    assert s3.get_object(Bucket=BUCKET, Key=STANDBY_KEY)["Body"].read() == b"{not json"
 
 
 def test_a_delete_s3_keeps_refusing_gives_up_naming_the_record(s3: Any) -> None:

@@ -24,6 +24,7 @@ from trainstack_job.records import (
     Ledger,
     Life,
     Progress,
+    RunSlot,
     S3Record,
     StandbyState,
     error_code,
@@ -375,6 +376,15 @@ def test_a_pointer_names_a_job_or_is_not_a_pointer() -> None:
     assert JobPointer.from_json({"job_id": "x"}) == JobPointer("x")
     for raw in (None, {}, {"job_id": 7}, ["job_id"]):
         assert JobPointer.from_json(raw) is None
+
+
+def test_a_run_slot_names_a_job_or_is_free() -> None:
+    slot = RunSlot("resnet-1a2b3c4d", "2026-12-06T10:00:00.000Z")
+    assert slot.to_json() == {"job_id": "resnet-1a2b3c4d", "since": "2026-12-06T10:00:00.000Z"}
+    assert RunSlot.from_json(slot.to_json()) == slot
+    assert RunSlot.from_json({"job_id": "x", "since": 5}) == RunSlot("x", None)
+    for raw in (None, {}, {"job_id": ""}, {"job_id": 7}, ["job_id"], "x"):
+        assert RunSlot.from_json(raw) is None
 
 
 # -- one definition ---------------------------------------------------------------------------------

@@ -138,3 +138,87 @@ def test_racing_instances_never_start_more_than_the_limit(world: World) -> None:
     assert winners == [0, 1, 2], taken
     held = {world.slot(index)["job_id"] for index in range(3)}
     assert held == {job for job, index in taken.items() if index is not None}
+
+
+def test_a_slots_time_is_utc_whatever_the_machines_zone(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        assert world.slots(1).take(A, NOW) == 0
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert world.slot(0)["since"] == "2026-12-06T12:00:00.000Z"
+
+
+def test_the_staleness_window_ends_exactly_at_its_length(world: World) -> None:
+    slots = world.slots(1, stale=60)
+    assert slots.take(A, NOW) == 0
+    assert not slots.room_for(B, NOW + timedelta(seconds=59.9))
+    assert slots.room_for(B, NOW + timedelta(seconds=60)), "a start that never came frees the slot"
+    assert slots.running(NOW + timedelta(seconds=60)) == []
+
+
+def test_a_running_jobs_take_writes_nothing(world: World) -> None:
+    slots = world.slots(1)
+    assert slots.take(A, NOW) == 0
+    world.status[A] = "running"
+    etag = world.s3.head_object(Bucket=BUCKET, Key=slot_key("state/", 0))["ETag"]
+    assert slots.take(A, NOW + timedelta(hours=3)) == 0
+    assert world.s3.head_object(Bucket=BUCKET, Key=slot_key("state/", 0))["ETag"] == etag
+    assert world.slot(0)["since"] == "2026-12-06T12:00:00.000Z"
+
+
+class Overtaken:
+    """The moto client, with another instance's slot written just before this one's first write to each
+    key in `keys` (so moto answers that write 412), and its reads counted."""
+
+    def __init__(self, client: Any, keys: dict[str, dict[str, Any]]) -> None:
+        self._client = client
+        self._keys = dict(keys)
+        self.gets = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def get_object(self, **kwargs: Any) -> Any:
+        self.gets += 1
+        return self._client.get_object(**kwargs)
+
+    def put_object(self, **kwargs: Any) -> Any:
+        other = self._keys.pop(kwargs["Key"], None)
+        if other is not None:
+            self._client.put_object(
+                Bucket=kwargs["Bucket"], Key=kwargs["Key"], Body=json.dumps(other).encode()
+            )
+        return self._client.put_object(**kwargs)
+
+
+def test_a_slot_lost_to_a_job_that_ended_since_is_taken_on_the_next_look(world: World) -> None:
+    racing = Overtaken(world.s3, {slot_key("state/", 0): {"job_id": C, "since": "2026-12-06T12:00:00.000Z"}})
+    world.status[C] = "completed"  # it ended a moment after it took the slot
+    assert Slots(racing, BUCKET, "state/", 1, world.status.get).take(A, NOW) == 0
+    assert world.slot(0)["job_id"] == A
+
+
+def test_a_renewal_lost_to_another_job_takes_another_free_slot(world: World) -> None:
+    slots = world.slots(2, stale=60)
+    assert slots.take(A, NOW) == 0
+    # A never started; as its instance asks again, another instance takes its stale slot first.
+    racing = Overtaken(world.s3, {slot_key("state/", 0): {"job_id": B, "since": "2026-12-06T12:02:00.000Z"}})
+    later = NOW + timedelta(seconds=120)
+    assert Slots(racing, BUCKET, "state/", 2, world.status.get, 60).take(A, later) == 1
+    assert (world.slot(0)["job_id"], world.slot(1)["job_id"]) == (B, A)
+
+
+def test_a_full_stack_is_one_read_of_each_slot(world: World) -> None:
+    for index, job in enumerate((A, B, C)):
+        world.put(index, json.dumps({"job_id": job, "since": "2026-12-06T12:00:00.000Z"}).encode())
+        world.status[job] = "running"
+    counted = Overtaken(world.s3, {})
+    assert Slots(counted, BUCKET, "state/", 3, world.status.get).take(D, NOW) is None
+    assert counted.gets == 3, "no slot free: the limit is reached, said after one look"
