@@ -115,6 +115,8 @@ def test_the_lambda_entry_point_reads_its_pools_from_its_environment(
     """What infra/scheduler.py configures (BUCKET, POOLS as SchedulerArgs.pools_variable renders it) is what
     the handler acts on, pool by pool, and what it logs and returns is each pool's decision."""
     _running(stack, "current-job.json", "first-aaaaaaaa")
+    # A run slot of a limit set once: without MAX_CONCURRENT_JOBS the function sets no limit whatever it finds.
+    _put(stack, "state/slots/slot-0.json", {"job_id": "first-aaaaaaaa", "since": "2026-12-06T11:00:00.000Z"})
     _queue(stack, "alpha-aaaaaaaa", "2026-12-06T12:00:00.000Z")
     pools = [
         {"pool": "", "group": stack.group_name, "lanes": 2, "max_instances": 1},
@@ -148,7 +150,6 @@ def test_the_lambda_entry_point_reads_its_pools_from_its_environment(
     # MAX_CONCURRENT_JOBS (set by the program only when the stack sets a limit): the running job's slot is
     # the one slot, so the waiting job gets no instance.
     stack.client("autoscaling").set_desired_capacity(AutoScalingGroupName=stack.group_name, DesiredCapacity=0)
-    _put(stack, "state/slots/slot-0.json", {"job_id": "first-aaaaaaaa", "since": "2026-12-06T11:00:00.000Z"})
     monkeypatch.setenv("MAX_CONCURRENT_JOBS", "1")
     limited = handler({"source": "aws.events"}, None)["decisions"][0]
     assert (limited["busy"], limited["waiting"], limited["wanted"], limited["action"]) == (1, 1, 1, "raised")
