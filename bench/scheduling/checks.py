@@ -49,6 +49,7 @@ class RunResult:
     # The scheduler function's invocations by trigger, and how many of them raised a pool (scheduler runs).
     invocations: dict[str, int] = field(default_factory=dict)
     raised: int = 0
+    passes: int = 0  # the invocations that read the state (the others a pass had covered)
 
     @property
     def passed(self) -> bool:
@@ -199,6 +200,7 @@ def figures(result: RunResult) -> dict[str, Any]:
         "notes": list(journal.notes),
         "lambda_invocations": dict(result.invocations),
         "lambda_raised": result.raised,
+        "lambda_passes": result.passes,
         "most_at_once": most_at_once(journal.holdings),
     }
 
@@ -287,7 +289,14 @@ def _driven_by_the_function(
     invocations = dict(function.invocations)
     seconds = time.monotonic() - began
     result = RunResult(
-        spec, seconds, world.journal, meter.total, 0, invocations=invocations, raised=function.raised
+        spec,
+        seconds,
+        world.journal,
+        meter.total,
+        0,
+        invocations=invocations,
+        raised=function.raised,
+        passes=function.passes_run,
     )
     result.checks = check_run(spec, world.journal)
     result.figures = figures(result)

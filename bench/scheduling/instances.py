@@ -493,27 +493,31 @@ STOP = "stop"
 
 
 class SchedulerFunction:
-    """The scheduler function (infra/scheduler_fn/handler.py `run`, the real code) invoked as EventBridge
-    invokes it: once per queue entry created, once per instance of a pool that ends, and on a schedule
-    (every `schedule_s` here for the stack's 5 minutes, in proportion to jobs of a fraction of a second). One
-    invocation at a time, as its reserved concurrency of 1 makes it; each counted by its trigger."""
+    """The scheduler function (infra/scheduler_fn/handler.py, the real code) invoked as EventBridge invokes
+    it: once per queue entry created, once per instance of a pool that ends, and on a schedule (every
+    `schedule_s` here for the stack's 5 minutes, in proportion to jobs of a fraction of a second). One
+    invocation at a time, as its reserved concurrency of 1 makes it; each stamped to the second as
+    EventBridge stamps an event, counted by its trigger, and skipped as the handler skips it when a pass that
+    began after it already read the state (`Passes`)."""
 
     def __init__(self, world: World, schedule_s: float = 1.0) -> None:
-        from infra.scheduler_fn.handler import PoolSettings
+        from infra.scheduler_fn.handler import Passes, PoolSettings
 
         self.world = world
         self.schedule_s = schedule_s
         self.pools = [
             PoolSettings(pool.name, world.groups[pool.name], pool.lanes, 1) for pool in world.spec.pools
         ]
-        self.triggers: queue.Queue[str] = queue.Queue()
+        self.triggers: queue.Queue[tuple[str, datetime]] = queue.Queue()
         self.invocations: Counter[str] = Counter()
+        self.passes_run = 0
         self.raised = 0
+        self._passes = Passes()
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.run, name="scheduler-function", daemon=True)
 
     def trigger(self, kind: str) -> None:
-        self.triggers.put(kind)
+        self.triggers.put((kind, datetime.now(timezone.utc).replace(microsecond=0)))
 
     def run(self) -> None:
         from infra.scheduler_fn.handler import run
@@ -523,12 +527,16 @@ class SchedulerFunction:
         # Once the run is over, the events already sent are still delivered (each instance's end included).
         while not (self.done.is_set() and self.triggers.empty()):
             try:
-                kind = self.triggers.get(timeout=max(0.0, tick - time.monotonic()))
+                kind, sent = self.triggers.get(timeout=max(0.0, tick - time.monotonic()))
             except queue.Empty:
-                kind, tick = "schedule", time.monotonic() + self.schedule_s
+                kind, sent = "schedule", datetime.now(timezone.utc).replace(microsecond=0)
+                tick = time.monotonic() + self.schedule_s
             if kind == STOP:
                 continue
             self.invocations[kind] += 1
+            if self._passes.covered(sent):
+                continue
+            started = datetime.now(timezone.utc)
             try:
                 decisions = run(
                     world.autoscaling,
@@ -541,6 +549,8 @@ class SchedulerFunction:
             except Exception as exc:  # reported as a failed check
                 world.journal.note(partial(_error, f"scheduler function: {type(exc).__name__}: {exc}"))
                 continue
+            self._passes.last_started = started
+            self.passes_run += 1
             self.raised += sum(1 for decision in decisions if decision.action == "raised")
 
 

@@ -60,8 +60,9 @@ def describe(result: RunResult) -> list[str]:
     if result.spec.scheduler:
         lines.append(
             f"  scheduler function: {sum(f['lambda_invocations'].values())} invocations "
-            f"({f['lambda_invocations']}), {f['lambda_raised']} raised a pool; at most {f['most_at_once']} "
-            "jobs trained at once"
+            f"({f['lambda_invocations']}), {f['lambda_passes']} of them read the state (the others a pass "
+            f"had covered), {f['lambda_raised']} raised a pool; at most {f['most_at_once']} jobs trained at "
+            "once"
         )
     lines += [f"  note: {note}" for note in f["notes"][:5]]
     lines += [f"  [{'PASS' if c.passed else 'FAIL'}] {c.name}: {c.detail}" for c in result.checks]

@@ -22,7 +22,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import boto3
@@ -207,9 +207,49 @@ def run(
     return decisions
 
 
+# EventBridge stamps an event to the second (`time`), and the two clocks may differ by a little: a pass
+# covers an event only if it began at least this long after the event's stamp.
+COVER_MARGIN = timedelta(seconds=2)
+
+
+@dataclass
+class Passes:
+    """When the last pass of this function's container began. A pass reads the queue and the jobs whole, and
+    S3 is strongly consistent, so a pass that began after an event was sent saw everything the event
+    announced: a burst of 50 submissions is 50 events, invoked one after another (reserved concurrency 1),
+    and each one a pass already covered returns at once instead of reading the whole queue again. A cold
+    container knows no pass: it runs one."""
+
+    last_started: datetime | None = None
+
+    def covered(self, event_time: datetime | None) -> bool:
+        return (
+            event_time is not None
+            and self.last_started is not None
+            and event_time + COVER_MARGIN <= self.last_started
+        )
+
+
+PASSES = Passes()
+
+
+def event_time(event: Mapping[str, Any]) -> datetime | None:
+    """The EventBridge event's `time` (ISO 8601, UTC); None for an event without one (a test invocation)."""
+    try:
+        moment = datetime.fromisoformat(str(event.get("time", "")).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return moment if moment.tzinfo is not None else None
+
+
 def handler(event: Mapping[str, Any], context: object) -> dict[str, Any]:
     """Lambda entry point: a queue entry created, an instance of a pool ended, or the 5-minute schedule."""
     env = os.environ
+    if PASSES.covered(event_time(event)):
+        skipped = {"decisions": [], "skipped": "a pass that began after this event already read its state"}
+        LOG.info(json.dumps(skipped))
+        return skipped
+    started = datetime.now(timezone.utc)
     decisions = run(
         boto3.client("autoscaling"),
         boto3.client("s3"),
@@ -218,6 +258,7 @@ def handler(event: Mapping[str, Any], context: object) -> dict[str, Any]:
         PoolSettings.many_from_env(env),
         int(env.get("MAX_CONCURRENT_JOBS") or 0),
     )
+    PASSES.last_started = started
     result = {"decisions": [decision.to_json() for decision in decisions]}
     LOG.info(json.dumps(result))
     return result

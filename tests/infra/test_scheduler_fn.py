@@ -115,7 +115,8 @@ def test_the_lambda_entry_point_reads_its_pools_from_its_environment(
     """What infra/scheduler.py configures (BUCKET, POOLS as SchedulerArgs.pools_variable renders it) is what
     the handler acts on, pool by pool, and what it logs and returns is each pool's decision."""
     _running(stack, "current-job.json", "first-aaaaaaaa")
-    # A run slot of a limit set once: without MAX_CONCURRENT_JOBS the function sets no limit whatever it finds.
+    # A run slot of a limit set once: without MAX_CONCURRENT_JOBS the function sets no limit, whatever it
+    # finds.
     _put(stack, "state/slots/slot-0.json", {"job_id": "first-aaaaaaaa", "since": "2026-12-06T11:00:00.000Z"})
     _queue(stack, "alpha-aaaaaaaa", "2026-12-06T12:00:00.000Z")
     pools = [
@@ -194,3 +195,40 @@ def test_max_concurrent_jobs_caps_what_every_pool_starts_in_their_declared_order
     assert (default.busy, default.wanted, large.wanted) == (0, 2, 0)
     default, large = run(autoscaling, s3, stack.bucket, "state/", pools, max_concurrent_jobs=4)
     assert (default.wanted, large.wanted) == (3, 2), "no limit reached: every pool by its lanes, as before"
+
+
+def test_an_event_a_later_pass_already_covered_reads_nothing(
+    stack: LocalStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of submissions is one event each, invoked one after another: an event sent before the last
+    pass began (its second's stamp plus a margin) returns at once, since that pass read every object the event
+    announced; a later event, an event without a time and a cold container's first run a pass."""
+    from datetime import datetime, timedelta, timezone
+
+    from infra.scheduler_fn import handler as module
+
+    monkeypatch.setattr(module, "PASSES", module.Passes())
+    monkeypatch.setenv("BUCKET", stack.bucket)
+    monkeypatch.setenv(
+        "POOLS", json.dumps([{"pool": "", "group": stack.group_name, "lanes": 1, "max_instances": 1}])
+    )
+    _queue(stack, "alpha-aaaaaaaa", "2026-12-06T12:00:00.000Z")
+    sent = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(seconds=2)
+    event = {"source": "aws.s3", "time": sent.isoformat().replace("+00:00", "Z")}
+    first = handler(event, None)
+    assert first["decisions"][0]["action"] == "raised" and _desired(stack) == 1, (
+        "a cold container runs a pass"
+    )
+    stack.client("autoscaling").set_desired_capacity(AutoScalingGroupName=stack.group_name, DesiredCapacity=0)
+    again = handler(event, None)
+    assert again == {"decisions": [], "skipped": "a pass that began after this event already read its state"}
+    assert _desired(stack) == 0, "covered: nothing read, nothing raised"
+    later = {"source": "aws.s3", "time": datetime.now(timezone.utc).isoformat()}
+    assert handler(later, None)["decisions"][0]["action"] == "raised", "sent within the margin: a pass"
+    stack.client("autoscaling").set_desired_capacity(AutoScalingGroupName=stack.group_name, DesiredCapacity=0)
+    for untimed in ({"source": "aws.events"}, {"time": "not a time"}, {"time": "2026-12-06T12:00:00"}):
+        assert handler(untimed, None)["decisions"], untimed
+    edge = module.Passes(datetime(2026, 12, 6, 12, 0, 2, tzinfo=timezone.utc))
+    assert edge.covered(datetime(2026, 12, 6, 12, 0, 0, tzinfo=timezone.utc))
+    assert not edge.covered(datetime(2026, 12, 6, 12, 0, 0, 1, tzinfo=timezone.utc))
+    assert not edge.covered(None) and not module.Passes().covered(datetime(2026, 1, 1, tzinfo=timezone.utc))
