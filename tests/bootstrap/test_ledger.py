@@ -532,3 +532,49 @@ def test_a_life_reloaded_from_the_store_is_still_this_life(s3: Any) -> None:
     LedgerStore(s3, BUCKET, KEY).begin_life(node("i-b"), 1.0, at(1), stale_after_seconds=60)
     current = store.load().current_life()
     assert current is not None and current["life_id"] == life_id and current["instance_id"] == "i-a"
+
+
+# -- what the ledger's writers set, and how it is stored --------------------------------------------------
+
+
+def test_a_status_keeps_its_reason_and_a_status_without_one_keeps_the_last_reason() -> None:
+    ledger = JobLedger()
+    ledger.set_status(JobStatus.FAILED, "its code cannot run: code/x is missing")
+    assert (ledger.data["status"], ledger.data["reason"]) == (
+        "failed",
+        "its code cannot run: code/x is missing",
+    )
+    ledger.set_status(JobStatus.COMPLETED)
+    assert ledger.data["reason"] == "its code cannot run: code/x is missing"
+    fresh = JobLedger()
+    fresh.set_status(JobStatus.STOPPED)
+    assert "reason" not in fresh.data
+
+
+def test_the_dataset_a_job_trains_on_is_set_and_read_back() -> None:
+    ledger = JobLedger()
+    entry = {"name": "imagenet-small", "version": "0123456789ab", "files": 3}
+    ledger.set_dataset(entry)
+    assert ledger.data["dataset"] == entry
+    assert ledger.dataset is not None and ledger.dataset["version"] == "0123456789ab"
+
+
+def test_a_job_that_ended_before_a_bound_life_began_is_named_or_shown_unknown() -> None:
+    from bootstrap.ledger import JobEndedError
+
+    for data, name in (({"job_id": "demo-1a2b3c4d"}, "demo-1a2b3c4d"), ({}, "?")):
+        ledger = JobLedger({**data, "status": "completed", "lives": []} if data else None)
+        ledger.set_status(JobStatus.COMPLETED)
+        with pytest.raises(JobEndedError) as ended:
+            ledger.begin_life(node(), 1.0, at(10), restart=False)
+        assert str(ended.value) == f"job {name} ended (completed) before this life began"
+
+
+def test_the_stored_ledger_is_indented_json_for_people_to_read(aws: MotoServer) -> None:
+    s3 = boto3.client("s3", region_name="us-east-1")
+    s3.create_bucket(Bucket=BUCKET)
+    store = LedgerStore(s3, BUCKET, KEY)
+    store.update(lambda ledger: ledger.set_status(JobStatus.COMPLETED, "done"))
+    body = s3.get_object(Bucket=BUCKET, Key=KEY)["Body"].read().decode()
+    assert body == json.dumps(json.loads(body), indent=2)
+    assert json.loads(body)["reason"] == "done"
