@@ -1385,12 +1385,13 @@ def test_max_concurrent_jobs_holds_a_second_pools_job_until_the_first_ends(bucke
     assert [e["message"] for e in said][:1] == [
         f"maxConcurrentJobs 1 reached: {B} waits until a running job ends"
     ]
-    assert said[0]["job_id"] == B and said[0].get("level", "info") == "info"
+    assert said[0]["job_id"] == B and said[0].get("level", "info") == "info" and said[0]["stage"] == "queue"
     assert len(said) == 2, "once per life (the look is another life's)"
     assert bucket.get(f"jobs/{B}/state/lane.json") is None, "no lane claimed"
     assert bucket.pointer("current-job-p.json") is None, "no pointer moved"
     bucket.put(f"jobs/{A}/state/ledger.json", {"status": "completed", "lives": []})
     assert work_in_lanes(bucket.s3, lanes, NOW, after=None) == B
+    assert bucket.get("state/slots/slot-0.json")["job_id"] == A, "a look writes no slot"
     second = bind_job(bucket.s3, lanes, NOW, log=bucket.log)
     assert second is not None and second.job_id == B
     assert bucket.get("state/slots/slot-0.json")["job_id"] == B
@@ -1439,3 +1440,23 @@ def test_instances_of_two_pools_racing_start_no_more_jobs_than_max_concurrent_jo
     slots = {bucket.get(f"state/slots/slot-{k}.json")["job_id"] for k in range(3)}
     claimed = {job for job in jobs if bucket.get(f"jobs/{job}/state/lane.json") is not None}
     assert slots == started == claimed
+
+
+def test_a_look_counts_a_slot_its_job_was_given_and_the_lifes_own_stale_limit(bucket: Bucket) -> None:
+    """The slot a job took a moment ago (its instance on the way) is its own to a look, another job's fresh
+    slot is not free, and a slot whose job never started frees after the life's stale limit, not a fixed
+    one."""
+    lanes = bucket.config(max_concurrent_jobs=2, lanes=2)
+    bucket.submit(B, LATER)
+    fresh = {"job_id": B, "since": iso(NOW)}
+    other = {"job_id": C, "since": iso(NOW)}  # C (then D) took a slot and has not started yet
+    bucket.put("state/slots/slot-0.json", other)
+    bucket.put("state/slots/slot-1.json", fresh)
+    assert work_in_lanes(bucket.s3, lanes, NOW, after=None) == B, "B holds slot 1"
+    bucket.put("state/slots/slot-1.json", {"job_id": "delta-dddddddd", "since": iso(NOW)})
+    assert work_in_lanes(bucket.s3, lanes, NOW, after=None) is None, "C's and D's slots are not free"
+    later = NOW + timedelta(seconds=20)
+    assert work_in_lanes(bucket.s3, lanes, later, after=None, stale_seconds=30) is None
+    assert work_in_lanes(bucket.s3, lanes, later, after=None, stale_seconds=10) == B, "C never started"
+    taken = bind_job(bucket.s3, lanes, later, stale_seconds=10)
+    assert taken is not None and taken.job_id == B
