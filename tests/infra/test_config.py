@@ -1392,3 +1392,58 @@ def test_the_trainers_problems_name_a_config_in_the_repository_as_typed(
     assert problems({"trainingConfig": "configs/bad.yaml"}) == [
         f"{NAMESPACE}:trainingConfig: configs/bad.yaml: train.lr: must be positive, got 0"
     ]
+
+
+# -- trainstack:pools' own lines, word for word (the config mutation run found them unread) -----------------
+
+
+def test_each_pool_refusal_is_its_exact_line() -> None:
+    from tests.infra.test_pools import GOOD
+    from tests.infra.test_pools import _problems as pool_problems
+
+    fix = "(e.g. `pulumi config set --path 'trainstack:pools[0].name' "
+    assert pool_problems([{**GOOD, "name": "big-gpu"}]) == [
+        "trainstack:pools[0].name: 'big-gpu' has the word gpu in it: its group trainstack-dev-gpu-big-gpu "
+        "could be another stack's group, which this stack's instances could then scale; name the pool "
+        "without it " + fix + "big`)"
+    ]
+    assert pool_problems([{**GOOD, "name": "Big"}]) == [
+        "trainstack:pools[0].name: 'Big' is not a pool name: 1 to 16 lowercase letters, digits and dashes, "
+        "starting with a letter and not ending with a dash (it becomes part of the group's and its "
+        "resources' names) " + fix + "big`)"
+    ]
+    # Cut to its room (4 characters: "abc-"), the fix drops the dash a name may not end with.
+    assert pool_problems([{**GOOD, "name": "abc-defghijklmn"}], stack="a-very-long-stack-name-her") == [
+        "trainstack:pools[0].name: 'abc-defghijklmn' makes the pool's AWS names too long "
+        "('trainstack-a-very-long-stack-name-her-capacity-abc-defghijklmn-group-events' is 75 characters, "
+        "AWS allows 64); use a name of at most 4 characters " + fix + "abc`)"
+    ]
+    assert pool_problems([{**GOOD, "maxJob": 2}]) == [
+        "trainstack:pools[0].maxJob: unknown key, did you mean 'maxJobs'? (remove it with `pulumi config rm "
+        "--path 'trainstack:pools[0].maxJob'`)"
+    ]
+    assert pool_problems([{**GOOD, "zzzz": 2}]) == [
+        "trainstack:pools[0].zzzz: unknown key, a pool's keys: name, instanceTypes, maxInstances, minNodes, "
+        "spotAllocationStrategy, onDemandBaseCapacity, onDemandPercentageAboveBase, spotMaxPrice, "
+        "spotFallbackMinutes, placementGroup, maxJobs (remove it with `pulumi config rm --path "
+        "'trainstack:pools[0].zzzz'`)"
+    ]
+    for key, value in (("minNodes", "2"), ("spotFallbackMinutes", "5")):
+        assert pool_problems([GOOD], **{key: value}) == [
+            f"trainstack:pools: replaces the single group's keys, and trainstack:{key} is set too; keep one: "
+            f"the pools (set each pool's own value in trainstack:pools, then `pulumi config rm "
+            f"trainstack:{key}`), or the single group (`pulumi config rm trainstack:pools`)"
+        ]
+
+
+def test_pools_set_to_nothing_are_the_single_group_and_a_pools_own_settings_are_kept() -> None:
+    from tests.infra.test_pools import GOOD
+    from tests.infra.test_pools import _parse as parse_pools
+
+    for nothing in ("[]", " [] ", ""):
+        assert parse_pools(nothing).declared_pools == (), nothing
+    multi = {"name": "multi", "instanceTypes": ["g6.12xlarge"], "maxInstances": 2, "minNodes": 2}
+    config = parse_pools([GOOD, multi])
+    assert [pool.min_nodes for pool in config.pools] == [1, 2]
+    assert config.placement_strategy == "", "the first pool asks for no placement group"
+    assert parse_pools([{**GOOD, "placementGroup": True}]).placement_strategy == "cluster"
