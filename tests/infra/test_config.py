@@ -1442,6 +1442,9 @@ def test_pools_set_to_nothing_are_the_single_group_and_a_pools_own_settings_are_
 
     for nothing in ("[]", " [] ", ""):
         assert parse_pools(nothing).declared_pools == (), nothing
+        # No pools: the single group's keys are the stack's pool, set beside an empty trainstack:pools.
+        single = parse_pools(nothing, instanceTypes='["g6e.xlarge"]')
+        assert single.instance_types == ("g6e.xlarge",) and single.declared_pools == (), nothing
     multi = {"name": "multi", "instanceTypes": ["g6.12xlarge"], "maxInstances": 2, "minNodes": 2}
     config = parse_pools([GOOD, multi])
     assert [pool.min_nodes for pool in config.pools] == [1, 2]
