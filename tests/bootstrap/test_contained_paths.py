@@ -297,14 +297,22 @@ def test_a_link_at_latest_json_itself_is_replaced_not_followed_and_said_once(s3:
     assert_untouched(existing, absent)
     assert not (local / "latest.json").is_symlink()
     assert json.loads((local / "latest.json").read_text())["step"] == 3
-    said = [(m, f) for _, m, f in events.records if "put a link" in m]
-    assert said == [
-        (
-            f"{local / 'latest.json'}: the job had put a link here (to {existing}); replaced by a regular "
-            "file, not followed",
-            {"level": "warning"},
-        )
-    ]
+    line = (
+        f"{local / 'latest.json'}: the job had put a link here (to {existing}); replaced by a regular file, "
+        "not followed",
+        {"level": "warning"},
+    )
+    assert [(m, f) for _, m, f in events.records if "put a link" in m] == [line]
+    # The same on the upload's side: the job plants it again, the next step's move of latest.json replaces it
+    # and says so.
+    (local / "latest.json").unlink()
+    (local / "latest.json").symlink_to(existing)
+    checkpoints.commit_step(local, 4)
+    owner = persister(s3, local, events)
+    assert owner.persist_newest(None) == 4
+    assert_untouched(existing, absent)
+    assert json.loads((local / "latest.json").read_text())["step"] == 4
+    assert [(m, f) for _, m, f in events.records if "put a link" in m] == [line, line]
 
 
 @pytest.mark.parametrize("name", ["STOP", "CHECKPOINT", "START_GATE"])
