@@ -463,8 +463,9 @@ class JobDirectory:
 
     def staffing(self, job_id: str, now: float, stale_seconds: float) -> Staffing:
         """What a running single-node job still needs: a holder (its lease is free, expired or released),
-        a standby (held, and no live standby), or nothing. Read as `_take_role` will judge it, so an
-        instance goes where it is needed; a race between two lives is still settled by the lease itself."""
+        a standby (held, and no live standby), or nothing. Read as `take_role` (bootstrap/phases/writer.py)
+        will judge it, so an instance goes where it is needed; a race between two lives is still settled by
+        the lease itself."""
         state = JobPrefixes.of(job_id).state
         lease = LeaseState.from_record(self._get_json(state + LEASE)[0])
         if lease is None and self._starting(job_id, now, stale_seconds):

@@ -7,14 +7,15 @@ Two promises shape the agent (docs/internals.md, "Agent lives"):
 - every life ends with an outcome that says what happened (bootstrap/outcomes.py), written to the ledger
   with conditional writes so no update is lost.
 
-This module orchestrates; stops.py, jobstate.py (the job's state in S3, the state poller), boot.py,
-supervisor.py (the job's process), generations.py (multi-node) and outcomes.py do the work.
+This module binds the life to a job and orchestrates: after the binding the life runs its phases in order
+(bootstrap/phases/: the GPU check, scratch, the job's one writer, the dataset, training, each behind one
+small interface); stops.py, jobstate.py (the job's state in S3, the state poller), boot.py, supervisor.py
+(the job's process), generations.py (multi-node) and outcomes.py do the work.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime
@@ -23,13 +24,11 @@ from typing import Any
 
 from bootstrap.agent_config import AgentConfig
 from bootstrap.boot import AwsClients, Boot
-from bootstrap.datasync import DatasetVersionError, DataSync, DiskSpaceError, JobDataset, SyncAborted
 from bootstrap.errors import one_line
 from bootstrap.eventlog import EventLog, utc_now
 from bootstrap.fleet import Fleet
-from bootstrap.generation_fence import GenerationFence, GenerationSupersededError
+from bootstrap.generation_fence import GenerationFence
 from bootstrap.generations import Generations
-from bootstrap.gpumetrics import GpuMetricPublisher
 from bootstrap.hostmetrics import NAMESPACE as METRIC_NAMESPACE
 from bootstrap.imds import ImdsClient, InstanceIdentity
 from bootstrap.jobbinding import (
@@ -37,31 +36,28 @@ from bootstrap.jobbinding import (
     JobBindingError,
     JobDirectory,
     bind_job,
-    claim_scratch,
     work_in_lanes,
 )
 from bootstrap.jobstate import JobState
-from bootstrap.lease import DRIFT_SECONDS, JobLease, LeaseExpiredError, LeaseLostError
-from bootstrap.ledger import TERMINAL_STATUSES, JobEndedError, JobLedger
+from bootstrap.lease import DRIFT_SECONDS
+from bootstrap.ledger import JobEndedError, JobLedger
 from bootstrap.notify import Notifier
 from bootstrap.outcomes import Failure, LifeEnd, LifeFacts, LifeResult, Outcomes
-from bootstrap.persist import TOKEN_RECORD, CheckpointPersister, CheckpointRefusedError, UploadAbandonedError
+from bootstrap.persist import CheckpointPersister, CheckpointRefusedError
+from bootstrap.phases import Phase, life_phases, run_phases
+from bootstrap.phases.writer import leaving_before_binding
 from bootstrap.pinned import PinnedCodeError, prepare_job_code, prepare_pinned, run_pinned
 from bootstrap.pricing import BucketUsage, PriceLookup
-from bootstrap.scratch import prepare_scratch
-from bootstrap.standby import HANDOVER_POLL_SECONDS, OneWriter, Role, wait_warm
+from bootstrap.standby import HANDOVER_POLL_SECONDS, OneWriter, Role
 from bootstrap.stops import STOP_OUTCOMES, StopRequests
 from bootstrap.supervisor import Supervisor
 from bootstrap.trainer import CODE_ROOT, TrainerPaths, TrainerProcess
 from bootstrap.watcher import RebalanceRecommendation, SpotWatcher
-from trainstack_job.contract import RESUME_COMMAND
-from trainstack_job.jobfile import BUNDLE_JOB_DIR, JobSpec, JobSpecError
+from trainstack_job.jobfile import BUNDLE_JOB_DIR, JobSpec
 from trainstack_job.jobs import LEGACY_JOB_ID, JobPrefixes
 
 __all__ = ["AwsClients", "InstanceLife", "LifeResult"]
 
-# After a completion or failure nothing hurries the last upload but the bill.
-FINAL_UPLOAD_SECONDS = 300.0
 # Ends after which the lease goes at once (before the ledger's last word): the standby continues from the
 # confirmed step while this life is still closing. After any other end the job's status is written first,
 # so a standby never takes over a job that just completed or was given up.
@@ -113,7 +109,7 @@ class InstanceLife:
         # prefixes: whatever runs before the life is bound (the give-up path, the storage cost) already reads
         # and writes that job's objects, not the legacy top-level ones. A config that defines no job ("")
         # has none before it binds.
-        self._stack_config = config
+        self.stack_config = config
         config = _for_job(config, config.job_id or LEGACY_JOB_ID)
         self.config = config
         self.user_job = JobSpec.from_mapping(config.user_job, "user_job") if config.user_job else None
@@ -125,15 +121,15 @@ class InstanceLife:
         self._identity: InstanceIdentity | None = None
         self._life_started: datetime | None = None
         # How often control.json is read and the ledger's heartbeat and cost written.
-        self._state_poll_seconds = state_poll_seconds
+        self.state_poll_seconds = state_poll_seconds
         # The job's lease: its length (None: the stale limit, 3 polls + 30 s) and the clock-drift margin a
         # taker waits past its end (bootstrap/lease.py). Tests shorten both.
         self._lease_seconds = lease_seconds
-        self._drift_seconds = drift_seconds
-        self._paths: TrainerPaths | None = None
+        self.drift_seconds = drift_seconds
+        self.paths: TrainerPaths | None = None
         # Several instances train one job (docs/multi-node.md): the built-in trainer across nodes.
         self.multi_node = config.instance_count > 1 and self.user_job is None
-        self._generations: Generations | None = None
+        self.generations: Generations | None = None
         self.stops = StopRequests(self.log, config.stop_deadline_seconds)
         self.boot = Boot(
             config, self.log, self.imds, self.clients, self.fleet, price_lookup, identity_wait_seconds
@@ -150,10 +146,14 @@ class InstanceLife:
         self._release_wait_seconds = release_wait_seconds
         self._assemble(config)
         # One writer per single-node job (bootstrap/standby.py); set once the life is in the ledger.
-        self._writer: OneWriter | None = None
-        self._persister: CheckpointPersister | None = None
+        self.writer: OneWriter | None = None
+        self.persister: CheckpointPersister | None = None
+        # What runs between the binding and the outcome, in order (bootstrap/phases/): a test may add one.
+        self.phases: list[Phase] = life_phases()
+        # The GPUs the GPU check counted (0 on a CPU instance, as in the demo).
+        self.gpu_count = 0
         # A multi-node job's commits are fenced by this node's generation (bootstrap/generation_fence.py).
-        self._generation_fence: GenerationFence | None = None
+        self.generation_fence: GenerationFence | None = None
         # Replaced in tests: an in-process agent must not exec another program.
         self.run_pinned: Callable[..., Any] = run_pinned
         # The pinned code fetched and checked before this agent lets go of its own threads and logs.
@@ -163,7 +163,7 @@ class InstanceLife:
         # Queue objects and jobs this life already reported as bad: each is one line per life, not per read.
         self._reported: set[str] = set()
         # The watcher, the sentinel and the state poller run until the outcome is decided.
-        self._background_stop = threading.Event()
+        self.background_stop = threading.Event()
         self._background: list[threading.Thread] = []
         self._watcher: SpotWatcher | None = None
 
@@ -259,12 +259,12 @@ class InstanceLife:
         identity = self.identity = self.boot.identify()
         self.boot.ship_logs(identity)
         has_job = True
-        if not self._stack_config.job_id:
+        if not self.stack_config.job_id:
             # A config that defines no job: the failing agent was serving the stack's current job.
             current = self._current_job_quietly()
             has_job = current is not None
             if current is not None:
-                self._assemble(_for_job(self._stack_config, current))
+                self._assemble(_for_job(self.stack_config, current))
         try:
             return self.outcomes.gave_up_on_starting(identity, has_job=has_job)
         finally:
@@ -301,7 +301,7 @@ class InstanceLife:
 
     def _current_job_quietly(self) -> str | None:
         try:
-            return JobDirectory(self.clients.s3, self._stack_config, self.log).current()[0]
+            return JobDirectory(self.clients.s3, self.stack_config, self.log).current()[0]
         except Exception as exc:  # giving up must scale to zero whatever S3 says
             self.log.event("job", "cannot read the stack's current job", error=f"{type(exc).__name__}: {exc}")
             return None
@@ -310,13 +310,11 @@ class InstanceLife:
         """The next life on this instance, after this one's job ended (or yielded) with another queued: the
         same agent config and collaborators, bound afresh. Scratch disk and the synced dataset stay.
         `again`: the same job served afresh, as after a reboot (this life stopped on its lease's clock)."""
-        return InstanceLife(
-            self._stack_config, after=None if again else self.config.job_id, **self._init_args
-        )
+        return InstanceLife(self.stack_config, after=None if again else self.config.job_id, **self._init_args)
 
     def _holds_lease(self) -> bool | None:
         """For the outcome handlers: whether this life may end the job (bootstrap/outcomes.py)."""
-        writer = self._writer
+        writer = self.writer
         if writer is None or writer.role is not Role.HOLDER:
             return True
         return writer.confirm()
@@ -324,16 +322,16 @@ class InstanceLife:
     def _queued_next(self) -> str | None:
         """The queued job this instance takes once its job has ended (asked by the outcome handlers); in a
         pool running several jobs at once, the job any lane needs it for (holder, next, standby)."""
-        if self._stack_config.lanes > 1:
+        if self.stack_config.lanes > 1:
             return work_in_lanes(
                 self.clients.s3,
-                self._stack_config,
+                self.stack_config,
                 utc_now(),
                 after=self.config.job_id,
                 log=self.log,
                 group_max=self._group_max_size(),
                 reported=self._reported,
-                stale_seconds=self._stale_seconds,
+                stale_seconds=self.stale_seconds,
             )
         return self._queue().next_job()
 
@@ -341,7 +339,7 @@ class InstanceLife:
         """The stack's jobs and queue, checked against what the group allows."""
         return JobDirectory(
             self.clients.s3,
-            self._stack_config,
+            self.stack_config,
             self.log,
             group_max=self._group_max_size(),
             reported=self._reported,
@@ -350,7 +348,7 @@ class InstanceLife:
     def _group_max_size(self) -> int | None:
         try:
             groups = self.clients.autoscaling.describe_auto_scaling_groups(
-                AutoScalingGroupNames=[self._stack_config.group_name]
+                AutoScalingGroupNames=[self.stack_config.group_name]
             )
         except Exception:  # unknown: the stack's instance count stands in
             return None
@@ -358,8 +356,8 @@ class InstanceLife:
         return int(found[0]["MaxSize"]) if found else None
 
     def _leave_job(self) -> None:
-        if self._generations is not None:
-            self._generations.leave()
+        if self.generations is not None:
+            self.generations.leave()
 
     # -- background threads: from boot to the outcome -----------------------------------------------
 
@@ -369,35 +367,35 @@ class InstanceLife:
             self.imds, self.log, self.config.poll_seconds, self.stops.on_notice, self._on_rebalance
         )
         self._watcher.start()
-        self._spawn("shutdown-sentinel", lambda: self.stops.sentinel(self._background_stop))
+        self.spawn("shutdown-sentinel", lambda: self.stops.sentinel(self.background_stop))
 
     def _on_rebalance(self, recommendation: RebalanceRecommendation) -> None:
         """An early checkpoint at once; with a ready standby, a hand-over (decided by the state poller)."""
         self.stops.on_rebalance(recommendation)
-        writer = self._writer
+        writer = self.writer
         if writer is not None and writer.holding and not writer.at_risk:
             writer.at_risk = True
-            self._spawn("handover-watch", self._watch_for_handover)
+            self.spawn("handover-watch", self._watch_for_handover)
 
     def _watch_for_handover(self) -> None:
         """At risk: hand over the moment a standby is ready (seconds count: the notice may follow soon)."""
-        assert self._writer is not None
-        while not self._background_stop.wait(HANDOVER_POLL_SECONDS) and not self.stops.is_set():
+        assert self.writer is not None
+        while not self.background_stop.wait(HANDOVER_POLL_SECONDS) and not self.stops.is_set():
             try:
-                why = self._writer.handover_due()
+                why = self.writer.handover_due()
             except Exception:  # S3 hiccup: ask again next second; the state poller asks too
                 continue
             if why is not None:
                 self.stops.request(why)
                 return
 
-    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+    def spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
         self._background.append(thread)
         thread.start()
 
     def _stop_background(self) -> None:
-        self._background_stop.set()
+        self.background_stop.set()
         if self._watcher is not None:
             self._watcher.stop()
         for thread in self._background:
@@ -406,10 +404,10 @@ class InstanceLife:
     def _beat(self) -> float:
         """One poll's heartbeats: this node's in the rendezvous, this life's (and its cost) in the ledger.
         Returns the job's total cost."""
-        if self._generations is not None:
-            self._generations.heartbeat()
-        if self._writer is not None:
-            why = self._writer.poll()
+        if self.generations is not None:
+            self.generations.heartbeat()
+        if self.writer is not None:
+            why = self.writer.poll()
             if why is not None:
                 self.stops.request(why)
         quote = self.boot.price(self.identity, self._life_started) if self.identity else None
@@ -428,14 +426,14 @@ class InstanceLife:
         )
         if self.boot.group_scaled_to_zero():
             return LifeResult(LifeEnd.SKIPPED)
-        if self._stack_config.lanes > 1 and self._leaving_before_binding(identity):
+        if self.stack_config.lanes > 1 and leaving_before_binding(self, identity):
             return LifeResult(LifeEnd.SKIPPED)
         if not self._bind_job():
             return self.outcomes.nothing_queued()
         self._life_started = utc_now()
         # Other lives may run beside this one (the other nodes of a multi-node job; a single-node job's
         # holder while this instance is its standby): only silent ones are closed.
-        stale = self._stale_seconds
+        stale = self.stale_seconds
         quote = self.boot.price(identity, self._life_started, announce=True)
         try:
             self.job.ledger_store.begin_life(
@@ -447,10 +445,10 @@ class InstanceLife:
                 "job", "the job ended while this instance bound it: looking for work again", why=str(exc)
             )
             return LifeResult(LifeEnd.SKIPPED, next_job=self.config.job_id)
-        self._spawn(
+        self.spawn(
             "state-poller",
             lambda: self.job.poll(
-                self._background_stop, self._state_poll_seconds, self._beat, self.stops.request
+                self.background_stop, self.state_poll_seconds, self._beat, self.stops.request
             ),
         )
         guard = self._guards_before_start()
@@ -458,7 +456,7 @@ class InstanceLife:
             return guard
         outcome: LifeEnd | Failure
         try:
-            outcome = self._prepare_and_train()
+            outcome = run_phases(self, self.phases)
         except Exception as exc:
             # A refused checkpoint already says which object and the fix; anything else is unexpected and
             # named by its type.
@@ -467,7 +465,7 @@ class InstanceLife:
             outcome = Failure(LifeEnd.FAILED, error, list(self.log.tail))
         finally:
             # No more heartbeats or polls: the outcome below is the last word on this life.
-            self._background_stop.set()
+            self.background_stop.set()
         if isinstance(outcome, LifeEnd) and outcome in _RELEASE_FIRST:
             self._release_lease()
         try:
@@ -476,11 +474,11 @@ class InstanceLife:
             self._release_lease()
 
     @property
-    def _stale_seconds(self) -> float:
+    def stale_seconds(self) -> float:
         """A life (or lease, or standby) silent this long is dead: three missed polls and half a minute."""
         if self._lease_seconds is not None:
             return self._lease_seconds
-        return 3 * self._state_poll_seconds + 30
+        return 3 * self.state_poll_seconds + 30
 
     def _bind_job(self) -> bool:
         """Serve the stack's current job while it runs, else the head of its queue (bootstrap/jobbinding.py),
@@ -492,23 +490,23 @@ class InstanceLife:
         for _ in range(MAX_REFUSED_PER_LIFE):
             binding = bind_job(
                 self.clients.s3,
-                self._stack_config,
+                self.stack_config,
                 utc_now(),
                 after=after,
                 log=self.log,
                 group_max=group_max,
                 reported=self._reported,
-                stale_seconds=self._stale_seconds,
+                stale_seconds=self.stale_seconds,
             )
             if binding is None:
                 return False
             try:
                 if binding.pinned is not None:
-                    self.prepare_pinned(self.clients.s3, self._stack_config, binding.pinned)
+                    self.prepare_pinned(self.clients.s3, self.stack_config, binding.pinned)
                 self._code_root = (
                     None
                     if binding.job_code is None
-                    else self.prepare_job_code(self.clients.s3, self._stack_config, binding.job_code)
+                    else self.prepare_job_code(self.clients.s3, self.stack_config, binding.job_code)
                 )
             except PinnedCodeError as exc:
                 self._refuse(binding.job_id, str(exc))
@@ -522,7 +520,7 @@ class InstanceLife:
     def _refuse(self, job_id: str, reason: str) -> None:
         """The job fails for good (its ledger says why, `trainstack jobs` shows it) and its submitter hears
         it once; the pointer moves on at the next bind."""
-        JobDirectory(self.clients.s3, self._stack_config, self.log, reported=self._reported).refuse(
+        JobDirectory(self.clients.s3, self.stack_config, self.log, reported=self._reported).refuse(
             job_id, reason
         )
         subject = f"job {job_id}: training failed: its code cannot run"
@@ -537,12 +535,12 @@ class InstanceLife:
                 if binding.switched_from is None
                 else "the next queued job runs with the code it was submitted with",
                 job_id=binding.job_id,
-                defined_job=self._stack_config.job_id,
+                defined_job=self.stack_config.job_id,
                 bundle=binding.pinned.get("bundle_key"),
             )
             self._stop_background()
             self.boot.close_logs()
-            self.run_pinned(self.clients.s3, self._stack_config, binding.pinned)
+            self.run_pinned(self.clients.s3, self.stack_config, binding.pinned)
             return True
         self.log.event(
             "job",
@@ -556,7 +554,7 @@ class InstanceLife:
     def _serve(self, binding: JobBinding) -> None:
         """Rebuild the life for the bound job: its record's definition (a user's job or the trainer, its
         cost cap and instance count) and its own prefixes, log streams and queue hooks."""
-        config = _for_job(binding.config or self._stack_config, binding.job_id)
+        config = _for_job(binding.config or self.stack_config, binding.job_id)
         self.user_job = JobSpec.from_mapping(config.user_job, "user_job") if config.user_job else None
         # A submitted job runs from its own code (as its user); any other from this agent's bundle.
         self._job_root = self._own_job_root if self._code_root is None else self._code_root / BUNDLE_JOB_DIR
@@ -576,363 +574,37 @@ class InstanceLife:
             self.job.yield_to = lambda: queue.yield_to(binding.job_id)
 
     def _release_lease(self) -> None:
-        if self._writer is not None and self._writer.holding:
-            persister = self._persister
-            self._writer.release(persister.confirmed_step if persister is not None else None)
-            self._writer.role = None
+        if self.writer is not None and self.writer.holding:
+            persister = self.persister
+            self.writer.release(persister.confirmed_step if persister is not None else None)
+            self.writer.role = None
 
     def _guards_before_start(self) -> LifeResult | None:
         """A life that must not train: too many failures in a row, or a job-wide stop already in force."""
         ledger = self.ledger
         if ledger.consecutive_failures >= self.config.max_consecutive_failures:
-            self._background_stop.set()
+            self.background_stop.set()
             why = "the previous agent run on this instance died"
             return self._finish(Failure(LifeEnd.FAILED, why, list(self.log.tail)))
         wide = self.job.job_wide_stop(cost_usd=lambda: ledger.total_cost_usd)
         if wide is not None:
-            self._background_stop.set()
+            self.background_stop.set()
             return self._finish(STOP_OUTCOMES[wide.reason])
         return None
 
-    def _prepare_and_train(self) -> LifeEnd | Failure:
-        self.phase = "gpu-check"
-        gpu_count = self.boot.preflight()
-        if self.stops.is_set():
-            return self.stops.stopped_before_training()
-        if gpu_count is None:
-            return LifeEnd.REPLACE
-        scratch = prepare_scratch(self.config.scratch_dir, self.log)
-        claim_scratch(scratch, self.config.job_id, self.log)
-        paths = self._paths = TrainerPaths(scratch=scratch)
-        if not self.multi_node and self._take_role(paths) is Role.SURPLUS:
-            return LifeEnd.SURPLUS
-        if self.user_job is not None and not self.user_job.data_sync:
-            return self._train(paths, gpu_count)
-        dataset = DataSync.for_dataset(self.clients.s3, self._stack_config, self.config.dataset, self.log)
-        self.phase = "data-wait"
-        if not self.boot.wait_for_dataset(dataset, self.job, self.stops, self._state_poll_seconds):
-            return self.stops.stopped_before_training() if self.stops.is_set() else LifeEnd.NO_DATA
-        self.phase = "data-sync"
-        version = JobDataset(self.clients.s3, self.config, self.job, self.log)
-        try:
-            synced = dataset.sync(
-                scratch / "data", should_abort=self.stops.is_set, check_version=version.check
-            )
-        except DatasetVersionError as exc:
-            # Every instance finds the same checkpoints and the same version: only the user can settle it.
-            self.log.event("failed", "dataset version differs from the job's checkpoints", error=str(exc))
-            return Failure(LifeEnd.FAILED, str(exc), list(self.log.tail), fix=exc.fix, permanent=True)
-        except SyncAborted:
-            self.log.event("data", "dataset sync aborted by the stop", reason=self.stops.reason)
-            return self.stops.stopped_before_training()
-        except DiskSpaceError as exc:
-            # The next instance gets the same disk: retrying would only bill for the same failure.
-            self.log.event("failed", "dataset does not fit on this instance", error=str(exc))
-            return Failure(
-                LifeEnd.FAILED,
-                str(exc),
-                list(self.log.tail),
-                fix="raise trainstack:rootVolumeSizeGb (or use a type with a larger instance store), "
-                f"run pulumi up, then {RESUME_COMMAND}",
-                permanent=True,
-            )
-        version.record(synced)
-        return self._train(paths, gpu_count)
-
-    # -- one writer per job (bootstrap/standby.py) --------------------------------------------------
-
-    def _take_role(self, paths: TrainerPaths) -> Role:
-        """Holder, standby or surplus: decided before the data sync, so a surplus instance leaves at once
-        and a standby syncs the data while it waits."""
-        assert self.identity is not None
-        life_id = self.job.ledger_store.life_id or self.identity.instance_id
-        self._writer = OneWriter(
-            self.clients.s3,
-            self.config,
-            self.log,
-            instance_id=self.identity.instance_id,
-            life_id=life_id,
-            stale_seconds=self._stale_seconds,
-            instance_gone=self.fleet.instance_gone,
-            drift_seconds=self._drift_seconds,
-        )
-        # The floor is the agent's own record of the tokens it wrote, never latest.json's token: the job
-        # could write that one, and every later lease's token would start above it.
-        role = self._writer.take(floor=self._persister_for(paths).token_floor() or 0)
-        writer = self._writer
-        # From now on the holder (or the standby once it takes over) stops on its own clock when it cannot
-        # renew: no network in this thread, so it works while S3 and the state poller hang.
-        self._spawn("lease-clock", lambda: writer.watch_own_clock(self.stops, self._background_stop.wait))
-        if role is Role.STANDBY:
-            self.job.record(lambda ledger: ledger.mark_standby(utc_now()))
-            if self.config.lanes > 1:
-                # Protected since before its claim; a standby trains nothing, so a lower desired capacity
-                # may take it (the holder trains on). Protected again if it takes the lease over.
-                self._protect_from_scale_in(False)
-        self._close_dead_holder()
-        return role
-
-    def _leaving_before_binding(self, identity: InstanceIdentity) -> bool:
-        """A pool running several jobs at once: this instance is protected from scale-in before it claims a
-        job, so a lower desired capacity never takes it between its claim and its lease (the job would wait
-        for the dead instance's claim to go stale, minutes). True when scale-in chose it before the
-        protection came: it is on its way out and claims nothing. When the group cannot be read it goes on:
-        a dead instance's claim still goes stale."""
-        self._protect_from_scale_in(True, why="while it looks for a job and serves it")
-        try:
-            leaving = self.fleet.leaving(identity.instance_id)
-        except Exception as exc:
-            self.log.event("fleet", "could not read this instance's state in its group", error=one_line(exc))
-            return False
-        if leaving:
-            self.log.event(
-                "fleet", "scaled in before it claimed a job: it takes none", group=self.config.group_name
-            )
-        return leaving
-
-    def _protect_from_scale_in(self, protected: bool = True, why: str = "while it serves the job") -> None:
-        """A pool running several jobs at once: while this instance trains a job (holds its lease), a lower
-        desired capacity (a cancel, the cost cap, a scheduler) takes an idle instance or a standby, never
-        this one. It comes off when the instance leaves (Fleet.leave_for_good) or waits as a standby. Best
-        effort: the lease still keeps one writer."""
-        assert self.identity is not None
-        try:
-            self.fleet.protect(self.identity.instance_id, protected)
-        except Exception as exc:
-            self.log.event("fleet", "could not set this instance's scale-in protection", error=one_line(exc))
-            return
-        if protected:
-            self.log.event("fleet", f"protected from scale-in {why}", group=self.config.group_name)
-        else:
-            self.log.event("fleet", "scale-in protection off while it waits as a standby")
-
-    def _close_dead_holder(self) -> None:
-        """A lease taken because it expired names a life whose instance vanished: close it truthfully."""
-        dead = self._writer.dead_holder() if self._writer is not None else None
-        if dead is None or self.identity is None:
-            return
-        me = self.identity.instance_id
-        self.job.record(lambda ledger: ledger.close_dead_holder(dead, me))
-
-    def _persister_for(self, paths: TrainerPaths, *, fenced: bool = False) -> CheckpointPersister:
-        """The job's checkpoints in S3 ↔ this instance's checkpoint folder; `fenced`: as the lease's holder,
-        every commit checked against the lease (a standby only reads). A multi-node job has no lease: its
-        commits are always fenced by the generation this node trains in."""
-        keep = self.user_job.checkpoint_keep if self.user_job else 3
-        lease = self._writer.lease if fenced and self._writer is not None else None
-        fence: JobLease | GenerationFence | None = lease
-        if fence is None and self.multi_node and self.identity is not None:
-            fence = self._generation_fence = GenerationFence(
-                self.clients.s3,
-                self.config.bucket,
-                self.config.prefixes.state,
-                instance_id=self.identity.instance_id,
-            )
-        return CheckpointPersister(
-            self.clients.s3,
-            self.config.bucket,
-            self.config.prefixes.checkpoints,
-            paths.checkpoint_dir,
-            self.log,
-            keep=keep,
-            fence=fence,
-            on_lease_lost=self._lease_lost if fence is not None else None,
-            # The lease tokens it writes into latest.json, recorded where the job cannot write.
-            token_record=self.config.prefixes.state + TOKEN_RECORD,
-        )
-
-    def _lease_lost(self, error: LeaseLostError) -> None:
-        if isinstance(error, GenerationSupersededError):
-            # The others declared this node's generation lost and train on from the confirmed checkpoint.
-            self.stops.request(
-                "generation_superseded", generation=error.generation, newer_generation=error.newer
-            )
-            return
-        if isinstance(error, LeaseExpiredError):
-            # Not known lost: unproven past its end by this instance's clock; the same stop as the clock's.
-            self.stops.request("lease_expiring", unrenewed_s=round(error.unproven_seconds, 1))
-            return
-        self.stops.request("lease_lost", holder=error.holder, token=error.token)
-
-    def _restore(self, persister: CheckpointPersister) -> int | None:
-        """The newest verified checkpoint of this job; for a new job with `resume_from`, that job's."""
-        restored = persister.restore(should_abort=self.stops.is_set)
-        source = self.config.resume_from
-        if restored is not None or not source:
-            return restored
-        origin = CheckpointPersister(
-            self.clients.s3,
-            self.config.bucket,
-            JobPrefixes.of(source).checkpoints,
-            persister.local_dir,
-            self.log,
-        )
-        try:
-            restored = origin.restore(should_abort=self.stops.is_set)
-        finally:
-            origin.close()
-        self.log.event(
-            "checkpoint",
-            f"new job: starting from job {source}'s checkpoint"
-            if restored is not None
-            else f"new job: job {source} has no checkpoint to start from; starting at step 0",
-            resume_from=source,
-            step=restored,
-        )
-        return restored
-
-    def _job_ended(self) -> bool:
-        return self.job.ledger_store.load().status in TERMINAL_STATUSES
-
-    def _wait_as_standby(self, trainer: TrainerProcess, floor: int) -> LifeEnd | Failure | None:
-        """Wait warm for the lease (bootstrap/standby.py); None once this life holds it."""
-        assert self._writer is not None
-        self.phase = "standby"
-        ended = wait_warm(
-            self._writer,
-            trainer,
-            self.stops,
-            self.log,
-            gated=self.user_job is None,
-            job_ended=self._job_ended,
-            floor=floor,
-        )
-        if ended is not None:
-            return ended
-        self.job.record(lambda ledger: ledger.end_standby(utc_now()))
-        self._close_dead_holder()
-        if self.config.lanes > 1:
-            self._protect_from_scale_in()  # it trains from now on
-        if self._job_ended():
-            # The holder completed (or the job was given up) just before it let go: nothing to continue.
-            self.log.event("standby", "took the lease of a job that has ended; letting it go")
-            trainer.request_stop()
-            return LifeEnd.STANDBY_ENDED
-        return None
-
-    # -- training -----------------------------------------------------------------------------------
-
-    def _train(self, paths: TrainerPaths, gpu_count: int) -> LifeEnd | Failure:
-        standby = self._writer is not None and self._writer.role is Role.STANDBY
-        reader = self._persister_for(paths, fenced=not standby and self._writer is not None)
-        persister = self._persister = reader
-        self.phase = "restore"
-        try:
-            restored = self._restore(reader)
-            trainer = self._job_process(paths, gpu_count, restored)
-        except (UploadAbandonedError, InterruptedError):
-            return self.stops.stopped_before_training()
-        except JobSpecError as exc:
-            fix = exc.fix or f"fix the job's requirements file, run pulumi up, then {RESUME_COMMAND}"
-            return Failure(LifeEnd.FAILED, exc.problems[0], list(self.log.tail), fix=fix, permanent=True)
-        if standby:
-            ended = self._wait_as_standby(trainer, floor=reader.token_floor() or 0)
-            reader.close()
-            if ended is not None:
-                return ended
-            # The holder's stop step, confirmed in S3 before it let go: exactly where this life resumes.
-            persister = self._persister = self._persister_for(paths, fenced=True)
-            self.phase = "restore"
-            try:
-                restored = persister.restore(should_abort=self.stops.is_set)
-            except (UploadAbandonedError, InterruptedError):
-                return self.stops.stopped_before_training()
-            if self.user_job is not None:
-                trainer = self._job_process(paths, gpu_count, restored)
-        self.job.progress_file = paths.progress_file
-        assert self.identity is not None  # identified before any phase of the life
-        metrics = GpuMetricPublisher(
-            self.clients.cloudwatch,
-            self.config.group_name,
-            self.log,
-            instance_id=self.identity.instance_id,
-            job_id=self.config.job_id,
-        )
-        if self.multi_node:
-            assert self.identity is not None
-            self._generations = Generations.for_node(
-                self.config,
-                self.log,
-                self.stops,
-                self.job,
-                self.supervisor,
-                self.clients.s3,
-                self.imds,
-                self.identity,
-                paths,
-                poll_seconds=self._state_poll_seconds,
-                fence=self._generation_fence,
-            )
-
-        def start() -> TrainerProcess | None:
-            self.phase = "training"
-            if self._generations is not None:
-                return None  # each generation starts it (bootstrap/generations.py)
-            if standby and self.user_job is None:
-                self.log.event("train", "start gate opened: the standby trains", restored_step=restored)
-                trainer.open_gate()
-                return trainer
-            self.log.event("train", "trainer starting", argv=trainer.argv, restored_step=restored)
-            trainer.start()
-            return trainer
-
-        if not self.stops.launch(start):
-            return self.stops.stopped_before_training()
-        persister.start()
-        if gpu_count:
-            metrics.start()
-        try:
-            code = (
-                self._generations.train(trainer, persister, restored)
-                if self._generations is not None
-                else self.supervisor.supervise(trainer, persister, watch_silent=self.user_job is None)
-            )
-        finally:
-            metrics.stop()
-        self.phase = "final-upload"
-        reason, seen_at = self.stops.state()
-        deadline = (
-            seen_at + self.config.stop_deadline_seconds
-            if seen_at is not None
-            else time.monotonic() + FINAL_UPLOAD_SECONDS
-        )
-        kill_at = self.stops.kill_at
-        if kill_at is not None:
-            # Past the lease's end by this clock the fence refuses every commit anyway.
-            deadline = min(deadline, kill_at)
-        persisted = persister.finish(deadline)
-        persister.close()
-        if self._generations is not None:
-            persisted = self._generations.job_checkpoint_confirmed(persisted, persister, deadline)
-        self.job.upload_progress_quietly()
-        # Read again: the final upload may have found the lease lost (or past its end) after the exit.
-        reason = self.stops.reason
-        return self.supervisor.classify_exit(code, reason, persisted, trainer)
-
-    def _job_process(self, paths: TrainerPaths, gpu_count: int, restored: int | None) -> TrainerProcess:
-        """The job to run: a user's command in its workdir (and requirements), or the built-in trainer."""
-        return self.supervisor.job_process(
-            paths,
-            gpu_count,
-            restored,
-            identity=self.identity,
-            spot_interruptions=self.ledger.spot_interruptions(),
-            log_sink=self._trainer_log_sink,
-        )
-
-    def _trainer_log_sink(self) -> Callable[[str], None]:
+    def trainer_log_sink(self) -> Callable[[str], None]:
         assert self.identity is not None
         return self.boot.trainer_log_sink(self.identity)
 
     def _finish(self, outcome: LifeEnd | Failure) -> LifeResult:
-        writer = self._writer
+        writer = self.writer
         if writer is None or writer.role is not Role.HOLDER:
             return self._outcome(outcome)
         # The state poller has stopped: the lease is kept renewed while the outcome is acted on (results
         # uploads take minutes), so no standby takes over a job that this life is ending.
         done = threading.Event()
         keeper = threading.Thread(
-            target=writer.keep, args=(done, self._state_poll_seconds), name="lease-keeper", daemon=True
+            target=writer.keep, args=(done, self.state_poll_seconds), name="lease-keeper", daemon=True
         )
         keeper.start()
         try:
@@ -945,8 +617,8 @@ class InstanceLife:
         life = LifeFacts(
             identity=self.identity,
             phase=self.phase,
-            output_dir=self._paths.output_dir if self._paths is not None else None,
-            follower=self._generations.follower if self._generations is not None else False,
+            output_dir=self.paths.output_dir if self.paths is not None else None,
+            follower=self.generations.follower if self.generations is not None else False,
         )
         return self.outcomes.finish(outcome, life)
 

@@ -111,7 +111,7 @@ class Instance:
         self.thread.start()
         return self
 
-    def join(self, timeout: float = 60) -> LifeResult:
+    def join(self, timeout: float) -> LifeResult:
         assert self.thread is not None
         self.thread.join(timeout)
         assert not self.thread.is_alive(), f"the agent did not end within {timeout} s"
@@ -159,7 +159,7 @@ def boot(stack: LocalStack) -> Iterator[Callable[[Up, Path], Instance]]:
             if isinstance(value, dict) and value.get("event") == "step":
                 instance.steps.append(int(value["step"]))
 
-        life._trainer_log_sink = lambda: sink  # type: ignore[method-assign]
+        life.trainer_log_sink = lambda: sink  # type: ignore[method-assign]
         return instance
 
     yield build
@@ -198,7 +198,7 @@ def train_first_job_and_stop_it(
     stack.client("s3").put_object(
         Bucket=stack.bucket, Key=control, Body=json.dumps({"action": "stop"}).encode()
     )
-    assert first.join().outcome == "stopped"
+    assert first.join(timeout=60).outcome == "stopped"
     assert _latest(stack, up.job_id) == STOP_STEP
     assert (scratch / "checkpoints" / f"step-{STOP_STEP}").is_dir(), "the first job's step is on the disk"
 
@@ -232,7 +232,7 @@ def test_a_changed_default_job_starts_at_step_zero_not_from_the_previous_jobs_ch
     pulumi_up(stack, second, SECOND, replaces=first)
     trainstack_resume(stack, first)
     instance = boot(second, scratch if disk == "same scratch disk" else tmp_path / "fresh")
-    assert instance.start().join().outcome == "completed"
+    assert instance.start().join(timeout=60).outcome == "completed"
 
     (bound, *_) = instance.said("job bound")
     assert (bound["job_id"], bound.get("previous_job")) == (second.job_id, first.job_id), (
@@ -257,7 +257,7 @@ def test_a_changed_default_job_with_resume_from_starts_from_the_previous_jobs_ch
     pulumi_up(stack, resumed, SECOND, replaces=first)
     trainstack_resume(stack, first)
     instance = boot(resumed, tmp_path / "fresh")
-    assert instance.start().join().outcome == "completed"
+    assert instance.start().join(timeout=60).outcome == "completed"
 
     assert instance.said("job bound")[0]["job_id"] == resumed.job_id
     (start,) = instance.said("new job: starting from job")

@@ -29,6 +29,7 @@ from bootstrap.jobuser import job_session_policy
 from bootstrap.lease import JobLease, LeaseLostError
 from bootstrap.lifecycle import InstanceLife
 from bootstrap.persist import CheckpointPersister
+from bootstrap.phases.writer import take_role
 from bootstrap.standby import Role
 from bootstrap.trainer import TrainerPaths
 from demo.imds import ImdsSimulator
@@ -159,7 +160,7 @@ def test_the_next_lease_starts_above_the_lease_record_never_above_a_forged_lates
     life = _life(stack, scratch)
     life.identity = life.imds.identity("us-east-1")
     try:
-        assert life._take_role(TrainerPaths(scratch)) is Role.HOLDER
+        assert take_role(life, TrainerPaths(scratch)) is Role.HOLDER
     finally:
         life._stop_background()
     taken = stack.read_json(lease_key)
@@ -172,7 +173,7 @@ def test_the_next_lease_starts_above_the_lease_record_never_above_a_forged_lates
     again = _life(stack, scratch)
     again.identity = again.imds.identity("us-east-1")
     try:
-        assert again._take_role(TrainerPaths(scratch)) is Role.HOLDER
+        assert take_role(again, TrainerPaths(scratch)) is Role.HOLDER
     finally:
         again._stop_background()
     taken = stack.read_json(lease_key)

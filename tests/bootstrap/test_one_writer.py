@@ -69,7 +69,7 @@ class Agent:
         self.thread.start()
         return self
 
-    def join(self, timeout: float = 90) -> LifeResult:
+    def join(self, timeout: float) -> LifeResult:
         assert self.thread is not None
         self.thread.join(timeout)
         assert not self.thread.is_alive(), f"{self.name} did not end within {timeout} s"
@@ -147,7 +147,7 @@ def agents(stack: LocalStack, tmp_path: Path) -> Iterator[Callable[..., Agent]]:
             if isinstance(value, dict) and value.get("event") == "step":
                 agent.steps.append((time.monotonic(), int(value["step"])))
 
-        life._trainer_log_sink = lambda: sink  # type: ignore[method-assign]
+        life.trainer_log_sink = lambda: sink  # type: ignore[method-assign]
         return agent
 
     yield build
@@ -229,12 +229,12 @@ def test_a_manual_scale_up_gives_one_standby_and_surplus_instances_leave(
     second = agents("second", ids[1]).start()
     second.wait_for("standby ready")
     third = agents("third", ids[2]).start()
-    assert third.join().outcome == "surplus"
+    assert third.join(timeout=90).outcome == "surplus"
     assert third.said("left the group")[0]["decrement"] is True
     assert stack.group()["DesiredCapacity"] == 2
     release.touch()
-    assert first.join().outcome == "completed"
-    assert second.join().outcome == "standby_ended"
+    assert first.join(timeout=90).outcome == "completed"
+    assert second.join(timeout=90).outcome == "standby_ended"
     assert not second.steps and not third.steps
     ledger = _ledger(stack)
     outcomes = sorted(life["outcome"] for life in ledger["lives"])
@@ -256,8 +256,8 @@ def test_a_replacement_launched_while_the_old_instance_drains_waits_and_resumes_
     _wait_until(lambda: bool(first.steps), "the holder's first step")  # the notice comes mid-training
     first.imds.inject_spot_notice()
     second = agents("second", "i-0replacement0000", in_group=False).start()
-    assert first.join().outcome == "preempted"
-    assert second.join().outcome == "completed"
+    assert first.join(timeout=90).outcome == "preempted"
+    assert second.join(timeout=90).outcome == "completed"
     _assert_one_linear_history(stack, first, second)
     ledger = _ledger(stack)
     outcomes = {life["instance_id"]: life["outcome"] for life in ledger["lives"]}
@@ -288,7 +288,7 @@ def test_a_writer_whose_lease_was_taken_is_refused_and_stops(
         "token": lease["token"] + 1,
     }
     s3.put_object(Bucket=stack.bucket, Key=key, Body=json.dumps(taken).encode())
-    assert first.join().outcome == "superseded"
+    assert first.join(timeout=90).outcome == "superseded"
     stop = first.said("stop requested")[0]
     assert stop["reason"] == "lease_lost"
     assert first.said("lease lost")
@@ -313,7 +313,7 @@ def test_a_second_job_starts_at_step_zero_and_leaves_the_first_ones_results_inta
     stack: LocalStack, agents: Callable[..., Agent]
 ) -> None:
     first = agents("first", stack.instance_ids()[0], fake={"steps": 12, "log_steps": True}).start()
-    assert first.join().outcome == "completed"
+    assert first.join(timeout=90).outcome == "completed"
     s3 = stack.client("s3")
     first_results = s3.get_object(Bucket=stack.bucket, Key=f"jobs/{JOB}/results/metrics.json")["Body"].read()
     autoscaling = stack.client("autoscaling")
@@ -321,7 +321,7 @@ def test_a_second_job_starts_at_step_zero_and_leaves_the_first_ones_results_inta
     second = agents(
         "second", stack.instance_ids()[0], fake={"steps": 8}, job_id="vit-22222222", job_name="vit"
     ).start()
-    assert second.join().outcome == "completed"
+    assert second.join(timeout=90).outcome == "completed"
     assert second.steps[0][1] == 1, "a new job starts at step 0"
     assert second.said("job bound")[0]["previous_job"] == JOB
     again = s3.get_object(Bucket=stack.bucket, Key=f"jobs/{JOB}/results/metrics.json")["Body"].read()
@@ -360,7 +360,7 @@ def test_a_replacement_after_a_mid_job_pulumi_up_runs_the_jobs_own_code(
     assert pinned and pinned[0]["job_id"] == JOB and pinned[0]["bundle_key"] == "code/aaa/bundle.tar.gz"
     assert second.said("continuing it with the code it started with")[0]["defined_job"] == "vit-22222222"
     first.life.request_shutdown()
-    first.join()
+    first.join(timeout=90)
 
 
 # -- a partition of the holder (docs/internals.md, "A partition: the holder stops on its own clock") ------

@@ -17,9 +17,11 @@ import pytest
 from bootstrap.eventlog import EventLog
 from bootstrap.lifecycle import InstanceLife
 from bootstrap.outcomes import LifeEnd
+from bootstrap.phases import training as training_phase
 from bootstrap.stops import STOP_OUTCOMES, StopRequests
 from bootstrap.watcher import RebalanceRecommendation, TerminationNotice
 from demo.stack import LocalStack
+from tests.waiting import join_all
 
 MakeLife = Callable[..., InstanceLife]
 
@@ -66,8 +68,7 @@ def test_the_first_reason_wins_and_a_stop_during_the_launch_signals_the_trainer_
     stopper.start()  # blocks on the launch's lock: either before the start (nothing starts) or after it
     time.sleep(0.1)
     release.set()
-    launcher.join(5)
-    stopper.join(5)
+    join_all([launcher, stopper], 10, "the launch and the stop that raced it")
     assert trainer.stops == 1, "a stop that raced the launch never reached the trainer"
     stops.request("control")
     assert stops.reason == "spot" and trainer.stops == 1, "a second stop replaced the first"
@@ -236,28 +237,35 @@ def test_sigterm_only_flips_a_flag_and_the_sentinel_turns_it_into_a_shutdown_sto
 # -- the real agent: the stop lands in each phase before the launch -------------------------------------
 
 
-def _stop_on_entry(life: InstanceLife, method: str, reason: str) -> None:
-    """The stop arrives as `method` (a phase of the life) begins; the phase runs on as it would."""
-    original = getattr(life, method)
+def _stop_on_entry(life: InstanceLife, monkeypatch: pytest.MonkeyPatch, function: str, reason: str) -> None:
+    """The stop arrives as `function` of the training phase (bootstrap/phases/training.py) begins; the
+    phase runs on as it would."""
+    original = getattr(training_phase, function)
 
     def stopped_first(*args: Any, **kwargs: Any) -> Any:
         life.stops.request(reason)
         return original(*args, **kwargs)
 
-    setattr(life, method, stopped_first)
+    monkeypatch.setattr(training_phase, function, stopped_first)
 
 
 @pytest.mark.parametrize(
     ("phase", "method", "reason", "outcome"),
     [
         ("the data sync", "data", "spot", "preempted"),
-        ("the restore", "_restore", "cancel", "cancelled"),
-        ("the job's set-up (venv build)", "_job_process", "cost_cap", "cost_cap"),
+        ("the restore", "restore", "cancel", "cancelled"),
+        ("the job's set-up (venv build)", "job_process", "cost_cap", "cost_cap"),
         ("between the restore and the launch", "launch", "control", "stopped"),
     ],
 )
 def test_a_stop_in_any_phase_before_the_launch_means_the_trainer_never_starts(
-    make_life: MakeLife, stack: LocalStack, phase: str, method: str, reason: str, outcome: str
+    make_life: MakeLife,
+    stack: LocalStack,
+    monkeypatch: pytest.MonkeyPatch,
+    phase: str,
+    method: str,
+    reason: str,
+    outcome: str,
 ) -> None:
     life = make_life(fake={"steps": 10**9})
     lines: list[str] = []
@@ -280,7 +288,7 @@ def test_a_stop_in_any_phase_before_the_launch_means_the_trainer_never_starts(
 
         life.stops.launch = stop_then_launch  # type: ignore[method-assign]
     else:
-        _stop_on_entry(life, method, reason)
+        _stop_on_entry(life, monkeypatch, method, reason)
     result = life.run()
     events = [json.loads(line) for line in lines]
     started = [

@@ -98,7 +98,7 @@ def test_requirements_go_into_a_cached_venv_on_top_of_the_amis_torch(tmp_path: P
         "import importlib.metadata as m, importlib.util as u; "
         "print(u.find_spec('torch').origin, m.version('torch'))"
     )
-    seen = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    seen = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
     assert seen.returncode == 0, seen.stderr
     import importlib.metadata
     import importlib.util
@@ -116,13 +116,14 @@ def test_a_job_on_an_efa_cluster_gets_the_libfabric_settings(
     config = stack.agent_config(poll_seconds=0.2, scratch_dir=str(tmp_path), user_job=spec, efa=True)
     life = InstanceLife(config, log=EventLog(io.StringIO()), identity_wait_seconds=2, job_root=JOB_DIR)
     life.identity = life.imds.identity("us-east-1")
+    from bootstrap.phases.training import job_process
     from bootstrap.trainer import TrainerPaths
 
-    process = life._job_process(TrainerPaths(tmp_path), gpu_count=0, restored=None)
+    process = job_process(life, TrainerPaths(tmp_path), gpu_count=0, restored=None)
     assert process._env["FI_PROVIDER"] == "efa"
     plain = InstanceLife(stack.agent_config(scratch_dir=str(tmp_path), user_job=spec), job_root=JOB_DIR)
     plain.identity = life.identity
-    assert "FI_PROVIDER" not in plain._job_process(TrainerPaths(tmp_path), gpu_count=0, restored=None)._env
+    assert "FI_PROVIDER" not in job_process(plain, TrainerPaths(tmp_path), gpu_count=0, restored=None)._env
 
 
 def test_a_users_job_exiting_2_is_reported_as_its_own_exit_not_as_the_trainer_config(
