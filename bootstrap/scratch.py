@@ -14,6 +14,10 @@ INSTANCE_STORE_GLOB = "nvme-Amazon_EC2_NVMe_Instance_Storage_*"
 MOUNT_POINT = Path("/mnt/trainstack")
 ROOT_VOLUME_DIR = Path("/var/lib/trainstack/scratch")
 RAID_DEVICE = "/dev/md/trainstack"
+# Where the kernel names the instance-store disks and lists what is mounted (module-level: tests point them
+# at a folder of their own).
+DISKS_BY_ID = Path("/dev/disk/by-id")
+PROC_MOUNTS = Path("/proc/mounts")
 
 
 @dataclass(frozen=True)
@@ -45,11 +49,12 @@ def plan_scratch(
 
 
 def _free_instance_store() -> list[str]:
-    by_id = Path("/dev/disk/by-id")
-    if not by_id.is_dir():
+    """The instance-store disks (by their real device path) that nothing has mounted: a disk whose name is in
+    the mount table, itself or a partition of it, is in use and never formatted."""
+    if not DISKS_BY_ID.is_dir():
         return []
-    devices = {os.path.realpath(p) for p in by_id.glob(INSTANCE_STORE_GLOB) if "-part" not in p.name}
-    mounted = Path("/proc/mounts").read_text() if Path("/proc/mounts").exists() else ""
+    devices = {os.path.realpath(p) for p in DISKS_BY_ID.glob(INSTANCE_STORE_GLOB) if "-part" not in p.name}
+    mounted = PROC_MOUNTS.read_text() if PROC_MOUNTS.exists() else ""
     return sorted(d for d in devices if d not in mounted)
 
 

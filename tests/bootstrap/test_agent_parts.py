@@ -1,4 +1,4 @@
-"""Pure parts of the agent: ledger counting, stall watchdog, scratch decision, trainer command."""
+"""Pure parts of the agent: ledger counting, stall watchdog, trainer command (scratch: test_scratch.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 from bootstrap.imds import InstanceIdentity
 from bootstrap.ledger import JobLedger
 from bootstrap.pricing import GP3_USD_PER_GB_MONTH, ON_DEMAND_FALLBACK_USD_PER_HOUR, CostMeter
-from bootstrap.scratch import DLAMI_NVME, MOUNT_POINT, ROOT_VOLUME_DIR, plan_scratch
 from bootstrap.trainer import TrainerPaths, TrainerProcess, default_trainer_command
 from bootstrap.watchdog import StallWatchdog
 from trainstack_job.contract import LifeOutcome
@@ -156,17 +155,6 @@ def test_stall_watchdog_fires_only_when_the_step_stops_advancing() -> None:
     assert not watchdog.observe(4)
     now[0] += 11
     assert watchdog.observe(4)
-
-
-def test_scratch_prefers_config_then_dlami_nvme_then_raid_then_root() -> None:
-    assert plan_scratch("/x", True, ["/dev/nvme1n1"], False).directory == Path("/x")
-    assert plan_scratch(None, True, ["/dev/nvme1n1"], False).directory == DLAMI_NVME / "trainstack"
-    two = plan_scratch(None, False, ["/dev/nvme2n1", "/dev/nvme1n1"], False)
-    assert (two.directory, two.devices, two.raid) == (MOUNT_POINT, ("/dev/nvme1n1", "/dev/nvme2n1"), True)
-    one = plan_scratch(None, False, ["/dev/nvme1n1"], False)
-    assert one.devices == ("/dev/nvme1n1",) and not one.raid
-    assert plan_scratch(None, False, [], True).devices == ()
-    assert plan_scratch(None, False, [], False).directory == ROOT_VOLUME_DIR
 
 
 def test_several_gpus_start_one_trainer_rank_per_gpu() -> None:

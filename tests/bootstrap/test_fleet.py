@@ -73,3 +73,119 @@ def test_leaving_for_good_still_fails_when_the_instance_stays() -> None:
 
     with pytest.raises(ClientError, match="AccessDenied"):
         Fleet(Refusing("InService"), "g").leave_for_good("i-1")
+
+
+class Recording(Listing):
+    """An autoscaling client that records each call with its arguments, as AWS's API names them."""
+
+    def __init__(self, desired: int | None = 1) -> None:
+        super().__init__("InService")
+        self.desired = desired
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def call(**kwargs: Any) -> dict[str, Any]:
+            self.calls.append((name, kwargs))
+            return {}
+
+        return call
+
+    def describe_auto_scaling_groups(self, AutoScalingGroupNames: list[str]) -> dict[str, Any]:  # noqa: N803
+        self.calls.append(("describe_auto_scaling_groups", {"AutoScalingGroupNames": AutoScalingGroupNames}))
+        found = [] if self.desired is None else [{"DesiredCapacity": str(self.desired)}]
+        return {"AutoScalingGroups": found}
+
+
+def test_each_call_names_this_stacks_group_and_asks_aws_for_exactly_what_it_means() -> None:
+    """Billing stops at once (no cooldown), a replacement is asked for without the grace period, a drained
+    instance goes on (CONTINUE), protection is set on this instance in this group only."""
+    client = Recording(desired=3)
+    fleet = Fleet(client, "trainstack-g")
+    assert fleet.desired_capacity() == 3
+    fleet.scale_to_zero()
+    fleet.replace_instance("i-1")
+    fleet.complete_lifecycle_action("drain", "i-1")
+    fleet.protect("i-1", True)
+    fleet.protect("i-1", False)
+    assert client.calls == [
+        ("describe_auto_scaling_groups", {"AutoScalingGroupNames": ["trainstack-g"]}),
+        (
+            "set_desired_capacity",
+            {"AutoScalingGroupName": "trainstack-g", "DesiredCapacity": 0, "HonorCooldown": False},
+        ),
+        (
+            "set_instance_health",
+            {"InstanceId": "i-1", "HealthStatus": "Unhealthy", "ShouldRespectGracePeriod": False},
+        ),
+        (
+            "complete_lifecycle_action",
+            {
+                "LifecycleHookName": "drain",
+                "AutoScalingGroupName": "trainstack-g",
+                "InstanceId": "i-1",
+                "LifecycleActionResult": "CONTINUE",
+            },
+        ),
+        (
+            "set_instance_protection",
+            {"InstanceIds": ["i-1"], "AutoScalingGroupName": "trainstack-g", "ProtectedFromScaleIn": True},
+        ),
+        (
+            "set_instance_protection",
+            {"InstanceIds": ["i-1"], "AutoScalingGroupName": "trainstack-g", "ProtectedFromScaleIn": False},
+        ),
+    ]
+    assert Fleet(Recording(desired=None), "gone").desired_capacity() is None
+
+
+@pytest.mark.parametrize(
+    ("desired", "instance_count", "decrement"),
+    [
+        (2, 1, True),  # a second instance of a single-writer job: the group wants one fewer
+        (1, 1, False),  # the group's own count: a replacement it launched first must stay
+        (0, 1, False),  # scaled to zero already: the terminate alone
+        (3, 2, True),
+        (2, 2, False),
+        (None, 1, False),  # the group is not found: never lower what cannot be read
+    ],
+)
+def test_leaving_lowers_the_capacity_only_above_the_jobs_own_instance_count(
+    desired: int | None, instance_count: int, decrement: bool
+) -> None:
+    client = Recording(desired=desired)
+    assert Fleet(client, "g").leave("i-9", instance_count=instance_count) is decrement
+    assert client.calls[-1] == (
+        "terminate_instance_in_auto_scaling_group",
+        {"InstanceId": "i-9", "ShouldDecrementDesiredCapacity": decrement},
+    )
+
+
+def test_an_instance_leaving_while_its_replacement_runs_takes_only_itself(stack: LocalStack) -> None:
+    """Capacity rebalancing launches the replacement before it terminates the old instance: at the group's
+    own count the old one leaves and the replacement keeps running."""
+    autoscaling = stack.client("autoscaling")
+    autoscaling.update_auto_scaling_group(AutoScalingGroupName=stack.group_name, MaxSize=2, DesiredCapacity=2)
+    old, replacement = stack.instance_ids()[:2]
+    fleet = Fleet(autoscaling, stack.group_name)
+    assert fleet.leave(old, instance_count=2) is False
+    assert stack.group()["DesiredCapacity"] == 2
+    assert old not in stack.instance_ids() and replacement in stack.instance_ids()
+    assert fleet.leave(replacement, instance_count=1) is True
+    assert stack.group()["DesiredCapacity"] == 1
+
+
+def test_leaving_for_good_takes_the_protection_off_before_the_terminate_and_lowers_the_capacity() -> None:
+    """Protection is against scale-in only: off first, so that if the terminate fails the group may still
+    take the instance when it scales in."""
+    client = Recording(desired=2)
+    Fleet(client, "g").leave_for_good("i-1")
+    assert client.calls == [
+        (
+            "set_instance_protection",
+            {"InstanceIds": ["i-1"], "AutoScalingGroupName": "g", "ProtectedFromScaleIn": False},
+        ),
+        (
+            "terminate_instance_in_auto_scaling_group",
+            {"InstanceId": "i-1", "ShouldDecrementDesiredCapacity": True},
+        ),
+    ]
