@@ -1,7 +1,7 @@
 """The launch-template baseline every trainstack instance gets (the job group's and the dev box's): IMDSv2
 only with one hop, an encrypted gp3 root volume under the stack's key, a primary interface in the stack's
 security group (no inbound rule); and the code bundle each boots, stored the same way. One definition, so the
-two templates can never drift apart; the policy pack (infra/policy/) checks each template against the same
+two templates can never drift apart; the policy pack (policypack/) checks each template against the same
 rules."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from infra.iam.service_roles import capacity_fallback_policy as function_policy
 from trainstack_job.jobs import CURRENT_JOB
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-HANDLER = Path(__file__).resolve().parent / "capacity_fallback" / "handler.py"
+HANDLER = Path(__file__).resolve().parents[1] / "lambdas" / "capacity_fallback" / "handler.py"
 # trainstack_job is standard library only: a function's handler imports its one definition of the records
 # (trainstack_job/records.py), the pointer names and the queue entry, never a copy. Its framework callbacks
 # import their frameworks, and no function needs them; nor the job file's schema, which imports PyYAML (not in

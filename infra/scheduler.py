@@ -1,5 +1,5 @@
 """The scheduler: one small function for the stack that raises each pool's desired capacity to what its
-waiting jobs need (infra/scheduler_fn/handler.py), invoked when a queue entry is created (the bucket sends
+waiting jobs need (lambdas/scheduler/handler.py), invoked when a queue entry is created (the bucket sends
 its events to EventBridge), when an instance of a pool ends, and every five minutes. No controller VM:
 nothing bills while nothing runs (docs/internals.md, "The scheduler")."""
 
@@ -19,7 +19,7 @@ from infra.config import Pool
 from infra.iam import common, service_roles
 from trainstack_job.queue import QUEUE_PREFIX
 
-HANDLER = Path(__file__).resolve().parent / "scheduler_fn" / "handler.py"
+HANDLER = Path(__file__).resolve().parents[1] / "lambdas" / "scheduler" / "handler.py"
 SCHEDULE = "rate(5 minutes)"
 
 

@@ -10,7 +10,8 @@ imports it first, whatever the order of the modules' imports), so `trainstack_jo
 The layers, bottom up: trainstack_job/ (the contracts, records and schemas every part shares: standard library
 and PyYAML), training/ (the built-in trainer), bootstrap/ (the agent), then the CLI (trainstack/), the Pulumi
 program (infra/), demo/ and bench/. An arrow may only point down: training/ and trainstack_job/ never import
-the agent, the CLI or the program, and trainstack_job/ imports only itself.
+the agent, the CLI or the program, and trainstack_job/ imports only itself. The Lambdas (lambdas/) and the
+policy pack (policypack/) are deployed apart from the rest: they import trainstack_job/ and nothing else.
 """
 
 from __future__ import annotations
@@ -21,13 +22,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("bootstrap", "trainstack", "trainstack_job", "training", "infra", "demo", "bench")
+PACKAGES = (
+    "bootstrap",
+    "trainstack",
+    "trainstack_job",
+    "training",
+    "infra",
+    "policypack",
+    "lambdas",
+    "demo",
+    "bench",
+)
 # What each lower layer must never import: the parts built on top of it.
 FORBIDDEN = {
     "trainstack_job": ("bootstrap", "infra", "trainstack", "training", "demo", "bench"),
     "training": ("bootstrap", "infra", "trainstack", "demo", "bench"),
+    # Deployed on their own (a Lambda's package, the policy pack's virtualenv): only the shared contracts.
+    "lambdas": ("bootstrap", "infra", "trainstack", "training", "policypack", "demo", "bench"),
+    "policypack": ("bootstrap", "infra", "trainstack", "training", "lambdas", "demo", "bench"),
 }
-# Not sources: caches, virtualenvs (the policy pack's infra/policy/.venv) and bench/out/, runs' copies of the
+# Not sources: caches, virtualenvs (the policy pack's policypack/.venv) and bench/out/, runs' copies of the
 # bundle.
 _SKIPPED = {"__pycache__", "out"}
 FIX = (

@@ -16,10 +16,10 @@ import pytest
 from bootstrap import jobuser, safefiles
 from infra.iam.common import RESOURCE_STAR_REQUIRED
 from infra.iam.machine_roles import JOB_DENIED_WRITE_ACTIONS
-from infra.policy import exposure, grants
-from infra.policy.compute import no_piped_downloads_in_user_data, no_secrets_in_user_data
-from infra.policy.documents import statements
-from infra.policy.rules import POLICIES
+from policypack import exposure, grants
+from policypack.compute import no_piped_downloads_in_user_data, no_secrets_in_user_data
+from policypack.documents import statements
+from policypack.rules import POLICIES
 from tests.iam.evaluate import arn_matches
 from tests.infra.program import ACCOUNT_ID, REGION, RecordedResource, StackRun, example_config, run_stack
 from tests.policy.harness import check

@@ -1,7 +1,7 @@
 """What looks like a credential: the one definition of the shapes of secret values and of the names that say
 a value is one. Standard library only, importing nothing but trainstack_job.secret_refs: the job file's
 `env:` check (trainstack_job/jobfile.py), the built-in trainer config's check at preview and `trainstack run`
-(infra/submission.py) and the policy pack's user-data scan (infra/policy/user_data.py, which runs in its own
+(infra/submission.py) and the policy pack's user-data scan (policypack/user_data.py, which runs in its own
 virtualenv) all read the same patterns, so a shape added here is refused everywhere at once.
 """
 

@@ -1,6 +1,6 @@
 """A group's launch history as Auto Scaling's scaling activities tell it; stdlib only.
 
-One reading of it for the capacity function (infra/capacity_fallback/handler.py: how long spot has had no
+One reading of it for the capacity function (lambdas/capacity_fallback/handler.py: how long spot has had no
 capacity, to fall back to on-demand) and for `trainstack jobs` (why a queued job waits: "no capacity for its
 instance types for 12 min"), so the two never disagree about what a drought is.
 """

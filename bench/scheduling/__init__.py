@@ -44,7 +44,7 @@ Runs (sizes are flags; `--quick` is the test's size):
 
 - `limit`: 60 jobs over 2 pools of 8 lanes and at most 8 instances each, under a stack-wide maxConcurrentJobs
   of 6, and no instance started by the bench: the groups start at zero and the scheduler function (the real
-  `infra/scheduler_fn/handler.py run`, invoked once per queue entry, once per instance that ends and on a
+  `lambdas/scheduler/handler.py run`, invoked once per queue entry, once per instance that ends and on a
   schedule, one at a time as its reserved concurrency makes it) raises them; a launcher thread boots an
   instance for each one the group lists. Its invocations are counted by trigger.
 

@@ -493,7 +493,7 @@ STOP = "stop"
 
 
 class SchedulerFunction:
-    """The scheduler function (infra/scheduler_fn/handler.py, the real code) invoked as EventBridge invokes
+    """The scheduler function (lambdas/scheduler/handler.py, the real code) invoked as EventBridge invokes
     it: once per queue entry created, once per instance of a pool that ends, and on a schedule (every
     `schedule_s` here for the stack's 5 minutes, in proportion to jobs of a fraction of a second). One
     invocation at a time, as its reserved concurrency of 1 makes it; each stamped to the second as
@@ -501,7 +501,7 @@ class SchedulerFunction:
     began after it already read the state (`Passes`)."""
 
     def __init__(self, world: World, schedule_s: float = 1.0) -> None:
-        from infra.scheduler_fn.handler import Passes, PoolSettings
+        from lambdas.scheduler.handler import Passes, PoolSettings
 
         self.world = world
         self.schedule_s = schedule_s
@@ -520,7 +520,7 @@ class SchedulerFunction:
         self.triggers.put((kind, datetime.now(timezone.utc).replace(microsecond=0)))
 
     def run(self) -> None:
-        from infra.scheduler_fn.handler import run
+        from lambdas.scheduler.handler import run
 
         world = self.world
         tick = time.monotonic() + self.schedule_s

@@ -38,7 +38,7 @@ class RunSpec:
     # while the instances start (the first submission woke the group).
     submit_over_s: float = 0.0
     scale_in: bool = False
-    # The scheduler function drives the pools (infra/scheduler_fn/handler.py, invoked on each queue entry,
+    # The scheduler function drives the pools (lambdas/scheduler/handler.py, invoked on each queue entry,
     # each instance's end and a schedule): the groups start at zero and every instance is one it started.
     scheduler: bool = False
     # trainstack:maxConcurrentJobs (0: none): the agents' run slots and the scheduler's limit.

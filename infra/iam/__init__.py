@@ -1,5 +1,5 @@
 """The stack's IAM, KMS, S3 and SNS policy documents as pure functions of ARNs: data, tested without AWS or
-mocks (tests/iam evaluates them). Not the policy pack (infra/policy/), which judges what the program declares.
+mocks (tests/iam evaluates them). Not the policy pack (policypack/), which judges what the program declares.
 
 - `common`: what every document shares: the document shape, the `kms:ViaService` values, ARN patterns, the
   actions that take no resource ARN, the keys a submission writes, service trust policies.

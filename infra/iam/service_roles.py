@@ -40,7 +40,7 @@ def capacity_fallback_policy(
     No ec2:RunInstances, iam:PassRole or ec2:CreateTags: the function updates the instances distribution
     only and never names the launch template, and AWS checks those three only for a create or update that
     does (EC2 Auto Scaling User Guide, "Control Amazon EC2 launch template usage in Auto Scaling groups";
-    infra/capacity_fallback/handler.py, tests/iam).
+    lambdas/capacity_fallback/handler.py, tests/iam).
     """
     statements: list[Document] = [
         {
@@ -68,7 +68,7 @@ def capacity_fallback_policy(
 
 
 def cost_cap_keys(prefixes: Prefixes, pointer: str = CURRENT_JOB) -> tuple[str, str, str]:
-    """The keys the cost cap reads (infra/capacity_fallback/handler.py CostCap): its pool's current-job
+    """The keys the cost cap reads (lambdas/capacity_fallback/handler.py CostCap): its pool's current-job
     pointer (`pointer`: trainstack_job.jobs.pointer_name), any job's ledger, the legacy job's ledger."""
     return (
         f"{prefixes.state}{pointer}",
@@ -126,7 +126,7 @@ def _cost_cap_statements(group_arn: str, access: CostCapAccess) -> list[Document
 
 
 def scheduler_reads(prefixes: Prefixes | None = None) -> list[str]:
-    """The keys the scheduler reads (infra/scheduler_fn/handler.py): the queue, each pool's lane pointers, the
+    """The keys the scheduler reads (lambdas/scheduler/handler.py): the queue, each pool's lane pointers, the
     stack's run slots (maxConcurrentJobs), and of a job its record, ledger and cancel request."""
     prefixes = prefixes or Prefixes()
     jobs = prefixes.jobs

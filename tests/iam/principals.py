@@ -21,7 +21,7 @@ INSTANCE = "instance-role"  # bootstrap/aws.py's INSTANCE_PRINCIPAL: the agent o
 CAPACITY_FALLBACK = "capacity-fallback"  # the Lambda function's role
 CLI = "cli-user"  # the trainstack CLI: the user's own credentials
 DEV = "dev-role"  # the dev box's role: its idle watcher (bootstrap/devbox/watcher.py)
-SCHEDULER = "scheduler"  # the scheduler function's role (infra/scheduler_fn/handler.py)
+SCHEDULER = "scheduler"  # the scheduler function's role (lambdas/scheduler/handler.py)
 
 PRINCIPALS = (INSTANCE, CAPACITY_FALLBACK, CLI, DEV, SCHEDULER)
 

@@ -17,8 +17,8 @@ from moto.core import DEFAULT_ACCOUNT_ID
 
 from demo.stack import STAND_IN_AMI
 from infra.capacity import HANDLER, function_code, function_policy, group_arn_pattern
-from infra.capacity_fallback import handler
-from infra.capacity_fallback.handler import FALL_BACK, RETURN_TO_SPOT, STAY, Settings
+from lambdas.capacity_fallback import handler
+from lambdas.capacity_fallback.handler import FALL_BACK, RETURN_TO_SPOT, STAY, Settings
 from tests.iam import principals
 from tests.iam.plugin import record_as
 from tests.iam.principals import CAPACITY_FALLBACK

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from infra.config import MAX_INGRESS_ADDRESSES, StackConfig, StackConfigError, parse_stack_config
-from infra.policy.network import MAX_INGRESS_ADDRESSES as PACK_MAX_INGRESS_ADDRESSES
+from policypack.network import MAX_INGRESS_ADDRESSES as PACK_MAX_INGRESS_ADDRESSES
 from tests.infra.program import FALLBACK_JOB
 
 

@@ -1,7 +1,7 @@
 """The cost cap outside the instance: the capacity function reads the current job's ledger and, at or over
 `maxCostUsd`, scales the group to zero and publishes one line, against moto. Its calls are recorded as the
 function role's, so the session's IAM check (tests/iam) holds them to the role the program declares. At the
-end, the spot fallback's decision that shares the function (infra/capacity_fallback/handler.py)."""
+end, the spot fallback's decision that shares the function (lambdas/capacity_fallback/handler.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 from botocore.exceptions import ClientError
 
 from demo.stack import STAND_IN_AMI
-from infra.capacity_fallback import handler
-from infra.capacity_fallback.handler import (
+from lambdas.capacity_fallback import handler
+from lambdas.capacity_fallback.handler import (
     CAP_STOP,
     RETURN_TO_SPOT,
     STAY,

@@ -19,7 +19,6 @@ import yaml
 
 from bootstrap.agent_config import AgentConfig
 from bootstrap.cloud_init import render_user_data
-from infra.capacity_fallback.handler import CostCap
 from infra.config import (
     DEFAULTS,
     MAX_NODES,
@@ -29,6 +28,7 @@ from infra.config import (
     StackConfigError,
     parse_stack_config,
 )
+from lambdas.capacity_fallback.handler import CostCap
 from tests.iam.evaluate import Caller, Request, decide
 from tests.iam.requests import Stack
 from tests.infra.program import ACCOUNT_ID, RecordedResource, StackRun, example_config, run_stack

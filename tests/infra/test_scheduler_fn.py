@@ -13,9 +13,10 @@ import boto3
 import pytest
 
 from demo.stack import LocalStack, create_stack
-from infra.scheduler_fn.handler import PoolSettings, handler, run
+from lambdas.scheduler.handler import PoolSettings, handler, run
 from tests.iam.plugin import record_as
 from tests.iam.principals import SCHEDULER
+from tests.waiting import join_all
 from trainstack_job.queue import SOURCE_RUN, cancel_key, job_record, queue_entry, queue_key
 
 
@@ -103,8 +104,7 @@ def test_concurrent_invocations_agree_on_one_capacity(stack: LocalStack) -> None
     threads = [threading.Thread(target=lambda: decisions.extend(_pass(stack, lanes))) for _ in range(4)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(60)
+    join_all(threads, 60, "the four concurrent invocations")
     assert len(decisions) == 4 and {d.wanted for d in decisions} == {4}
     assert _desired(stack) == 4, "four lanes free, six jobs waiting: four instances, never more"
 
@@ -205,7 +205,7 @@ def test_an_event_a_later_pass_already_covered_reads_nothing(
     announced; a later event, an event without a time and a cold container's first run a pass."""
     from datetime import datetime, timedelta, timezone
 
-    from infra.scheduler_fn import handler as module
+    from lambdas.scheduler import handler as module
 
     monkeypatch.setattr(module, "PASSES", module.Passes())
     monkeypatch.setenv("BUCKET", stack.bucket)

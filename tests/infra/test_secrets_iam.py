@@ -13,7 +13,7 @@ import pytest
 
 from infra.config import StackConfig, StackConfigError, parse_stack_config
 from infra.defaultjob import submit_stack_job
-from infra.policy.user_data import decode, scan_user_data
+from policypack.user_data import decode, scan_user_data
 from tests.infra.program import ACCOUNT_ID, REGION, StackRun, example_config, run_stack
 from trainstack_job.secret_refs import parameter_name, secret_id
 

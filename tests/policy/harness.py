@@ -19,7 +19,7 @@ from pulumi_policy import (
 from pulumi_policy.policy import PolicyCustomTimeouts
 from pulumi_policy.proxy import UnknownValueError, unknown_checking_proxy
 
-from infra.policy.rules import POLICIES
+from policypack.rules import POLICIES
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 from pulumi_policy.proxy import UNKNOWN_STRING_VALUE
 
 from infra.capacity import function_policy, group_arn_pattern
-from infra.policy.capacity import POLICIES
+from policypack.capacity import POLICIES
 from tests.infra.program import run_stack
 from tests.policy.golden import KEY_ARN, compliant_stack
 from tests.policy.harness import Resource, Violation, check

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from infra.policy.managed import DOCUMENTS
-from infra.policy.patterns import OBJECT_ARN, PARAMETER_ARN, ROLE_ARN, SECRET_ARN, reaches_unnamed
+from policypack.managed import DOCUMENTS
+from policypack.patterns import OBJECT_ARN, PARAMETER_ARN, ROLE_ARN, SECRET_ARN, reaches_unnamed
 from tests.policy.golden import ACCOUNT, BUCKET, compliant_stack, named
 from tests.policy.harness import Resource, check
 

@@ -29,8 +29,8 @@ from bootstrap.jobuser import job_session_policy
 from infra.iam.common import submitted_objects
 from infra.iam.machine_roles import job_role_policy
 from infra.iam.resource_policies import create_only_statements
-from infra.policy.containment import CODE_WRITES, CONTROL_OBJECTS, ENVIRONMENT_CODE, SUBMITTED_OBJECTS
-from infra.policy.user_data import SANDBOX_PATH
+from policypack.containment import CODE_WRITES, CONTROL_OBJECTS, ENVIRONMENT_CODE, SUBMITTED_OBJECTS
+from policypack.user_data import SANDBOX_PATH
 from tests.infra.program import example_config, run_stack
 from tests.policy.harness import Resource, Violation, check
 from tests.policy.test_program_passes_pack import _as_engine_sees_it, _explain

@@ -1,9 +1,10 @@
-"""The pack runs the way `pulumi preview --policy-pack infra/policy` starts it, and answers over gRPC."""
+"""The pack runs the way `pulumi preview --policy-pack policypack` starts it, and answers over gRPC."""
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
+import select
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,10 +18,10 @@ from google.protobuf import empty_pb2, struct_pb2
 from pulumi.runtime.proto import analyzer_pb2, analyzer_pb2_grpc
 from pulumi_policy.proxy import UNKNOWN_STRING_VALUE
 
-from infra.policy.rules import POLICIES
+from policypack.rules import POLICIES
 
 REPO = Path(__file__).resolve().parents[2]
-PACK = REPO / "infra" / "policy"
+PACK = REPO / "policypack"
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,9 @@ def analyzer() -> Iterator[analyzer_pb2_grpc.AnalyzerStub]:
     )
     try:
         assert process.stdout is not None
+        # Nothing read yet, so nothing buffered: select says when the port comes (readline alone would
+        # wait for ever on a pack that hangs before it).
+        assert select.select([process.stdout], [], [], 60)[0], "the pack printed no port within 60 s"
         port = process.stdout.readline().strip()
         assert port.isdigit(), f"the pack did not start: {process.stderr.read() if process.stderr else ''}"
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -176,6 +180,8 @@ def test_what_the_pack_imports_from_trainstack_job_loads_only_the_standard_libra
         f"import sys; sys.path.insert(0, {str(REPO)!r}); before = set(sys.modules); "
         "import trainstack_job.credentials; print('\\n'.join(sorted(set(sys.modules) - before)))"
     )
-    result = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
     loaded = {name.split(".")[0] for name in result.stdout.split()}
     assert loaded - set(sys.stdlib_module_names) == {"trainstack_job"}

@@ -17,8 +17,8 @@ from pulumi_policy.proxy import (
     UNKNOWN_STRING_VALUE,
 )
 
-from infra.policy.patterns import arn_shape, literal_prefix, matches_shape
-from infra.policy.rules import POLICIES
+from policypack.patterns import arn_shape, literal_prefix, matches_shape
+from policypack.rules import POLICIES
 from tests.policy.golden import (
     ACCESS_LOG_BUCKET_POLICY,
     ACCOUNT,
@@ -1013,7 +1013,7 @@ def test_issue_24_mutations_fail_the_multinode_efa_stack_too(
     assert any(fragment in violation.message for violation in violations), violations
 
 
-# == the identity, network and storage rules one by one (infra/policy/), through the engine's path =========
+# == the identity, network and storage rules one by one (policypack/), through the engine's path =========
 # A value known only after `pulumi up` never fails a preview; a malformed value never hides a good one after
 # it; each refusal is one line that names the resource's property, what is wrong and the fix, with the
 # policy-config key spelled as the user types it (tests/policy/harness.py).

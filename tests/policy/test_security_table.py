@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.policy.rules import POLICIES
+from policypack.rules import POLICIES
 from tests.policy.test_pack_guards import CASES
 from tests.policy.test_rules import MUTATIONS
 

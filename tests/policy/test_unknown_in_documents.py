@@ -1,6 +1,6 @@
 """A policy document written as an object (as TypeScript programs may: `policy: {Statement: [...]}`), with
 one field an output of another resource (`"Resource": bucket.arn`): the engine marks that value unknown at
-preview. Every rule that reads documents (infra/policy/documents.py) defers it to `up`; before the fix the
+preview. Every rule that reads documents (policypack/documents.py) defers it to `up`; before the fix the
 pack crashed on it (`'Unknown' object is not iterable`)."""
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import base64
 
 import pytest
 
-from infra.policy.rules import POLICIES
-from infra.policy.user_data import find_secrets, scan_user_data
+from policypack.rules import POLICIES
+from policypack.user_data import find_secrets, scan_user_data
 from tests.policy.golden import compliant_stack, named
 from tests.policy.harness import check
 

@@ -64,7 +64,7 @@ def test_preview_runs_pulumi_preview_with_diff_policy_pack_and_pr_comment() -> N
     pulumi = next(step for step in steps if step.get("uses", "").startswith("pulumi/actions@"))
     assert pulumi["with"]["command"] == "preview"
     assert pulumi["with"]["diff"] is True and pulumi["with"]["comment-on-pr"] is True
-    assert pulumi["with"]["policyPacks"] == "infra/policy"
+    assert pulumi["with"]["policyPacks"] == "policypack"
     assert "vars." in pulumi["with"]["stack-name"]
     job = next(iter(workflow["jobs"].values()))
     assert job["env"]["PULUMI_ACCESS_TOKEN"] == "${{ secrets.PULUMI_ACCESS_TOKEN }}"
