@@ -247,6 +247,7 @@ def check_stop_confirmed(result: RebalanceResult) -> Check:
 def check_standby(result: RebalanceResult) -> Check:
     """Instance 2 found the lease held by instance 1 and waited, its trainer warm behind the gate."""
     holder = result.life(HOLDER)
+    standby = result.life(STANDBY)
     waiting = result.find(STANDBY, STANDBY_WAITING)
     ready = result.find(STANDBY, STANDBY_READY)
     handover = result.find(HOLDER, HANDOVER)
@@ -254,14 +255,18 @@ def check_standby(result: RebalanceResult) -> Check:
     taken = result.find(STANDBY, LEASE_TAKEN_OVER)
     ok = (
         holder is not None
+        and standby is not None
         and waiting is not None
         and _field(waiting, "holder") == holder.instance_id
         and ready is not None
         and warm is not None
         and taken is not None
         and warm[0] < taken.time
+        # The holder handed over to this standby because it read the standby's ready record. Not the two
+        # lines' times: the standby says "standby ready" once its record is written, so on a loaded machine
+        # the holder, reading the record, can say so first.
         and handover is not None
-        and ready.time <= handover.time
+        and _field(handover, "standby") == standby.instance_id
     )
     return Check(
         "instance 2 waited as the warm standby",

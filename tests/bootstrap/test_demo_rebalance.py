@@ -301,6 +301,25 @@ def test_a_lease_that_skips_the_hand_over_fails() -> None:
     assert "the lease moved once, instance 1 → instance 2, token + 1" in failed_names(result)
 
 
+def test_the_standby_saying_ready_after_the_holder_read_its_record_still_waited_warm() -> None:
+    """The standby's "standby ready" line comes once its ready record is written: on a loaded machine the
+    holder reads the record and says "handing over" first. The hand-over naming the standby is the proof."""
+    result = good_story()
+    result.events = [
+        dataclasses.replace(e, time=4.6) if e.matches(STANDBY_READY) else e for e in result.events
+    ]
+    assert "instance 2 waited as the warm standby" not in failed_names(result)
+
+
+def test_a_hand_over_to_another_instance_than_the_standby_fails() -> None:
+    result = good_story()
+    result.events = [
+        dataclasses.replace(e, fields={**e.fields, "standby": "i-someone-else"}) if e.matches(HANDOVER) else e
+        for e in result.events
+    ]
+    assert "instance 2 waited as the warm standby" in failed_names(result)
+
+
 def test_rebalance_refuses_nodes_and_jobs() -> None:
     from demo.__main__ import _refuse_rebalance
 
