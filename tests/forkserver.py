@@ -54,6 +54,9 @@ TRAINER_MODULES = (
 # A request (its environment included) fits in one message of this size.
 MESSAGE_BYTES = 1 << 20
 MAX_FDS = 8
+# How long a start may wait for the server's answer: the first waits for its imports too (torch, ...), on a
+# loaded 2-core machine; past it the test fails naming the server, not by the global timeout.
+START_TIMEOUT_S = 180.0
 
 # -- the test side ------------------------------------------------------------------------------------------
 
@@ -107,6 +110,7 @@ class ForkServer:
                 | {"MPLBACKEND": "Agg"},
                 pass_fds=(theirs.fileno(),),
             )
+        self._socket.settimeout(START_TIMEOUT_S)
         self._count = 0
 
     def start(
@@ -125,7 +129,10 @@ class ForkServer:
             "fds": list(pass_fds),
         }
         socket.send_fds(self._socket, [json.dumps(request).encode()], list(pass_fds))
-        reply = self._socket.recv(MESSAGE_BYTES)
+        try:
+            reply = self._socket.recv(MESSAGE_BYTES)
+        except TimeoutError:
+            raise RuntimeError(f"the fork server started no life within {START_TIMEOUT_S} s") from None
         if not reply:
             raise RuntimeError(f"the fork server exited ({self._process.poll()}) before starting a life")
         return ForkedLife(int(json.loads(reply)["pid"]), log, status)

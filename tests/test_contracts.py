@@ -72,7 +72,9 @@ def test_importing_the_contract_loads_only_the_standard_library() -> None:
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); before = set(sys.modules); "
         "import trainstack_job.contract; print('\\n'.join(sorted(set(sys.modules) - before)))"
     )
-    result = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
     loaded = {name.split(".")[0] for name in result.stdout.split()}
     foreign = loaded - set(sys.stdlib_module_names) - {"trainstack_job"}
     assert not foreign, (

@@ -20,6 +20,7 @@ from bootstrap.datasync import MANIFEST_NAME, DataSync, DiskSpaceError
 from bootstrap.eventlog import EventLog
 from bootstrap.lifecycle import InstanceLife
 from demo.stack import LocalStack
+from tests.waiting import join_all
 from trainstack_job.datasets import DatasetPlace, Manifest, ManifestFile
 
 MakeLife = Callable[..., InstanceLife]
@@ -99,7 +100,7 @@ def test_a_push_in_progress_is_waited_for_and_the_new_version_synced_whole(
 
     report = sync_of(stack, "corpus", settle_poll_seconds=0.1).sync(tmp_path / "data", tool="boto3")
 
-    finisher.join()
+    join_all([finisher], 30, "the push the sync waited for")
     assert files(tmp_path / "data") == changed
     assert report.version == Manifest("corpus", _entries(changed)).version
 

@@ -320,7 +320,7 @@ def test_the_conditional_write_of_latest_keeps_out_a_writer_that_read_it_before_
         earlier = persister(s3, tmp_path / "earlier", StubFence(1) if fenced else None)
         commit_step(tmp_path / "earlier", 4)
         assert earlier.persist_newest(soon()) == 4
-    together, lock = threading.Barrier(2), threading.Lock()
+    together, lock = threading.Barrier(2, timeout=30), threading.Lock()
     newer_done, stale_done = threading.Event(), threading.Event()
     newer_s3 = OrderedLatest(s3, together, lock, newer_done)
     stale_s3 = OrderedLatest(s3, together, lock, stale_done, after=newer_done)

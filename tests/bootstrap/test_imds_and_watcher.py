@@ -76,7 +76,7 @@ def test_imds_outage_raises_unavailable_and_recovers(simulator: ImdsSimulator, m
     assert client.get("instance-id") == "i-0abc"
 
 
-def wait_for(condition: Callable[[], bool], what: str = "the condition", timeout: float = 30.0) -> None:
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     """Waits for the watcher thread; the bound only says when to give up: generous, since a loaded 2-core
     machine can stall a thread for seconds."""
     deadline = time.monotonic() + timeout
@@ -92,11 +92,11 @@ def test_watcher_reports_a_notice_once_and_each_rebalance_once(simulator: ImdsSi
     watcher.start()
     try:
         simulator.inject_rebalance()
-        wait_for(lambda: len(rebalances) == 1)
+        wait_for(lambda: len(rebalances) == 1, "the rebalance recommendation")
         simulator.inject_spot_notice()
-        wait_for(lambda: len(notices) == 1)
+        wait_for(lambda: len(notices) == 1, "the spot notice")
         polls = watcher.polls
-        wait_for(lambda: watcher.polls > polls + 3)
+        wait_for(lambda: watcher.polls > polls + 3, "three more polls after the notice")
     finally:
         watcher.stop()
     assert len(notices) == 1 and notices[0].source == "spot" and notices[0].action == "terminate"
@@ -153,10 +153,10 @@ def test_watcher_keeps_polling_through_an_imds_outage(simulator: ImdsSimulator) 
     watcher.start()
     try:
         simulator.go_down("refuse")
-        wait_for(lambda: watcher.failed_polls >= 3)
+        wait_for(lambda: watcher.failed_polls >= 3, "three failed polls while IMDS refuses")
         simulator.come_back()
         simulator.inject_spot_notice()
-        wait_for(lambda: len(notices) == 1)
+        wait_for(lambda: len(notices) == 1, "the spot notice once IMDS is back")
     finally:
         watcher.stop()
 

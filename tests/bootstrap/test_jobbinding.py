@@ -35,6 +35,7 @@ from bootstrap.jobbinding import (
 )
 from bootstrap.pinned import PinnedCodeError, pinned_config, reexec_argv, unpack_bundle
 from demo.stack import LocalStack
+from tests.waiting import join_all
 from trainstack_job.jobs import JobPrefixes
 from trainstack_job.queue import SOURCE_RUN, job_record, list_entries, queue_entry, queue_key
 from trainstack_job.text import clip
@@ -160,7 +161,7 @@ def test_a_running_stack_from_before_jobs_keeps_its_objects_as_the_legacy_job(st
 
 def test_two_definitions_booting_at_once_agree_on_one_job(stack: LocalStack) -> None:
     results: dict[str, str] = {}
-    barrier = threading.Barrier(2)
+    barrier = threading.Barrier(2, timeout=30)  # a boot that dies first breaks it: the other raises
 
     def boot(job_id: str) -> None:
         s3 = stack.client("s3")
@@ -170,8 +171,7 @@ def test_two_definitions_booting_at_once_agree_on_one_job(stack: LocalStack) -> 
     threads = [threading.Thread(target=boot, args=(j,)) for j in ("resnet-11111111", "vit-22222222")]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    join_all(threads, 60, "the two boots")
     winner = _get(stack, "state/current-job.json")["job_id"]
     assert set(results.values()) == {winner}
 
@@ -1421,7 +1421,7 @@ def test_instances_of_two_pools_racing_start_no_more_jobs_than_max_concurrent_jo
         bucket.submit(job, f"2026-12-01T11:00:0{index}.000Z", pool="p" if index % 2 else "")
     configs = [bucket.config(max_concurrent_jobs=3, lanes=4, pool="p" if i % 2 else "") for i in range(8)]
     bound: list[str | None] = []
-    start = threading.Barrier(len(configs))
+    start = threading.Barrier(len(configs), timeout=30)  # an instance that dies first breaks it
 
     def look(config: AgentConfig) -> None:
         s3 = boto3.client("s3", region_name="us-east-1")  # one client per instance
@@ -1432,8 +1432,7 @@ def test_instances_of_two_pools_racing_start_no_more_jobs_than_max_concurrent_jo
     threads = [threading.Thread(target=look, args=(config,)) for config in configs]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(60)
+    join_all(threads, 60, "the eight instances' bindings")
     # The others come as standbys of those three (a running job without one), never as a fourth job.
     started = {job for job in bound if job is not None}
     assert len(bound) == 8 and len(started) == 3, bound

@@ -301,12 +301,19 @@ def test_the_kill_runs_only_as_the_user_it_was_written_for(job_user: JobUser) ->
     quiet = subprocess.DEVNULL
     ids = [f"--reuid={job_user.uid}", f"--regid={job_user.gid}", "--clear-groups", "--"]
     started = subprocess.run(
-        ["setpriv", *ids, "setsid", "-f", "sleep", "300"], stdin=quiet, stdout=quiet, stderr=quiet, check=True
+        ["setpriv", *ids, "setsid", "-f", "sleep", "300"],
+        stdin=quiet,
+        stdout=quiet,
+        stderr=quiet,
+        check=True,
+        timeout=30,  # setsid -f returns at once, leaving the sleep behind
     )
     assert started.returncode == 0
     _wait_for(lambda: bool(_running_as(job_user.uid)), "the user's sleep to start", timeout=10)
     other = jobuser._KILL_ALL_OF_ME.format(uid=job_user.uid + 1)
-    refused = subprocess.run(["setpriv", *ids, sys.executable, "-I", "-S", "-c", other], check=False)
+    refused = subprocess.run(
+        ["setpriv", *ids, sys.executable, "-I", "-S", "-c", other], check=False, timeout=60
+    )
     assert refused.returncode == 3 and _running_as(job_user.uid), "the snippet killed as another uid"
     said: list[str] = []
     JobLaunch(user=job_user, reason="test").end_all(said.append)

@@ -121,6 +121,7 @@ def run_poller(
     finally:
         done.set()
         poller.join(10)
+    assert not poller.is_alive(), "the poller did not end within 10 s of being told to"
     return stops
 
 

@@ -51,7 +51,7 @@ class RacingS3:
         self._client = client
         self._key = key
         self._lock = threading.Lock()
-        self._race = threading.Barrier(race) if race else None
+        self._race = threading.Barrier(race, timeout=30) if race else None
         self._raced = threading.local()
         self.conflicts = 0
 
@@ -248,7 +248,7 @@ def test_of_four_lives_acquiring_at_once_exactly_one_wins(s3: Any, stale_holder:
         )
     racing = RacingS3(s3, LEASE_KEY, race=4)
     lives = [lease(racing, f"i-{n}") for n in range(4)]
-    start = threading.Barrier(4)
+    start = threading.Barrier(4, timeout=30)
 
     def acquire(life: JobLease) -> int | None:
         start.wait(timeout=10)
@@ -348,7 +348,7 @@ def test_clear_does_not_delete_a_record_rewritten_after_it_was_read(s3: Any) -> 
 def test_of_three_standbys_claiming_at_once_exactly_one_waits(s3: Any) -> None:
     racing = RacingS3(s3, STANDBY_KEY, race=3)
     records = [standby(racing, f"i-{n}") for n in range(3)]
-    start = threading.Barrier(3)
+    start = threading.Barrier(3, timeout=30)
 
     def claim(record: StandbyRecord) -> bool:
         start.wait(timeout=10)

@@ -93,7 +93,7 @@ def test_the_host_trainer_serves_on_the_socket_published_at_every_start_of_its_g
     s3 = boto3.client("s3", region_name="us-east-1")
     s3.create_bucket(Bucket="trainstack-fd")
     host, client = _node_group(s3, "i-host", tmp_path), _node_group(s3, "i-client", tmp_path)
-    hosted = host.join()
+    hosted = host.join()  # not a wait: NodeGroup.join decides at once (a few S3 calls)
     env = host.trainer_env(hosted)
     listener = host.rendezvous.listener(hosted.generation)
     assert hosted.is_host and listener is not None and env[LISTEN_FD_ENV] == str(listener.fileno())
@@ -114,7 +114,7 @@ def test_the_host_trainer_serves_on_the_socket_published_at_every_start_of_its_g
     host.end_generation()
     assert listener.fileno() == -1 and host.rendezvous.listener(hosted.generation) is None
 
-    joined = client.join()
+    joined = client.join()  # not a wait: NodeGroup.join decides at once (a few S3 calls)
     assert not joined.is_host and client.trainer_env(joined)[LISTEN_FD_ENV] == ""
     trainer.update_env(client.trainer_env(joined))
     trainer.start()
@@ -152,6 +152,8 @@ class StopStorm:
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
+        # The storm rains until nothing is left under the agent: still raining, something outlived it.
+        assert not self._thread.is_alive(), f"processes under agent {self.agent} still ran after {timeout} s"
 
 
 # Epochs of 4 steps: more than the notices need, so the job never completes before they land.

@@ -30,6 +30,7 @@ from bootstrap.lifecycle import InstanceLife, LifeResult
 from bootstrap.pinned import PINNED_ENV, PinnedCodeError, run_pinned
 from demo.imds import ImdsSimulator
 from demo.stack import LocalStack
+from tests.waiting import join_all
 from trainstack_job.queue import SOURCE_RUN, cancel_key, job_record, queue_entry, queue_key
 
 MakeLife = Callable[..., InstanceLife]
@@ -403,7 +404,7 @@ def test_two_lives_racing_for_the_queue_head_agree_on_one_job(
     submit(stack, A, SHORT, "2026-12-01T12:00:01.000Z")
     submit(stack, B, SHORT, "2026-12-01T12:00:02.000Z")
     results: list[JobBinding | None] = []
-    barrier = threading.Barrier(4)
+    barrier = threading.Barrier(4, timeout=30)  # a boot that dies first breaks it: the others raise
 
     def boot() -> None:
         s3 = stack.client("s3")
@@ -413,7 +414,6 @@ def test_two_lives_racing_for_the_queue_head_agree_on_one_job(
     threads = [threading.Thread(target=boot) for _ in range(4)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    join_all(threads, 60, "the four racing boots")
     assert {r.job_id for r in results if r is not None} == {A} and len(results) == 4
     assert stack.read_json("state/current-job.json")["job_id"] == A  # type: ignore[index]

@@ -52,7 +52,7 @@ class SharedS3:
     def __init__(self, client: Any, race: int = 0) -> None:
         self._client = client
         self._put_lock = threading.Lock()
-        self._race = threading.Barrier(race) if race else None
+        self._race = threading.Barrier(race, timeout=30) if race else None
         self._raced = threading.local()
         self.conflicts = 0
 
@@ -125,7 +125,7 @@ def refused(code: str, status: int) -> ClientError:
 
 def join_together(nodes: list[Rendezvous], last: int | None) -> list[Membership]:
     """Every node joins at once (a barrier lines them up), as the survivors of one generation do."""
-    start = threading.Barrier(len(nodes))
+    start = threading.Barrier(len(nodes), timeout=30)
 
     def join(rendezvous: Rendezvous) -> Membership:
         start.wait(timeout=10)

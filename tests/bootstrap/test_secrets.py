@@ -328,6 +328,7 @@ def test_a_user_jobs_secrets_reach_its_environment_and_nothing_else(stores: Any,
     assert code == 3
     if trainer._pump:
         trainer._pump.join(timeout=10)
+        assert not trainer._pump.is_alive(), "the trainer's output was not all read within 10 s of its exit"
     failure = supervisor.classify_exit(code, None, _persisted(), trainer)
 
     log_text = events.getvalue()

@@ -292,6 +292,7 @@ def test_run_job_yaml_on_the_box_ships_the_working_folder_and_follows_the_job_to
     code, out, err = _finish(_on_the_box(box, aws, "run", "job.yaml", cwd=folder))
     agent.join(5)
     assert code == 0, out + err
+    assert not agent.is_alive(), "the fake agent was still polling the queue 5 s after the job ended"
     last = out.strip().splitlines()[-1]
     assert last.startswith("job notebook-idea-") and " completed" in last, out
     (entry,) = boto3.client("s3", region_name=REGION).list_objects_v2(Bucket=BUCKET, Prefix="queue/")[

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -394,8 +394,11 @@ def test_drill_end_to_end_interrupts_the_real_agent_and_times_its_recovery(
         )  # fmt: skip
     finally:
         replaced.wait(timeout=120)
-        pool.shutdown(wait=True)
+        # Both lives end before the test looks (or fails), within a bound: shutdown(wait=True) has none.
+        wait([first, second], timeout=120)
+        pool.shutdown(wait=False)
     assert result.code == 0, result.out + result.err
+    assert first.done() and second.done(), "an instance life did not end within 120 s of the drill"
     assert first.result().outcome == "preempted" and second.result().outcome == "completed"
     lines = result.out
     assert "drill started: FIS experiment" in lines

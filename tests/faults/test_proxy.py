@@ -46,12 +46,12 @@ def raw_request(proxy: S3FaultProxy) -> socket.socket:
     return sock
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float = 20) -> None:
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
     """Waits for the proxy's threads; the bound only says when to give up (a loaded 2-core machine can stall
     a thread for seconds, more than the 2 s this once allowed)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, f"condition not met within {timeout_s} s"
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         time.sleep(0.01)
 
 
@@ -128,7 +128,9 @@ def test_blackholed_connections_stay_dark_after_pass_but_new_ones_recover(
     aws_via_proxy.set_mode(Blackhole())
     sock = raw_request(aws_via_proxy)
     with sock:
-        wait_until(lambda: aws_via_proxy.connections_accepted == accepted + 1)
+        wait_until(
+            lambda: aws_via_proxy.connections_accepted == accepted + 1, "the proxy accepting the request"
+        )
         aws_via_proxy.set_mode(Pass())
         sock.settimeout(0.3)
         with pytest.raises(TimeoutError):
@@ -192,7 +194,7 @@ def test_stop_closes_every_connection_and_joins_every_thread(moto_server: Any) -
         socks = [raw_request(proxy) for _ in range(3)]
         proxy.set_mode(Blackhole())
         socks.append(raw_request(proxy))
-        wait_until(lambda: proxy.connections_accepted == 4)
+        wait_until(lambda: proxy.connections_accepted == 4, "the proxy accepting all four connections")
     try:
         assert proxy_threads() == []
         for sock in socks:

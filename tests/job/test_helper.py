@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_until
 from trainstack_job import Job
 from trainstack_job.contract import ExitCode, JobEnv
 from trainstack_job.layout import LATEST, MANIFEST, committed_steps, verify_dir
@@ -195,11 +196,12 @@ def test_sigterm_in_a_subprocess_commits_and_exits_75(tmp_path: Path) -> None:
     )
     try:
         assert process.stdout is not None
+        # Nothing read yet, so nothing buffered: select says when the first line comes (readline alone
+        # would wait for ever on a child that hangs before it).
+        assert select.select([process.stdout], [], [], 30)[0], "the loop printed nothing within 30 s"
         assert process.stdout.readline().startswith("ready 0")
         progress = tmp_path / "progress.json"
-        deadline = time.monotonic() + 20
-        while not progress.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(progress.exists, 20, "the loop's first progress report")
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=20) == ExitCode.STOPPED
     finally:

@@ -11,6 +11,7 @@ from typing import Any
 import boto3
 import pytest
 
+from tests.waiting import join_all
 from trainstack_job.slots import Slots, slot_key
 
 NOW = datetime(2026, 12, 6, 12, 0, tzinfo=timezone.utc)
@@ -121,7 +122,7 @@ def test_looking_writes_nothing(world: World) -> None:
 def test_racing_instances_never_start_more_than_the_limit(world: World) -> None:
     jobs = [f"job{i}-{i:08d}" for i in range(8)]
     taken: dict[str, int | None] = {}
-    start = threading.Barrier(len(jobs))
+    start = threading.Barrier(len(jobs), timeout=30)  # an instance that dies first breaks it
 
     def take(job_id: str) -> None:
         client = boto3.client("s3", region_name="us-east-1")  # one client per instance
@@ -131,8 +132,7 @@ def test_racing_instances_never_start_more_than_the_limit(world: World) -> None:
     threads = [threading.Thread(target=take, args=(job,)) for job in jobs]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(60)
+    join_all(threads, 60, "the eight racing instances")
     winners = sorted(index for index in taken.values() if index is not None)
     assert len(taken) == 8
     assert winners == [0, 1, 2], taken
