@@ -54,7 +54,12 @@ def take_role(life: Life, paths: TrainerPaths) -> Role:
     )
     # The floor is the agent's own record of the tokens it wrote, never latest.json's token: the job
     # could write that one, and every later lease's token would start above it.
-    role = life.writer.take(floor=persister_for(life, paths).token_floor() or 0)
+    reader = persister_for(life, paths)
+    try:
+        floor = reader.token_floor() or 0
+    finally:
+        reader.close()  # read once for the floor: its transfer threads are not kept for the life
+    role = life.writer.take(floor=floor)
     writer = life.writer
     # From now on the holder (or the standby once it takes over) stops on its own clock when it cannot
     # renew: no network in this thread, so it works while S3 and the state poller hang.
