@@ -3,7 +3,10 @@ files are never data; undecodable images are named, skipped and counted against 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -11,20 +14,31 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageFile
+from torchvision import transforms as v1
 from torchvision.transforms import v2
 
+import training.data
 from tests.training.conftest import Dataset, make_run_factory
 from training.config import Config, DataConfig
 from training.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    MAX_SUBSTITUTES,
     BatchPlan,
     EvalDataset,
     ResumableBatchSampler,
+    Sample,
     SeededImageFolder,
     SkippedFiles,
+    collate_samples,
+    decode_problem,
+    default_num_workers,
     eval_loader,
+    eval_transform,
+    ignore_interrupt,
+    loader_options,
     normalized_tensor,
+    sample_seed,
     train_loader,
     train_transform,
 )
@@ -258,6 +272,431 @@ def test_metrics_lists_at_most_100_paths_but_counts_all() -> None:
     skipped.record("val", [(f"/d/val/c/{i:03d}.jpg", "x") for i in range(150)], pass_id=0)
     assert skipped.summary()["val"]["count"] == 150
     assert len(skipped.summary()["val"]["paths"]) == 100
+
+
+def test_a_file_of_only_unreadable_images_leaves_the_slot_empty_naming_each_once(tmp_path: Path) -> None:
+    """With nothing readable to stand in, the sample is dropped and each bad file named once."""
+    bad = write_bad_images(tmp_path / "cat")
+    dataset = SeededImageFolder(str(tmp_path), train_transform(16), seed=0)
+    sample = dataset[(0, 1)]
+    assert sample.image is None and sample.target == 0
+    assert sorted(path for path, _ in sample.unreadable) == sorted(str(p) for p in bad.values())
+
+
+def test_substitutes_are_bounded_then_the_slot_is_left_empty(tmp_path: Path) -> None:
+    """Substitutes are tried MAX_SUBSTITUTES + 1 deep, no further, and the empty batch's error names them."""
+    for i in range(MAX_SUBSTITUTES + 1):
+        (tmp_path / "cat" / f"{i:02d}.jpg").parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cat" / f"{i:02d}.jpg").write_text("version https://git-lfs.github.com/spec/v1\n")
+    _png(tmp_path / "cat" / "zz.png")
+    dataset = SeededImageFolder(str(tmp_path), train_transform(16), seed=0)
+    sample = dataset[(0, 0)]
+    assert sample.image is None
+    assert len(sample.unreadable) == MAX_SUBSTITUTES + 1
+    # One file later, the readable one is within reach: it stands in.
+    substituted = dataset[(0, 1)]
+    assert substituted.image is not None and len(substituted.unreadable) == MAX_SUBSTITUTES
+    batch = collate_samples([sample])
+    assert batch.images.numel() == 0 and batch.targets.dtype == torch.long and len(batch.targets) == 0
+    assert batch.unreadable == list(sample.unreadable)
+    skipped = SkippedFiles(1.0, {"train": len(dataset)}, {"train": str(tmp_path)})
+    skipped.record("train", batch.unreadable, pass_id=0)
+    message = str(skipped.no_readable_image("train"))
+    assert message.startswith(
+        f"data.train_dir: {MAX_SUBSTITUTES + 1} images in {tmp_path} cannot be decoded, "
+        f"{MAX_SUBSTITUTES + 1} of them in a row ({tmp_path / 'cat' / '00.jpg'}, "
+    )
+    assert f"{tmp_path / 'cat' / '04.jpg'}, ...); is the dataset made of images" in message
+    assert str(tmp_path / "cat" / "05.jpg") not in message
+
+
+def test_a_substitute_comes_from_the_start_when_the_end_is_unreadable(tmp_path: Path) -> None:
+    """Substitutes wrap around the folder: the last sample unreadable, the first one stands in."""
+    _png(tmp_path / "a" / "1.png", 50)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "2.jpg").write_bytes(b"")
+    dataset = SeededImageFolder(str(tmp_path), train_transform(8), seed=0)
+    sample = dataset[(0, 1)]
+    assert sample.image is not None and sample.target == 0
+    assert sample.unreadable == ((str(tmp_path / "b" / "2.jpg"), "empty file (0 bytes)"),)
+
+
+def test_collating_drops_empty_slots_and_keeps_every_unreadable_path() -> None:
+    """A micro-batch keeps its readable samples in order, with their targets, and every path met."""
+    image = torch.zeros(3, 4, 4)
+    samples = [
+        Sample(image + 1, 2, (("/d/x.jpg", "empty"),)),
+        Sample(None, 1, (("/d/y.jpg", "bad"), ("/d/z.jpg", "bad"))),
+        Sample(image + 3, 0, ()),
+    ]
+    batch = collate_samples(samples)
+    assert batch.images.shape == (2, 3, 4, 4)
+    assert torch.equal(batch.images[0], image + 1) and torch.equal(batch.images[1], image + 3)
+    assert batch.targets.tolist() == [2, 0] and batch.targets.dtype == torch.long
+    assert batch.unreadable == [("/d/x.jpg", "empty"), ("/d/y.jpg", "bad"), ("/d/z.jpg", "bad")]
+
+
+def test_a_disk_error_is_not_bad_data(tmp_path: Path) -> None:
+    """An OSError with an errno (the disk's) or a vanished file is never called bad data."""
+    image = _png(tmp_path / "cat" / "1.png")
+    assert decode_problem(str(image), OSError(errno.EIO, "Input/output error")) is None
+    assert decode_problem(str(tmp_path / "gone.jpg"), OSError("cannot identify image file")) is None
+    assert decode_problem(str(image), SyntaxError("broken\nPNG chunk")) == "SyntaxError: broken PNG chunk"
+    empty = tmp_path / "cat" / "2.jpg"
+    empty.write_bytes(b"")
+    assert decode_problem(str(empty), OSError("cannot identify image file")) == "empty file (0 bytes)"
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_disk_error_while_reading_fails_the_read_instead_of_skipping(
+    tmp_path: Path, split: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO from the loader reaches the trainer (exit 1, retried elsewhere), never a skipped image."""
+    _png(tmp_path / "cat" / "1.png")
+    _png(tmp_path / "cat" / "2.png")
+    dataset: SeededImageFolder | EvalDataset = (
+        SeededImageFolder(str(tmp_path), train_transform(8), seed=0)
+        if split == "train"
+        else EvalDataset(str(tmp_path), 8)
+    )
+
+    def disk_error(path: str) -> Any:
+        raise OSError(errno.EIO, "Input/output error", path)
+
+    monkeypatch.setattr(dataset.folder, "loader", disk_error)
+    with pytest.raises(OSError) as raised:
+        dataset[(0, 0)] if isinstance(dataset, SeededImageFolder) else dataset[0]
+    assert raised.value.errno == errno.EIO
+
+
+def test_a_folder_without_class_folders_is_refused(tmp_path: Path) -> None:
+    """Images straight in the split folder (no classes) are an error naming the folder."""
+    _png(tmp_path / "1.png")
+    with pytest.raises(FileNotFoundError, match="Couldn't find any class folder in"):
+        SeededImageFolder(str(tmp_path), train_transform(8), seed=0)
+
+
+def test_classes_are_numbered_in_folder_order(tmp_path: Path) -> None:
+    """Each class folder is its target, in sorted order, the same in both splits."""
+    for name in ("dog", "cat", "emu"):
+        _png(tmp_path / name / "1.png")
+    train = SeededImageFolder(str(tmp_path), train_transform(8), seed=0)
+    assert train.classes == ["cat", "dog", "emu"]
+    assert [target for _, target in train.folder.samples] == [0, 1, 2]
+    assert [EvalDataset(str(tmp_path), 8)[i].target for i in range(3)] == [0, 1, 2]
+
+
+def test_sample_seeds_differ_for_every_seed_epoch_and_index() -> None:
+    """No two samples, epochs or runs share an augmentation seed, and each is a valid generator seed."""
+    keys = [(seed, epoch, index) for seed in range(4) for epoch in range(4) for index in range(64)]
+    seeds = [sample_seed(*key) for key in keys]
+    assert len(set(seeds)) == len(keys)
+    assert all(isinstance(value, int) and 0 <= value < 2**63 - 1 for value in seeds)
+    assert sample_seed(2**40, 2**20, 2**30) < 2**63 - 1
+
+
+def _gradient(path: Path, size: int = 64) -> Path:
+    """An image dark on the left, bright on the right."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    row = np.linspace(0, 255, size, dtype=np.uint8)
+    Image.fromarray(np.repeat(np.repeat(row[None, :, None], size, axis=0), 3, axis=2)).save(path)
+    return path
+
+
+def test_training_augmentation_crops_at_random_and_mirrors_about_half(tmp_path: Path) -> None:
+    """RandomResizedCrop + RandomHorizontalFlip: crops of many sizes, about half the samples mirrored."""
+    _gradient(tmp_path / "cat" / "1.png")
+    dataset = SeededImageFolder(str(tmp_path), train_transform(16), seed=0)
+    images = [dataset[(epoch, 0)].image for epoch in range(200)]
+    assert all(image is not None and image.shape == (3, 16, 16) for image in images)
+    mirrored = [bool(image[:, :, 0].mean() > image[:, :, -1].mean()) for image in images if image is not None]
+    assert 60 < sum(mirrored) < 140
+    # Contrast left to right shows the crop's width: a wide range of crop sizes, not one.
+    spans = {
+        round(float((image[:, :, 0] - image[:, :, -1]).abs().mean()), 1)
+        for image in images
+        if image is not None
+    }
+    assert len(spans) > 20
+
+
+def test_at_224_px_evaluation_is_torchvisions_imagenet_recipe(tmp_path: Path) -> None:
+    """Resize the short side to 256, centre-crop 224, to tensor, normalise: the standard evaluation."""
+    picture = Image.fromarray(np.random.default_rng(1).integers(0, 255, (300, 400, 3), dtype=np.uint8))
+    reference = v1.Compose(
+        [v1.Resize(256), v1.CenterCrop(224), v1.ToTensor(), v1.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    )
+    assert torch.allclose(eval_transform(224)(picture), reference(picture), atol=1e-5)
+
+
+def test_training_crops_are_resized_bilinearly_without_ringing(tmp_path: Path) -> None:
+    """Crops are resized bilinearly as torchvision does: no value outside the source's range."""
+    pixels = np.full((64, 64, 3), 64, dtype=np.uint8)
+    pixels[:, ::4] = 192
+    pixels[::5, :] = 192
+    Image.fromarray(pixels).save(tmp_path / "stripes.png")
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "stripes.png").rename(tmp_path / "cat" / "stripes.png")
+    dataset = SeededImageFolder(str(tmp_path), train_transform(16), seed=0)
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    for epoch in range(40):
+        image = dataset[(epoch, 0)].image
+        assert image is not None
+        values = (image * std + mean) * 255
+        assert values.min() > 64 - 0.5 and values.max() < 192 + 0.5, epoch
+
+
+def test_evaluation_resizes_and_centre_crops_to_the_image_size(tmp_path: Path) -> None:
+    """Validation images: deterministic, image_size square, the centre kept (the border cropped away)."""
+    picture = np.zeros((80, 120, 3), dtype=np.uint8)
+    picture[:, :10] = 255  # a white band on the left edge only
+    picture[35:45, 55:65] = 128  # a grey mark in the centre
+    image = Image.fromarray(picture)
+    out = eval_transform(32)(image)
+    assert out.shape == (3, 32, 32) and out.dtype == torch.float32
+    assert torch.equal(out, eval_transform(32)(image))
+    white = (1 - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD)
+    assert not torch.isclose(out, white.view(3, 1, 1).expand_as(out), atol=0.1).all(dim=0).any()
+    assert out[:, 16, 16].tolist() != out[:, 2, 2].tolist()
+
+
+def test_the_sampler_without_shuffling_reads_in_folder_order() -> None:
+    """shuffle=False (substitution tests, evaluation order): positions are the folder's order."""
+    sampler = ResumableBatchSampler(8, BatchPlan(4, 1, 2), rank=0, seed=5, shuffle=False)
+    assert micro_batches(sampler) == [[(0, 0), (0, 1)], [(0, 2), (0, 3)], [(0, 4), (0, 5)], [(0, 6), (0, 7)]]
+
+
+def test_the_shuffled_order_is_a_permutation_set_by_the_seed_and_the_epoch() -> None:
+    """Each epoch visits every kept sample once; the seed and the epoch change the order, nothing else."""
+    plan = BatchPlan(8, 1, 4)
+
+    def order(seed: int, epoch: int) -> list[int]:
+        sampler = ResumableBatchSampler(32, plan, rank=0, seed=seed)
+        sampler.set_position(epoch=epoch, start_step=0)
+        keys = [key for batch in micro_batches(sampler) for key in batch]
+        assert {e for e, _ in keys} == {epoch}
+        return [i for _, i in keys]
+
+    assert sorted(order(1, 0)) == list(range(32))
+    assert order(1, 0) == order(1, 0)
+    assert len({tuple(order(seed, epoch)) for seed in (0, 1, 2) for epoch in (0, 1, 2)}) == 9
+
+
+def test_each_rank_reads_its_own_share_of_every_step() -> None:
+    """Rank r reads its slice of every step's global batch in micro-batches, from any start step."""
+    plan = BatchPlan(global_batch=8, world_size=2, micro_batch=2)
+    assert (plan.per_rank, plan.accumulation) == (4, 2)
+    rank1 = ResumableBatchSampler(20, plan, rank=1, seed=0, shuffle=False)
+    assert rank1.steps_per_epoch == 2
+    assert micro_batches(rank1) == [
+        [(0, 4), (0, 5)],
+        [(0, 6), (0, 7)],
+        [(0, 12), (0, 13)],
+        [(0, 14), (0, 15)],
+    ]
+    assert len(rank1) == 4
+    rank1.set_position(epoch=3, start_step=1)
+    assert micro_batches(rank1) == [[(3, 12), (3, 13)], [(3, 14), (3, 15)]]
+    assert len(rank1) == 2
+
+
+def test_files_met_by_earlier_lives_stay_listed() -> None:
+    """Skipped files carried by a checkpoint stay listed next to the next life's own."""
+    first = SkippedFiles(1.0, {"train": 100, "val": 10}, {"train": "/t", "val": "/v"})
+    first.record("train", [("/t/a.jpg", "empty file (0 bytes)")], pass_id=0)
+    first.record("val", [("/v/b.jpg", "truncated")], pass_id=0)
+    state = first.to_state()
+    first.record("train", [("/t/c.jpg", "x")], pass_id=0)
+    assert state == {"train": {"/t/a.jpg": "empty file (0 bytes)"}, "val": {"/v/b.jpg": "truncated"}}
+    second = SkippedFiles(1.0, {"train": 100, "val": 10}, {"train": "/t", "val": "/v"})
+    second.load_state(None)
+    assert second.summary() == {"train": {"count": 0, "paths": []}, "val": {"count": 0, "paths": []}}
+    second.record("train", [("/t/d.jpg", "x")], pass_id=0)
+    second.load_state(state)
+    assert second.summary()["train"] == {"count": 2, "paths": ["/t/a.jpg", "/t/d.jpg"]}
+    assert second.summary()["val"] == {"count": 1, "paths": ["/v/b.jpg"]}
+
+
+def test_each_unreadable_file_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Met again in later batches or epochs, a file is counted per pass but logged once."""
+    skipped = SkippedFiles(1.0, {"train": 100}, {"train": "/t"})
+    with caplog.at_level("WARNING", logger="training"):
+        for pass_id in (0, 0, 1):
+            skipped.record("train", [("/t/a.jpg", "empty file (0 bytes)")], pass_id=pass_id)
+    assert caplog.messages == ["skipped unreadable image /t/a.jpg: empty file (0 bytes)"]
+    assert skipped.pass_count("train") == 1 and skipped.pass_count("val") == 0
+
+
+def test_the_error_names_files_of_earlier_passes_when_this_one_met_none_here() -> None:
+    """Counted by other ranks only, the threshold error still names the files this process ever met."""
+    skipped = SkippedFiles(0.0, {"val": 10}, {"val": "/v"})
+    skipped.record("val", [("/v/a.jpg", "x")], pass_id=0)
+    skipped.record("val", [], pass_id=1)
+    with pytest.raises(BadDataError) as error:
+        skipped.check("val", 2)
+    message = str(error.value)
+    assert message.startswith("data.val_dir: 2 of the 10 images in /v cannot be decoded (found so far)")
+    assert message.endswith(
+        ": /v/a.jpg; replace or delete them (then `trainstack data push`), or raise data.max_bad_fraction"
+    )
+    skipped.check("val", 0)
+
+
+def test_the_error_names_this_passs_files_not_earlier_ones() -> None:
+    """Over the threshold in epoch 1, the line names what epoch 1 met, not what epoch 0 did."""
+    skipped = SkippedFiles(0.0, {"train": 10}, {"train": "/t"})
+    skipped.record("train", [("/t/old.jpg", "x")], pass_id=0)
+    skipped.record("train", [("/t/new.jpg", "x")], pass_id=1)
+    with pytest.raises(BadDataError) as error:
+        skipped.check("train", 1)
+    assert ": /t/new.jpg; replace" in str(error.value) and "/t/old.jpg" not in str(error.value)
+
+
+def test_a_split_this_process_never_met_a_bad_file_in_still_gets_its_error_line() -> None:
+    """With nothing recorded here for a split, its errors are still one line each."""
+    fresh = SkippedFiles(0.0, {"train": 10, "val": 10}, {"train": "/t", "val": "/v"})
+    with pytest.raises(BadDataError) as error:
+        fresh.check("val", 2)
+    assert str(error.value).startswith("data.val_dir: 2 of the 10 images in /v cannot be decoded")
+    assert str(fresh.no_readable_image("val")).startswith("data.val_dir: 0 images in /v cannot be decoded")
+    earlier = SkippedFiles(0.0, {"train": 10}, {"train": "/t"})
+    earlier.load_state({"train": {"/t/a.jpg": "empty file (0 bytes)"}})
+    with pytest.raises(BadDataError) as error:
+        earlier.check("train", 1)
+    assert ": /t/a.jpg; replace" in str(error.value)
+
+
+def test_exactly_the_named_count_adds_no_more() -> None:
+    """Five files are all named: no "and 0 more"."""
+    skipped = SkippedFiles(0.0, {"train": 100}, {"train": "/t"})
+    skipped.record("train", [(f"/t/{i}.jpg", "x") for i in range(5)], pass_id=0)
+    with pytest.raises(BadDataError) as error:
+        skipped.check("train", 5)
+    assert "/t/0.jpg, /t/1.jpg, /t/2.jpg, /t/3.jpg, /t/4.jpg; replace" in str(error.value)
+    assert "more" not in str(error.value)
+
+
+def test_a_dataset_inside_a_hidden_folder_is_still_read(tmp_path: Path) -> None:
+    """Only hidden names inside the split count: a dataset under ~/.cache is data."""
+    root = tmp_path / ".cache" / "train"
+    _png(root / "cat" / "1.png")
+    _png(root / "cat" / ".thumbs" / "2.png")
+    train = SeededImageFolder(str(root), train_transform(8), seed=0)
+    assert [Path(path).name for path, _ in train.folder.samples] == ["1.png"]
+    assert len(EvalDataset(str(root), 8)) == 1
+
+
+def test_workers_ignore_ctrl_c_and_leave_the_stop_to_the_main_process() -> None:
+    """A DataLoader worker ignores SIGINT (the whole process group gets it); the trainer stops at a step."""
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        ignore_interrupt(3)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "world_size", "on_gpu", "workers"),
+    [
+        (16, 1, False, 2),
+        (7, 1, False, 0),
+        (16, 1, True, 8),
+        (16, 2, True, 7),
+        (7, 2, True, 2),
+        (4, 2, True, 1),
+        (2, 4, True, 1),
+    ],
+)
+def test_auto_workers_feed_a_gpu_with_spare_cores_and_leave_a_cpu_its_cores(
+    cpus: int, world_size: int, on_gpu: bool, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU: every core but one of this rank's share, 1 to 8; on a CPU: an eighth of the cores."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
+    chosen = default_num_workers(world_size, on_gpu)
+    assert chosen == workers and isinstance(chosen, int)
+
+
+def test_without_a_cpu_affinity_the_cpu_count_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the OS has no affinity call (macOS), the core count decides; an unknown count is one core."""
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert default_num_workers(1, on_gpu=True) == 8
+    assert default_num_workers(1, on_gpu=False) == 2
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert default_num_workers(1, on_gpu=True) == 1
+    assert default_num_workers(1, on_gpu=False) == 0
+
+
+def test_loader_options_follow_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers, pinning, Ctrl-C handling, persistence and prefetch follow the config."""
+    monkeypatch.setattr(
+        training.data, "default_num_workers", lambda world, gpu: 3 if (world, gpu) == (2, True) else 0
+    )
+    config = Config(data=DataConfig(num_workers="auto", prefetch_factor=6))
+    assert loader_options(config, world_size=2, on_gpu=True) == {
+        "num_workers": 3,
+        "pin_memory": True,
+        "worker_init_fn": ignore_interrupt,
+        "persistent_workers": True,
+        "prefetch_factor": 6,
+    }
+    config = Config(data=DataConfig(num_workers=0, prefetch_factor=6))
+    assert loader_options(config, world_size=2, on_gpu=False) == {"num_workers": 0, "pin_memory": False}
+    config = Config(data=DataConfig(num_workers=1))
+    assert loader_options(config, world_size=2, on_gpu=False) == {
+        "num_workers": 1,
+        "pin_memory": False,
+        "worker_init_fn": ignore_interrupt,
+        "persistent_workers": True,
+        "prefetch_factor": DataConfig().prefetch_factor,
+    }
+
+
+def test_grey_and_transparent_images_are_read_as_rgb(tmp_path: Path) -> None:
+    """A greyscale or RGBA file is converted to three channels, for training and evaluation alike."""
+    (tmp_path / "cat").mkdir()
+    Image.fromarray(np.full((20, 20), 90, dtype=np.uint8)).save(tmp_path / "cat" / "grey.png")
+    Image.fromarray(np.full((20, 20, 4), 90, dtype=np.uint8)).save(tmp_path / "cat" / "rgba.png")
+    train = SeededImageFolder(str(tmp_path), train_transform(8), seed=0)
+    val = EvalDataset(str(tmp_path), 8)
+    for index in range(2):
+        image = train[(0, index)].image
+        assert image is not None and image.shape == (3, 8, 8)
+        evaluated = val[index].image
+        assert evaluated is not None and evaluated.shape == (3, 8, 8)
+
+
+def test_the_training_loader_runs_with_the_options_chosen(image_folders: Dataset) -> None:
+    """Workers, pinned memory and prefetch reach the training DataLoader as loader_options chose them."""
+    dataset = SeededImageFolder(str(image_folders.train_dir), train_transform(16), seed=0)
+    sampler = ResumableBatchSampler(len(dataset), BatchPlan(16, 1, 8), rank=0, seed=0)
+    options = {"num_workers": 2, "pin_memory": False, "persistent_workers": True, "prefetch_factor": 3}
+    loader = train_loader(dataset, sampler, options)
+    assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (2, True, 3)
+    assert loader.batch_sampler is sampler
+
+
+def test_each_rank_evaluates_its_own_shard_once(tmp_path: Path) -> None:
+    """Each rank evaluates every world_size-th image once, in order, without persistent workers."""
+    for i in range(5):
+        _png(tmp_path / "cat" / f"{i}.png", 40 * i)
+    dataset = EvalDataset(str(tmp_path), 8)
+    seen = []
+    for rank in (0, 1):
+        loader = eval_loader(dataset, 2, rank=rank, world_size=2, options={"num_workers": 0})
+        assert loader.batch_size == 2
+        seen.append([len(batch.targets) for batch in loader])
+    assert seen == [[2, 1], [2]]
+    whole = eval_loader(dataset, 8, rank=0, world_size=1, options={"num_workers": 0})
+    (batch,) = list(whole)
+    first = EvalDataset(str(tmp_path), 8)[0].image
+    assert first is not None and torch.equal(batch.images[0], first)
+    workers = eval_loader(
+        dataset, 2, 0, 1, {"num_workers": 1, "persistent_workers": True, "prefetch_factor": 2}
+    )
+    assert workers.num_workers == 1 and not workers.persistent_workers
 
 
 # -- a real trainer on a dataset with bad images ------------------------------------------------------------

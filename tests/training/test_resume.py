@@ -18,24 +18,38 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+import training.resume
 from tests.conftest import MotoServer
 from tests.forkserver import ForkedLife
 from tests.training.conftest import STEPS_PER_EPOCH, TOTAL_STEPS, MakeRun, Run
 from tests.training.lives import Lives
+from training.config import ConfigError
+from training.resume import (
+    ResumeRefusedError,
+    check_resumable,
+    load_scaler,
+    optimizer_name,
+    saved_context,
+    source_hash,
+)
+from trainstack_job.context import CheckpointContext
 
 EXIT_STOPPED = 75
 EVERY_STEPS = 3  # conftest FAST: checkpoint.every_steps=3
 
 
-def wait_until(process: ForkedLife, condition: Callable[[], bool], timeout: float = 120) -> None:
-    """Poll until `condition` holds or the process exits; kill it (and fail) if neither happens in time."""
+def wait_until(process: ForkedLife, condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    """Poll until `condition` holds or the process exits; kill it and fail naming `what` if neither happens
+    in time."""
     deadline = time.monotonic() + timeout
     while process.poll() is None and not condition():
         if time.monotonic() > deadline:
             process.kill()
             process.wait(timeout=30)
-            pytest.fail(f"nothing happened within {timeout}s")
+            pytest.fail(f"the trainer neither exited nor showed {what} within {timeout}s")
         time.sleep(0.02)
 
 
@@ -178,7 +192,7 @@ def test_resume_after_sigkills_during_checkpoint_writes_and_at_random_is_bitwise
     progress = run.output / "progress.json"
     progress.unlink(missing_ok=True)
     process = lives.popen(run)
-    wait_until(process, progress.exists)
+    wait_until(process, progress.exists, "its first progress report")
     # Training has started (its first log line): kill at a random moment of the next half second, which on
     # this job spans several steps and, every third step, a checkpoint write. No count of kills is asserted:
     # whether this life is still running then depends on the machine's speed (the rest of the job takes
@@ -213,3 +227,248 @@ def test_completed_run_writes_loadable_artifacts(baseline: Run) -> None:
     assert (baseline.output / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     latest = json.loads((baseline.checkpoints / "latest.json").read_text())
     assert set(latest) == {"step", "epoch", "dir", "written_at"} and latest["step"] == TOTAL_STEPS
+
+
+# -- what a checkpoint can resume as (training/resume.py), in-process ---------------------------------------
+
+BEFORE = CheckpointContext(model="resnet18", optimizer="SGD", precision="bf16", device="cpu", world_size=1)
+
+
+def checkpoint_of(model: nn.Module, optimizer: torch.optim.Optimizer, **extra: object) -> dict[str, object]:
+    """A trainer state as training/loop.py saves it: model, optimizer, position, classes."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "train": {"global_step": 12, "sample": 96},
+        "classes": ["a", "b", "c"],
+        **extra,
+    }
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def refusal(
+    saved: dict[str, object],
+    model: nn.Module,
+    before: CheckpointContext = BEFORE,
+    now: CheckpointContext = BEFORE,
+    classes: tuple[str, ...] = ("a", "b", "c"),
+) -> str:
+    """The one line a refused resume says (the test fails if it is not refused)."""
+    with pytest.raises(ResumeRefusedError) as refused:
+        check_resumable(saved, before, now, model.state_dict(), list(classes))
+    assert isinstance(refused.value, ConfigError)  # exit 2: permanent, the agent stops the job
+    (line,) = refused.value.problems
+    return line
+
+
+def test_the_same_model_and_optimizer_resume_whatever_else_changed() -> None:
+    """Precision, device, world size and batch changes are adapted, never refused."""
+    model = nn.Linear(4, 3)
+    now = CheckpointContext(model="resnet18", optimizer="SGD", precision="fp16", gpu_model="L4", world_size=4)
+    check_resumable(checkpoint_of(model, sgd(model)), BEFORE, now, model.state_dict(), ["a", "b", "c"])
+
+
+def test_another_models_shapes_are_refused_naming_a_tensor_the_count_the_classes_and_the_fix() -> None:
+    """Another model is refused in one line: a tensor, the count, the classes, the fix."""
+    saved = checkpoint_of(nn.Linear(4, 3), sgd(nn.Linear(4, 3)))
+    model = nn.Linear(4, 5)
+    now = CheckpointContext(model="mobilenet_v3_small", optimizer="SGD", precision="fp32", device="cpu")
+    line = refusal(saved, model, now=now, classes=("a", "b", "c", "d", "e"))
+    assert line == (
+        f"checkpoint step-12 ({BEFORE.describe()}) cannot resume in this run ({now.describe()}): "
+        "the model's parameters differ (2 tensor(s), e.g. weight [3, 4] in the checkpoint, [5, 4] here); "
+        "the dataset has 5 classes, the checkpoint 3 (data.train_dir); "
+        "set model.name=resnet18 to continue it, or start a new job (a new checkpoint.dir, or a new "
+        "trainstack job without resumeFrom) to train this one from scratch"
+    )
+
+
+def test_a_tensor_missing_from_the_checkpoint_is_named_and_counted_with_the_extra_ones() -> None:
+    """A tensor only this model has is named first; the count adds the checkpoint's extras."""
+    saved_model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.ReLU(), nn.Linear(2, 2))
+    line = refusal(checkpoint_of(saved_model, sgd(saved_model)), model)
+    assert "the model's parameters differ (6 tensor(s), e.g. 1.weight is not in the checkpoint)" in line
+
+
+def test_a_tensor_only_the_checkpoint_has_is_named_when_nothing_else_differs() -> None:
+    """A checkpoint with parameters this model does not have: that tensor is named."""
+    saved_model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(4, 4))
+    line = refusal(checkpoint_of(saved_model, sgd(saved_model)), model)
+    assert "the model's parameters differ (2 tensor(s), e.g. 1.weight is not in this model)" in line
+    # Same class count: nothing said about the dataset; the same model name: no model.name fix.
+    assert "classes" not in line and "set model.name" not in line
+    assert "): the model's parameters differ" in line and "; start a new job (" in line
+
+
+def test_the_class_count_is_only_compared_when_the_checkpoint_lists_its_classes() -> None:
+    """An older state without "classes" is refused for its parameters alone."""
+    saved = checkpoint_of(nn.Linear(4, 3), sgd(nn.Linear(4, 3)))
+    del saved["classes"]
+    line = refusal(saved, nn.Linear(4, 5), classes=("a", "b", "c", "d", "e"))
+    assert "classes" not in line
+
+
+def test_another_optimizer_is_refused_with_the_one_that_continues_it() -> None:
+    """SGD's state cannot drive AdamW: refused, with train.optimizer=sgd as the fix."""
+    model = nn.Linear(4, 3)
+    now = CheckpointContext(model="resnet18", optimizer="AdamW", precision="bf16", device="cpu")
+    line = refusal(checkpoint_of(model, sgd(model)), model, now=now)
+    assert line == (
+        f"checkpoint step-12 ({BEFORE.describe()}) cannot resume in this run ({now.describe()}): "
+        "the optimizer differs (SGD in the checkpoint, AdamW here); set train.optimizer=sgd to continue it, "
+        "or start a new job (a new checkpoint.dir, or a new trainstack job without resumeFrom) to train this "
+        "one from scratch"
+    )
+
+
+def test_the_fixes_are_joined_when_both_model_and_optimizer_differ() -> None:
+    """Both fixes in one line, and an older checkpoint's optimizer read from its state."""
+    saved_model = nn.Linear(4, 3)
+    saved = checkpoint_of(saved_model, torch.optim.AdamW(saved_model.parameters()))
+    before = CheckpointContext(model="resnet18")
+    now = CheckpointContext(model="vit_b_16", optimizer="SGD")
+    line = refusal(saved, nn.Linear(4, 5), before=before, now=now)
+    assert "the optimizer differs (AdamW in the checkpoint, SGD here)" in line
+    assert "set model.name=resnet18 and train.optimizer=adamw to continue it, or start a new job" in line
+
+
+def test_an_optimizer_unknown_on_either_side_is_not_refused() -> None:
+    """Only two known, different optimizers are refused: an unknown one is not a reason."""
+    model = nn.Linear(4, 3)
+    saved = checkpoint_of(model, torch.optim.Adagrad(model.parameters()))
+    for now in (CheckpointContext(optimizer="SGD"), CheckpointContext(optimizer=None)):
+        check_resumable(saved, CheckpointContext(), now, model.state_dict(), ["a", "b", "c"])
+    check_resumable(checkpoint_of(model, sgd(model)), BEFORE, CheckpointContext(), model.state_dict(), [])
+
+
+def test_a_checkpoint_without_a_step_is_named_with_a_question_mark() -> None:
+    """A state whose step is not a number still gets its one line."""
+    model = nn.Linear(4, 3)
+    saved = checkpoint_of(model, sgd(model))
+    saved["train"] = {"global_step": "12"}
+    assert refusal(saved, nn.Linear(4, 5)).startswith("checkpoint ? (")
+    del saved["train"]
+    assert refusal(saved, nn.Linear(4, 5)).startswith("checkpoint ? (")
+
+
+def test_the_optimizer_is_told_by_the_hyper_parameters_only_its_class_keeps() -> None:
+    """betas: AdamW; momentum with dampening: SGD; anything else, or no param groups: unknown."""
+    params = list(nn.Linear(2, 2).parameters())
+    assert optimizer_name(torch.optim.AdamW(params).state_dict()) == "AdamW"
+    assert optimizer_name(torch.optim.SGD(params, lr=0.1).state_dict()) == "SGD"
+    assert optimizer_name(torch.optim.RMSprop(params, momentum=0.9).state_dict()) is None  # no dampening
+    assert optimizer_name(torch.optim.Adagrad(params).state_dict()) is None
+    assert optimizer_name({}) is None
+    assert optimizer_name({"param_groups": []}) is None
+    assert optimizer_name({"param_groups": ["betas"]}) is None
+
+
+def test_a_recorded_context_is_the_checkpoints_context() -> None:
+    """A state that carries its context is read as recorded, whatever the rest of the state says."""
+    recorded = CheckpointContext(model="resnet18", optimizer="SGD", precision="fp16", world_size=8)
+    saved = {"context": recorded.to_dict(), "precision": "bf16", "batch": {"world_size": 1}}
+    assert saved_context(saved) == recorded
+
+
+def test_an_older_checkpoints_context_is_read_from_its_state() -> None:
+    """Before contexts: precision, loss scaling, batch arithmetic and optimizer come from the state."""
+    model = nn.Linear(2, 2)
+    saved = {
+        "precision": "fp16",
+        "scaler": {"scale": 1024.0},
+        "batch": {"world_size": 2, "global_batch": 64, "micro_batch": 8, "accumulation": 4},
+        "optimizer": torch.optim.AdamW(model.parameters()).state_dict(),
+    }
+    assert saved_context(saved) == CheckpointContext(
+        precision="fp16",
+        loss_scaling=True,
+        world_size=2,
+        global_batch=64,
+        micro_batch=8,
+        accumulation=4,
+        optimizer="AdamW",
+    )
+
+
+def test_an_older_checkpoint_that_says_little_has_little_context() -> None:
+    """No batch, no scaler state, a precision that is not a name: unknown, not guessed."""
+    assert saved_context({"precision": 16, "scaler": {}}) == CheckpointContext(loss_scaling=False)
+    assert saved_context({"context": "not a mapping"}) == CheckpointContext(loss_scaling=False)
+
+
+def test_an_fp16_life_keeps_the_scale_an_fp16_checkpoint_settled_on() -> None:
+    """fp16 -> fp16: the saved scale and growth tracker are loaded, and nothing is said."""
+    saved_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    saved_scaler.load_state_dict({**saved_scaler.state_dict(), "_growth_tracker": 7})
+    scaler = torch.amp.GradScaler("cpu")
+    assert load_scaler(scaler, {"scaler": saved_scaler.state_dict()}) == ""
+    assert scaler.state_dict() == saved_scaler.state_dict()
+
+
+def test_an_fp16_life_from_a_checkpoint_without_a_scaler_starts_a_fresh_one_and_says_so() -> None:
+    """bf16/fp32 -> fp16: this life's scaler keeps its initial scale, and the resume line says so."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    fresh = scaler.state_dict()
+    without: list[dict[str, object]] = [{"scaler": {}}, {}]
+    for saved in without:
+        note = load_scaler(scaler, saved)
+        assert note == "fresh fp16 loss scaler (scale 65536; the checkpoint has none)"
+        assert scaler.state_dict() == fresh
+
+
+def test_a_life_that_does_not_scale_drops_the_checkpoints_scaler_saying_so() -> None:
+    """fp16 -> bf16/fp32: the saved scaler state is dropped; with none saved there is nothing to say."""
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    saved = {"scaler": torch.amp.GradScaler("cpu").state_dict()}
+    assert load_scaler(scaler, saved) == (
+        "the checkpoint's fp16 loss scaler dropped (this precision does not scale the loss)"
+    )
+    assert scaler.state_dict() == {} and not scaler.is_enabled()
+    assert load_scaler(scaler, {"scaler": {}}) == ""
+    assert load_scaler(scaler, {}) == ""
+
+
+def write_sources(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_the_source_hash_tells_the_trainers_code_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any change to training/ or trainstack_job/'s Python files changes the hash; nothing else."""
+    monkeypatch.setattr(training.resume, "_ROOT", tmp_path)
+    compute = source_hash.__wrapped__
+    sources = {"training/a.py": "x = 1\n", "training/b.py": "y = 2\n", "trainstack_job/c.py": "z = 3\n"}
+    write_sources(tmp_path, sources)
+    first = compute()
+    assert first.startswith("source:") and len(first) == len("source:") + 16
+    int(first.removeprefix("source:"), 16)
+    assert compute() == first
+    # Not the trainer's code: other files, other folders.
+    write_sources(tmp_path, {"training/notes.txt": "n", "bootstrap/d.py": "w = 4\n", "training/sub/e.py": ""})
+    assert compute() == first
+    seen = {first}
+    for change in (
+        {"training/a.py": "x = 2\n"},
+        {"trainstack_job/c.py": "z = 4\n"},
+        {"training/aa.py": "x = 2\n"},
+    ):
+        write_sources(tmp_path, change)
+        changed = compute()
+        assert changed not in seen, change
+        seen.add(changed)
+    # A file renamed with its content unchanged is other code too (the name is imported).
+    (tmp_path / "training" / "b.py").rename(tmp_path / "training" / "b2.py")
+    assert compute() not in seen
+
+
+def test_the_source_hash_is_computed_once_per_process() -> None:
+    """The trainer's own code does not change while it runs: one hash, the same each time asked."""
+    assert source_hash() is source_hash()
