@@ -198,7 +198,7 @@ def test_max_concurrent_jobs_caps_what_every_pool_starts_in_their_declared_order
 
 
 def test_an_event_a_later_pass_already_covered_reads_nothing(
-    stack: LocalStack, monkeypatch: pytest.MonkeyPatch
+    stack: LocalStack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A burst of submissions is one event each, invoked one after another: an event sent before the last
     pass began (its second's stamp plus a margin) returns at once, since that pass read every object the event
@@ -220,8 +220,11 @@ def test_an_event_a_later_pass_already_covered_reads_nothing(
         "a cold container runs a pass"
     )
     stack.client("autoscaling").set_desired_capacity(AutoScalingGroupName=stack.group_name, DesiredCapacity=0)
-    again = handler(event, None)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainstack.scheduler"):
+        again = handler(event, None)
     assert again == {"decisions": [], "skipped": "a pass that began after this event already read its state"}
+    assert [json.loads(r.getMessage()) for r in caplog.records] == [again], "the skip said in one log line"
     assert _desired(stack) == 0, "covered: nothing read, nothing raised"
     later = {"source": "aws.s3", "time": datetime.now(timezone.utc).isoformat()}
     assert handler(later, None)["decisions"][0]["action"] == "raised", "sent within the margin: a pass"
