@@ -14,14 +14,26 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
+from infra import bundle as bundle_module
 from infra.jobdef import define_job
 from infra.submission import prepare_submission
 from trainstack import follow as follow_module
 from trainstack.aws import Clients
 from trainstack.errors import CliError
-from trainstack.run import upload
+from trainstack.run import (
+    InvalidJobError,
+    RunRequest,
+    check_capacity,
+    read_job,
+    report_invalid,
+    type_offer,
+    upload,
+    wake_group,
+)
 from trainstack.stack import StackOutputs
+from trainstack.state import Group
 from trainstack_job.datasets import Manifest, ManifestFile
+from trainstack_job.resources import ResourceRequest, TypeOffer
 
 from .conftest import BUCKET, GROUP, LOG_GROUP, REGION, REPO, Deployed
 
@@ -410,11 +422,16 @@ class FakeAgent:
     def __init__(self, deployed: Deployed, end: str, polls: Polls, *, ships_end: bool = True) -> None:
         self.deployed, self.end, self.polls, self.ships_end = deployed, end, polls, ships_end
         self.thread = threading.Thread(target=self._run, daemon=True)
+        self.never_queued = False
 
     def _run(self) -> None:
         s3 = self.deployed.s3()
         job_id = ""
+        deadline = time.monotonic() + 60
         while not job_id:
+            if time.monotonic() > deadline:
+                self.never_queued = True  # the test's own assert says so, not the global timeout
+                return
             found = s3.list_objects_v2(Bucket=BUCKET, Prefix="queue/").get("Contents", [])
             job_id = found[0]["Key"][len("queue/") : -len(".json")] if found else ""
             time.sleep(0.02)
@@ -480,7 +497,9 @@ def test_following_a_job_prints_its_logs_and_exits_by_its_outcome(
     agent.thread.start()
     result = deployed.run("run", "--config", str(CONFIG))
     agent.thread.join(5)
+    assert not agent.never_queued, "trainstack run queued no job within 60 s"
     assert result.code == code, result.out + result.err
+    assert not agent.thread.is_alive(), "the fake agent did not end within 5 s of the run"
     assert "epoch 1/1 step 5/10 loss 1.0" in result.out, "the job's log lines"
     assert "running, step 5/10" in result.out or "running, step 10/10" in result.out, "the status line"
     lines = result.out.strip().splitlines()
@@ -501,3 +520,257 @@ def test_ctrl_c_while_following_detaches_and_never_cancels(
     assert [key for key in _keys(deployed, "jobs/") if key.endswith("cancel.json")] == []
     rows = deployed.run("jobs", "--json").json()["jobs"]
     assert [row["status"] for row in rows] == ["queued"]
+
+
+# -- what a run refuses before it reads the stack, and what it writes and says ---------------------------
+
+
+def _problems(request: RunRequest) -> list[str]:
+    with pytest.raises(InvalidJobError) as raised:
+        read_job(request)
+    return raised.value.problems
+
+
+def test_a_run_names_exactly_one_of_a_job_file_and_a_training_config(user_job: Path) -> None:
+    """Neither or both is one line saying to give one of the two, with an example of each."""
+    for request in (RunRequest(), RunRequest(job_file=user_job, config_file=CONFIG)):
+        with pytest.raises(CliError) as raised:
+            read_job(request)
+        assert str(raised.value) == (
+            "trainstack run: give a job file (trainstack run examples/charlm/job.yaml) or a training config "
+            "for the built-in trainer (trainstack run --config training/configs/default.yaml), one of the two"
+        )
+
+
+def test_every_bad_flag_is_one_line_beside_the_configs_own_problems(tmp_path: Path) -> None:
+    """Each bad flag, the config's resources and the sweep are named together, one line each."""
+    config = tmp_path / "bad.yaml"
+    config.write_text("train: {epochs: 1}\nresources: {gpus: 'L4:x'}\n", encoding="utf-8")
+    problems = _problems(
+        RunRequest(
+            config_file=config,
+            name="Bad_Name",
+            parallel=0,
+            sweeps=("train.lr=0.1", "train.lr=0.2"),
+            priority=1001,
+            instances=0,
+            dataset="Bad Name",
+            gpus="x:y",
+            min_gpu_memory_gb=0,
+        )
+    )
+    starts = [
+        "--name 'Bad_Name': lowercase letters, digits and '-', at most 40",
+        "--parallel 0: how many points of a --sweep run at once (1 or more); give it with --sweep",
+        "--priority 1001: from -1000 to 1000 (higher runs first; default 0)",
+        "--instances 0: a job trains on at least 1 instance",
+        "--data Bad Name",
+        f"{config}: resources.gpus: 'L4:x' is not a GPU request",
+        "--gpus: 'x:y' is not a GPU request",
+        "--min-gpu-memory-gb 0: a size in GB, e.g. 24",
+        "--sweep train.lr: given twice",
+    ]
+    assert len(problems) == len(starts) and all(
+        problem.startswith(start) for problem, start in zip(problems, starts, strict=True)
+    ), problems
+
+
+@pytest.mark.parametrize(
+    ("priority", "accepted"), [(-1001, False), (-1000, True), (1000, True), (1001, False)]
+)
+def test_a_priority_is_accepted_from_minus_1000_to_1000(priority: int, accepted: bool) -> None:
+    """The priority's bounds are part of its range; one past them is refused."""
+    request = RunRequest(config_file=CONFIG, priority=priority)
+    if accepted:
+        assert read_job(request).request.priority == priority
+    else:
+        assert _problems(request) == [
+            f"--priority {priority}: from -1000 to 1000 (higher runs first; default 0)"
+        ]
+
+
+def test_a_config_that_is_not_yaml_names_its_line(tmp_path: Path) -> None:
+    """A YAML syntax error is one line naming the file and the line where the parser stopped."""
+    config = tmp_path / "tabbed.yaml"
+    config.write_text("a: 1\nb: 2\n\tc: 3\n", encoding="utf-8")
+    assert _problems(RunRequest(config_file=config)) == [
+        f"--config {config} line 3: not valid YAML; fix the syntax there"
+    ]
+
+
+def test_the_command_lines_resources_go_over_the_config_files(tmp_path: Path) -> None:
+    """--pool, --gpus, --min-gpu-memory-gb and --instances replace what the file's `resources:` asks."""
+    config = tmp_path / "wide.yaml"
+    text = CONFIG.read_text(encoding="utf-8")
+    config.write_text(text + "\nresources: {pool: small, gpus: 'L4:1', instances: 2}\n", encoding="utf-8")
+    assert read_job(RunRequest(config_file=config)).definition.resources == ResourceRequest(
+        pool="small", gpu_model="L4", gpus=1, instances=2
+    )
+    flags = RunRequest(config_file=config, pool="big", gpus="A100:8", min_gpu_memory_gb=40, instances=1)
+    assert read_job(flags).definition.resources == ResourceRequest(
+        pool="big", gpu_model="A100", gpus=8, min_gpu_memory_gb=40, instances=1
+    )
+
+
+def test_a_users_job_runs_on_one_instance_whether_the_flag_or_its_file_asks_more(user_job: Path) -> None:
+    """A user's job asking for several instances is refused naming the flag, or its file's key."""
+    assert _problems(RunRequest(job_file=user_job, instances=2)) == [
+        "--instances 2: a user's job runs on one instance (multi-node runs the built-in trainer, --config); "
+        "use a multi-GPU instance type for more GPUs"
+    ]
+    user_job.write_text(JOB_FILE + "resources: {instances: 2}\n", encoding="utf-8")
+    (problem,) = _problems(RunRequest(job_file=user_job))
+    assert problem.startswith("resources.instances 2: a user's job runs on one instance")
+    assert read_job(RunRequest(job_file=user_job, instances=1)).definition.resources.instances == 1
+
+
+def test_a_job_folder_too_large_to_bundle_is_named_by_its_job_file(
+    user_job: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bundle's refusal names the job file given, not the stack key `pulumi up` would name."""
+    monkeypatch.setattr(bundle_module, "MAX_JOB_BYTES", 1)
+    (problem,) = _problems(RunRequest(job_file=user_job))
+    assert problem.startswith(
+        f"{user_job}: the workdir {user_job.parent.resolve()} holds 0 MiB; keep data out"
+    )
+
+
+def test_a_users_sweep_is_one_job_per_point_each_recording_its_point(user_job: Path) -> None:
+    """Each point of a user's sweep carries its values; every point's problem is named, not only the last."""
+    job = read_job(RunRequest(job_file=user_job, sweeps=("LR=1,2",)))
+    assert [(v.name, v.point) for v in job.variants] == [("tiny-lr1", {"LR": 1}), ("tiny-lr2", {"LR": 2})]
+    assert job.sweep == "tiny"
+    problems = _problems(RunRequest(job_file=user_job, sweeps=("TRAINSTACK_X=a,b",)))
+    assert [problem.split(":")[0] for problem in problems] == [
+        f"{user_job} (--sweep txa)",
+        f"{user_job} (--sweep txb)",
+    ]
+
+
+def test_an_invalid_job_is_each_problem_on_its_own_line_then_how_many(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each problem is one stderr line, then a count that agrees in number; the exit status is 1."""
+    for problems, count in ((["one"], "1 problem"), (["one", "two"], "2 problems")):
+        assert report_invalid(InvalidJobError(problems)) == 1
+        lines = [f"trainstack: error: {problem}" for problem in problems]
+        lines.append(f"trainstack: error: nothing submitted: {count}; fix and run again")
+        assert capsys.readouterr().err == "".join(f"{line}\n" for line in lines)
+
+
+def test_an_instance_type_the_catalogue_lacks_offers_no_gpus() -> None:
+    """A pool's unknown instance type is matched as one with no GPUs, known ones with their catalogue's."""
+    assert type_offer("x9.unknown") == TypeOffer("x9.unknown", None, 0, 0)
+    assert type_offer("g6.xlarge") == TypeOffer("g6.xlarge", "L4", 1, 24)
+
+
+def test_a_job_needing_more_instances_than_its_group_holds_says_how_to_fix_it() -> None:
+    """A group that holds exactly the job's instances takes it; one fewer is refused with both fixes."""
+    check_capacity(Group(GROUP, 0, 0, 2), 2)
+    with pytest.raises(CliError) as raised:
+        check_capacity(Group(GROUP, 0, 0, 1), 2)
+    assert str(raised.value) == (
+        f"the job needs 2 instances and group {GROUP} allows at most 1: ask for fewer (--instances N), or "
+        "raise trainstack:instanceCount and `pulumi up` first"
+    )
+
+
+class _Scaling:
+    """The autoscaling client wake_group talks to: records each resize asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[dict[str, Any]] = []
+
+    def autoscaling(self) -> _Scaling:
+        return self
+
+    def update_auto_scaling_group(self, **request: Any) -> None:
+        self.asked.append(request)
+
+
+@pytest.mark.parametrize(
+    ("desired", "max_size", "free", "wanted"),
+    [(0, 4, 0, 2), (1, 4, 0, None), (1, 4, 1, 3), (1, 2, 1, 2), (2, 2, 1, None)],
+)
+def test_a_group_wakes_at_zero_or_grows_only_for_a_free_lane_never_past_its_maximum(
+    desired: int, max_size: int, free: int, wanted: int | None
+) -> None:
+    """At zero a group gets the job's instances; up, only a free lane adds them (capped); else it stays."""
+    scaling = _Scaling()
+    group = Group("g", desired, 0, max_size)
+    assert wake_group(scaling, group, 2, free_lanes=free) == wanted  # type: ignore[arg-type]
+    expected = [] if wanted is None else [{"AutoScalingGroupName": "g", "DesiredCapacity": wanted}]
+    assert scaling.asked == expected
+
+
+def test_a_record_and_its_entry_are_encrypted_json_and_the_answer_says_what_was_asked(
+    deployed: Deployed,
+) -> None:
+    """The record and entry are JSON under the stack's key; the answer names the flags' effect."""
+    result = _submit(deployed, "--config", str(CONFIG), "--instances", "2", "--now")
+    (job,) = result["jobs"]
+    for key in (f"jobs/{job['job_id']}/job.json", f"queue/{job['job_id']}.json"):
+        head = deployed.s3().head_object(Bucket=BUCKET, Key=key)
+        assert head["ContentType"] == "application/json", key
+        assert (head["ServerSideEncryption"], head["SSEKMSKeyId"]) == ("aws:kms", deployed.kms_key_arn), key
+    assert _get(deployed, f"jobs/{job['job_id']}/job.json")["agent"]["instance_count"] == 2
+    assert (result["now"], result["sweep"], result["dataset"], job["sweep"]) == (True, None, None, None)
+    swept = _submit(deployed, "--config", str(CONFIG), "--sweep", "train.lr=0.1,0.2", "--name", "lrs")
+    assert swept["sweep"] == "lrs" and swept["now"] is False
+
+
+class _HeadSaysAbsent:
+    """The user's S3 client as a submission racing another sees it: the bundle's HEAD said not there."""
+
+    def __init__(self, s3: Any) -> None:
+        self._s3 = s3
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._s3, name)
+
+    def head_object(self, **request: Any) -> Any:
+        raise ClientError({"Error": {"Code": "404", "Message": "Not Found"}}, "HeadObject")
+
+
+def test_a_bundle_another_submission_wrote_first_is_never_written_again(deployed: Deployed) -> None:
+    """The bundle is created only if absent: one written since the check is left as it is, and not claimed."""
+    first = _submit(deployed, "--config", str(CONFIG))
+    racing = Clients(None, overrides={"s3": _HeadSaysAbsent(boto3.client("s3", region_name=REGION))})
+    result = deployed.run("run", "--config", str(CONFIG), "--json", clients=racing)
+    assert result.code == 0, result.err
+    assert len(first["bundles_uploaded"]) == 1 and result.json()["bundles_uploaded"] == []
+    assert len(_keys(deployed, "queue/")) == 2
+
+
+def test_a_sweep_says_each_queued_job_then_how_to_compare_them(deployed: Deployed) -> None:
+    """A sweep's human answer: one line per queued job, then the sweep, the group woken and the command."""
+    result = deployed.run("run", "--config", str(CONFIG), "--sweep", "train.lr=0.1,0.03")
+    assert result.code == 0, result.err
+    ids = [row["job_id"] for row in deployed.run("jobs", "--json").json()["jobs"]]
+    lines = result.out.strip().splitlines()
+    assert sorted(lines[:2]) == sorted(f"queued {job_id}" for job_id in ids) and len(lines) == 3
+    assert lines[2] == (
+        f"sweep default: 2 jobs queued; group {GROUP} scaled up to 2; compare them with "
+        "`trainstack jobs --sweep default`"
+    )
+
+
+def test_a_followed_job_first_says_its_place_and_the_group_it_woke(
+    deployed: Deployed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Following starts with the job's queue position and, when it woke the group, to what size."""
+
+    def interrupt(_seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(follow_module, "wait", interrupt)
+    first = deployed.run("run", "--config", str(CONFIG))
+    second = deployed.run("run", "--config", str(CONFIG))
+    ids = {row["queue_position"]: row["job_id"] for row in deployed.run("jobs", "--json").json()["jobs"]}
+    assert first.out.splitlines()[0] == (
+        f"submitted {ids[1]} (queued, position 1); group {GROUP} scaled up to 2; Ctrl-C stops following, "
+        "never the job"
+    )
+    assert second.out.splitlines()[0] == (
+        f"submitted {ids[2]} (queued, position 2); Ctrl-C stops following, never the job"
+    )

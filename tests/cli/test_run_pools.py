@@ -295,3 +295,20 @@ def test_max_concurrent_jobs_reached_wakes_no_instance_and_says_why_the_job_wait
     assert "maxConcurrentJobs" not in rows[waiting]["waiting"]
     again = pooled.run("run", "--config", str(CONFIG), "--json").json()
     assert again["scaled_up_to"] == 2 and _desired(GROUP) == 2
+
+
+def test_a_pool_other_than_the_default_counts_its_own_free_lanes(pooled: Deployed) -> None:
+    """A job for `big` starts beside big's running job while big has a lane free, whatever the default
+    pool's lanes hold."""
+    pooled.outputs["pools"]["small"] |= {"max_jobs": 2}
+    pooled.outputs["pools"]["big"] |= {"max_jobs": 2}
+    pooled.outputs_file.write_text(json.dumps(pooled.outputs), encoding="utf-8")
+    _running(pooled, "current-job.json", "first-aaaaaaaa")
+    _running(pooled, "current-job-lane1.json", "second-bbbbbbbb")
+    _running(pooled, "current-job-big.json", "third-cccccccc")
+    boto3.client("autoscaling", region_name=REGION).update_auto_scaling_group(
+        AutoScalingGroupName=BIG, DesiredCapacity=1
+    )
+    submitted = pooled.run("run", "--config", str(CONFIG), "--pool", "big", "--instances", "1", "--json")
+    assert submitted.code == 0, submitted.err
+    assert submitted.json()["scaled_up_to"] == 2 and (_desired(BIG), _desired(GROUP)) == (2, 0)
