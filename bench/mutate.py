@@ -7,7 +7,7 @@ $TMPDIR/trainstack-mutate), never in the checkout itself, so colleagues' test ru
 
     python -m bench.mutate                        # every target, most important first
     python -m bench.mutate persist lease          # some targets
-    python -m bench.mutate --changed-since origin/main   # the targets whose modules changed (CI)
+    python -m bench.mutate --changed-since origin/main   # what changed since (CI; before each resolve)
     python -m bench.mutate --again persist        # the last run's survivors against the current tests
     python -m bench.mutate --source HEAD ledger   # the sources as committed, not others' edits in progress
     python -m bench.mutate --only '*__mutmut_*[13579]' persist   # a deterministic sample: odd-numbered
@@ -19,17 +19,24 @@ A mutant counts as killed when a selected test fails or times out with it; one n
 counts as surviving. Mutants left out by `--only` (or by a run stopped early) are "not checked": reported
 as such, never counted as killed. Scores and the equivalent survivors are recorded in bench/RESULTS.md.
 A test written to kill a survivor goes into the test file of the module it checks, which its target lists.
+
+`--changed-since REF` runs what changed since REF, and no more: a target new or redefined since REF in full;
+in a target whose modules changed, the mutants of the functions whose code changed (compared by their AST,
+so a moved function or an edited docstring is not new); in a target whose own test files changed only, a
+fifth of its mutants (TESTS_CHANGED_SAMPLE), to see that the tests still kill them.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import types
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
@@ -122,7 +129,7 @@ TARGETS: dict[str, Target] = {
     # The cost cap on the instance (`trainstack stop` and the cap as each life reads them; the agent's own
     # tests start trainers) and from outside it (the capacity Lambda, whose spot fallback shares the file).
     "costcap": Target(
-        ("bootstrap/jobstate.py", "infra/capacity_fallback/handler.py", "trainstack_job/launches.py"),
+        ("bootstrap/jobstate.py", "lambdas/capacity_fallback/handler.py", "trainstack_job/launches.py"),
         (
             "tests/bootstrap/test_jobstate.py",
             # The launch history: a spot drought as both the function and `trainstack jobs` read it.
@@ -156,7 +163,7 @@ TARGETS: dict[str, Target] = {
     "stops": Target(("bootstrap/stops.py",), ("tests/bootstrap/test_stops.py",)),
     # The pools' scheduler: each pool raised to what its waiting jobs need, never lowered, concurrent passes
     # agreeing (infra/scheduler.py invokes it).
-    "scheduler": Target(("infra/scheduler_fn/handler.py",), ("tests/infra/test_scheduler_fn.py",)),
+    "scheduler": Target(("lambdas/scheduler/handler.py",), ("tests/infra/test_scheduler_fn.py",)),
     # One writer per single-node job: the lease taken, the warm standby and its take-over, the holder's own
     # clock (bootstrap/lease.py is the lease target's).
     "standby": Target(
@@ -184,6 +191,81 @@ TARGETS: dict[str, Target] = {
             "tests/bootstrap/test_secrets.py",
         ),
     ),
+    # The job user's credentials: a role session scoped to the job's own prefixes, refreshed by a credential
+    # process, never the instance role's; the job's user, home and files apart from root's and other jobs'.
+    "jobuser": Target(
+        ("bootstrap/jobuser.py", "trainstack_job/credentials.py"),
+        ("tests/bootstrap/test_jobuser.py", "tests/job/test_credentials.py"),
+    ),
+    # The Auto Scaling group as the agent sees it (billing stops, a replacement asked for, scale-in
+    # protection) and the scratch space a life trains in (instance store first, never a mounted device twice).
+    "fleet": Target(
+        ("bootstrap/fleet.py", "bootstrap/scratch.py"),
+        ("tests/bootstrap/test_fleet.py", "tests/bootstrap/test_scratch.py"),
+    ),
+    # The queue writes of `trainstack run`, `cancel` and `sweep`: an entry and its record created once, a
+    # cancel request for a queued or running job, a sweep's points each one job.
+    "submit": Target(
+        ("trainstack/run.py", "trainstack/cancel.py", "trainstack/sweep.py"),
+        (
+            "tests/cli/test_run.py",
+            "tests/cli/test_run_pools.py",
+            "tests/cli/test_cancel.py",
+            "tests/cli/test_sweep.py",
+        ),
+    ),
+    # The built-in trainer's promises in-process: the checkpoint written whole and read back exactly, the
+    # resume at the checkpoint's step and sample, the stop checkpoint on SIGTERM, bad samples named and
+    # skipped (the trainer's processes are the stories' tests; a forked mutmut worker cannot run them).
+    "trainer": Target(
+        ("training/checkpoint.py", "training/resume.py", "training/stop.py", "training/data.py"),
+        (
+            "tests/training/test_checkpoint.py",
+            "tests/training/test_checkpoint_store.py",
+            "tests/training/test_resume.py",
+            "tests/training/test_stop.py",
+            "tests/training/test_data.py",
+            "tests/training/test_checkpoint_policy.py",
+            # Not test_startup.py: each of its tests starts `python -m training` (tests/training/test_stop.py
+            # holds the signal handling's promises in-process).
+        ),
+        # Trainer lives (forked or `python -m training`, the baseline included): they import the checkout's
+        # modules, not the mutant, and take seconds each.
+        deselect=(
+            *(
+                f"tests/training/test_resume.py::{name}"
+                for name in (
+                    "test_stops_signals_a_checkpoint_request_and_a_replacement_from_s3_resume_bitwise_exact",
+                    "test_resume_after_sigkills_during_checkpoint_writes_and_at_random_is_bitwise_exact",
+                    "test_progress_json_has_the_agent_fields",
+                    "test_completed_run_writes_loadable_artifacts",
+                )
+            ),
+            "tests/training/test_data.py::test_training_completes_past_bad_images_and_metrics_lists_them",
+            "tests/training/test_data.py::test_too_many_bad_images_stop_the_job_with_exit_65_naming_them",
+        ),
+    ),
+    # The phases of a life (bootstrap/phases/): nothing spent before the GPUs answer, a stop before the
+    # launch means the trainer never starts, the one writer decided before the data sync (a surplus instance
+    # leaves, a standby waits warm), a dataset that cannot be had ends the life with its own line, the
+    # restore, the standby's take-over and the last upload within the stop's deadline. Each phase in-process
+    # with a fake life (its whole lives are the agent's tests: seconds each, and they add no kills).
+    "phases": Target(
+        (
+            "bootstrap/phases/base.py",
+            "bootstrap/phases/gpu.py",
+            "bootstrap/phases/workspace.py",
+            "bootstrap/phases/writer.py",
+            "bootstrap/phases/data.py",
+            "bootstrap/phases/training.py",
+        ),
+        ("tests/bootstrap/test_phases.py",),
+        # A whole life against moto with the test-double trainer (seconds, and a moto server per session).
+        deselect=(
+            "tests/bootstrap/test_phases.py::"
+            "test_a_phase_added_to_one_lifes_list_runs_with_what_the_earlier_phases_set_up_and_its_end_is_the_lifes",
+        ),
+    ),
     "watcher": Target(
         ("bootstrap/watcher.py",),
         ("tests/bootstrap/test_imds_and_watcher.py",),
@@ -191,10 +273,10 @@ TARGETS: dict[str, Target] = {
     "policy": Target(
         # patterns.py: the ARN matchers the identity rules judge resources with (the KMS "every key" rule).
         (
-            "infra/policy/identity.py",
-            "infra/policy/patterns.py",
-            "infra/policy/network.py",
-            "infra/policy/storage.py",
+            "policypack/identity.py",
+            "policypack/patterns.py",
+            "policypack/network.py",
+            "policypack/storage.py",
         ),
         (
             "tests/policy/test_rules.py",
@@ -487,19 +569,98 @@ for name in sys.argv[1:]:
 """
 
 
-def changed_targets(since: str) -> list[str]:
-    changed = set(
-        subprocess.run(
-            ["git", "diff", "--name-only", since, "--"], cwd=ROOT, check=True, capture_output=True, text=True
-        ).stdout.split()
-    )
-    if "bench/mutate.py" in changed:  # the targets or the way they run changed: every score may have
-        return list(TARGETS)
-    return [
-        name
-        for name, target in TARGETS.items()
-        if changed & {*target.modules, *(test.split("::")[0] for test in target.tests)}
-    ]
+# A target whose own test files changed (and none of its modules) is checked on this sample: a fifth of its
+# mutants (every one whose number ends in 0 or 5, so each function's first mutant is in).
+TESTS_CHANGED_SAMPLE = "*__mutmut_*[05]"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+
+
+def _committed(ref: str, path: str) -> str | None:
+    """The file as committed at `ref`; None when it did not exist there."""
+    try:
+        return _git("show", f"{ref}:{path}")
+    except subprocess.CalledProcessError:
+        return None
+
+
+def _code(function: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """A function's code without its docstring (which mutmut leaves alone) and without line numbers."""
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return "\n".join(ast.dump(statement) for statement in [*function.decorator_list, function.args, *body])
+
+
+def _functions(source: str | None) -> dict[str, str]:
+    """Each function and method of a module (by mutmut's name for it) and its code: what mutmut mutates."""
+    found: dict[str, str] = {}
+    if source is None:
+        return found
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found[f"x_{node.name}"] = _code(node)
+        elif isinstance(node, ast.ClassDef):
+            for method in node.body:
+                if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found[f"xǁ{node.name}ǁ{method.name}"] = _code(method)
+    return found
+
+
+def changed_functions(since: str, module: str) -> list[str]:
+    """mutmut name patterns for the functions of `module` whose code differs from `since` (by their AST:
+    a moved function, or one whose comments or docstring changed, is not new); every function of a new
+    module."""
+    before = _functions(_committed(since, module))
+    now = _functions((ROOT / module).read_text(encoding="utf-8"))
+    dotted = module.removesuffix(".py").replace("/", ".")
+    return [f"{dotted}.{name}__mutmut_*" for name, tree in now.items() if before.get(name) != tree]
+
+
+def _definition(target: object) -> tuple[object, ...]:
+    """What a target is made of (compared across two versions of this file, whose Target classes differ)."""
+    return tuple(getattr(target, field, ()) for field in ("modules", "tests", "deselect"))
+
+
+def _targets_at(ref: str) -> dict[str, tuple[object, ...]]:
+    """Each target's definition as bench/mutate.py had it at `ref` (none when it did not exist there)."""
+    source = _committed(ref, "bench/mutate.py")
+    if source is None:
+        return {}
+    name = "bench._mutate_at_ref"
+    module = types.ModuleType(name)
+    module.__file__ = __file__  # its ROOT is this checkout's
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    try:
+        exec(compile(source, f"{ref}:bench/mutate.py", "exec"), module.__dict__)
+    finally:
+        del sys.modules[name]
+    targets = getattr(module, "TARGETS", {})
+    return {key: _definition(target) for key, target in targets.items()}
+
+
+def changed_targets(since: str) -> dict[str, tuple[str, ...]]:
+    """What changed since `since`, as each target's mutants to run (an empty tuple: all of them):
+    - a target new or redefined (its modules, tests or deselected tests) since: all of its mutants;
+    - a target whose modules changed: the mutants of the functions that changed;
+    - a target whose own test files changed only: the sample TESTS_CHANGED_SAMPLE.
+    Targets with no change are left out."""
+    changed = set(_git("diff", "--name-only", since, "--").split())
+    now = {name: _definition(target) for name, target in TARGETS.items()}
+    before = _targets_at(since) if "bench/mutate.py" in changed else now
+    selected: dict[str, tuple[str, ...]] = {}
+    for name, target in TARGETS.items():
+        if before.get(name) != now[name]:
+            selected[name] = ()
+            continue
+        patterns = [p for m in target.modules if m in changed for p in changed_functions(since, m)]
+        if patterns:
+            selected[name] = tuple(patterns)
+        elif changed & {test.split("::")[0] for test in target.tests}:
+            selected[name] = (TESTS_CHANGED_SAMPLE,)
+    return selected
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -539,12 +700,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown target(s) {', '.join(unknown)}; known: {', '.join(TARGETS)}")
     names = list(args.targets) or list(TARGETS)
+    only = {name: tuple(args.only) for name in names}
+    if args.changed_since and args.only:
+        parser.error("--changed-since chooses the mutants itself: leave out --only")
     if args.changed_since:
         changed = changed_targets(args.changed_since)
         names = [n for n in names if n in changed]
         if not names:
             print(f"no guarantee module changed since {args.changed_since}")
             return 0
+        for name in names:
+            only[name] = changed[name]
+            what = " ".join(changed[name]) or "all (a new or redefined target)"
+            print(f"==> {name}: changed since {args.changed_since}: {what}", flush=True)
     workdir = args.workdir.resolve()
     if workdir == ROOT or ROOT in workdir.parents:
         parser.error("--workdir must be outside the checkout: mutmut rewrites the files it mutates")
@@ -556,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
             args.max_children,
             again=args.again,
             source=args.source,
-            only=tuple(args.only),
+            only=only[name],
         )
         for name in names
     ]

@@ -6,8 +6,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import yaml
 
+from bench import mutate
 from bench.mutate import TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,3 +46,104 @@ def test_a_pull_request_changing_any_targets_module_or_test_file_runs_the_mutate
     assert "bench/mutate.py" in paths
     stale = paths - modules - tests - {"bench/mutate.py"}
     assert not stale, f"no target's module or test file, in mutate.yml's pull_request paths: {sorted(stale)}"
+
+
+OLD_MODULE = '''
+def kept(x):
+    """Said once."""
+    return x + 1
+
+
+def edited(x):
+    return x - 1
+
+
+class Store:
+    def reworded(self):
+        """Old words."""
+        return 1
+
+    def fixed(self):
+        return 1
+'''
+
+NEW_MODULE = '''
+def kept(x):
+    """Said again, in other words; a comment moved too."""
+    # moved
+    return x + 1
+
+
+def edited(x):
+    return x + 1
+
+
+class Store:
+    def reworded(self):
+        """New words."""
+        return 1
+
+    def fixed(self):
+        return 2
+
+    def added(self):
+        return 3
+
+
+def brand_new():
+    return 4
+'''
+
+
+def test_changed_since_names_only_the_functions_whose_code_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A docstring or comment edit is no new code to mutate; an edited or added function is, by mutmut's
+    name for it; a module that did not exist at the base is new in every function."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg/mod.py").write_text(NEW_MODULE)
+    monkeypatch.setattr(mutate, "ROOT", tmp_path)
+    monkeypatch.setattr(mutate, "_committed", lambda ref, path: OLD_MODULE if ref == "base" else None)
+    assert mutate.changed_functions("base", "pkg/mod.py") == [
+        "pkg.mod.x_edited__mutmut_*",
+        "pkg.mod.xǁStoreǁfixed__mutmut_*",
+        "pkg.mod.xǁStoreǁadded__mutmut_*",
+        "pkg.mod.x_brand_new__mutmut_*",
+    ]
+    assert len(mutate.changed_functions("older", "pkg/mod.py")) == 6
+
+
+def test_changed_since_runs_new_targets_whole_changed_functions_and_a_sample_for_changed_tests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    targets = {
+        "new": mutate.Target(("a.py",), ("tests/test_a.py",)),
+        "redefined": mutate.Target(("b.py",), ("tests/test_b.py", "tests/test_b2.py")),
+        "code": mutate.Target(("c.py",), ("tests/test_c.py",)),
+        "tests": mutate.Target(("d.py",), ("tests/test_d.py::test_one",)),
+        "quiet": mutate.Target(("e.py",), ("tests/test_e.py",)),
+    }
+    before = {name: mutate._definition(t) for name, t in targets.items() if name != "new"}
+    before["redefined"] = mutate._definition(mutate.Target(("b.py",), ("tests/test_b.py",)))
+    changed = "bench/mutate.py\nc.py\ntests/test_d.py\nunrelated.py\n"
+    monkeypatch.setattr(mutate, "TARGETS", targets)
+    monkeypatch.setattr(mutate, "_git", lambda *args: changed)
+    monkeypatch.setattr(mutate, "_targets_at", lambda ref: before)
+    monkeypatch.setattr(mutate, "changed_functions", lambda ref, module: [f"{module}:f*"])
+    assert mutate.changed_targets("base") == {
+        "new": (),
+        "redefined": (),
+        "code": ("c.py:f*",),
+        "tests": (mutate.TESTS_CHANGED_SAMPLE,),
+    }
+    # Without a change to bench/mutate.py the targets are compared with themselves: none is new.
+    monkeypatch.setattr(mutate, "_git", lambda *args: "c.py\n")
+    assert mutate.changed_targets("base") == {"code": ("c.py:f*",)}
+
+
+def test_the_targets_of_an_older_bench_mutate_are_read_from_git() -> None:
+    """The base's TARGETS come from its own bench/mutate.py, run apart from this one; a base without the
+    file has none (every target is new)."""
+    head = mutate._targets_at("HEAD")
+    assert head["persist"] == mutate._definition(mutate.TARGETS["persist"])
+    assert mutate._targets_at("no-such-ref") == {}
