@@ -19,7 +19,7 @@ import yaml
 from botocore.exceptions import ClientError
 
 from bootstrap.devices import device_profile
-from infra.bundle import REPO_ROOT, BundleError, LinkOutsideError, job_files
+from infra.bundle import BundleError, LinkOutsideError, job_files
 
 # Re-exported: the check behind load_definition's refusal of links, where tests/cli/test_run_links.py looks.
 from infra.bundle import links_outside as links_outside
@@ -277,11 +277,7 @@ def read_job(request: RunRequest) -> PreparedJob:
 
 
 def build_submissions(
-    job: PreparedJob,
-    submitted_at: datetime,
-    dataset: dict[str, str] | None = None,
-    root: Path = REPO_ROOT,
-    pool: str = "",
+    job: PreparedJob, submitted_at: datetime, dataset: dict[str, str] | None, *, pool: str
 ) -> list[Submission]:
     """One submission per variant. Each job's `submitted_at` is one microsecond after the previous one's, so
     the queue (FIFO by that time) runs a sweep in grid order."""
@@ -300,7 +296,6 @@ def build_submissions(
             dataset=dataset,
             now=request.now,
             instances=definition.resources.instances if definition.user_job is None else 1,
-            root=root,
             pool=pool,
             resources=definition.resources.to_mapping(),
             priority=request.priority,
@@ -433,7 +428,7 @@ def _exists(clients: Clients, bucket: str, key: str) -> bool:
     return True
 
 
-def wake_group(clients: Clients, group: Group, needed: int, *, free_lanes: int = 0) -> int | None:
+def wake_group(clients: Clients, group: Group, needed: int, *, free_lanes: int) -> int | None:
     """A group at zero gets the job's instances; one already up takes the job when its current one ends. A
     pool running several jobs at once with a lane free (`free_lanes`) gets the job's instances more now
     (never past its maximum): the job starts beside the others instead of waiting for one to end. The new

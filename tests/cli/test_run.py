@@ -12,12 +12,14 @@ from typing import Any
 
 import boto3
 import pytest
+import yaml
 from botocore.exceptions import ClientError
 
 from infra import bundle as bundle_module
 from infra.jobdef import define_job
 from infra.submission import prepare_submission
 from trainstack import follow as follow_module
+from trainstack import run as run_module
 from trainstack.aws import Clients
 from trainstack.errors import CliError
 from trainstack.run import (
@@ -656,6 +658,34 @@ def test_an_invalid_job_is_each_problem_on_its_own_line_then_how_many(
         lines = [f"trainstack: error: {problem}" for problem in problems]
         lines.append(f"trainstack: error: nothing submitted: {count}; fix and run again")
         assert capsys.readouterr().err == "".join(f"{line}\n" for line in lines)
+
+
+def test_an_invalid_jobs_message_is_every_problem_in_one_line() -> None:
+    """Where the error is shown as one message (`--json`, a caller's log), it still holds every problem."""
+    error = InvalidJobError(["job.yaml: name: missing", "job.yaml: command: not a list"])
+    assert str(error) == "job.yaml: name: missing; job.yaml: command: not a list"
+    assert error.problems == ["job.yaml: name: missing", "job.yaml: command: not a list"]
+
+
+def test_a_yaml_error_with_or_without_a_place_is_one_line_naming_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PyYAML's syntax errors carry the line; an error without one (a constructor's, a plugin's) still gives
+    the one line, without a made-up place."""
+    config = tmp_path / "train.yaml"
+    config.write_text("model:\n  name: [unclosed\n", encoding="utf-8")
+    (line,) = _problems(RunRequest(config_file=config))
+    assert line.startswith(f"--config {config} line ") and line.endswith(
+        ": not valid YAML; fix the syntax there"
+    )
+
+    def unplaced(_text: str) -> object:
+        raise yaml.YAMLError("no place to give")
+
+    monkeypatch.setattr(run_module.yaml, "safe_load", unplaced)
+    assert _problems(RunRequest(config_file=config)) == [
+        f"--config {config}: not valid YAML; fix the syntax there"
+    ]
 
 
 def test_an_instance_type_the_catalogue_lacks_offers_no_gpus() -> None:
