@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -686,6 +686,19 @@ def test_a_yaml_error_with_or_without_a_place_is_one_line_naming_the_config(
     assert _problems(RunRequest(config_file=config)) == [
         f"--config {config}: not valid YAML; fix the syntax there"
     ]
+
+
+def test_a_queue_time_is_utc_with_a_z_whatever_the_machines_zone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue runs by this time, so every submitter writes the form `pulumi up` writes: UTC, `Z`, to the
+    microsecond, whatever zone the submitting machine is in."""
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        moment = datetime(2026, 12, 6, 21, 0, 0, 5, tzinfo=timezone(timedelta(hours=9)))
+        assert run_module._queue_time(moment) == "2026-12-06T12:00:00.000005Z"
+    finally:
+        monkeypatch.undo()
+        time.tzset()
 
 
 def test_an_instance_type_the_catalogue_lacks_offers_no_gpus() -> None:
