@@ -142,6 +142,9 @@ def main() -> int:
                 time.sleep(0.02)
         stop = stop_requested()
         if stop and not fake.get("ignore_stop") and not fake.get("complete_on_stop"):
+            # As python -m training does: once stopping, a later SIGTERM (a second notice, the drain) must not
+            # kill the exit at interpreter shutdown, when Python has put the default handler back.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             save(step)
             return 75
         if stop and fake.get("complete_on_stop"):
