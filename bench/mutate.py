@@ -609,22 +609,25 @@ def _functions(source: str | None) -> dict[str, str]:
     return found
 
 
-def changed_functions(since: str, module: str) -> list[str]:
+def changed_functions(since: str, module: str, path_then: str | None = None) -> list[str]:
     """mutmut name patterns for the functions of `module` whose code differs from `since` (by their AST:
     a moved function, or one whose comments or docstring changed, is not new); every function of a new
-    module."""
-    before = _functions(_committed(since, module))
+    module. `path_then`: where the module was at `since`, when it has moved since."""
+    before = _functions(_committed(since, path_then or module))
     now = _functions((ROOT / module).read_text(encoding="utf-8"))
     dotted = module.removesuffix(".py").replace("/", ".")
     return [f"{dotted}.{name}__mutmut_*" for name, tree in now.items() if before.get(name) != tree]
 
 
-def _definition(target: object) -> tuple[object, ...]:
+Definition = tuple[tuple[str, ...], ...]
+
+
+def _definition(target: object) -> Definition:
     """What a target is made of (compared across two versions of this file, whose Target classes differ)."""
-    return tuple(getattr(target, field, ()) for field in ("modules", "tests", "deselect"))
+    return tuple(tuple(getattr(target, field, ())) for field in ("modules", "tests", "deselect"))
 
 
-def _targets_at(ref: str) -> dict[str, tuple[object, ...]]:
+def _targets_at(ref: str) -> dict[str, Definition]:
     """Each target's definition as bench/mutate.py had it at `ref` (none when it did not exist there)."""
     source = _committed(ref, "bench/mutate.py")
     if source is None:
@@ -641,24 +644,57 @@ def _targets_at(ref: str) -> dict[str, tuple[object, ...]]:
     return {key: _definition(target) for key, target in targets.items()}
 
 
+def renamed_since(since: str) -> tuple[dict[str, str], set[str]]:
+    """The files git sees as moved since `since`: each one's path then, by its path now; and the paths now
+    of those moved unchanged (100 % similar), which are no change to test."""
+    then_by_now: dict[str, str] = {}
+    unchanged: set[str] = set()
+    for line in _git("diff", "--name-status", "-M", since, "--").splitlines():
+        fields = line.split("\t")
+        if len(fields) == 3 and fields[0].startswith("R"):
+            then_by_now[fields[2]] = fields[1]
+            if fields[0] == "R100":
+                unchanged.add(fields[2])
+    return then_by_now, unchanged
+
+
+def _moved(definition: Definition, now_by_then: dict[str, str]) -> Definition:
+    """A target's definition at the base with each moved file's path (test ids included) as it is now."""
+
+    def path_now(entry: str) -> str:
+        path, sep, rest = entry.partition("::")
+        return now_by_then.get(path, path) + sep + rest
+
+    return tuple(tuple(path_now(entry) for entry in part) for part in definition)
+
+
 def changed_targets(since: str) -> dict[str, tuple[str, ...]]:
     """What changed since `since`, as each target's mutants to run (an empty tuple: all of them):
     - a target new or redefined (its modules, tests or deselected tests) since: all of its mutants;
     - a target whose modules changed: the mutants of the functions that changed;
     - a target whose own test files changed only: the sample TESTS_CHANGED_SAMPLE.
-    Targets with no change are left out."""
+    A file git sees as moved is compared with itself where it was: a target whose files only moved is not
+    redefined, and a module moved unchanged has no changed function. Targets with no change are left out."""
+    then_by_now, moved_unchanged = renamed_since(since)
+    now_by_then = {then: now for now, then in then_by_now.items()}
     changed = set(_git("diff", "--name-only", since, "--").split())
     now = {name: _definition(target) for name, target in TARGETS.items()}
     before = _targets_at(since) if "bench/mutate.py" in changed else now
     selected: dict[str, tuple[str, ...]] = {}
     for name, target in TARGETS.items():
-        if before.get(name) != now[name]:
+        then = before.get(name)
+        if then is None or _moved(then, now_by_then) != now[name]:
             selected[name] = ()
             continue
-        patterns = [p for m in target.modules if m in changed for p in changed_functions(since, m)]
+        patterns = [
+            pattern
+            for module in target.modules
+            if module in changed
+            for pattern in changed_functions(since, module, then_by_now.get(module))
+        ]
         if patterns:
             selected[name] = tuple(patterns)
-        elif changed & {test.split("::")[0] for test in target.tests}:
+        elif (changed - moved_unchanged) & {test.split("::")[0] for test in target.tests}:
             selected[name] = (TESTS_CHANGED_SAMPLE,)
     return selected
 

@@ -129,7 +129,7 @@ def test_changed_since_runs_new_targets_whole_changed_functions_and_a_sample_for
     monkeypatch.setattr(mutate, "TARGETS", targets)
     monkeypatch.setattr(mutate, "_git", lambda *args: changed)
     monkeypatch.setattr(mutate, "_targets_at", lambda ref: before)
-    monkeypatch.setattr(mutate, "changed_functions", lambda ref, module: [f"{module}:f*"])
+    monkeypatch.setattr(mutate, "changed_functions", lambda ref, module, path_then: [f"{module}:f*"])
     assert mutate.changed_targets("base") == {
         "new": (),
         "redefined": (),
@@ -139,6 +139,70 @@ def test_changed_since_runs_new_targets_whole_changed_functions_and_a_sample_for
     # Without a change to bench/mutate.py the targets are compared with themselves: none is new.
     monkeypatch.setattr(mutate, "_git", lambda *args: "c.py\n")
     assert mutate.changed_targets("base") == {"code": ("c.py:f*",)}
+
+
+def test_changed_since_follows_moves_a_target_whose_files_only_moved_is_not_run_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A module moved to another folder is compared with itself where it was: moved unchanged, nothing of it
+    runs; moved with one function edited, that function's mutants; its test file moved unchanged is no
+    change to test. A target that gained a module is still redefined."""
+    targets = {
+        "moved": mutate.Target(("lambdas/f.py",), ("tests/test_f.py::test_one",)),
+        "moved_and_edited": mutate.Target(("policypack/g.py",), ("tests/policy/test_g.py",)),
+        "grown": mutate.Target(("lambdas/h.py", "lambdas/i.py"), ("tests/test_h.py",)),
+    }
+    before = {
+        "moved": mutate._definition(mutate.Target(("infra/f.py",), ("tests/infra/test_f.py::test_one",))),
+        "moved_and_edited": mutate._definition(mutate.Target(("infra/g.py",), ("tests/test_g.py",))),
+        "grown": mutate._definition(mutate.Target(("infra/h.py",), ("tests/test_h.py",))),
+    }
+    name_status = (
+        "M\tbench/mutate.py\nR100\tinfra/f.py\tlambdas/f.py\nR100\ttests/infra/test_f.py\ttests/test_f.py\n"
+        "R091\tinfra/g.py\tpolicypack/g.py\nR100\ttests/test_g.py\ttests/policy/test_g.py\n"
+        "R100\tinfra/h.py\tlambdas/h.py\nA\tlambdas/i.py\n"
+    )
+    names = "\n".join(
+        [
+            "bench/mutate.py",
+            "lambdas/f.py",
+            "tests/test_f.py",
+            "policypack/g.py",
+            "tests/policy/test_g.py",
+            "lambdas/h.py",
+        ]
+    )
+    calls: list[tuple[str, str | None]] = []
+
+    def changed_functions(ref: str, module: str, path_then: str | None) -> list[str]:
+        calls.append((module, path_then))
+        return [f"{module}:edited*"] if module == "policypack/g.py" else []
+
+    monkeypatch.setattr(mutate, "TARGETS", targets)
+    monkeypatch.setattr(mutate, "_git", lambda *args: name_status if "--name-status" in args else names)
+    monkeypatch.setattr(mutate, "_targets_at", lambda ref: before)
+    monkeypatch.setattr(mutate, "changed_functions", changed_functions)
+    assert mutate.changed_targets("base") == {"moved_and_edited": ("policypack/g.py:edited*",), "grown": ()}
+    assert calls == [("lambdas/f.py", "infra/f.py"), ("policypack/g.py", "infra/g.py")]
+
+
+def test_a_moved_module_is_compared_with_its_old_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg/mod.py").write_text(OLD_MODULE)
+    monkeypatch.setattr(mutate, "ROOT", tmp_path)
+    monkeypatch.setattr(mutate, "_committed", lambda ref, path: OLD_MODULE if path == "old/mod.py" else None)
+    assert mutate.changed_functions("base", "pkg/mod.py", "old/mod.py") == []
+    # Looked up under its new path, where it did not exist at the base, every function would be new.
+    assert len(mutate.changed_functions("base", "pkg/mod.py")) == 4
+
+
+def test_renames_are_read_from_git_with_their_similarity(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        mutate, "_git", lambda *args: "M\ta.py\nR100\told/b.py\tnew/b.py\nR087\told/c.py\tnew/c.py\nD\td.py\n"
+    )
+    assert mutate.renamed_since("base") == ({"new/b.py": "old/b.py", "new/c.py": "old/c.py"}, {"new/b.py"})
 
 
 def test_the_targets_of_an_older_bench_mutate_are_read_from_git() -> None:
