@@ -19,7 +19,12 @@ from infra.devbox import DevBox, DevBoxArgs  # noqa: E402
 from infra.drill import Drill, DrillArgs  # noqa: E402
 from infra.fleet import resolve_image  # noqa: E402
 from infra.identity import Identity, IdentityArgs  # noqa: E402
-from infra.network import Network, NetworkArgs  # noqa: E402
+from infra.network import (  # noqa: E402
+    Network,
+    NetworkArgs,
+    existing_network_zones,
+    lookup_existing_network,
+)
 from infra.observability import Observability, ObservabilityArgs  # noqa: E402
 from infra.placement import lookup_pool_zones  # noqa: E402
 from infra.pools import POOLS_OUTPUT, DeclaredPool, PoolBaseline, declare_pool, pools_output  # noqa: E402
@@ -34,6 +39,11 @@ account_id = aws.get_caller_identity().account_id
 partition = aws.get_partition().partition
 # The stack's subnets cover every pool's zones; each pool's group launches into its own (infra/placement.py).
 zones, pool_zones = lookup_pool_zones(config.pools, config.region, declared=bool(config.declared_pools))
+# trainstack:vpcId: the given VPC and subnets, checked before anything is declared (refused at preview, one
+# line per missing thing); the stack's zones are then the subnets' own.
+existing_network = lookup_existing_network(config) if config.existing_vpc else None
+if existing_network is not None:
+    zones, pool_zones = existing_network_zones(existing_network, pool_zones)
 image = resolve_image(config)
 # The stack's default job (trainstack:job / trainingConfig): submitted to the queue below, never in user-data.
 job = submit_stack_job(config)
@@ -72,6 +82,7 @@ network = Network(
         peer_traffic=any(pool.multi_node for pool in config.pools),
         network_isolation=config.network_isolation,
         tags=tags,
+        existing=existing_network,
     ),
 )
 observability = Observability(
@@ -151,7 +162,7 @@ dev_box = (
 )
 # The bucket refuses the instances' roles (the agent's, the job's, the dev box's) outside their S3 endpoint.
 storage.attach_bucket_policy(
-    instance_endpoint_id=network.s3_endpoint.id,
+    instance_endpoint_id=network.s3_endpoint_id,
     instance_principal_arns=[identity.role.arn, identity.job_role.arn]
     + ([dev_box.role.arn] if dev_box is not None else []),
     prefixes=prefixes,

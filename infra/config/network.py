@@ -1,4 +1,4 @@
-"""The stack's network keys: the VPC range, SSH ingress, and what network isolation needs."""
+"""The stack's network keys: the VPC range, SSH ingress, what network isolation needs, and an existing VPC."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ipaddress
 from pathlib import Path
 
 from infra import wheels as vendored
-from infra.config.values import Problems
+from infra.config.values import SUBNET_ID, VPC_ID, Problems
 from trainstack_job.jobfile import JobSpec
 
 
@@ -94,4 +94,39 @@ def check_ssh_cidrs(cidrs: tuple[str, ...], problems: Problems) -> None:
             f"{subject} {verb} SSH to {reach} and is refused; use SSM Session Manager (no open port) "
             "or your own address",
             example,
+        )
+
+
+SUBNET_IDS_EXAMPLE = '\'["subnet-0123456789abcdef0","subnet-0fedcba9876543210"]\''
+VPC_ID_EXAMPLE = "vpc-0123456789abcdef0"
+
+
+def check_existing_vpc(
+    vpc_id: str, subnet_ids: tuple[str, ...], create_endpoints: bool, problems: Problems
+) -> None:
+    """The ids' shapes only; what the VPC and subnets hold is checked against AWS at preview
+    (infra/network.py, lookup_existing_network)."""
+    if vpc_id and not VPC_ID.match(vpc_id):
+        problems.add("vpcId", f"{vpc_id!r} is not a VPC id", VPC_ID_EXAMPLE)
+    for subnet in subnet_ids:
+        if not SUBNET_ID.match(subnet):
+            problems.add("subnetIds", f"{subnet!r} is not a subnet id", SUBNET_IDS_EXAMPLE)
+    repeated = sorted({subnet for subnet in subnet_ids if subnet_ids.count(subnet) > 1})
+    if repeated:
+        problems.add("subnetIds", f"{', '.join(repeated)} listed more than once", SUBNET_IDS_EXAMPLE)
+    # Both or neither: subnets alone would land in a VPC the stack did not check; a VPC alone leaves the
+    # stack to guess which of its subnets are private.
+    if vpc_id and not subnet_ids:
+        problems.add(
+            "subnetIds", f"vpcId {vpc_id} is set: list the private subnets of it to use", SUBNET_IDS_EXAMPLE
+        )
+    if subnet_ids and not vpc_id:
+        problems.add(
+            "vpcId", "subnetIds is set: name the VPC they belong to (or remove subnetIds)", VPC_ID_EXAMPLE
+        )
+    if create_endpoints and not vpc_id:
+        problems.add(
+            "createVpcEndpoints",
+            "only applies to an existing VPC (vpcId); the stack's own VPC always has its endpoints",
+            "false",
         )

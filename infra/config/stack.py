@@ -24,7 +24,14 @@ from infra.config.jobs import (
     load_user_job,
     parse_expected_hours,
 )
-from infra.config.network import check_network_isolation, check_ssh_cidrs, check_vpc_cidr
+from infra.config.network import (
+    SUBNET_IDS_EXAMPLE,
+    VPC_ID_EXAMPLE,
+    check_existing_vpc,
+    check_network_isolation,
+    check_ssh_cidrs,
+    check_vpc_cidr,
+)
 from infra.config.pools import LEGACY_POOL, Pool, parse_pools, pool_group_name, refuse_single_group_keys
 from infra.config.values import (
     AMI_ID,
@@ -108,6 +115,15 @@ class StackConfig:
     declared_pools: tuple[Pool, ...] = ()
     # At most this many jobs run at once across every pool (trainstack_job/slots.py); 0 = no stack-wide limit.
     max_concurrent_jobs: int = 0
+    # Bring your own network: an existing VPC and private subnets of it ("" and (): the stack makes its own).
+    vpc_id: str = ""
+    subnet_ids: tuple[str, ...] = ()
+    # With vpc_id: add the endpoints the VPC lacks instead of refusing the preview.
+    create_vpc_endpoints: bool = False
+
+    @property
+    def existing_vpc(self) -> bool:
+        return bool(self.vpc_id)
 
     @property
     def name(self) -> str:
@@ -284,8 +300,13 @@ def parse_stack_config(
     drill = value("drill", boolean, "true")
     network_isolation = value("networkIsolation", boolean, "true")
     dev_box = value("devBox", boolean, "true")
-    # networkIsolation puts the instances in private subnets (without a NAT gateway), whatever privateSubnets.
-    private_subnets = bool(private_subnets or network_isolation)
+    vpc_id = value("vpcId", string, VPC_ID_EXAMPLE).strip()
+    subnet_ids = tuple(value("subnetIds", string_list, SUBNET_IDS_EXAMPLE))
+    create_vpc_endpoints = value("createVpcEndpoints", boolean, "false")
+    check_existing_vpc(vpc_id, subnet_ids, create_vpc_endpoints, problems)
+    # networkIsolation puts the instances in private subnets (without a NAT gateway), whatever privateSubnets;
+    # so does an existing VPC: its subnets must be private (checked at preview), so no public address either.
+    private_subnets = bool(private_subnets or network_isolation or vpc_id)
 
     declared_pools: tuple[Pool, ...] = ()
     # Empty (unset, [] or ""): the single group's keys define the stack's one pool.
@@ -444,4 +465,7 @@ def parse_stack_config(
         dev_box=dev_box,
         declared_pools=declared_pools,
         max_concurrent_jobs=max_concurrent if isinstance(max_concurrent, int) else 0,
+        vpc_id=vpc_id,
+        subnet_ids=subnet_ids,
+        create_vpc_endpoints=create_vpc_endpoints,
     )

@@ -49,6 +49,13 @@ DEFAULTS: dict[str, Any] = {
     "networkIsolation": False,
     "devBox": False,
     "maxConcurrentJobs": 0,
+    # Bring your own network (infra/network.py, lookup_existing_network): an existing VPC and its private
+    # subnets instead of the stack's own; the stack then checks them against its baseline at preview.
+    "vpcId": "",
+    "subnetIds": [],
+    # With vpcId: let the stack add the VPC endpoints it finds missing (S3 gateway; under networkIsolation,
+    # the interface endpoints) instead of refusing the preview.
+    "createVpcEndpoints": False,
 }
 
 # trainstack:pools (docs/internals.md, "Pools"): a list of mappings, so no entry of DEFAULTS (Pulumi.yaml's
@@ -59,6 +66,8 @@ STRUCTURED_KEYS = (POOLS_KEY,)
 AMI_ID = re.compile(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$")
 EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[A-Za-z]{2,}$")
 PRICE = re.compile(r"^\d+(\.\d+)?$")
+VPC_ID = re.compile(r"^vpc-[0-9a-f]{8}([0-9a-f]{9})?$")
+SUBNET_ID = re.compile(r"^subnet-[0-9a-f]{8}([0-9a-f]{9})?$")
 
 
 if TYPE_CHECKING:

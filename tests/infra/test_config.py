@@ -1315,6 +1315,13 @@ def test_ssh_opened_wider_than_the_internets_share_is_named_as_written_in_one_li
 # Every key given a value of the wrong type (as `pulumi config set --path` or a hand-edited stack file can):
 # its one line, and the value its fix suggests.
 WRONG_TYPE = {
+    "vpcId": (5, "must be a string, got 5", "vpc-0123456789abcdef0"),
+    "subnetIds": (
+        5,
+        "must be a list of strings, got 5",
+        '\'["subnet-0123456789abcdef0","subnet-0fedcba9876543210"]\'',
+    ),
+    "createVpcEndpoints": ("x", "must be true or false, got 'x'", "false"),
     "instanceTypes": (5, "must be a list of strings, got 5", '\'["g6.xlarge","g5.xlarge"]\''),
     "instanceCount": ("x", "must be an integer, got 'x'", "1"),
     "minNodes": ("x", "must be an integer, got 'x'", "1"),
@@ -1364,7 +1371,12 @@ def test_a_value_of_the_wrong_type_is_one_line_whose_suggested_value_is_accepted
     # example job ships in examples/, which `make mutate`'s copy of the packages does not hold.)
     (value,) = shlex.split(example)
     if key != "job" or (REPO_ROOT / value).is_file():
-        assert problems({key: value}) == []
+        # vpcId and subnetIds are set together: each one's fix is accepted beside its partner.
+        partner = {
+            "vpcId": {"subnetIds": '["subnet-0123456789abcdef0"]'},
+            "subnetIds": {"vpcId": "vpc-0123456789abcdef0"},
+        }
+        assert problems({key: value, **partner.get(key, {})}) == []
 
 
 def test_a_pinned_ami_and_a_custom_ami_parameter_are_one_too_many() -> None:
