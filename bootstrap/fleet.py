@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainstack_job.throughput import capacity_units
+
 
 class Fleet:
     """Calls on this stack's group only (the instance role allows nothing else)."""
@@ -48,7 +50,8 @@ class Fleet:
         terminating this one) and lowering it would take the replacement too.
         """
         desired = self.desired_capacity()
-        decrement = desired is not None and desired > instance_count
+        # Desired capacity counts the group's units; a weighted pool's unit is one instance (infra/fleet.py).
+        decrement = desired is not None and desired > capacity_units(instance_count)
         self._autoscaling.terminate_instance_in_auto_scaling_group(
             InstanceId=instance_id, ShouldDecrementDesiredCapacity=decrement
         )

@@ -24,8 +24,10 @@ from bootstrap.ledger import JobLedger, LedgerStore
 from bootstrap.pricing import LifeQuote
 from bootstrap.statestore import StateStore
 from bootstrap.watchdog import read_progress
-from trainstack_job.contract import LEDGER, PROGRESS
+from trainstack_job.contract import LEDGER, PROGRESS, BucketPrefix
 from trainstack_job.queue import CANCEL_REQUEST
+from trainstack_job.records import Progress
+from trainstack_job.throughput import THROUGHPUT, ThroughputStore
 
 PROGRESS_UPLOAD_SECONDS = 15.0
 
@@ -47,6 +49,15 @@ class JobState:
         self.log = log
         self.state = StateStore(s3, config.bucket, prefixes.state)
         self.ledger_store = LedgerStore(s3, config.bucket, prefixes.state + LEDGER)
+        # Each life's measured samples/s (from the trainer's progress.json) goes into its ledger entry, and a
+        # life that ends folds the job's lives into the stack's table of throughput per instance type, from
+        # which the pools weigh their types (trainstack_job/throughput.py). Stack-wide: under state/, not the
+        # job's prefix, so every job's measurements serve the next one of the same model family.
+        self.ledger_store.measure_throughput(
+            self._progress_now,
+            ThroughputStore(s3, config.bucket, BucketPrefix.STATE.value + THROUGHPUT),
+            config.job_id,
+        )
         self._max_cost_usd = config.max_cost_usd
         # Where the trainer writes progress.json and who this instance is, once training starts.
         self.progress_file: Path | None = None
@@ -55,6 +66,12 @@ class JobState:
         # The `--now` job this job should yield to, if any (bootstrap/jobbinding.py JobDirectory.yield_to);
         # None: this job never yields (the legacy job, a multi-node job, tests without a queue).
         self.yield_to: Callable[[], str | None] | None = None
+
+    def _progress_now(self) -> Progress | None:
+        """The trainer's latest progress.json as a record; None before training starts or when unreadable."""
+        if self.progress_file is None:
+            return None
+        return Progress.from_json(read_progress(self.progress_file))
 
     @property
     def ledger(self) -> JobLedger:
@@ -73,6 +90,11 @@ class JobState:
                 error=one_line(exc),
             )
             return False
+        if self.ledger_store.throughput_error is not None:
+            # The ledger is written; only the stack's throughput table missed this life's figures (the next
+            # life end merges them again: each life counts once, by its id).
+            self.log.event("state", "throughput table not updated", error=self.ledger_store.throughput_error)
+            self.ledger_store.throughput_error = None
         return True
 
     def heartbeat(self, quote: LifeQuote | None) -> float:

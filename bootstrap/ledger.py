@@ -20,7 +20,8 @@ from bootstrap.eventlog import iso
 from bootstrap.imds import InstanceIdentity
 from bootstrap.pricing import LifeQuote
 from trainstack_job.contract import JobStatus, LifeOutcome
-from trainstack_job.records import ENDED_STATUSES, Ledger, Life, is_conflict, write_condition
+from trainstack_job.records import ENDED_STATUSES, Ledger, Life, Progress, is_conflict, write_condition
+from trainstack_job.throughput import ThroughputStore
 
 # The ledger is plain JSON: statuses and outcomes are stored as their string values, and these sets (of
 # str enums) match those strings.
@@ -355,6 +356,29 @@ class JobLedger:
         else:
             self.data["consecutive_failures"] = 0
 
+    def record_throughput(self, progress: Progress | None) -> bool:
+        """Fold the trainer's latest report into this life's measured samples/s (a running mean over its
+        reports; a report seen at an earlier heartbeat counts once), with its precision and model. True when
+        the life took it. Only a running life measures: an ended one's figure is final."""
+        life = self._current
+        if life is None or life["outcome"] != LifeOutcome.RUNNING or progress is None:
+            return False
+        speed = progress.samples_per_s
+        last_step = life.get("throughput_step")
+        if speed is None or speed <= 0 or (isinstance(last_step, int) and progress.step <= last_step):
+            return False
+        reports = life.get("throughput_reports")
+        count = reports if isinstance(reports, int) and reports > 0 else 0
+        mean = float(life.get("samples_per_second") or 0.0)
+        life["samples_per_second"] = round((mean * count + speed) / (count + 1), 3)
+        life["throughput_reports"] = count + 1
+        life["throughput_step"] = progress.step
+        if progress.precision:
+            life["precision"] = progress.precision
+        if progress.model:
+            life["model_family"] = progress.model
+        return True
+
     def set_generation(self, generation: int) -> None:
         """The multi-node generation this life is training in (bootstrap/rendezvous.py)."""
         if self._current is not None:
@@ -393,6 +417,21 @@ class LedgerStore:
         self.life_id: str | None = None
         # The last copy this process wrote or read: what the agent reports from when S3 is unreachable.
         self.last = JobLedger()
+        # Throughput (`measure_throughput`): where the trainer's progress is read, the stack's table, the job.
+        self._progress: Callable[[], Progress | None] | None = None
+        self._throughput: ThroughputStore | None = None
+        self._job_id = ""
+        # Why the last merge into the stack's throughput table failed (None: it did not): the table is advice,
+        # so a failure never fails the ledger's write; the next life end merges every ended life again.
+        self.throughput_error: str | None = None
+
+    def measure_throughput(
+        self, progress: Callable[[], Progress | None], table: ThroughputStore, job_id: str
+    ) -> None:
+        """From now on every update folds the trainer's latest progress into this life first
+        (JobLedger.record_throughput), and an update that ends this life merges the job's ended lives into
+        the stack's throughput table."""
+        self._progress, self._throughput, self._job_id = progress, table, job_id
 
     @property
     def uri(self) -> str:
@@ -415,9 +454,13 @@ class LedgerStore:
 
     def update(self, change: Callable[[JobLedger], _T]) -> _T:
         """Apply `change` to the newest ledger and write it back unless someone wrote in between (retry)."""
+        progress = self._read_progress()
         for attempt in range(self._attempts):
             raw, etag = self.read()
             ledger = JobLedger(raw, self.life_id)
+            current = ledger.current_life()
+            was_running = current is not None and current["outcome"] == LifeOutcome.RUNNING
+            ledger.record_throughput(progress)
             result = change(ledger)
             try:
                 self._s3.put_object(
@@ -433,8 +476,28 @@ class LedgerStore:
                     continue
                 raise
             self.last = ledger
+            if was_running and current is not None and current["outcome"] != LifeOutcome.RUNNING:
+                self._merge_throughput(ledger)
             return result
         raise RuntimeError(f"{self.uri}: {self._attempts} concurrent writers in a row; will retry")
+
+    def _read_progress(self) -> Progress | None:
+        if self._progress is None:
+            return None
+        try:
+            return self._progress()
+        except Exception:  # progress is the trainer's file: unreadable now is simply no report this time
+            return None
+
+    def _merge_throughput(self, ledger: JobLedger) -> None:
+        if self._throughput is None:
+            return
+        lives = [life for life in map(Life.from_json, ledger.lives) if life is not None]
+        try:
+            self._throughput.merge(self._job_id, lives)
+            self.throughput_error = None
+        except Exception as exc:
+            self.throughput_error = f"{self._throughput.uri}: {type(exc).__name__}: {exc}"
 
     def begin_life(
         self,

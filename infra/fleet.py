@@ -18,12 +18,31 @@ from infra.baseline import code_bundle_object, encrypted_root, metadata_options,
 from infra.bundle import CodeBundle
 from infra.config import NAMESPACE, Pool, StackConfig, StackConfigError
 from infra.efa import EfaTableError, efa_interfaces
+from trainstack_job.throughput import capacity_weights
 
 # The agent completes this hook once its last upload is confirmed, so a scale-in never cuts one short.
 LIFECYCLE_HOOK_NAME = "trainstack-drain"
 LIFECYCLE_HEARTBEAT_SECONDS = 600
 # The agent config's job id when it defines no job: the agent takes the queue's head.
 NO_JOB = ""
+
+
+def pool_weights(pool: Pool) -> dict[str, int] | None:
+    """Each of the pool's types' WeightedCapacity (trainstack_job/throughput.py: expected throughput relative
+    to the slowest type, from the shipped estimate), so price-capacity-optimized picks by price per unit of
+    training, not per instance; None (no weights, a unit is an instance) for a pool that may hold more than
+    one instance per job or more than one job at once.
+
+    Why only there: AWS fulfils a desired capacity in units with whatever mix of types it finds cheapest per
+    unit, so 4 units may be one instance of weight 4. A single-instance, single-lane pool only ever asks for 0
+    or 1 unit, and its slowest type weighs 1: any one instance fulfils it, so one unit is exactly one instance
+    and everything that sets its desired capacity (the scheduler, the agent, `trainstack run`) stays right
+    unchanged. A multi-node job or a pool of lanes needs N instances: weights there would let AWS start fewer,
+    heavier ones (or, asking N x the heaviest weight, more, lighter ones), so those pools stay unweighted."""
+    if pool.max_instances != 1 or pool.max_jobs != 1:
+        return None
+    weights = capacity_weights(pool.instance_types)
+    return weights if max(weights.values(), default=1) > 1 else None
 
 
 @dataclass(frozen=True)
@@ -221,6 +240,9 @@ class Fleet(pulumi.ComponentResource):
         args, pool = self._args, self.pool
         # A cluster placement group lives in one AZ, so the group gets that AZ's subnet only.
         subnet_ids = args.subnet_ids[:1] if self.placement_group else args.subnet_ids
+        weights = pool_weights(pool) or {}
+        # A weighted group's sizes count units: room for the same instances as unweighted, each the heaviest.
+        heaviest = max(weights.values(), default=1)
         return aws.autoscaling.Group(
             f"{self._name}-group",
             # A fixed name: the user-data and the instance policy must name the group before it exists.
@@ -230,7 +252,7 @@ class Fleet(pulumi.ComponentResource):
             # the at-risk instance, and a group at its maximum may hold that launch back (EC2 Auto Scaling
             # user guide, "Capacity Rebalancing behavior"). The extra instance waits as the job's warm
             # standby or leaves (docs/internals.md, "Jobs, the lease and the standby"); desired stays put.
-            max_size=pool.max_size,
+            max_size=pool.max_size * heaviest,
             # The default pool starts with the stack's default job; any other pool at zero until it is given
             # work (nothing places a job on a pool yet: a pool's agent takes the queue's head).
             desired_capacity=pool.max_instances if pool.default else 0,
@@ -250,7 +272,10 @@ class Fleet(pulumi.ComponentResource):
                         version=self.launch_template.latest_version.apply(str),
                     ),
                     overrides=[
-                        aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateOverrideArgs(instance_type=t)
+                        aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateOverrideArgs(
+                            instance_type=t,
+                            weighted_capacity=str(weights[t]) if weights else None,
+                        )
                         for t in pool.instance_types
                     ],
                 ),

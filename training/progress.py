@@ -72,6 +72,8 @@ class ProgressReporter:
         device: torch.device,
         num_workers: int,
         world_size: int = 1,
+        precision: str | None = None,
+        model: str | None = None,
     ) -> None:
         self.path = output_dir / PROGRESS if output_dir else None
         self.epochs = epochs
@@ -80,6 +82,9 @@ class ProgressReporter:
         self.num_workers = num_workers
         # In progress.json: how many ranks trained, so the agent can show a job's world size over time.
         self.world_size = world_size
+        # In progress.json: what the agent records each life's samples/s for (trainstack_job/throughput.py).
+        self.precision = precision
+        self.model = model
         self.gpu = GpuMonitor(device)
         self.interval = Interval(time.perf_counter())
         self.total_wait = 0.0
@@ -125,6 +130,8 @@ class ProgressReporter:
             data_wait_fraction=round(wait_fraction, 3),
             eta_s=eta_s,
             world_size=self.world_size,
+            precision=self.precision,
+            model=self.model,
             extra={k: round(v, 2) for k, v in self.gpu.sample().items()},
         ).to_json()
         gpu = ""

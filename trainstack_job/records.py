@@ -203,6 +203,14 @@ class Life:
     cost_usd: float = 0.0
     # Up to when instance and storage cost were added up; None in lives written before per-option pricing.
     priced_at: str | None = None
+    # What the life measured (trainstack_job/throughput.py): the mean of the trainer's samples/s over its
+    # progress reports (`throughput_reports` of them, the last at `throughput_step`), the precision it trained
+    # in and the model it trained (its "family"). None (absent from the JSON) until the trainer reports one.
+    samples_per_second: float | None = None
+    throughput_reports: int | None = None
+    throughput_step: int | None = None
+    precision: str | None = None
+    model_family: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -276,11 +284,29 @@ class Life:
             storage_cost_usd=_float(raw, "storage_cost_usd") or 0.0,
             cost_usd=_float(raw, "cost_usd") or 0.0,
             priced_at=_text(raw, "priced_at"),
+            samples_per_second=_float(raw, "samples_per_second"),
+            throughput_reports=_int(raw, "throughput_reports"),
+            throughput_step=_int(raw, "throughput_step"),
+            precision=_text(raw, "precision"),
+            model_family=_text(raw, "model_family"),
             extra=_extra(cls, raw),
         )
 
     def to_json(self) -> dict[str, Any]:
-        return _written(self)
+        body = _written(self)
+        for measured in _MEASURED_LIFE_FIELDS:
+            if body[measured] is None:
+                del body[measured]  # absent until measured, as in lives written before throughput
+        return body
+
+
+_MEASURED_LIFE_FIELDS = (
+    "samples_per_second",
+    "throughput_reports",
+    "throughput_step",
+    "precision",
+    "model_family",
+)
 
 
 @dataclass
@@ -364,6 +390,10 @@ class Progress:
     data_wait_fraction: float | None = None
     eta_s: int | None = None
     world_size: int | None = None
+    # The precision the trainer runs in (bf16, fp16, fp32) and its model's name: what a life's throughput is
+    # measured for (trainstack_job/throughput.py). None from a job that does not say.
+    precision: str | None = None
+    model: str | None = None
     # A job's own metrics and the trainer's GPU samples (gpu_util_percent, gpu_memory_gib, ...).
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -385,6 +415,8 @@ class Progress:
             data_wait_fraction=_float(raw, "data_wait_fraction"),
             eta_s=_int(raw, "eta_s"),
             world_size=_int(raw, "world_size"),
+            precision=_text(raw, "precision"),
+            model=_text(raw, "model"),
             extra=extra,
         )
 

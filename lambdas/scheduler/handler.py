@@ -33,6 +33,7 @@ from trainstack_job.jobs import JobPrefixes, pointer_name
 from trainstack_job.queue import CANCEL_REQUEST, QUEUE_PREFIX, QueueEntry, QueueError, parse_entry, stored_at
 from trainstack_job.records import ENDED_STATUSES
 from trainstack_job.slots import Slots
+from trainstack_job.throughput import capacity_units
 
 LOG = logging.getLogger("trainstack.scheduler")
 LOG.setLevel(logging.INFO)
@@ -194,8 +195,10 @@ def run(
         groups = found.get("AutoScalingGroups", [])
         if not groups:
             continue  # not there yet (created after this function) or gone: nothing to raise
+        # Both in the group's units: a weighted pool (infra/fleet.py pool_weights) runs one instance of one
+        # job, and its unit is one instance of any of its types, so `needed` instances are that many units.
         desired, maximum = int(groups[0]["DesiredCapacity"]), int(groups[0]["MaxSize"])
-        wanted = min(maximum, needed)
+        wanted = min(maximum, capacity_units(needed))
         action = "none"
         if wanted > desired:
             # Compared against what the group wants now: a concurrent invocation sets the same number.

@@ -23,6 +23,7 @@ from bootstrap.imds import InstanceIdentity
 from bootstrap.jobstate import JobState, JobWideStop
 from bootstrap.pricing import LifeQuote
 from tests.conftest import MotoServer
+from trainstack_job.jobs import LEGACY_JOB_ID
 
 BUCKET = "trainstack-jobstate"
 
@@ -224,3 +225,65 @@ def test_progress_goes_to_s3_with_the_instance_that_made_it(s3: Any, tmp_path: P
     state.upload_progress_quietly()  # S3 refuses: said, not raised
     failed = [e for e in lines.events if e["message"] == "progress upload failed"]
     assert len(failed) == 1 and failed[0]["stage"] == "state" and "NoSuchBucket" in failed[0]["error"]
+
+
+def test_a_life_measures_its_samples_per_second_and_its_end_folds_them_into_the_stacks_table(
+    s3: Any, tmp_path: Path
+) -> None:
+    """The trainer's progress.json reports reach this life's ledger entry at each heartbeat (each once),
+    and the update that ends the life merges it into state/throughput.json, from which the pools weigh their
+    types and `trainstack estimate` ranks them."""
+    from bootstrap.ledger import LifeOutcome
+    from trainstack_job.throughput import ThroughputStore, expected_throughput
+
+    state = job_state(s3, Lines(), cap=None)
+    start = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    state.ledger_store.begin_life(identity(), 0.5, start)
+    state.progress_file = tmp_path / "progress.json"
+    for step, speed in ((100, 90.0), (100, 500.0), (200, 110.0)):  # the repeated step-100 report counts once
+        report = {"step": step, "samples_per_s": speed, "precision": "bf16", "model": "resnet18"}
+        state.progress_file.write_text(json.dumps(report))
+        state.heartbeat(quote(1.0))
+    life = ledger_in_s3(s3)["lives"][0]
+    assert (life["samples_per_second"], life["precision"], life["model_family"]) == (
+        100.0,
+        "bf16",
+        "resnet18",
+    )
+    assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix="state/throughput.json"), (
+        "only at the end"
+    )
+    ended = start.replace(hour=2)
+    assert state.record(lambda ledger: ledger.end_life(LifeOutcome.COMPLETED, ended))
+    table = ThroughputStore(s3, BUCKET, "state/throughput.json").load()
+    for scope in ({"job_id": LEGACY_JOB_ID}, {"family": "resnet18"}):
+        measured = expected_throughput("g5.xlarge", table=table, **scope)
+        assert measured is not None and measured.samples_per_second == pytest.approx(100.0), scope
+        assert measured.source.startswith("measured: 1 life"), measured.source
+
+
+def test_a_throughput_table_s3_refuses_is_said_once_and_the_ledger_still_ends_the_life(
+    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from botocore.exceptions import ClientError
+
+    from bootstrap.ledger import LifeOutcome
+    from trainstack_job.throughput import ThroughputStore
+
+    def refused(*args: Any, **kwargs: Any) -> int:
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "denied"}}, "PutObject")
+
+    lines = Lines()
+    state = job_state(s3, lines, cap=None)
+    start = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    state.ledger_store.begin_life(identity(), 0.5, start)
+    state.progress_file = tmp_path / "progress.json"
+    state.progress_file.write_text(json.dumps({"step": 10, "samples_per_s": 50.0}))
+    monkeypatch.setattr(ThroughputStore, "merge", refused)
+    assert state.record(lambda ledger: ledger.end_life(LifeOutcome.COMPLETED, start.replace(hour=1)))
+    assert ledger_in_s3(s3)["lives"][0]["outcome"] == LifeOutcome.COMPLETED
+    said = [e for e in lines.events if e["message"] == "throughput table not updated"]
+    assert (
+        len(said) == 1 and "state/throughput.json" in said[0]["error"] and "AccessDenied" in said[0]["error"]
+    )
+    assert state.record(lambda ledger: None) and len(lines.messages("throughput table")) == 1, "said once"

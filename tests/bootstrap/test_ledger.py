@@ -21,7 +21,8 @@ from bootstrap.ledger import JobLedger, LedgerStore
 from bootstrap.pricing import LifeQuote
 from tests.conftest import MotoServer
 from trainstack_job.contract import JobStatus, LifeOutcome
-from trainstack_job.records import is_conflict
+from trainstack_job.records import Progress, is_conflict
+from trainstack_job.throughput import ThroughputStore, ThroughputTable
 
 T0 = datetime(2030, 1, 1, tzinfo=timezone.utc)
 BUCKET = "trainstack-ledger"
@@ -578,3 +579,63 @@ def test_the_stored_ledger_is_indented_json_for_people_to_read(aws: MotoServer) 
     body = s3.get_object(Bucket=BUCKET, Key=KEY)["Body"].read().decode()
     assert body == json.dumps(json.loads(body), indent=2)
     assert json.loads(body)["reason"] == "done"
+
+
+# -- throughput: what each life measured, merged into the stack's table at its end --------------------
+
+
+def report(step: int, samples_per_s: float, precision: str = "bf16", model: str = "resnet50") -> Progress:
+    return Progress(step=step, samples_per_s=samples_per_s, precision=precision, model=model)
+
+
+def test_a_life_keeps_the_mean_of_its_reports_counting_each_step_once() -> None:
+    ledger = opened("i-a", 0)
+    assert ledger.record_throughput(report(10, 100.0))
+    assert not ledger.record_throughput(report(10, 100.0)), "the same report at the next heartbeat"
+    assert not ledger.record_throughput(report(5, 900.0)), "an older report (a restarted trainer's first)"
+    assert not ledger.record_throughput(Progress(step=30)), "a report without a speed"
+    assert ledger.record_throughput(report(20, 200.0))
+    life = life_of(ledger, "i-a")
+    assert (life["samples_per_second"], life["throughput_reports"], life["throughput_step"]) == (150.0, 2, 20)
+    assert (life["precision"], life["model_family"]) == ("bf16", "resnet50")
+
+
+def test_an_ended_life_measures_no_more() -> None:
+    ledger = opened("i-a", 0)
+    ledger.record_throughput(report(10, 100.0))
+    ledger.end_life(LifeOutcome.PREEMPTED, at(3600))
+    assert not ledger.record_throughput(report(20, 900.0))
+    assert life_of(ledger, "i-a")["samples_per_second"] == 100.0
+
+
+def test_a_life_that_ends_merges_the_jobs_lives_into_the_stacks_table_once(s3: Any) -> None:
+    table = ThroughputStore(s3, BUCKET, "state/throughput.json")
+    store = LedgerStore(s3, BUCKET, KEY)
+    progress: list[Progress | None] = [None]
+    store.measure_throughput(lambda: progress[0], table, "demo-1a2b3c4d")
+    store.begin_life(node("i-a"), 1.0, at(0))
+    progress[0] = report(50, 120.0)
+    store.update(lambda ledger: ledger.update_cost(at(600)))
+    assert table.load() == ThroughputTable(), "nothing merged while the life runs"
+    store.update(lambda ledger: ledger.end_life(LifeOutcome.PREEMPTED, at(3600)))
+    merged = table.load()
+    measured = merged.jobs["demo-1a2b3c4d"]["g5.xlarge"]
+    assert (measured.samples_per_second, measured.lives, measured.hours) == (120.0, 1, 1.0)
+    assert merged.families["resnet50"]["g5.xlarge"].precisions == ["bf16"]
+    # A later update of the same (ended) life, and the next life's own end, count this life once.
+    store.update(lambda ledger: ledger.update_cost(at(3700)))
+    assert table.load() == merged
+    assert store.throughput_error is None
+
+
+def test_a_table_that_cannot_be_written_never_fails_the_ledgers_write(s3: Any) -> None:
+    racing = Interleaved(s3)
+    store = LedgerStore(s3, BUCKET, KEY)
+    store.measure_throughput(lambda: report(5, 10.0), ThroughputStore(racing, BUCKET, "state/t.json", 2), "j")
+    racing.fail_put = s3_error("PutObject", "PreconditionFailed", 412)
+    store.begin_life(node("i-a"), 1.0, at(0))
+    store.update(lambda ledger: ledger.end_life(LifeOutcome.COMPLETED, at(60)))
+    assert stored(s3)["lives"][0]["outcome"] == "completed"
+    assert store.throughput_error == "s3://trainstack-ledger/state/t.json: RuntimeError: " + (
+        "s3://trainstack-ledger/state/t.json: 2 concurrent writers in a row; the next life end merges"
+    )

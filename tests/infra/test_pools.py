@@ -28,6 +28,7 @@ from infra.config import (
     StackConfigError,
     parse_stack_config,
 )
+from infra.fleet import pool_weights
 from lambdas.capacity_fallback.handler import CostCap
 from tests.iam.evaluate import Caller, Request, decide
 from tests.iam.requests import Stack
@@ -160,6 +161,20 @@ BEFORE_GROUP: dict[str, Any] = {
         "network-public-us-east-1d-id",
     ],
     "waitForCapacityTimeout": "0",
+}
+# Issue 36 weights a single-instance pool's types by expected throughput (trainstack_job/throughput.py's
+# shipped estimate: T4 1, A10G 2, L4 2, L40S 6): the group's one change since pools, its sizes now in units.
+WEIGHTS = {"g6.xlarge": "2", "g5.xlarge": "2", "g6e.xlarge": "6", "g4dn.xlarge": "1"}
+WEIGHTED_GROUP: dict[str, Any] = {
+    **BEFORE_GROUP,
+    "maxSize": 2 * 6,
+    "mixedInstancesPolicy": {
+        **BEFORE_GROUP["mixedInstancesPolicy"],
+        "launchTemplate": {
+            **BEFORE_GROUP["mixedInstancesPolicy"]["launchTemplate"],
+            "overrides": [{"instanceType": t, "weightedCapacity": WEIGHTS[t]} for t in DEFAULT_TYPES],
+        },
+    },
 }
 BEFORE_GROUP_OPTIONS = {
     "ignore_changes": ("desiredCapacity",),
@@ -335,7 +350,7 @@ def test_an_existing_stack_keeps_every_urn(example_stack: StackRun) -> None:
 
 def test_an_existing_stacks_group_keeps_its_inputs_and_options(example_stack: StackRun) -> None:
     group = example_stack.one(ASG)
-    assert group.inputs == BEFORE_GROUP
+    assert group.inputs == WEIGHTED_GROUP
     assert group.ignore_changes == BEFORE_GROUP_OPTIONS["ignore_changes"]
     waits = {name.replace(_job(example_stack), "{job}") for name in group.depends_on}
     assert waits == BEFORE_GROUP_OPTIONS["depends_on"]
@@ -650,6 +665,8 @@ POOLS: list[dict[str, Any]] = [
         "spotFallbackMinutes": 0,
     },
 ]
+# The single-instance pools' weights: the l4 pool's slowest type is its L4 (an L40S is three of it).
+POOL_WEIGHTS = {"default": [WEIGHTS[t] for t in DEFAULT_TYPES], "l4": ["1", "3"]}
 GROUPS = {"default": "trainstack-dev-gpu", "big": "trainstack-dev-gpu-big", "l4": "trainstack-dev-gpu-l4"}
 # What one pool adds to the stack (its capacity function's resources only when that is on).
 FLEET_TYPES = ["trainstack:fleet:Fleet", TEMPLATE, ASG, "aws:cloudwatch/metricAlarm:MetricAlarm"]
@@ -707,7 +724,16 @@ def test_each_pool_is_a_group_launching_its_own_template_and_types(pools_stack: 
         )
         policy = group.inputs["mixedInstancesPolicy"]
         assert [o["instanceType"] for o in policy["launchTemplate"]["overrides"]] == pool["instanceTypes"]
-        assert group.inputs["maxSize"] == pool["maxInstances"] + 1
+        weights = [o.get("weightedCapacity") for o in policy["launchTemplate"]["overrides"]]
+        if pool["maxInstances"] == 1:
+            # One instance of one job: weighted relative to its own slowest type, sizes in those units.
+            assert weights == POOL_WEIGHTS[pool["name"]]
+            heaviest = max(int(w) for w in weights)
+            assert group.inputs["maxSize"] == (pool["maxInstances"] + 1) * heaviest
+        else:
+            # Several instances per job: AWS could meet N units with fewer, heavier instances; unweighted.
+            assert weights == [None] * len(pool["instanceTypes"])
+            assert group.inputs["maxSize"] == pool["maxInstances"] + 1
         distribution = policy["instancesDistribution"]
         assert distribution["onDemandBaseCapacity"] == pool.get("onDemandBaseCapacity", 0)
         assert distribution["spotAllocationStrategy"] == pool.get(
@@ -716,7 +742,7 @@ def test_each_pool_is_a_group_launching_its_own_template_and_types(pools_stack: 
         assert group.ignore_changes == ("desiredCapacity",)
     # The default pool starts with the stack's default job; the others wait at zero for work.
     assert [groups[GROUPS[p["name"]]].inputs["desiredCapacity"] for p in POOLS] == [1, 0, 0]
-    assert groups[GROUPS["default"]].inputs == {**BEFORE_GROUP}, "the default pool is the single group"
+    assert groups[GROUPS["default"]].inputs == WEIGHTED_GROUP, "the default pool is the single group"
 
 
 def test_every_pool_shares_the_stacks_role_network_key_and_bundle(pools_stack: StackRun) -> None:
@@ -966,8 +992,12 @@ def test_a_pool_running_several_jobs_at_once_has_a_lane_each_and_room_for_their_
     stack = run_stack({**example_config(), "trainstack:pools": pools})
     groups = _groups(stack)
     # Each job's instance and its standby (or capacity rebalancing's replacement), for each job at once.
+    # A pool of lanes stays unweighted (AWS could meet 4 units with one heavy instance): its sizes count
+    # instances. A pool of one lane counts units: room for two instances of its heaviest type (L40S, 6).
     assert groups["trainstack-dev-gpu-many"].inputs["maxSize"] == 8
-    assert groups["trainstack-dev-gpu"].inputs["maxSize"] == 2, "a pool of one lane is as before"
+    many = groups["trainstack-dev-gpu-many"].inputs["mixedInstancesPolicy"]["launchTemplate"]["overrides"]
+    assert all("weightedCapacity" not in o for o in many)
+    assert groups["trainstack-dev-gpu"].inputs["maxSize"] == 2 * 6, "a pool of one lane: units"
     configs = {t.inputs["name"]: _agent_mapping(t) for t in stack.of_type(TEMPLATE)}
     assert configs["trainstack-dev-gpu-many"]["lanes"] == 4
     assert "lanes" not in configs["trainstack-dev-gpu"], "the default pool's user data is unchanged"
@@ -1005,3 +1035,23 @@ def test_max_concurrent_jobs_reaches_the_scheduler_and_the_outputs_only_when_set
     assert example_stack.outputs["max_concurrent_jobs"] == 0
     for template in example_stack.of_type(TEMPLATE):
         assert "max_concurrent_jobs" not in _agent_mapping(template)
+
+
+def test_only_a_pool_of_one_instance_and_one_job_weighs_its_types_by_throughput() -> None:
+    """AWS fulfils units with whatever mix is cheapest per unit: a pool that needs N instances (a multi-node
+    job, several lanes) could get fewer, heavier ones, so only a pool that asks for one instance is weighted.
+    A pool of one GPU model has nothing to weigh."""
+    one = {"name": "default", "instanceTypes": ["g4dn.xlarge", "g6e.xlarge"], "maxInstances": 1}
+    pools = [
+        one,
+        {**one, "name": "lanes", "maxJobs": 2},
+        {**one, "name": "nodes", "maxInstances": 2},
+        {**one, "name": "same", "instanceTypes": ["g6.xlarge", "g6.2xlarge"]},
+    ]
+    weights = {pool.name: pool_weights(pool) for pool in _parse(pools).pools}
+    assert weights == {
+        "default": {"g4dn.xlarge": 1, "g6e.xlarge": 6},
+        "lanes": None,
+        "nodes": None,
+        "same": None,
+    }

@@ -94,8 +94,10 @@ def test_group_is_all_spot_price_capacity_optimized_with_rebalancing(example_sta
     assert distribution["onDemandPercentageAboveBaseCapacity"] == 0
     assert distribution["spotAllocationStrategy"] == "price-capacity-optimized"
     assert group["capacityRebalance"] is True
-    # Max one above desired: capacity rebalancing launches the replacement before terminating the old one.
-    assert (group["minSize"], group["maxSize"], group["desiredCapacity"]) == (0, 2, 1)
+    # The default pool (one instance, one job) weighs its types by throughput (g6e.xlarge = 6 units), so its
+    # sizes count units: room for two instances of its heaviest type, as capacity rebalancing launches the
+    # replacement before it terminates the old one.
+    assert (group["minSize"], group["maxSize"], group["desiredCapacity"]) == (0, 12, 1)
     assert group["name"] == "trainstack-dev-gpu"
     assert group["waitForCapacityTimeout"] == "0"
 
@@ -131,7 +133,10 @@ def test_on_demand_mix_and_max_price_come_from_config() -> None:
         50,
     )
     assert distribution["spotMaxPrice"] == "0.75"
-    assert (group["maxSize"], group["desiredCapacity"]) == (2, 1)  # room for rebalancing's replacement
+    assert (group["maxSize"], group["desiredCapacity"]) == (
+        12,
+        1,
+    )  # units: room for rebalancing's replacement
 
 
 def test_launch_template_boots_the_resolved_ami_from_its_root_device(example_stack: StackRun) -> None:

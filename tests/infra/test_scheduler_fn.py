@@ -18,6 +18,7 @@ from tests.iam.plugin import record_as
 from tests.iam.principals import SCHEDULER
 from tests.waiting import join_all
 from trainstack_job.queue import SOURCE_RUN, cancel_key, job_record, queue_entry, queue_key
+from trainstack_job.throughput import capacity_units
 
 
 @pytest.fixture()
@@ -235,3 +236,17 @@ def test_an_event_a_later_pass_already_covered_reads_nothing(
     assert edge.covered(datetime(2026, 12, 6, 12, 0, 0, tzinfo=timezone.utc))
     assert not edge.covered(datetime(2026, 12, 6, 12, 0, 0, 1, tzinfo=timezone.utc))
     assert not edge.covered(None) and not module.Passes().covered(datetime(2026, 1, 1, tzinfo=timezone.utc))
+
+
+def test_a_weighted_pool_is_asked_for_one_unit_per_instance_its_job_needs(stack: LocalStack) -> None:
+    """A single-instance pool is weighted by throughput (infra/fleet.py pool_weights), so its sizes count
+    units: its maximum is room for two of its heaviest type (2 x 6). Its slowest type weighs 1, so one unit is
+    one instance of any type: a waiting job gets one unit, never the room the maximum leaves."""
+    stack.client("autoscaling").update_auto_scaling_group(AutoScalingGroupName=stack.group_name, MaxSize=12)
+    weighted = PoolSettings("", stack.group_name, lanes=1, max_instances=1)
+    _queue(stack, "alpha-aaaaaaaa", "2026-12-06T12:00:00.000Z", instances=4)
+    (decision,) = _pass(stack, weighted)
+    assert (decision.wanted, decision.action, _desired(stack)) == (1, "raised", 1)
+    assert capacity_units(1, {"g4dn.xlarge": 1, "g6e.xlarge": 6}) == 1
+    with pytest.raises(ValueError, match="must give the slowest type 1"):
+        capacity_units(1, {"g6.xlarge": 2, "g6e.xlarge": 6})

@@ -187,6 +187,27 @@ def test_a_life_reads_every_field_and_writes_back_what_it_read() -> None:
     assert life.to_json() == LIFE
 
 
+def test_a_life_with_throughput_round_trips_and_an_old_life_reads_without_it() -> None:
+    measured = {
+        **LIFE,
+        "samples_per_second": 812.5,
+        "throughput_reports": 4,
+        "throughput_step": 400,
+        "precision": "bf16",
+        "model_family": "resnet50",
+    }
+    life = Life.from_json(json.loads(json.dumps(measured)))
+    assert life is not None
+    assert (life.samples_per_second, life.throughput_reports, life.throughput_step) == (812.5, 4, 400)
+    assert (life.precision, life.model_family) == ("bf16", "resnet50")
+    assert life.to_json() == measured and not life.extra.keys() & measured.keys() - LIFE.keys()
+    old = Life.from_json(LIFE)
+    assert old is not None and old.samples_per_second is None and old.precision is None
+    assert "samples_per_second" not in old.to_json(), "absent until measured, as an older agent wrote it"
+    odd = Life.from_json({**LIFE, "samples_per_second": "fast", "precision": 16, "throughput_reports": True})
+    assert odd is not None and (odd.samples_per_second, odd.precision, odd.throughput_reports) == (None,) * 3
+
+
 def test_a_life_that_ended_reads_its_end() -> None:
     ended = {**LIFE, "outcome": "preempted", "ended_at": "2026-12-06T11:00:00Z", "closed_by": "i-9"}
     life = Life.from_json(ended)
@@ -353,6 +374,11 @@ def test_progress_from_an_older_job_library_and_without_a_step() -> None:
     assert odd is not None and odd.updated_at is None
     for raw in (None, {}, {"step": "5"}, {"step": True}, [5]):
         assert Progress.from_json(raw) is None
+    # The precision and model a life's throughput is measured for; a file without them reads as unknown.
+    said = Progress.from_json({"step": 5, "precision": "fp16", "model": "resnet50"})
+    assert said is not None and (said.precision, said.model, said.extra) == ("fp16", "resnet50", {})
+    assert said.to_json() == {"step": 5, "total_steps": None, "precision": "fp16", "model": "resnet50"}
+    assert old.precision is None and old.model is None
     # A job that reports a step alone writes a step alone (and its total, null when unknown).
     assert Progress(step=3).to_json() == {"step": 3, "total_steps": None}
 
