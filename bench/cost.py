@@ -1,11 +1,29 @@
-"""`python -m bench cost`: a reference job replayed against spot prices and interruptions, per band."""
+"""`python -m bench cost`: a reference job replayed against spot prices and interruptions, per band.
+
+By default the spot price is a seeded series around an assumed 0.30 x on-demand. With `--trace FILE` it is a
+real spot price history instead: the JSON `aws ec2 describe-spot-price-history` prints, e.g.
+
+    aws ec2 describe-spot-price-history --region us-east-1 --instance-types g5.xlarge \
+        --product-descriptions Linux/UNIX --availability-zone us-east-1a \
+        --start-time "$(date -u -d '90 days ago' +%FT%TZ)" --output json \
+        > bench/traces/g5.xlarge-us-east-1a.json
+
+Each replay starts at a seeded point of the trace (wrapping past its end) and pays the price in effect each
+second; interruptions, replacements and the on-demand fallback are replayed as before, and the report gives
+the p50 and p95 cost per finished job against the same job on demand.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
 
 # g5.xlarge, Linux, us-east-1, on-demand: https://aws.amazon.com/ec2/pricing/on-demand/ (USD per hour).
 ON_DEMAND_USD_PER_HOUR = 1.006
@@ -87,18 +105,130 @@ class SpotPrices:
         return total
 
 
+class Prices(Protocol):
+    def cost(self, start: float, end: float) -> float: ...
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be replayed: the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class PriceTrace:
+    """One type's spot price history in one AZ: a step function of hours since the trace's first point."""
+
+    instance_type: str
+    zone: str
+    hours: tuple[float, ...]  # when each price took effect, the first at 0
+    prices: tuple[float, ...]  # USD per hour
+    span_hours: float  # from the first point to the last (the trace wraps after it)
+    source: str
+
+    @classmethod
+    def from_history(
+        cls,
+        document: Mapping[str, Any],
+        *,
+        source: str,
+        instance_type: str | None = None,
+        zone: str | None = None,
+    ) -> PriceTrace:
+        """From DescribeSpotPriceHistory's answer ({"SpotPriceHistory": [...]}); by default the type and AZ
+        with the most points."""
+        entries = document.get("SpotPriceHistory")
+        if not isinstance(entries, list) or not entries:
+            raise TraceError(
+                f"{source}: no SpotPriceHistory entries; write the file with "
+                "`aws ec2 describe-spot-price-history ... --output json`"
+            )
+        series: dict[tuple[str, str], list[tuple[datetime, float]]] = {}
+        for entry in entries:
+            when = entry["Timestamp"]
+            stamp = (
+                when
+                if isinstance(when, datetime)
+                else datetime.fromisoformat(str(when).replace("Z", "+00:00"))
+            )
+            key = (str(entry["InstanceType"]), str(entry["AvailabilityZone"]))
+            series.setdefault(key, []).append((stamp, float(entry["SpotPrice"])))
+        wanted = [k for k in series if (instance_type in (None, k[0])) and (zone in (None, k[1]))]
+        if not wanted:
+            raise TraceError(f"{source}: no prices for {instance_type or 'any type'} in {zone or 'any AZ'}")
+        key = max(wanted, key=lambda k: (len(series[k]), k))
+        points = sorted(series[key])
+        start = points[0][0]
+        hours = tuple((t - start).total_seconds() / 3600 for t, _ in points)
+        # One point has no length of its own: it is a constant price.
+        span = max(hours[-1], 1.0)
+        return cls(key[0], key[1], hours, tuple(p for _, p in points), span, source)
+
+    @classmethod
+    def load(cls, path: Path, *, instance_type: str | None = None, zone: str | None = None) -> PriceTrace:
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise TraceError(f"{path}: not a readable JSON spot price history ({error})") from error
+        if not isinstance(document, dict):
+            raise TraceError(f"{path}: expected DescribeSpotPriceHistory's JSON object")
+        cited = document.get("Source")
+        source = f"{path} ({cited})" if cited else str(path)
+        return cls.from_history(document, source=source, instance_type=instance_type, zone=zone)
+
+    def price_at(self, hour: float) -> float:
+        """The price in effect `hour` hours after the first point, wrapping after the span."""
+        t = hour % self.span_hours
+        low, high = 0, len(self.hours) - 1
+        while low < high:  # the last point at or before t
+            middle = (low + high + 1) // 2
+            if self.hours[middle] <= t:
+                low = middle
+            else:
+                high = middle - 1
+        return self.prices[low]
+
+    def mean(self) -> float:
+        """The time-weighted mean price over the span."""
+        return TracePrices(self, 0.0).cost(0.0, self.span_hours) / self.span_hours
+
+
+class TracePrices:
+    """A trace replayed from `offset` hours into it: the Prices a replay pays."""
+
+    def __init__(self, trace: PriceTrace, offset: float) -> None:
+        self._trace = trace
+        self._offset = offset
+        # Every change of price within one pass of the trace, and its end (where it wraps).
+        self._edges = (*trace.hours[1:], trace.span_hours)
+
+    def cost(self, start: float, end: float) -> float:
+        total, t = 0.0, start
+        span = self._trace.span_hours
+        while t < end - 1e-12:
+            position = (self._offset + t) % span
+            boundary = next((edge for edge in self._edges if edge > position + 1e-12), span)
+            step = min(end - t, boundary - position)
+            total += step * self._trace.price_at(position)
+            t += step
+        return total
+
+
 def _bill(life_hours: float) -> float:
     # Per-second billing with a 60-second minimum per instance (Linux on-demand and spot).
     return max(life_hours, 60 / 3600)
 
 
-def replay(job: Job, monthly_rate: float, seed: int) -> Replay:
+def replay(job: Job, monthly_rate: float, seed: int, trace: PriceTrace | None = None) -> Replay:
     """A discrete-event replay: launch, train with periodic checkpoints, interruptions, capacity outages with
-    the on-demand fallback, completion and scale to zero."""
+    the on-demand fallback, completion and scale to zero. With `trace`, spot pays the trace's prices from a
+    seeded starting point; else the seeded series."""
     rng = random.Random(seed)
     # Interruptions draw from their own stream: each band sees the same draws, scaled (common random numbers).
     arrivals = random.Random(seed * 7919 + 1)
-    prices = SpotPrices(job, random.Random(seed * 104729 + 2))
+    prices: Prices
+    if trace is None:
+        prices = SpotPrices(job, random.Random(seed * 104729 + 2))
+    else:
+        prices = TracePrices(trace, random.Random(seed * 104729 + 3).uniform(0.0, trace.span_hours))
     rate = monthly_rate / HOURS_PER_MONTH  # interruptions per instance-hour (Poisson)
     result = Replay()
     saved = 0.0  # work in a confirmed checkpoint
@@ -205,6 +335,77 @@ def run_all(job: Job, runs: int, seed: int) -> list[BandResult]:
     return [run_band(job, band, rate, runs, seed) for band, rate in BANDS]
 
 
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """Nearest rank, as run_band's p95."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """The job replayed over a real price trace at one interruption band: cost per finished job."""
+
+    band: str
+    monthly_rate: float
+    runs: int
+    on_demand_usd: float
+    p50_usd: float
+    p95_usd: float
+    interruptions_mean: float
+    jobs_with_fallback: float
+
+    @property
+    def p50_ratio(self) -> float:
+        return self.p50_usd / self.on_demand_usd
+
+    @property
+    def p95_ratio(self) -> float:
+        return self.p95_usd / self.on_demand_usd
+
+
+def run_trace(
+    job: Job, trace: PriceTrace, band: str, monthly_rate: float, runs: int, seed: int
+) -> TraceResult:
+    replays = [replay(job, monthly_rate, seed + i, trace) for i in range(runs)]
+    costs = sorted(r.cost_usd for r in replays)
+    return TraceResult(
+        band=band,
+        monthly_rate=monthly_rate,
+        runs=runs,
+        on_demand_usd=on_demand_cost(job),
+        p50_usd=percentile(costs, 0.50),
+        p95_usd=percentile(costs, 0.95),
+        interruptions_mean=statistics.fmean(r.interruptions for r in replays),
+        jobs_with_fallback=sum(1 for r in replays if r.on_demand_hours > 0) / runs,
+    )
+
+
+def _print_trace(console: Any, job: Job, trace: PriceTrace, runs: int, seed: int) -> None:
+    from rich.table import Table
+
+    console.print(
+        f"spot prices: {trace.instance_type} in {trace.zone}, {len(trace.prices)} price changes over "
+        f"{trace.span_hours / 24:.1f} days, mean ${trace.mean():.4f}/h "
+        f"({trace.mean() / job.on_demand_usd_per_hour:.0%} of on-demand); source: {trace.source}"
+    )
+    table = Table(title="cost replay over a real spot price trace: cost per finished job")
+    for column in ("band (monthly)", "on-demand", "p50", "p95", "p50 / on-demand", "p95 / on-demand",
+                   "interruptions", "runs fell back"):  # fmt: skip
+        table.add_column(column, justify="left" if column.startswith("band") else "right")
+    for band, rate in BANDS:
+        r = run_trace(job, trace, band, rate, runs, seed)
+        table.add_row(
+            r.band,
+            f"${r.on_demand_usd:.2f}",
+            f"${r.p50_usd:.2f}",
+            f"${r.p95_usd:.2f}",
+            f"{r.p50_ratio:.3f}",
+            f"{r.p95_ratio:.3f}",
+            f"{r.interruptions_mean:.3f}",
+            f"{r.jobs_with_fallback:.1%}",
+        )
+    console.print(table)
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import platform
@@ -222,9 +423,29 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="lose the work since the last periodic checkpoint at each interruption",
     )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="replay over this spot price history (`aws ec2 describe-spot-price-history --output json`)",
+    )
+    parser.add_argument(
+        "--on-demand", type=float, default=ON_DEMAND_USD_PER_HOUR, help="the trace type's on-demand USD/h"
+    )
     args = parser.parse_args(argv)
-    job = Job(spot_fraction=args.spot_fraction, emergency_checkpoint=not args.no_emergency_checkpoint)
+    job = Job(
+        spot_fraction=args.spot_fraction,
+        emergency_checkpoint=not args.no_emergency_checkpoint,
+        on_demand_usd_per_hour=args.on_demand,
+    )
     console = Console(width=150)
+    if args.trace is not None:
+        try:
+            trace = PriceTrace.load(args.trace)
+        except TraceError as error:
+            parser.error(str(error))
+        _print_trace(console, job, trace, args.runs, args.seed)
+        return
     console.print(
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC  {platform.processor() or platform.machine()}  "
         f"python {platform.python_version()}"

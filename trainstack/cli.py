@@ -255,22 +255,63 @@ def build_parser() -> argparse.ArgumentParser:
         help="instance type (repeatable; default: trainstack:instanceTypes)",
     )
     prices_parser.add_argument(
-        "--days", type=float, default=1.0, help="price history window in days (default 1)"
+        "--days", type=float, default=1.0, help="price history window in days, at most 90 (default 1)"
     )
-
     estimate_parser = commands.add_parser(
         "estimate",
         parents=both,
-        help="projected job cost per instance type, spot and on-demand, beside maxCostUsd",
+        help="projected job cost per instance type, and the types ranked by $ per 1,000 useful steps",
         description="Before `pulumi up`: instance count x expected hours (trainstack:expectedHours) x "
         "today's spot price (cheapest AZ) and on-demand price of each configured type, the cheapest and the "
-        "most expensive, beside the cost cap trainstack:maxCostUsd.",
+        "most expensive, beside the cost cap trainstack:maxCostUsd; then the types ranked by expected $ per "
+        "1,000 useful steps: spot price / throughput, less the work interruptions waste at the trainer's "
+        "Young/Daly checkpoint interval.",
     )
+    for priced in (prices_parser, estimate_parser):
+        priced.add_argument(
+            "--offline",
+            action="store_true",
+            help="the shipped offline catalogue's dated prices, not AWS's (also used with no credentials)",
+        )
+        priced.add_argument(
+            "--placement-scores",
+            action="store_true",
+            dest="placement_scores",
+            help="also read GetSpotPlacementScores as each type's interruption risk "
+            "(needs ec2:GetSpotPlacementScores)",
+        )
+
     estimate_parser.add_argument(
         "--hours", type=float, metavar="H", help="expected job hours (default: trainstack:expectedHours)"
     )
     estimate_parser.add_argument(
         "--markdown", action="store_true", help="a Markdown table (the pull-request comment)"
+    )
+    estimate_parser.add_argument(
+        "--throughput",
+        action="append",
+        default=[],
+        metavar="TYPE=STEPS_PER_S",
+        help="a type's training steps per second (repeatable; default: trainstack_job/throughput.py)",
+    )
+    estimate_parser.add_argument(
+        "--samples-per-step",
+        type=float,
+        metavar="N",
+        help="samples per step, to turn the throughput module's samples/s into steps/s",
+    )
+    estimate_parser.add_argument(
+        "--mtbi-hours",
+        type=float,
+        metavar="H",
+        help="mean hours between interruptions for every type (default: $TRAINSTACK_MTBI_HOURS, else each "
+        "type's placement score or catalogue band, else the 5-10%%/month band)",
+    )
+    estimate_parser.add_argument(
+        "--checkpoint-seconds", type=float, metavar="S", help="what one checkpoint blocks training for (30)"
+    )
+    estimate_parser.add_argument(
+        "--restart-seconds", type=float, metavar="S", help="an interruption's replacement and restore (480)"
     )
 
     secrets_parser = commands.add_parser(
@@ -402,9 +443,34 @@ def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
     if command == "results":
         return transfer.run_pull(clients, stack, args.dir, as_json=as_json, job_id=args.job)
     if command == "estimate":
-        return estimate.run(clients, stack, hours=args.hours, as_json=as_json, as_markdown=args.markdown)
+        ranking = estimate.RankingInputs.from_flags(
+            stack.config.instance_types,
+            throughput=args.throughput,
+            samples_per_step=args.samples_per_step,
+            mtbi_hours=args.mtbi_hours,
+            checkpoint_seconds=args.checkpoint_seconds,
+            restart_seconds=args.restart_seconds,
+        )
+        return estimate.run(
+            clients,
+            stack,
+            hours=args.hours,
+            as_json=as_json,
+            as_markdown=args.markdown,
+            offline=args.offline,
+            scores=args.placement_scores,
+            ranking=ranking,
+        )
     if command == "prices":
-        return prices.run(clients, stack, types=args.types, days=args.days, as_json=as_json)
+        return prices.run(
+            clients,
+            stack,
+            types=args.types,
+            days=args.days,
+            as_json=as_json,
+            offline=args.offline,
+            scores=args.placement_scores,
+        )
     if command == "secrets":
         return secrets.run(
             clients,

@@ -1,17 +1,42 @@
-"""`trainstack estimate`: the configured job's cost per instance type, spot and on-demand, beside the cap."""
+"""`trainstack estimate`: the configured job's cost per instance type, spot and on-demand, beside the cap, and
+the pool's types ranked by expected dollars per 1,000 useful steps.
+
+The ranking: a type's spot price per hour over the steps it makes per hour, less what interruptions waste.
+With checkpoints every tau (the trainer's Young/Daly interval, tau = sqrt(2 x C x MTBI) within its bounds,
+training/checkpoint_policy.py), a fraction C/tau of the time goes to checkpoints, and each interruption (one
+per MTBI) loses tau/2 of work on average plus the restart. So the useful share is
+1 - C/tau - (tau/2 + restart)/MTBI, and $ per 1,000 useful steps = price/h / (steps/h x useful share) x 1000.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 
 from rich.table import Table
 
+from training.checkpoint_policy import (
+    ASSUMED_CHECKPOINT_SECONDS,
+    DEFAULT_BAND,
+    InterruptionRate,
+    choose_interval,
+)
 from trainstack.aws import Clients
 from trainstack.errors import CliError
 from trainstack.output import console, format_usd, print_json
-from trainstack.prices import SpotPrice, collect
+from trainstack.prices import Risk, SpotPrice, gather
 from trainstack.stack import NAMESPACE, Stack
+from trainstack_job.contract import JobEnv
+from trainstack_job.throughput import expected_throughput
+
+# An interruption's restart, billed or waited for without training: bench/cost.py's launch delay (2 min) and
+# boot and restore (6 min).
+RESTART_SECONDS = 8 * 60.0
+# The unit when the throughput module has only its shipped estimates: speeds relative to a T4, so the ranking
+# prices the work a T4 does in 1,000 seconds.
+SHIPPED_UNIT = "T4-seconds of work"
 
 HOURS_KEY = f"{NAMESPACE}:expectedHours"
 CAP_KEY = f"{NAMESPACE}:maxCostUsd"
@@ -29,6 +54,143 @@ class TypeCost:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """One type ranked: the inputs, the checkpoint interval they imply, and the expected $ per 1,000 steps."""
+
+    instance_type: str
+    usd_per_hour: float
+    steps_per_second: float
+    mtbi_hours: float
+    mtbi_source: str
+    checkpoint_seconds: float
+    restart_seconds: float
+    checkpoint_every_minutes: float
+    waste: float  # share of the paid time that makes no lasting progress
+    useful_steps_per_hour: float
+    usd_per_1000_steps: float | None  # None: interruptions waste everything (the type can never finish)
+    throughput_source: str = ""
+
+
+def progress_of(
+    instance_type: str,
+    usd_per_hour: float,
+    steps_per_second: float,
+    rate: InterruptionRate,
+    *,
+    checkpoint_seconds: float,
+    restart_seconds: float,
+) -> Progress:
+    interval = choose_interval(checkpoint_seconds, rate)
+    tau = interval.minutes * 60
+    mtbi = rate.mtbi_hours * 3600
+    waste = min(1.0, checkpoint_seconds / tau + (tau / 2 + restart_seconds) / mtbi)
+    useful = steps_per_second * 3600 * (1 - waste)
+    return Progress(
+        instance_type=instance_type,
+        usd_per_hour=usd_per_hour,
+        steps_per_second=steps_per_second,
+        mtbi_hours=rate.mtbi_hours,
+        mtbi_source=rate.source,
+        checkpoint_seconds=checkpoint_seconds,
+        restart_seconds=restart_seconds,
+        checkpoint_every_minutes=interval.minutes,
+        waste=waste,
+        useful_steps_per_hour=useful,
+        usd_per_1000_steps=usd_per_hour / useful * 1000 if useful > 0 else None,
+    )
+
+
+def rank_by_progress(
+    usd_per_hour: Mapping[str, float],
+    steps_per_second: Mapping[str, float],
+    rates: Mapping[str, InterruptionRate],
+    *,
+    checkpoint_seconds: float = ASSUMED_CHECKPOINT_SECONDS,
+    restart_seconds: float = RESTART_SECONDS,
+    throughput_sources: Mapping[str, str] | None = None,
+) -> list[Progress]:
+    """The types with both a price and a throughput, cheapest per 1,000 useful steps first. A type without a
+    rate of its own gets the checkpoint rule's default band."""
+    default = InterruptionRate.from_band(*DEFAULT_BAND)
+    sources = throughput_sources or {}
+    ranked = [
+        replace(
+            progress_of(
+                name,
+                usd_per_hour[name],
+                steps_per_second[name],
+                rates.get(name, default),
+                checkpoint_seconds=checkpoint_seconds,
+                restart_seconds=restart_seconds,
+            ),
+            throughput_source=sources.get(name, ""),
+        )
+        for name in usd_per_hour
+        if steps_per_second.get(name, 0.0) > 0
+    ]
+    ranked.sort(key=lambda p: (p.usd_per_1000_steps is None, p.usd_per_1000_steps or 0.0, p.instance_type))
+    return ranked
+
+
+@dataclass(frozen=True)
+class RankingInputs:
+    """What the CLI gathered for the ranking: throughput per type (steps/s unless `unit` says samples), the
+    interruption rate overriding every type's (a measured MTBI), the checkpoint and restart costs."""
+
+    @classmethod
+    def from_flags(
+        cls,
+        types: Sequence[str],
+        *,
+        throughput: Sequence[str],
+        samples_per_step: float | None,
+        mtbi_hours: float | None,
+        checkpoint_seconds: float | None,
+        restart_seconds: float | None,
+    ) -> RankingInputs:
+        """--throughput figures (steps/s) when given, else the throughput module's samples/s, per step when
+        --samples-per-step says how many samples a step takes."""
+        if samples_per_step is not None and not (math.isfinite(samples_per_step) and samples_per_step > 0):
+            raise CliError(f"--samples-per-step {samples_per_step:g}: give a positive number of samples")
+        for flag, value in (
+            ("--checkpoint-seconds", checkpoint_seconds),
+            ("--restart-seconds", restart_seconds),
+        ):
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise CliError(f"{flag} {value:g}: give a number of seconds, 0 or more")
+        rates, unit = parse_throughput(throughput), "steps"
+        sources = dict.fromkeys(rates, "--throughput")
+        if not rates:
+            found = throughput_from_helper(types)
+            rates = {name: value for name, (value, _) in found.items()}
+            sources = {name: source for name, (_, source) in found.items()}
+            if rates and all(source.startswith("shipped") for source in sources.values()):
+                # Relative speeds (a T4 = 1), not samples/s: $ per 1,000 T4-seconds of work still ranks.
+                unit = SHIPPED_UNIT
+            elif samples_per_step:
+                rates = {name: value / samples_per_step for name, value in rates.items()}
+            else:
+                unit = "samples"
+        return cls(
+            steps_per_second=rates,
+            throughput_sources=sources,
+            unit=unit,
+            mtbi=measured_mtbi(mtbi_hours),
+            checkpoint_seconds=ASSUMED_CHECKPOINT_SECONDS
+            if checkpoint_seconds is None
+            else checkpoint_seconds,
+            restart_seconds=RESTART_SECONDS if restart_seconds is None else restart_seconds,
+        )
+
+    steps_per_second: Mapping[str, float] = field(default_factory=dict)
+    throughput_sources: Mapping[str, str] = field(default_factory=dict)
+    unit: str = "steps"
+    mtbi: InterruptionRate | None = None
+    checkpoint_seconds: float = ASSUMED_CHECKPOINT_SECONDS
+    restart_seconds: float = RESTART_SECONDS
+
+
+@dataclass(frozen=True)
 class Estimate:
     stack: str
     region: str
@@ -37,6 +199,9 @@ class Estimate:
     max_cost_usd: float | None
     types: list[TypeCost]
     notes: list[str]
+    price_source: str = ""
+    ranking: list[Progress] = field(default_factory=list)
+    unit: str = "steps"
 
     def cheapest(self) -> TypeCost | None:
         priced = [t for t in self.types if t.spot_job_usd is not None]
@@ -81,7 +246,15 @@ def _job(price: float | None, instance_count: int, hours: float | None) -> float
     return price * instance_count * hours
 
 
-def build(clients: Clients, stack: Stack, *, hours: float | None) -> Estimate:
+def build(
+    clients: Clients,
+    stack: Stack,
+    *,
+    hours: float | None,
+    offline: bool = False,
+    scores: bool = False,
+    ranking: RankingInputs | None = None,
+) -> Estimate:
     config = stack.config
     region = clients.region or config.region
     if not region:
@@ -90,10 +263,30 @@ def build(clients: Clients, stack: Stack, *, hours: float | None) -> Estimate:
     expected_hours = config.expected_hours if hours is None else hours
     max_cost = config.max_cost_usd
     types = list(config.instance_types)
-    rows, notes = collect(clients, types, region, days=1)
+    found = gather(
+        clients, types, region, days=1, offline=offline, scores=scores, capacity=config.instance_count
+    )
+    notes = found.notes
     if expected_hours is None:
         notes.append(
             f"no job length: set {HOURS_KEY} (e.g. `pulumi config set {HOURS_KEY} 24`) or pass --hours"
+        )
+    costs = project(found.rows, types, config.instance_count, expected_hours)
+    inputs = ranking or RankingInputs()
+    spot = {c.instance_type: c.spot_usd_per_hour for c in costs if c.spot_usd_per_hour is not None}
+    ranked = rank_by_progress(
+        spot,
+        inputs.steps_per_second,
+        _rates(types, found.risks, inputs.mtbi),
+        checkpoint_seconds=inputs.checkpoint_seconds,
+        restart_seconds=inputs.restart_seconds,
+        throughput_sources=inputs.throughput_sources,
+    )
+    unranked = [t for t in types if t not in {p.instance_type for p in ranked}]
+    if unranked:
+        notes.append(
+            f"not ranked by progress: {', '.join(unranked)} (no spot price or no throughput: "
+            "pass --throughput TYPE=STEPS_PER_SECOND)"
         )
     return Estimate(
         stack=stack.name,
@@ -101,9 +294,66 @@ def build(clients: Clients, stack: Stack, *, hours: float | None) -> Estimate:
         instance_count=config.instance_count,
         expected_hours=expected_hours,
         max_cost_usd=max_cost,
-        types=project(rows, types, config.instance_count, expected_hours),
+        types=costs,
         notes=notes,
+        price_source=found.source,
+        ranking=ranked,
+        unit=inputs.unit,
     )
+
+
+def _rates(
+    types: Sequence[str], risks: Mapping[str, Risk], measured: InterruptionRate | None
+) -> dict[str, InterruptionRate]:
+    """Per type: a measured MTBI for all, else the type's band (placement score or catalogue)."""
+    if measured is not None:
+        return dict.fromkeys(types, measured)
+    rates = {}
+    for name, risk in risks.items():
+        rate = InterruptionRate.from_band(*risk.band)
+        rates[name] = InterruptionRate(rate.mtbi_hours, risk.source)
+    return rates
+
+
+def measured_mtbi(hours: float | None, environ: Mapping[str, str] | None = None) -> InterruptionRate | None:
+    """--mtbi-hours, else the stack's measured MTBI in TRAINSTACK_MTBI_HOURS (the agent's ledger figure)."""
+    if hours is not None:
+        if not (math.isfinite(hours) and hours > 0):
+            raise CliError(f"--mtbi-hours {hours:g}: give a positive number of hours between interruptions")
+        return InterruptionRate(hours, "--mtbi-hours")
+    env = os.environ if environ is None else environ
+    if env.get(JobEnv.MTBI_HOURS.value):
+        rate = InterruptionRate.from_env(env)
+        return InterruptionRate(rate.mtbi_hours, f"{JobEnv.MTBI_HOURS.value} ({rate.source})")
+    return None
+
+
+def parse_throughput(values: Sequence[str]) -> dict[str, float]:
+    """`TYPE=STEPS_PER_SECOND` flags -> {type: steps/s}; one line naming the bad flag otherwise."""
+    found = {}
+    for value in values:
+        name, _, number = value.partition("=")
+        try:
+            rate = float(number)
+        except ValueError:
+            rate = math.nan
+        if not name or not (math.isfinite(rate) and rate > 0):
+            raise CliError(
+                f"--throughput {value!r}: expected TYPE=STEPS_PER_SECOND, e.g. --throughput g6.xlarge=4.2"
+            )
+        found[name] = rate
+    return found
+
+
+def throughput_from_helper(types: Sequence[str]) -> dict[str, tuple[float, str]]:
+    """trainstack_job/throughput.py's expected throughput per type and its source. The estimate reads
+    no stack outputs, so no measured table: these are its shipped estimates (relative to a T4)."""
+    found: dict[str, tuple[float, str]] = {}
+    for name in types:
+        expected = expected_throughput(name)
+        if expected is not None and expected.samples_per_second > 0:
+            found[name] = (expected.samples_per_second, expected.source)
+    return found
 
 
 def verdict(estimate: Estimate) -> list[str]:
@@ -153,6 +403,8 @@ def markdown(estimate: Estimate) -> str:
         f"### trainstack estimate: `{estimate.stack}`, {estimate.region}, "
         f"{estimate.instance_count} instance(s) × {hours} h",
         "",
+        f"prices: {estimate.price_source}",
+        "",
         "| type | spot now (cheapest AZ) | on-demand | job on spot | job on demand |",
         "|---|---:|---:|---:|---:|",
     ]
@@ -163,12 +415,75 @@ def markdown(estimate: Estimate) -> str:
             f"{format_usd(t.on_demand_job_usd)} |"
         )
     lines.append("")
+    lines += _ranking_markdown(estimate)
     lines += [f"- {line}" for line in [*verdict(estimate), *(f"note: {n}" for n in estimate.notes)]]
     return "\n".join(lines) + "\n"
 
 
-def run(clients: Clients, stack: Stack, *, hours: float | None, as_json: bool, as_markdown: bool) -> int:
-    estimate = build(clients, stack, hours=hours)
+def _per_1000(p: Progress) -> str:
+    return "never finishes" if p.usd_per_1000_steps is None else format_usd(p.usd_per_1000_steps, 4)
+
+
+def ranking_heading(estimate: Estimate) -> str:
+    return (
+        f"ranked by expected $ per 1,000 useful {estimate.unit} on spot ({estimate.price_source}): "
+        "price/h / (throughput x (1 - C/tau - (tau/2 + restart)/MTBI)), tau = Young/Daly interval"
+    )
+
+
+def _rate_column(unit: str) -> str:
+    return "speed (T4 = 1)" if unit == SHIPPED_UNIT else f"{unit}/s"
+
+
+def _cost_column(unit: str) -> str:
+    return "$ / 1k T4-s" if unit == SHIPPED_UNIT else f"$ / 1k {unit}"
+
+
+def _throughput_lines(estimate: Estimate) -> list[str]:
+    """Where each type's throughput came from, once per distinct source."""
+    sources = [f"{p.instance_type}: {p.throughput_source}" for p in estimate.ranking if p.throughput_source]
+    return [f"throughput: {'; '.join(sources)}"] if sources else []
+
+
+def _ranking_markdown(estimate: Estimate) -> list[str]:
+    if not estimate.ranking:
+        return []
+    lines = [
+        f"**{ranking_heading(estimate)}**",
+        "",
+        f"| rank | type | spot $/h | {_rate_column(estimate.unit)} | MTBI (source) | checkpoint every "
+        f"| waste | {_cost_column(estimate.unit)} |",
+        "|---:|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for place, p in enumerate(estimate.ranking, 1):
+        lines.append(
+            f"| {place} | {p.instance_type} | {format_usd(p.usd_per_hour, 4)} | {p.steps_per_second:.4g} | "
+            f"{p.mtbi_hours:,.0f} h ({p.mtbi_source}) | {p.checkpoint_every_minutes:.1f} min | "
+            f"{100 * p.waste:.2f}% | {_per_1000(p)} |"
+        )
+    first = estimate.ranking[0]
+    lines += [
+        "",
+        f"- C (checkpoint) {first.checkpoint_seconds:g} s, restart {first.restart_seconds:g} s "
+        "per interruption",
+        *(f"- {line}" for line in _throughput_lines(estimate)),
+        "",
+    ]
+    return lines
+
+
+def run(
+    clients: Clients,
+    stack: Stack,
+    *,
+    hours: float | None,
+    as_json: bool,
+    as_markdown: bool,
+    offline: bool = False,
+    scores: bool = False,
+    ranking: RankingInputs | None = None,
+) -> int:
+    estimate = build(clients, stack, hours=hours, offline=offline, scores=scores, ranking=ranking)
     if as_json:
         cheapest, dearest = estimate.cheapest(), estimate.most_expensive()
         print_json(
@@ -181,12 +496,13 @@ def run(clients: Clients, stack: Stack, *, hours: float | None, as_json: bool, a
         return 0
     out = console()
     if as_markdown:
-        out.print(markdown(estimate), markup=False, end="")
+        # soft_wrap: a Markdown table row broken at the terminal's width is no longer a row.
+        out.print(markdown(estimate), markup=False, end="", soft_wrap=True)
         return 0
     hours_text = "?" if estimate.expected_hours is None else f"{estimate.expected_hours:g}"
     table = Table(
         title=f"projected job cost, stack {estimate.stack}, {estimate.region}: "
-        f"{estimate.instance_count} instance(s) × {hours_text} h"
+        f"{estimate.instance_count} instance(s) × {hours_text} h ({estimate.price_source})"
     )
     for column in ("type", "spot now", "on-demand", "job on spot", "job on demand"):
         table.add_column(column, justify="left" if column == "type" else "right")
@@ -199,8 +515,40 @@ def run(clients: Clients, stack: Stack, *, hours: float | None, as_json: bool, a
             format_usd(t.on_demand_job_usd),
         )
     out.print(table)
+    if estimate.ranking:
+        out.print(_ranking_table(estimate))
+        for line in _throughput_lines(estimate):
+            out.print(line, markup=False)
     for line in verdict(estimate):
         out.print(line, markup=False)
     for note in estimate.notes:
         out.print(f"note: {note}", markup=False)
     return 0
+
+
+def _ranking_table(estimate: Estimate) -> Table:
+    table = Table(title=ranking_heading(estimate))
+    columns = (
+        "rank",
+        "type",
+        "spot $/h",
+        _rate_column(estimate.unit),
+        "MTBI h",
+        "MTBI from",
+        "checkpoint every",
+    )
+    for column in (*columns, "waste", _cost_column(estimate.unit)):
+        table.add_column(column, justify="left" if column in {"type", "MTBI from"} else "right")
+    for place, p in enumerate(estimate.ranking, 1):
+        table.add_row(
+            str(place),
+            p.instance_type,
+            format_usd(p.usd_per_hour, 4),
+            f"{p.steps_per_second:.4g}",
+            f"{p.mtbi_hours:,.0f}",
+            p.mtbi_source,
+            f"{p.checkpoint_every_minutes:.1f} min",
+            f"{100 * p.waste:.2f}%",
+            _per_1000(p),
+        )
+    return table

@@ -151,6 +151,7 @@ _STAR_ACTIONS = {
     ("autoscaling", "DescribeAutoScalingInstances"): "autoscaling:DescribeAutoScalingInstances",
     ("autoscaling", "DescribeScalingActivities"): "autoscaling:DescribeScalingActivities",
     ("ec2", "DescribeSpotPriceHistory"): "ec2:DescribeSpotPriceHistory",
+    ("ec2", "GetSpotPlacementScores"): "ec2:GetSpotPlacementScores",
     ("pricing", "GetProducts"): "pricing:GetProducts",
     # `trainstack top`: CloudWatch's metric reads take no resource ARN.
     ("cloudwatch", "GetMetricData"): "cloudwatch:GetMetricData",
