@@ -282,6 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     estimate_parser.add_argument(
+        "job",
+        nargs="?",
+        type=Path,
+        metavar="JOB",
+        help="a job file or training config (as for `trainstack run`): rank the types of the pool it "
+        "would run on, for its model and batch (default: the stack's default pool)",
+    )
+    estimate_parser.add_argument(
         "--hours", type=float, metavar="H", help="expected job hours (default: trainstack:expectedHours)"
     )
     estimate_parser.add_argument(
@@ -443,10 +451,14 @@ def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
     if command == "results":
         return transfer.run_pull(clients, stack, args.dir, as_json=as_json, job_id=args.job)
     if command == "estimate":
+        job = estimate.read_job(args.job, stack.config) if args.job is not None else None
         ranking = estimate.RankingInputs.from_flags(
-            stack.config.instance_types,
+            job.types if job else stack.config.instance_types,
             throughput=args.throughput,
-            samples_per_step=args.samples_per_step,
+            samples_per_step=args.samples_per_step
+            if args.samples_per_step is not None or job is None
+            else job.samples_per_step,
+            family=job.family if job else None,
             mtbi_hours=args.mtbi_hours,
             checkpoint_seconds=args.checkpoint_seconds,
             restart_seconds=args.restart_seconds,
@@ -460,6 +472,7 @@ def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
             offline=args.offline,
             scores=args.placement_scores,
             ranking=ranking,
+            job=job,
         )
     if command == "prices":
         return prices.run(

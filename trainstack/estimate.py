@@ -14,7 +14,10 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+import yaml
 from rich.table import Table
 
 from training.checkpoint_policy import (
@@ -29,7 +32,11 @@ from trainstack.output import console, format_usd, print_json
 from trainstack.prices import Risk, SpotPrice, gather
 from trainstack.stack import NAMESPACE, Stack
 from trainstack_job.contract import JobEnv
+from trainstack_job.resources import ResourceError, match_pool, pool_offers
 from trainstack_job.throughput import expected_throughput
+
+if TYPE_CHECKING:
+    from trainstack.stack import StackConfig
 
 # An interruption's restart, billed or waited for without training: bench/cost.py's launch delay (2 min) and
 # boot and restore (6 min).
@@ -147,6 +154,7 @@ class RankingInputs:
         mtbi_hours: float | None,
         checkpoint_seconds: float | None,
         restart_seconds: float | None,
+        family: str | None = None,
     ) -> RankingInputs:
         """--throughput figures (steps/s) when given, else the throughput module's samples/s, per step when
         --samples-per-step says how many samples a step takes."""
@@ -161,7 +169,7 @@ class RankingInputs:
         rates, unit = parse_throughput(throughput), "steps"
         sources = dict.fromkeys(rates, "--throughput")
         if not rates:
-            found = throughput_from_helper(types)
+            found = throughput_from_helper(types, family)
             rates = {name: value for name, (value, _) in found.items()}
             sources = {name: source for name, (_, source) in found.items()}
             if rates and all(source.startswith("shipped") for source in sources.values()):
@@ -254,6 +262,7 @@ def build(
     offline: bool = False,
     scores: bool = False,
     ranking: RankingInputs | None = None,
+    job: JobAsked | None = None,
 ) -> Estimate:
     config = stack.config
     region = clients.region or config.region
@@ -262,16 +271,15 @@ def build(
     # Read through the program's schema (trainstack/stack.py): the cap is the one the agent enforces.
     expected_hours = config.expected_hours if hours is None else hours
     max_cost = config.max_cost_usd
-    types = list(config.instance_types)
-    found = gather(
-        clients, types, region, days=1, offline=offline, scores=scores, capacity=config.instance_count
-    )
+    types = list(job.types if job else config.instance_types)
+    instances = job.instances if job else config.instance_count
+    found = gather(clients, types, region, days=1, offline=offline, scores=scores, capacity=instances)
     notes = found.notes
     if expected_hours is None:
         notes.append(
             f"no job length: set {HOURS_KEY} (e.g. `pulumi config set {HOURS_KEY} 24`) or pass --hours"
         )
-    costs = project(found.rows, types, config.instance_count, expected_hours)
+    costs = project(found.rows, types, instances, expected_hours)
     inputs = ranking or RankingInputs()
     spot = {c.instance_type: c.spot_usd_per_hour for c in costs if c.spot_usd_per_hour is not None}
     ranked = rank_by_progress(
@@ -345,12 +353,73 @@ def parse_throughput(values: Sequence[str]) -> dict[str, float]:
     return found
 
 
-def throughput_from_helper(types: Sequence[str]) -> dict[str, tuple[float, str]]:
-    """trainstack_job/throughput.py's expected throughput per type and its source. The estimate reads
-    no stack outputs, so no measured table: these are its shipped estimates (relative to a T4)."""
+@dataclass(frozen=True)
+class JobAsked:
+    """What `trainstack estimate JOB` reads from a job file or training config: the pool it would run on
+    (as `trainstack run` chooses it), its instances, its model family and its samples per step."""
+
+    source: str
+    pool: str
+    types: tuple[str, ...]
+    instances: int
+    family: str | None = None
+    samples_per_step: float | None = None
+
+
+def read_job(path: Path, config: StackConfig) -> JobAsked:
+    """The job as `trainstack run` reads it (a job file: a mapping with `command`; else a training config),
+    validated the same way, and the pool of this stack's config that serves what it asks for."""
+    from trainstack.run import RunRequest, load_definition, type_offer
+
+    file = path / "job.yaml" if path.is_dir() else path
+    try:
+        raw = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise CliError(
+            f"{path}: not a readable YAML job file or training config ({exc}); e.g. job.yaml"
+        ) from None
+    is_job = isinstance(raw, dict) and "command" in raw
+    definition = load_definition(RunRequest(job_file=path) if is_job else RunRequest(config_file=path))
+    # The pools as `pulumi up` declares them (trainstack:pools, else the single group's keys).
+    pools = (
+        {
+            pool.name: {"instance_types": list(pool.instance_types), "max_instances": pool.max_instances}
+            | {"default": pool.default}
+            for pool in config.settings.pools
+        }
+        if config.settings is not None
+        else {
+            "default": {"instance_types": list(config.instance_types), "max_instances": config.instance_count}
+        }
+    )
+    offers = pool_offers(pools, type_offer)
+    asked = definition.resources
+    instances = 1 if definition.user_job is not None else asked.instances or config.instance_count
+    try:
+        pool = match_pool(asked, offers, instances=instances, where=str(path))
+    except ResourceError as error:
+        raise CliError(str(error)) from None
+    trainer = definition.trainer_config or {}
+    model, train = trainer.get("model"), trainer.get("train")
+    family = model.get("name") if isinstance(model, dict) else None
+    batch = train.get("batch_size") if isinstance(train, dict) else None
+    return JobAsked(
+        source=str(path),
+        pool=pool.name,
+        types=tuple(t.instance_type for t in pool.types),
+        instances=instances,
+        family=family if isinstance(family, str) else None,
+        samples_per_step=float(batch) if isinstance(batch, (int, float)) and batch > 0 else None,
+    )
+
+
+def throughput_from_helper(types: Sequence[str], family: str | None = None) -> dict[str, tuple[float, str]]:
+    """trainstack_job/throughput.py's expected throughput per type (for the job's model family, when a job
+    file names one) and its source. The estimate reads no stack outputs, so no measured table: these are its
+    shipped estimates (relative to a T4)."""
     found: dict[str, tuple[float, str]] = {}
     for name in types:
-        expected = expected_throughput(name)
+        expected = expected_throughput(name, family=family)
         if expected is not None and expected.samples_per_second > 0:
             found[name] = (expected.samples_per_second, expected.source)
     return found
@@ -482,8 +551,9 @@ def run(
     offline: bool = False,
     scores: bool = False,
     ranking: RankingInputs | None = None,
+    job: JobAsked | None = None,
 ) -> int:
-    estimate = build(clients, stack, hours=hours, offline=offline, scores=scores, ranking=ranking)
+    estimate = build(clients, stack, hours=hours, offline=offline, scores=scores, ranking=ranking, job=job)
     if as_json:
         cheapest, dearest = estimate.cheapest(), estimate.most_expensive()
         print_json(

@@ -167,3 +167,40 @@ def test_without_throughput_flags_the_throughput_modules_estimates_rank_in_t4_se
     assert "- throughput: g6.xlarge: shipped estimate: 1x L4" in result.out
     # Every table row stays on one line, whatever the terminal's width.
     assert all(line.endswith("|") for line in result.out.splitlines() if line.startswith("| "))
+
+
+def test_estimate_of_a_job_ranks_the_types_of_the_pool_it_would_run_on_for_its_model_and_batch(
+    tmp_path: Path, cli: Callable[..., Result]
+) -> None:
+    """`trainstack estimate JOB`: the pool `trainstack run` would choose for the job's `resources:`, that
+    pool's types only, each at the job's model family's throughput per step of its batch."""
+    pools = [
+        {"name": "default", "instanceTypes": ["g6.xlarge", "g5.xlarge"], "maxInstances": 1},
+        {"name": "big", "instanceTypes": ["g6e.xlarge"], "maxInstances": 1},
+    ]
+    project = write_project(tmp_path, {"aws:region": REGION, "trainstack:pools": pools})
+    config = tmp_path / "resnet.yaml"
+    config.write_text(
+        "model: {name: resnet18}\ntrain: {batch_size: 64, epochs: 1}\nresources: {pool: big}\n",
+        encoding="utf-8",
+    )
+    result = cli("estimate", str(config), "--cwd", str(project), "--stack", STACK, "--offline", "--json")
+    assert result.code == 0, result.err
+    ranked = [p["instance_type"] for p in result.json()["ranking"]]
+    assert ranked == ["g6e.xlarge"], "only the pool the job asks for"
+    unnamed = tmp_path / "plain.yaml"
+    unnamed.write_text("model: {name: resnet18}\ntrain: {batch_size: 64, epochs: 1}\n", encoding="utf-8")
+    result = cli("estimate", str(unnamed), "--cwd", str(project), "--stack", STACK, "--offline", "--json")
+    assert result.code == 0, result.err
+    assert sorted(p["instance_type"] for p in result.json()["ranking"]) == ["g5.xlarge", "g6.xlarge"]
+
+
+def test_estimate_of_a_job_no_pool_serves_is_one_line_naming_the_pools(
+    tmp_path: Path, cli: Callable[..., Result]
+) -> None:
+    project = write_project(tmp_path, {"aws:region": REGION, "trainstack:instanceTypes": ["g6.xlarge"]})
+    config = tmp_path / "big.yaml"
+    config.write_text("model: {name: resnet18}\nresources: {gpus: 'A100:8'}\n", encoding="utf-8")
+    result = cli("estimate", str(config), "--cwd", str(project), "--stack", STACK, "--offline")
+    assert result.code == 1
+    assert result.err.count("\n") == 1 and "no pool serves" in result.err and "g6.xlarge" in result.err
