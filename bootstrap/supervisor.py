@@ -98,6 +98,7 @@ class Supervisor:
         env = paths.contract_env(with_data=spec is None or spec.data_sync, restored_step=restored)
         env |= interruption_env(*spot_interruptions)
         env[JobEnv.CHECKPOINT_KEEP.value] = str(spec.checkpoint_keep if spec else 3)
+        env[JobEnv.RESULTS_URI.value] = f"s3://{self.config.bucket}/{self.config.prefixes.results}"
         # What this life runs as (job, code, GPU profile and its precision): each checkpoint records it, and
         # the built-in trainer's `train.precision: auto` on a CPU trains in the profile's precision.
         context, profile_line = context_env(

@@ -51,6 +51,7 @@ from training.precision import PrecisionPlan, choose_precision, resolve_device
 from training.progress import ProgressReporter
 from training.resume import check_resumable, load_scaler, saved_context, source_hash
 from training.stop import AutoDeadline, Deadline, StopRequest
+from training.tracker import NO_TRACKER, Tracker, epoch_metrics, open_tracker, progress_metrics, run_id
 from trainstack_job.context import CheckpointContext, environment_context
 from trainstack_job.contract import ExitCode, JobEnv
 from trainstack_job.layout import step_dir_name
@@ -211,6 +212,7 @@ class Trainer:
         self.output_dir = Path(config.output.dir)
         self._restored_from = ""  # the checkpoint.dir restored from (maybe another machine's), for the log
         self._context: CheckpointContext | None = None
+        self.tracker: Tracker = NO_TRACKER  # opened once restored (training/tracker.py)
 
     @property
     def checkpoints(self) -> CheckpointManager:
@@ -424,9 +426,12 @@ class Trainer:
 
     def run(self) -> int:
         self.stop.install()
+        code: int = ExitCode.FAILED
         try:
-            return self._run()
+            code = self._run()
+            return code
         finally:
+            self.tracker.close(code)
             self.stop.uninstall()
             if self._checkpoints is not None:
                 self._checkpoints.close()
@@ -521,6 +526,9 @@ class Trainer:
             device=self.device,
             num_workers=options["num_workers"],
             world_size=self.world.size,
+            # What each life's samples/s is measured for: the stack's throughput table per type and family.
+            precision=self.precision.precision,
+            model=self.config.model.name,
         )
         if self.world.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -537,6 +545,14 @@ class Trainer:
                 self.plan.micro_batch,
                 steps_per_epoch,
             )
+        self.tracker = open_tracker(
+            config.tracking,
+            run=run_id(os.environ, config.checkpoint.dir),
+            restored_step=self.state.global_step,
+            output_dir=self.output_dir,
+            is_main=self.world.is_main,
+            params=config.to_dict(),
+        )
         criterion = nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
         every = config.checkpoint.every_minutes
         deadline = (
@@ -570,7 +586,9 @@ class Trainer:
                     )[0]
                     mean /= self.world.size
                     if self.world.is_main:
-                        progress.report(epoch=s.epoch + 1, step=s.global_step, loss=mean)
+                        report = progress.report(epoch=s.epoch + 1, step=s.global_step, loss=mean)
+                        lr = float(scheduler.get_last_lr()[0])
+                        self.tracker.log(s.global_step, progress_metrics(mean, report, lr))
                         self.history.step_losses.append((s.global_step, mean))
                     interval_loss.zero_()
                     interval_steps = 0
@@ -687,6 +705,7 @@ class Trainer:
             val_accuracy=val_accuracy,
         )
         self.history.epochs.append(result)
+        self.tracker.log(result.step, epoch_metrics(result))
         if self.world.is_main:
             log.info(
                 "epoch %d done: train loss %.4f acc %.3f  val loss %.4f acc %.3f",
@@ -731,6 +750,7 @@ class Trainer:
         is saved already)."""
         if not self.world.is_main or self.checkpoints.latest_saved_step == self.state.global_step:
             return 0.0
+        self.tracker.flush()  # what the run has up to this step survives this life: no gap after a resume
         started = time.monotonic()
         state = self._snapshot(scheduler)
         state["train"]["wall_seconds"] = self.state.wall_seconds + time.monotonic() - life_started

@@ -37,6 +37,9 @@ class JobEnv(str, Enum):
     CHECKPOINT_REQUEST_FILE = "TRAINSTACK_CHECKPOINT_REQUEST_FILE"
     PROGRESS_FILE = "TRAINSTACK_PROGRESS_FILE"
     RESTORED_STEP = "TRAINSTACK_RESTORED_STEP"
+    # s3://<bucket>/<the job's results prefix>: what outlives the instance between lives (the built-in
+    # trainer's TensorBoard run by default); the job may write there, never outside its own job.
+    RESULTS_URI = "TRAINSTACK_RESULTS_URI"
     # Mean hours between spot interruptions observed in the ledger, and a phrase saying so; set once the
     # ledger has enough history (the built-in trainer's `checkpoint.every_minutes: auto` reads them).
     CHECKPOINT_KEEP = "TRAINSTACK_CHECKPOINT_KEEP"

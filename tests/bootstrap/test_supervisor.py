@@ -489,6 +489,8 @@ def test_a_users_job_runs_its_command_in_its_workdir_with_its_env(tmp_path: Path
     assert trainer._cwd == tmp_path / "jobs" / "mine" and trainer._user_job
     env = trainer._env
     assert env["SEED"] == "7" and env["TRAINSTACK_CHECKPOINT_KEEP"] == "5"
+    # Where results outlive the instance (a tracker's run, TensorBoard's by default): the job's own prefix.
+    assert env["TRAINSTACK_RESULTS_URI"] == f"s3://{run.config.bucket}/{run.config.prefixes.results}"
     assert "TRAINSTACK_DATA_DIR" not in env, "a job that syncs no data is given no data folder"
     assert run.stops.phase == "job-setup"
     [said] = run.said("user job")

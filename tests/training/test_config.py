@@ -385,7 +385,7 @@ def test_every_section_and_key_is_checked_past_a_bad_one() -> None:
 def test_a_section_that_is_not_a_mapping_or_unknown_is_named_once() -> None:
     assert refusals({"train": [1, 2], "data": None}) == ["train: must be a mapping of keys, got list"]
     assert refusals({"zzz": {}}) == [
-        "zzz: unknown section; expected one of data, model, train, checkpoint, output"
+        "zzz: unknown section; expected one of data, model, train, checkpoint, output, tracking"
     ]
     assert refusals({"checkpont": {}}) == ["checkpont: unknown section; did you mean checkpoint?"]
 
@@ -526,7 +526,7 @@ def test_s3_uris_follow_the_bucket_naming_rules() -> None:
 def test_to_dict_holds_every_section_and_builds_the_same_config() -> None:
     config = build_config({"train": {"lr": 0.5, "batch_size": "auto"}, "model": {"name": "vit_b_16"}})
     tree = config.to_dict()
-    assert list(tree) == ["data", "model", "train", "checkpoint", "output"]
+    assert list(tree) == ["data", "model", "train", "checkpoint", "output", "tracking"]
     assert tree["train"]["lr"] == 0.5 and tree["model"] == {"name": "vit_b_16", "compile": False}
     assert build_config(tree) == config
 

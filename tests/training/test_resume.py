@@ -213,6 +213,8 @@ def test_progress_json_has_the_agent_fields(baseline: Run) -> None:
     for key in ("loss", "samples_per_s", "data_wait_fraction", "eta_s", "updated_at"):
         assert key in progress
     assert 0 <= progress["data_wait_fraction"] <= 1
+    # What the life's samples/s was measured for (the stack's throughput table, per type and model family).
+    assert progress["precision"] in ("fp32", "bf16", "fp16") and progress["model"] == "mobilenet_v3_small"
 
 
 def test_completed_run_writes_loadable_artifacts(baseline: Run) -> None:
