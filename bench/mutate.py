@@ -266,6 +266,29 @@ TARGETS: dict[str, Target] = {
             "test_a_phase_added_to_one_lifes_list_runs_with_what_the_earlier_phases_set_up_and_its_end_is_the_lifes",
         ),
     ),
+    # One run in the tracker across lives: the run id, the resume step (a dead life's steps replayed once,
+    # never twice), the main rank only, the one-line error for a missing package. In-process, with fakes of
+    # the MLflow and W&B clients and TensorBoard's own files; the trainer lives are the stories' proof.
+    "tracker": Target(
+        ("training/tracker.py",),
+        ("tests/training/test_tracker.py",),
+        deselect=(
+            "tests/training/test_tracker.py::"
+            "test_a_tensorboard_run_across_a_spot_stop_and_a_kill_mid_checkpoint_has_every_step_once",
+            "tests/training/test_tracker.py::"
+            "test_an_mlflow_run_in_a_file_store_across_a_spot_stop_and_a_kill_mid_checkpoint_has_every_step_once",
+            "tests/training/test_tracker.py::"
+            "test_a_missing_tracker_package_stops_the_trainer_with_one_line_naming_the_key_and_the_install",
+            "tests/training/test_tracker.py::"
+            "test_tracking_is_off_by_default_and_a_trainer_without_it_imports_no_tracker",
+        ),
+    ),
+    # Goodput per dollar: each life's samples/s folded into the stack's table once, the weights AWS allocates
+    # by, capacity in units, and the types a job drops for losing on samples per dollar.
+    "throughput": Target(
+        ("trainstack_job/throughput.py",),
+        ("tests/job/test_throughput.py",),
+    ),
     "watcher": Target(
         ("bootstrap/watcher.py",),
         ("tests/bootstrap/test_imds_and_watcher.py",),

@@ -48,6 +48,7 @@ from trainstack_job.datasets import (
     short,
 )
 from trainstack_job.records import is_missing
+from trainstack_job.shards import INDEX_NAME
 
 MANIFEST_NAME = SYNC_MANIFEST
 TOOLS = ("s5cmd", "aws", "boto3")
@@ -196,6 +197,9 @@ class DataSync:
         self._dataset = dataset
         self._settle_seconds = settle_seconds
         self._settle_poll_seconds = settle_poll_seconds
+        # Set (bootstrap/phases/data.py) when the job may stream: a version pushed as shards is then not
+        # synced, `stream` places its indexes and the trainer fetches shards into this folder.
+        self.stream_cache: Path | None = None
 
     @classmethod
     def for_dataset(cls, s3: Any, stack_config: AgentConfig, dataset: str, log: EventLog) -> DataSync:
@@ -351,6 +355,10 @@ class DataSync:
         if abort():
             raise SyncAborted(f"sync to {destination} aborted before it started")
         destination.mkdir(parents=True, exist_ok=True)
+        if self.stream_cache is not None:
+            streamed = self.stream(destination, self.stream_cache, abort, check_version)
+            if streamed is not None:
+                return streamed
         remote = self.remote(abort)
         manifest, version = remote.files, remote.version
         total_bytes = sum(size for size, _ in manifest.values())
@@ -434,6 +442,56 @@ class DataSync:
             mb_per_s=round(report.mb_per_s, 1),
             files_per_s=round(report.files_per_s, 1),
             version=short(version),
+        )
+        return report
+
+    def stream(
+        self,
+        destination: Path,
+        cache_dir: Path,
+        should_abort: Callable[[], bool] | None = None,
+        check_version: Callable[[str], None] | None = None,
+    ) -> SyncReport | None:
+        """Instead of a sync, for a version pushed as shards (`--format shards`): only each split's index,
+        into `destination/<split>/shards.json`, naming where its shards are in S3 and the cache folder the
+        trainer fetches them into (the instance's scratch): training starts after the first shards, not
+        after the whole dataset. None when the version has no shard index per split (the caller syncs)."""
+        keys = {split: f"{split}/{INDEX_NAME}" for split in ("train", "val")}
+        # The manifest alone tells (one GET): a version pushed as files goes on to the sync's full listing.
+        current = self._manifest_files()
+        if current is None or not all(key in current[1] for key in keys.values()):
+            return None
+        remote = self.remote(should_abort or (lambda: False))
+        if check_version is not None:
+            check_version(remote.version)
+        started = time.monotonic()
+        size = 0
+        for split, key in keys.items():
+            body = self._s3.get_object(Bucket=self._bucket, Key=self._prefix + key)["Body"].read()
+            placed = {**json.loads(body), "source": f"{self.source}{split}", "cache_dir": str(cache_dir)}
+            folder = destination / split
+            folder.mkdir(parents=True, exist_ok=True)
+            partial = folder / f"{INDEX_NAME}.partial"
+            partial.write_text(json.dumps(placed, separators=(",", ":")))
+            partial.replace(folder / INDEX_NAME)
+            size += len(body)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        report = SyncReport(
+            "stream",
+            len(keys),
+            size,
+            time.monotonic() - started,
+            skipped=False,
+            version=remote.version,
+            dataset=self._dataset,
+        )
+        self._log.event(
+            "data",
+            "dataset streams: shard indexes placed, shards fetched on demand",
+            source=self.source,
+            destination=str(destination),
+            cache=str(cache_dir),
+            version=short(remote.version),
         )
         return report
 

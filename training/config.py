@@ -45,6 +45,15 @@ class DataConfig:
     # Undecodable images of a split tolerated (skipped and listed in metrics.json) before the job stops with
     # exit 65: a fraction of the split's size.
     max_bad_fraction: float = 0.01
+    # A split given as shards (train_dir / val_dir naming a shard index, s3://.../train/shards.json, or a
+    # folder holding one: `trainstack data push DIR --format shards`) is streamed through this cache: empty
+    # = $TRAINSTACK_DATA_CACHE (the agent's NVMe scratch), else the temp folder. Bounded at cache_gb; the
+    # next read_ahead_shards shards are fetched while the current ones are read; samples are shuffled
+    # within windows of shuffle_window_shards shards (part of the order: changing it changes the run).
+    cache_dir: str = ""
+    cache_gb: float = 50.0
+    read_ahead_shards: int = 2
+    shuffle_window_shards: int = 4
 
 
 @dataclass
@@ -97,12 +106,27 @@ class OutputConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """An experiment tracker (training/tracker.py): one run per job, resumed by every life. Off by default."""
+
+    backend: Literal["none", "tensorboard", "mlflow", "wandb"] = "none"
+    # TensorBoard: the log folder or s3:// prefix (default <output.dir>/tensorboard); MLflow: the tracking
+    # URI (default MLFLOW_TRACKING_URI). W&B takes its server from its own WANDB_* variables.
+    uri: str = ""
+    # The MLflow experiment or the W&B project.
+    project: str = "trainstack"
+    # The W&B entity (team); empty: the API key's default.
+    entity: str = ""
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -111,6 +135,10 @@ class Config:
         """Hash of what decides the numbers (not paths or worker counts), recorded in each manifest."""
         relevant = self.to_dict()
         relevant["data"] = {"image_size": self.data.image_size}
+        if self.data.shuffle_window_shards != DataConfig.shuffle_window_shards:
+            # A streamed dataset's order depends on it (training/streaming.py); at its default it is left out,
+            # so the hash of every config from before streaming stays what its checkpoints recorded.
+            relevant["data"]["shuffle_window_shards"] = self.data.shuffle_window_shards
         relevant["train"] = {
             k: v
             for k, v in relevant["train"].items()
@@ -124,7 +152,7 @@ class Config:
                 "processes",
             }
         }
-        del relevant["checkpoint"], relevant["output"]
+        del relevant["checkpoint"], relevant["output"], relevant["tracking"]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -134,6 +162,7 @@ _SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "output": OutputConfig,
+    "tracking": TrackingConfig,
 }
 
 
@@ -271,6 +300,10 @@ def _check_values(c: Config) -> list[str]:
         problems.append(f"data.max_bad_fraction: must be in [0, 1], got {c.data.max_bad_fraction:g}")
     if isinstance(c.data.num_workers, int):
         at_least("data.num_workers", c.data.num_workers, 0)
+    if c.data.cache_gb <= 0:
+        problems.append(f"data.cache_gb: must be positive, got {c.data.cache_gb:g}")
+    at_least("data.read_ahead_shards", c.data.read_ahead_shards, 0)
+    at_least("data.shuffle_window_shards", c.data.shuffle_window_shards, 1)
     at_least("train.epochs", c.train.epochs, 1)
     if isinstance(c.train.batch_size, int):
         at_least("train.batch_size", c.train.batch_size, 1)

@@ -1,5 +1,8 @@
 """ImageFolder data with per-sample seeded augmentation, a sampler that resumes mid-epoch, and the
-undecodable images of a split named, skipped and counted against `data.max_bad_fraction`."""
+undecodable images of a split named, skipped and counted against `data.max_bad_fraction`. A split given as
+shards (data.train_dir / data.val_dir naming a shard index: training/streaming.py) is streamed from S3
+through a local cache instead of read from a synced folder, with the same keys, order guarantees and
+skipping."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from torchvision.transforms import v2
 
 from training.config import Config
 from training.dataset_layout import BadDataError, class_folders, is_hidden
+from training.streaming import CacheSettings, ReadAhead, ShardFolder, index_location
 
 log = logging.getLogger("training")
 
@@ -156,6 +160,18 @@ def normalized_tensor(image: Image.Image) -> torch.Tensor:
     return chw.to(torch.float32, memory_format=torch.contiguous_format).mul_(_SCALE).sub_(_SHIFT)
 
 
+def open_folder(root: str) -> VisibleImageFolder | ShardFolder:
+    """The split at `root`: a shard index (streamed) or an ImageFolder directory (read from disk)."""
+    index = index_location(root)
+    return ShardFolder(index) if index is not None else VisibleImageFolder(root)
+
+
+def _problem(folder: VisibleImageFolder | ShardFolder, path: str, error: Exception) -> str | None:
+    if isinstance(folder, ShardFolder):
+        return folder.decode_problem(path, error)
+    return decode_problem(path, error)
+
+
 def train_transform(image_size: int) -> TrainAugment:
     return TrainAugment(image_size)
 
@@ -186,7 +202,7 @@ class SeededImageFolder(Dataset[Sample]):
     """
 
     def __init__(self, root: str, transform: Callable[[Image.Image], torch.Tensor], seed: int) -> None:
-        self.folder = VisibleImageFolder(root)
+        self.folder = open_folder(root)
         self.transform = transform
         self.seed = seed
 
@@ -205,7 +221,7 @@ class SeededImageFolder(Dataset[Sample]):
             try:
                 image = self.folder.loader(path)
             except DECODE_ERRORS as exc:
-                problem = decode_problem(path, exc)
+                problem = _problem(self.folder, path, exc)
                 if problem is None:
                     raise
                 unreadable.append((path, problem))
@@ -247,6 +263,11 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
     The order is a permutation seeded by (seed, epoch); step s uses global positions [s*G, (s+1)*G),
     rank r the r-th slice of that, split into micro-batches. A partial last global batch is dropped so
     every optimizer step sees the same number of samples.
+
+    Over shards (`use_shards`) the permutation is shard-aware, still a function of (seed, epoch) alone: the
+    shards in a seeded order, then the samples of each window of `window` consecutive shards shuffled
+    together, so a stretch of steps reads a few shards rather than every shard; and a read-ahead is told
+    which shards the coming batches need.
     """
 
     def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, shuffle: bool = True) -> None:
@@ -257,6 +278,17 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         self.shuffle = shuffle
         self.epoch = 0
         self.start_step = 0
+        self.shard_sizes: list[int] | None = None
+        self.window = 1
+        self.read_ahead: ReadAhead | None = None
+
+    def use_shards(self, shard_sizes: list[int], window: int, read_ahead: ReadAhead | None) -> None:
+        """Order samples shard by shard (samples numbered shard after shard, `shard_sizes` of each)."""
+        if sum(shard_sizes) != self.num_samples:
+            raise ValueError(f"shards hold {sum(shard_sizes)} samples, the sampler has {self.num_samples}")
+        self.shard_sizes = list(shard_sizes)
+        self.window = max(1, window)
+        self.read_ahead = read_ahead
 
     @property
     def steps_per_epoch(self) -> int:
@@ -270,16 +302,39 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         if not self.shuffle:
             return torch.arange(self.num_samples)
         generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return torch.randperm(self.num_samples, generator=generator)
+        if self.shard_sizes is None:
+            return torch.randperm(self.num_samples, generator=generator)
+        starts = [0]
+        for size in self.shard_sizes:
+            starts.append(starts[-1] + size)
+        shards = torch.randperm(len(self.shard_sizes), generator=generator).tolist()
+        parts = []
+        for lo in range(0, len(shards), self.window):
+            members = torch.cat(
+                [torch.arange(starts[s], starts[s + 1]) for s in shards[lo : lo + self.window]]
+            )
+            parts.append(members[torch.randperm(len(members), generator=generator)])
+        return torch.cat(parts)
+
+    def _shard_of(self) -> list[int]:
+        assert self.shard_sizes is not None
+        return [shard for shard, size in enumerate(self.shard_sizes) for _ in range(size)]
 
     def __iter__(self) -> Iterator[list[SampleKey]]:
         order = self._order().tolist()
         plan = self.plan
-        for step in range(self.start_step, self.steps_per_epoch):
-            start = step * plan.global_batch + self.rank * plan.per_rank
-            for micro in range(plan.accumulation):
-                lo = start + micro * plan.micro_batch
-                yield [(self.epoch, i) for i in order[lo : lo + plan.micro_batch]]
+        starts = [
+            step * plan.global_batch + self.rank * plan.per_rank + micro * plan.micro_batch
+            for step in range(self.start_step, self.steps_per_epoch)
+            for micro in range(plan.accumulation)
+        ]
+        if self.read_ahead is not None:
+            shard_of = self._shard_of()
+            self.read_ahead.plan([shard_of[i] for lo in starts for i in order[lo : lo + plan.micro_batch]])
+        for handed, lo in enumerate(starts):
+            if self.read_ahead is not None:
+                self.read_ahead.advance(handed * plan.micro_batch)
+            yield [(self.epoch, i) for i in order[lo : lo + plan.micro_batch]]
 
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.plan.accumulation
@@ -290,7 +345,7 @@ class EvalDataset(Dataset[Sample]):
     reported and dropped (nothing trains on it, so no stand-in is needed)."""
 
     def __init__(self, root: str, image_size: int) -> None:
-        self.folder = VisibleImageFolder(root)
+        self.folder = open_folder(root)
         self.transform = eval_transform(image_size)
 
     def __len__(self) -> int:
@@ -301,7 +356,7 @@ class EvalDataset(Dataset[Sample]):
         try:
             image = self.folder.loader(path)
         except DECODE_ERRORS as exc:
-            problem = decode_problem(path, exc)
+            problem = _problem(self.folder, path, exc)
             if problem is None:
                 raise
             return Sample(None, target, ((path, problem),))
@@ -405,12 +460,32 @@ def loader_options(config: Config, world_size: int, on_gpu: bool) -> dict[str, A
         options["worker_init_fn"] = ignore_interrupt
     if num_workers > 0:
         options |= {"persistent_workers": True, "prefetch_factor": config.data.prefetch_factor}
+    # Taken out again by train_loader / eval_loader: how a streamed split caches and reads ahead.
+    if any(index_location(root) for root in (config.data.train_dir, config.data.val_dir) if root):
+        options[STREAMING] = CacheSettings(
+            cache_dir=config.data.cache_dir,
+            max_bytes=int(config.data.cache_gb * 10**9),
+            read_ahead=config.data.read_ahead_shards,
+            window=config.data.shuffle_window_shards,
+        )
     return options
+
+
+# The loader_options key of a streamed split's CacheSettings (not a DataLoader argument).
+STREAMING = "streaming"
 
 
 def train_loader(
     dataset: SeededImageFolder, sampler: ResumableBatchSampler, options: dict[str, Any]
 ) -> DataLoader[Sample]:
+    options = dict(options)
+    settings = options.pop(STREAMING, None) or CacheSettings()
+    folder = dataset.folder
+    if isinstance(folder, ShardFolder):
+        # Before the DataLoader starts its workers: they get the dataset (and these settings) when it does.
+        folder.configure(settings)
+        read_ahead = ReadAhead(folder.cache.path, settings.read_ahead) if folder.cache.remote else None
+        sampler.use_shards(folder.shard_sizes(), settings.window, read_ahead)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_samples, **options)
 
 
@@ -418,6 +493,10 @@ def eval_loader(
     dataset: EvalDataset, batch_size: int, rank: int, world_size: int, options: dict[str, Any]
 ) -> DataLoader[Sample]:
     shard = list(range(rank, len(dataset), world_size))
+    options = dict(options)
+    settings = options.pop(STREAMING, None) or CacheSettings()
+    if isinstance(dataset.folder, ShardFolder):
+        dataset.folder.configure(settings)
     options = {**options, "persistent_workers": False} if options.get("num_workers") else options
     return DataLoader(
         torch.utils.data.Subset(dataset, shard),

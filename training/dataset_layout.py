@@ -10,6 +10,7 @@ import os
 from pathlib import Path, PurePath, PurePosixPath
 
 from training.config import Config, ConfigError
+from trainstack_job.shards import INDEX_NAME
 
 # Folders that archivers and notebooks leave next to the data: never images, never classes.
 HIDDEN_FOLDERS = frozenset({"__MACOSX"})
@@ -58,6 +59,8 @@ def data_dir_problems(config: Config) -> list[str]:
             problems.append(f"{key}: not set; point it at an ImageFolder directory (<dir>/<class>/<image>)")
             continue
         root = Path(value)
+        if value.startswith("s3://") or (root / INDEX_NAME).is_file():
+            continue  # a shard index: training/streaming.py reads and checks it when the trainer opens it
         if not root.is_dir():
             problems.append(f"{key}: {root} does not exist; create it or fix the path")
             continue

@@ -232,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="check DIR as an ImageFolder: auto (when the built-in trainer reads the dataset), "
         "image-folder (always) or any (never)",
     )
+    push.add_argument(
+        "--format",
+        choices=datapush.FORMATS,
+        default="files",
+        help="files: DIR's files as they are; shards: an ImageFolder as tar shards plus an index, which the "
+        "built-in trainer streams instead of syncing the whole dataset first",
+    )
     data_commands.add_parser(
         "list", parents=both, help="the stack's datasets: version, files, size, when pushed"
     )
@@ -446,6 +453,7 @@ def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
             dry_run=args.dry_run,
             force=args.force,
             layout=args.layout,
+            format=args.format,
             as_json=as_json,
         )
     if command == "results":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,7 +24,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from training.dataset_layout import is_hidden
 from trainstack.aws import Clients, explain
-from trainstack.datasets import place, read_manifest, validate_image_folder
+from trainstack.datasets import IMG_EXTENSIONS, SPLITS, place, read_manifest, validate_image_folder
 from trainstack.errors import CliError
 from trainstack.output import console, print_json
 from trainstack.stack import Stack, StackOutputs
@@ -47,9 +48,13 @@ from trainstack_job.datasets import (
 )
 from trainstack_job.jobs import LEGACY_JOB_ID, JobPrefixes
 from trainstack_job.records import is_conflict, write_condition
+from trainstack_job.shards import DEFAULT_SHARD_BYTES, write_split
 
 # --layout: auto = checked as ImageFolder when the built-in trainer reads this dataset (below).
 LAYOUTS = ("auto", "image-folder", "any")
+# --format: files = DIR's files as they are; shards = each split as tar shards plus an index, which the
+# built-in trainer streams (`data.mode: stream`) instead of syncing the whole dataset first.
+FORMATS = ("files", "shards")
 _HASH_CHUNK = 1024 * 1024
 _HEAD_THREADS = 16
 _SHOWN = 5
@@ -330,6 +335,24 @@ def _write_manifest(
         raise
 
 
+def write_shards(root: Path, out: Path, classes: list[str], shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Each split of the ImageFolder `root` as shards plus `shards.json` under `out/<split>/`: the images the
+    trainer's ImageFolder would load (visible, an image extension, any depth under their class folder)."""
+    labels = {name: number for number, name in enumerate(classes)}
+    for split in SPLITS:
+        split_dir = root / split
+        files: list[tuple[str, int]] = []
+        for name in classes:
+            for current, dirs, names in os.walk(split_dir / name, followlinks=True):
+                dirs[:] = sorted(d for d in dirs if not is_hidden(d))
+                for file in sorted(names):
+                    path = Path(current) / file
+                    relative = path.relative_to(split_dir).as_posix()
+                    if not is_hidden(relative) and path.suffix.lower() in IMG_EXTENSIONS:
+                        files.append((relative, labels[name]))
+        write_split(split_dir, classes, files, out / split, shard_bytes)
+
+
 def push(
     clients: Clients,
     stack: Stack,
@@ -341,15 +364,55 @@ def push(
     force: bool = False,
     layout: str = "auto",
     quiet: bool = False,
+    format: str = "files",
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> dict[str, Any]:
-    """Push `root` as dataset `name`'s next version; returns what was done (the --json summary)."""
+    """Push `root` as dataset `name`'s next version; returns what was done (the --json summary). With
+    `format="shards"` the version holds the ImageFolder's splits as shards (trainstack_job/shards.py) rather
+    than its files; the shards are written byte-identical for identical images, so a re-push sends only the
+    shards whose images changed."""
+    if format not in FORMATS:
+        raise CliError(f"--format {format}: not one of {', '.join(FORMATS)}; use files (default) or shards")
+    if format == "shards":
+        if layout == "any":
+            raise CliError(
+                "--format shards needs an ImageFolder (DIR/train/<class>/<image>): drop --layout any"
+            )
+        if not root.is_dir():
+            raise CliError(f"{root}: not a directory; pass the folder that holds the dataset's files")
+        classes = validate_image_folder(root)
+        with tempfile.TemporaryDirectory(prefix="trainstack-shards-") as staging:
+            write_shards(root, Path(staging), classes, shard_bytes)
+            summary = _push(
+                clients, stack, Path(staging), name, delete, dry_run, force, "any", quiet, classes
+            )
+        summary["format"] = "shards"
+        return summary
+    return {
+        **_push(clients, stack, root, name, delete, dry_run, force, layout, quiet, None),
+        "format": "files",
+    }
+
+
+def _push(
+    clients: Clients,
+    stack: Stack,
+    root: Path,
+    name: str,
+    delete: bool,
+    dry_run: bool,
+    force: bool,
+    layout: str,
+    quiet: bool,
+    shard_classes: list[str] | None,
+) -> dict[str, Any]:
     outputs = stack.outputs
     where = place(outputs, name)
     bucket = outputs.bucket
     if not root.is_dir():
         raise CliError(f"{root}: not a directory; pass the folder that holds the dataset's files")
     job_id, agent = _job_reading(clients, outputs)
-    classes = None
+    classes = shard_classes
     if layout == "image-folder" or (layout == "auto" and _builtin_trainer_reads(agent, name)):
         try:
             classes = validate_image_folder(root)
@@ -421,6 +484,7 @@ def run_push(
     force: bool = False,
     layout: str = "auto",
     as_json: bool = False,
+    format: str = "files",
 ) -> int:
     summary = push(
         clients,
@@ -432,6 +496,7 @@ def run_push(
         force=force,
         layout=layout,
         quiet=as_json,
+        format=format,
     )
     if as_json:
         print_json(summary)
@@ -460,6 +525,8 @@ def _describe(summary: dict[str, Any]) -> str:
             line += f" (was {short(summary['previous_version'])})"
     if summary["classes"]:
         line += f"; {len(summary['classes'])} classes"
+    if summary.get("format") == "shards":
+        line += "; as shards (the built-in trainer streams them with data.mode: stream)"
     if summary["not_local"]:
         line += (
             f"; {summary['not_local']} remote file(s) not in DIR kept, outside the version "

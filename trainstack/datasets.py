@@ -29,6 +29,7 @@ from trainstack_job.datasets import (
     push_command,
     short,
 )
+from trainstack_job.shards import INDEX_NAME
 
 # torchvision.datasets.folder.IMG_EXTENSIONS: what ImageFolder will load. Copied because the CLI is
 # installed without torch; tests/cli check the two stay equal.
@@ -112,9 +113,22 @@ def validate_image_folder(root: Path) -> list[str]:
     return _layout_problem(str(root), folders)
 
 
+def is_sharded(manifest: Manifest) -> bool:
+    """Whether the version was pushed with `--format shards`: each split's index is in it."""
+    return all(f"{split}/{INDEX_NAME}" in manifest.files for split in SPLITS)
+
+
 def check_image_folder(manifest: Manifest, where: str) -> list[str]:
     """The class names, if a pushed dataset version is an ImageFolder train/val pair (what the built-in
-    trainer reads); `trainstack run --config` calls it before a job is queued. Raises CliError."""
+    trainer reads) or its shards; `trainstack run --config` calls it before a job is queued.
+    Raises CliError."""
+    if is_sharded(manifest):
+        if not manifest.classes:
+            raise CliError(
+                f"dataset {where}: shards without classes in its manifest; push it again with "
+                "`trainstack data push DIR --format shards`"
+            )
+        return list(manifest.classes)
     folders: dict[str, dict[str, list[str]]] = {}
     for path in manifest.files:
         parts = PurePosixPath(path).parts

@@ -26,6 +26,8 @@ from trainstack_job.text import not_utf8
 # Where the job's workdir sits inside the code bundle (infra/bundle.py puts it there).
 BUNDLE_JOB_DIR = "job"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# data.mode: sync (the dataset copied whole before the job starts) or stream (its shard indexes only).
+DATA_MODES = ("sync", "stream")
 _KNOWN = {"name", "command", "workdir", "requirements", "env", "secrets", "data", "checkpoint", "resources"}
 # A job's vendored wheels: a folder of this name next to its requirements file (infra/wheels.py checks it).
 VENDORED_WHEELS_DIR = "wheels"
@@ -53,6 +55,9 @@ class JobSpec:
     requirements: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     data_sync: bool = True
+    # "sync": the dataset is copied whole to the data folder before the job starts; "stream": a version
+    # pushed as shards is not copied, the data folder holds each split's shard index (docs/job-contract.md).
+    data_mode: str = "sync"
     checkpoint_keep: int = 3
     # ENV_NAME -> a secret's name under the stack's path (secret_refs.py); the agent resolves them.
     secrets: dict[str, str] = field(default_factory=dict)
@@ -68,7 +73,8 @@ class JobSpec:
             "workdir": self.workdir,
             "requirements": self.requirements,
             "env": dict(self.env),
-            "data": {"sync": self.data_sync},
+            # mode only when streamed: a job that does not stream keeps the definition (and id) it had.
+            "data": {"sync": self.data_sync} | ({"mode": self.data_mode} if self.data_mode != "sync" else {}),
             "checkpoint": {"keep": self.checkpoint_keep},
         }
         if self.secrets:
@@ -141,8 +147,18 @@ class JobSpec:
         except ResourceError as error:
             problems += error.problems
         data = raw.get("data", {}) or {}
-        if not isinstance(data, dict) or set(data) - {"sync"} or not isinstance(data.get("sync", True), bool):
-            problems.append(f"{source}: data: only {{sync: true|false}} is known")
+        if (
+            not isinstance(data, dict)
+            or set(data) - {"sync", "mode"}
+            or not isinstance(data.get("sync", True), bool)
+            or data.get("mode", "sync") not in DATA_MODES
+        ):
+            problems.append(f"{source}: data: only {{sync: true|false, mode: sync|stream}} is known")
+            data = {}
+        elif data.get("mode") == "stream" and data.get("sync") is False:
+            problems.append(
+                f"{source}: data: mode: stream with sync: false; drop one (stream needs the agent)"
+            )
             data = {}
         checkpoint = raw.get("checkpoint", {}) or {}
         keep = checkpoint.get("keep", 3) if isinstance(checkpoint, dict) else None
@@ -173,6 +189,7 @@ class JobSpec:
             requirements=requirements,
             env={str(k): _env_value(v) for k, v in env.items()},
             data_sync=bool(data.get("sync", True)),
+            data_mode=str(data.get("mode", "sync")),
             checkpoint_keep=int(keep),
             secrets=refs_to_mapping(secrets),
             resources=resources,

@@ -1,5 +1,8 @@
 """The job's dataset: waited for while it is being pushed, then synced to scratch at the job's version
-(bootstrap/datasync.py). A job that reads its data itself (`data.sync: false`) skips this phase."""
+(bootstrap/datasync.py). A job that reads its data itself (`data.sync: false`) skips this phase. A version
+pushed as shards (`trainstack data push DIR --format shards`) is streamed instead when the built-in trainer
+reads it, or when the job's job.yaml says `data: {mode: stream}`: only the shard indexes are placed, and
+the trainer fetches shards on demand into scratch's shard cache (kept across lives on the same disk)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,10 @@ from bootstrap.datasync import DatasetVersionError, DataSync, DiskSpaceError, Jo
 from bootstrap.outcomes import Failure, LifeEnd
 from bootstrap.phases.base import Ended, Life
 from trainstack_job.contract import RESUME_COMMAND
+
+# Under scratch (the instance store where the type has one): the streamed shards, content-addressed, so a
+# later life on the same disk (a restart, a standby promoted) reads them again without S3.
+SHARD_CACHE = "shard-cache"
 
 
 class Data:
@@ -22,6 +29,9 @@ class Data:
             return life.stops.stopped_before_training() if life.stops.is_set() else LifeEnd.NO_DATA
         life.phase = "data-sync"
         version = JobDataset(life.clients.s3, life.config, life.job, life.log)
+        if life.user_job is None or life.user_job.data_mode == "stream":
+            # A version pushed as shards is then streamed: its indexes placed, not its files synced.
+            dataset.stream_cache = life.paths.scratch / SHARD_CACHE
         try:
             synced = dataset.sync(
                 life.paths.scratch / "data", should_abort=life.stops.is_set, check_version=version.check

@@ -304,3 +304,63 @@ def test_an_unknown_dataset_version_in_the_agent_config_is_one_line() -> None:
     assert "'allow_data_change' must be true or false" in message
     config = AgentConfig.from_mapping({**base, "dataset": "corpus", "dataset_version": "ab" * 6})
     assert (config.dataset, config.dataset_version, config.allow_data_change) == ("corpus", "ab" * 6, False)
+
+
+INDEX = json.dumps({"format": "trainstack-shards/1", "classes": ["a"], "shards": [], "samples": []}).encode()
+SHARDED = {
+    "train/shards.json": INDEX,
+    "train/shard-000000.tar": b"t" * 300,
+    "val/shards.json": INDEX,
+    "val/shard-000000.tar": b"v" * 200,
+}
+
+
+def test_a_version_pushed_as_shards_is_streamed_its_indexes_placed_and_no_shard_fetched(
+    stack: LocalStack, tmp_path: Path
+) -> None:
+    """Issue 35: the built-in trainer (or a job.yaml with data.mode: stream) starts on the shard indexes; the
+    indexes name the shards' S3 prefix and the instance's cache folder; the version is still checked."""
+    version = publish(stack, "images", SHARDED)
+    dataset = sync_of(stack, "images")
+    dataset.stream_cache = tmp_path / "cache"
+    checked: list[str] = []
+
+    report = dataset.sync(tmp_path / "data", check_version=checked.append)
+
+    assert (report.tool, report.files, report.version, checked) == ("stream", 2, version, [version])
+    assert sorted(files(tmp_path / "data")) == ["train/shards.json", "val/shards.json"]
+    placed = json.loads((tmp_path / "data" / "train" / "shards.json").read_text())
+    prefix = DatasetPlace.of("images").prefix
+    assert placed["source"] == f"s3://{stack.bucket}/{prefix}train"
+    assert placed["cache_dir"] == str(tmp_path / "cache") and (tmp_path / "cache").is_dir()
+    assert placed["classes"] == ["a"]
+
+
+def test_a_version_pushed_as_files_is_synced_whole_even_when_streaming_is_allowed(
+    stack: LocalStack, tmp_path: Path
+) -> None:
+    publish(stack, "corpus", CORPUS)
+    dataset = sync_of(stack, "corpus")
+    dataset.stream_cache = tmp_path / "cache"
+    report = dataset.sync(tmp_path / "data", tool="boto3")
+    assert report.tool == "boto3" and files(tmp_path / "data") == CORPUS
+    assert not (tmp_path / "cache").exists()
+
+
+def test_job_yaml_chooses_stream_or_sync_and_sync_stays_the_default() -> None:
+    from trainstack_job.jobfile import JobSpec, JobSpecError
+
+    def spec(data: object) -> JobSpec:
+        return JobSpec.from_mapping({"name": "j", "command": ["python", "t.py"], "data": data}, "job.yaml")
+
+    assert (spec(None).data_mode, spec(None).data_sync) == ("sync", True)
+    assert spec(None).to_mapping()["data"] == {"sync": True}  # the definition (and job id) it always had
+    streamed = spec({"mode": "stream"})
+    assert streamed.data_mode == "stream"
+    assert streamed.to_mapping()["data"] == {"sync": True, "mode": "stream"}
+    assert JobSpec.from_mapping(streamed.to_mapping(), "agent config").data_mode == "stream"
+    known = r"^job.yaml: data: only \{sync: true\|false, mode: sync\|stream\}"
+    with pytest.raises(JobSpecError, match=known):
+        spec({"mode": "mount"})
+    with pytest.raises(JobSpecError, match=r"^job.yaml: data: mode: stream with sync: false; drop one"):
+        spec({"mode": "stream", "sync": False})

@@ -60,7 +60,7 @@ def test_resuming_mid_epoch_yields_exactly_the_remaining_micro_batches() -> None
     assert len(resumed) == (50 // 8 - 4) * 2
 
 
-def test_skipped_samples_are_never_read(image_folders: Dataset) -> None:
+def test_skipped_samples_are_never_read(image_folders: Dataset, monkeypatch: pytest.MonkeyPatch) -> None:
     dataset = SeededImageFolder(str(image_folders.train_dir), train_transform(16), seed=0)
     reads: list[str] = []
     original = dataset.folder.loader
@@ -69,7 +69,7 @@ def test_skipped_samples_are_never_read(image_folders: Dataset) -> None:
         reads.append(path)
         return original(path)
 
-    dataset.folder.loader = counting_loader
+    monkeypatch.setattr(dataset.folder, "loader", counting_loader)
     sampler = ResumableBatchSampler(len(dataset), BatchPlan(16, 1, 8), rank=0, seed=0)
     sampler.set_position(epoch=0, start_step=6)
     loader = train_loader(dataset, sampler, {"num_workers": 0})

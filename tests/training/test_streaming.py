@@ -1,0 +1,329 @@
+"""A split pushed as shards is streamed: read from S3 (moto here) through a bounded local cache, in a
+shard-aware order that is still a pure function of (seed, epoch), so an interrupted and resumed run on a
+new instance (empty cache) ends bitwise where an uninterrupted one does; bad images in a shard are named
+and skipped; a corrupt or missing shard is one line naming it and the fix."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import boto3
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import MotoServer
+from tests.training.conftest import Dataset
+from tests.waiting import wait_until
+from training.data import (
+    STREAMING,
+    BatchPlan,
+    EvalDataset,
+    ResumableBatchSampler,
+    SeededImageFolder,
+    eval_loader,
+    train_loader,
+    train_transform,
+)
+from training.dataset_layout import BadDataError
+from training.streaming import CacheSettings, ShardFolder, index_location
+from trainstack.datapush import write_shards
+from trainstack_job.shards import INDEX_NAME, ShardIndex, iter_shard
+
+SEED = 7
+PLAN = BatchPlan(global_batch=16, world_size=1, micro_batch=8)
+SHARD_BYTES = 20_000  # a few KB images: ~10 shards per split
+BUCKET = "shards"
+
+
+@pytest.fixture(scope="module")
+def shards(image_folders: Dataset, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("shards")
+    classes = sorted(p.name for p in image_folders.train_dir.iterdir())
+    write_shards(image_folders.train_dir.parent, out, classes, SHARD_BYTES)
+    return out
+
+
+def upload(shards: Path) -> str:
+    """The shards in the moto bucket; returns the train split's index URI."""
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket=BUCKET)
+    for path in sorted(shards.rglob("*")):
+        if path.is_file():
+            s3.upload_file(str(path), BUCKET, f"images/{path.relative_to(shards).as_posix()}")
+    return f"s3://{BUCKET}/images/train/{INDEX_NAME}"
+
+
+def loader(
+    root: str, cache: Path, epoch: int, step: int, workers: int = 0, cache_bytes: int = 10**9
+) -> tuple[ResumableBatchSampler, Any]:
+    dataset = SeededImageFolder(root, train_transform(16), SEED)
+    sampler = ResumableBatchSampler(len(dataset), PLAN, rank=0, seed=SEED)
+    sampler.set_position(epoch, step)
+    settings = CacheSettings(str(cache), max_bytes=cache_bytes, read_ahead=2, window=2)
+    return sampler, train_loader(dataset, sampler, {"num_workers": workers, STREAMING: settings})
+
+
+def test_shards_hold_every_image_byte_for_byte_with_its_label(image_folders: Dataset, shards: Path) -> None:
+    index = ShardIndex.from_json((shards / "train" / INDEX_NAME).read_bytes(), "train")
+    assert index.classes == sorted(p.name for p in image_folders.train_dir.iterdir())
+    assert len(index.shards) > 4
+    assert sorted(e.name for e in index.samples) == sorted(
+        p.relative_to(image_folders.train_dir).as_posix() for p in image_folders.train_dir.rglob("*.png")
+    )
+    by_shard = {i: list(iter_shard(shards / "train" / s.key)) for i, s in enumerate(index.shards)}
+    for entry in index.samples:
+        original = (image_folders.train_dir / entry.name).read_bytes()
+        assert index.classes[entry.label] == entry.name.split("/")[0]
+        with (shards / "train" / index.shards[entry.shard].key).open("rb") as stream:
+            stream.seek(entry.offset)
+            assert stream.read(entry.size) == original
+        # The user's helper reads the same bytes and label in shard order.
+        assert any(data == original and label == entry.label for _, data, label in by_shard[entry.shard])
+
+
+def test_writing_the_same_images_again_gives_the_same_shards(image_folders: Dataset, tmp_path: Path) -> None:
+    classes = sorted(p.name for p in image_folders.train_dir.iterdir())
+    write_shards(image_folders.train_dir.parent, tmp_path / "a", classes, SHARD_BYTES)
+    write_shards(image_folders.train_dir.parent, tmp_path / "b", classes, SHARD_BYTES)
+    for path in (tmp_path / "a").rglob("*"):
+        if path.is_file():
+            assert path.read_bytes() == (tmp_path / "b" / path.relative_to(tmp_path / "a")).read_bytes()
+
+
+def test_the_shard_aware_order_is_a_seeded_permutation_that_resumes_mid_epoch(shards: Path) -> None:
+    folder = ShardFolder(str(shards / "train" / INDEX_NAME))
+    sizes = folder.shard_sizes()
+
+    def sampler(epoch: int, step: int) -> ResumableBatchSampler:
+        made = ResumableBatchSampler(len(folder), PLAN, rank=0, seed=SEED)
+        made.use_shards(sizes, window=2, read_ahead=None)
+        made.set_position(epoch, step)
+        return made
+
+    full = list(sampler(1, 0))
+    assert list(sampler(1, 3)) == full[3 * PLAN.accumulation :]
+    assert list(sampler(1, 0)) == full and list(sampler(2, 0)) != full
+    order = sampler(1, 0)._order().tolist()
+    assert sorted(order) == list(range(len(folder)))
+    # The first window's samples come from two shards only: a stretch of steps reads few shards.
+    shard_of = sampler(1, 0)._shard_of()
+    first_window = sum(sorted(sizes)[-2:])
+    assert len({shard_of[i] for i in order[: min(sizes[shard_of[order[0]]], first_window)]}) <= 2
+
+
+def train(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any, steps: int, accumulation: int
+) -> list[torch.Tensor]:
+    """`steps` optimizer steps from `batches`; returns the targets seen, for the order comparison."""
+    seen = []
+    iterator = iter(batches)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for _ in range(accumulation):
+            batch = next(iterator)
+            seen.append(batch.targets)
+            loss = nn.functional.cross_entropy(model(batch.images.flatten(1)), batch.targets) / accumulation
+            loss.backward()
+        optimizer.step()
+    return seen
+
+
+def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(3 * 16 * 16, 4)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_an_interrupted_streamed_run_resumed_on_an_empty_cache_ends_bitwise_equal(
+    aws: MotoServer, shards: Path, tmp_path: Path
+) -> None:
+    """Two epochs uninterrupted, against: 5 steps, a checkpoint of the model, the optimizer and the loader's
+    position (epoch, step), then a new instance (new cache folder, loader workers instead of the main
+    process) resuming mid-epoch from it."""
+    uri = upload(shards)
+    model, optimizer = fresh()
+    sampler, batches = loader(uri, tmp_path / "cache-a", epoch=0, step=0)
+    steps = sampler.steps_per_epoch
+    seen = train(model, optimizer, batches, steps, PLAN.accumulation)
+    sampler.set_position(1, 0)
+    seen += train(model, optimizer, batches, steps, PLAN.accumulation)
+
+    resumed_model, resumed_optimizer = fresh()
+    _, first = loader(uri, tmp_path / "cache-b", epoch=0, step=0)
+    resumed_seen = train(resumed_model, resumed_optimizer, first, 5, PLAN.accumulation)
+    weights = copy.deepcopy(resumed_model.state_dict())
+    moments = copy.deepcopy(resumed_optimizer.state_dict())
+    epoch, step = 0, 5  # the loader's position, as a checkpoint carries it
+    del resumed_model, resumed_optimizer, first
+
+    resumed_model, resumed_optimizer = fresh()
+    resumed_model.load_state_dict(weights)
+    resumed_optimizer.load_state_dict(moments)
+    sampler, batches = loader(uri, tmp_path / "cache-c", epoch=epoch, step=step, workers=1)
+    resumed_seen += train(resumed_model, resumed_optimizer, batches, steps - step, PLAN.accumulation)
+    sampler.set_position(1, 0)
+    resumed_seen += train(resumed_model, resumed_optimizer, batches, steps, PLAN.accumulation)
+
+    assert [t.tolist() for t in resumed_seen] == [t.tolist() for t in seen]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, resumed_model.state_dict()[name]), name
+
+
+def test_a_warm_cache_is_read_without_s3_and_the_cache_stays_bounded(
+    aws: MotoServer, shards: Path, tmp_path: Path
+) -> None:
+    uri = upload(shards)
+    index = ShardIndex.from_json((shards / "train" / INDEX_NAME).read_bytes(), "train")
+    largest = max(s.size for s in index.shards)
+    bound = 3 * largest
+    _, batches = loader(uri, tmp_path / "small", epoch=0, step=0, cache_bytes=bound)
+    for _ in batches:
+        cached = sum(p.stat().st_size for p in (tmp_path / "small").glob("*.tar"))
+        assert cached <= bound + largest  # the bound, plus at most the shard being fetched
+    _, batches = loader(uri, tmp_path / "warm", epoch=0, step=0)
+    expected = [b.images for b in batches]
+    # The next life on the same disk: shards come from the cache (content-addressed), even with S3 gone.
+    dataset = SeededImageFolder(uri, train_transform(16), SEED)  # the index is read first, as in a life
+    for shard in boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="images/train/shard-")["Contents"]:
+        boto3.client("s3").delete_object(Bucket=BUCKET, Key=shard["Key"])
+    sampler = ResumableBatchSampler(len(dataset), PLAN, rank=0, seed=SEED)
+    settings = CacheSettings(str(tmp_path / "warm"), read_ahead=2, window=2)
+    again = [b.images for b in train_loader(dataset, sampler, {"num_workers": 0, STREAMING: settings})]
+    assert all(torch.equal(a, b) for a, b in zip(again, expected, strict=True))
+
+
+def test_the_read_ahead_fetches_the_next_shards_before_they_are_read(
+    aws: MotoServer, shards: Path, tmp_path: Path
+) -> None:
+    uri = upload(shards)
+    _, batches = loader(uri, tmp_path / "cache", epoch=0, step=0)
+    iterator = iter(batches)
+    next(iterator)
+    # The first batch needs at most two shards (one window); the read-ahead fetches two more.
+    wait_until(
+        lambda: len(list((tmp_path / "cache").glob("*.tar"))) >= 3,
+        timeout=60,
+        what="the read-ahead fetching shards beyond those of the first batch",
+    )
+
+
+def test_a_corrupt_or_missing_shard_is_one_line_naming_it_and_the_fix(
+    aws: MotoServer, shards: Path, tmp_path: Path
+) -> None:
+    uri = upload(shards)
+    index = ShardIndex.from_json((shards / "train" / INDEX_NAME).read_bytes(), "train")
+    s3 = boto3.client("s3")
+    for shard in index.shards:
+        s3.put_object(Bucket=BUCKET, Key=f"images/train/{shard.key}", Body=b"garbage")
+    dataset = SeededImageFolder(uri, train_transform(16), SEED)
+    assert isinstance(dataset.folder, ShardFolder)
+    dataset.folder.configure(CacheSettings(str(tmp_path / "cache")))
+    with pytest.raises(
+        BadDataError, match=r"^shard s3://shards/images/train/shard-\d+\.tar is corrupt .*--format"
+    ):
+        dataset[(0, 0)]
+    for shard in index.shards:
+        s3.delete_object(Bucket=BUCKET, Key=f"images/train/{shard.key}")
+    with pytest.raises(BadDataError, match=r"^shard s3://shards/images/train/shard-\d+\.tar is missing"):
+        dataset[(0, 0)]
+    with pytest.raises(BadDataError, match=r"^shard index s3://shards/nowhere/shards.json: cannot be read"):
+        SeededImageFolder(f"s3://{BUCKET}/nowhere/", train_transform(16), SEED)
+
+
+def test_a_bad_image_in_a_shard_is_named_by_shard_and_name_and_replaced(
+    image_folders: Dataset, tmp_path: Path
+) -> None:
+    root = tmp_path / "images"
+    shutil.copytree(image_folders.train_dir.parent, root, ignore=shutil.ignore_patterns(".*"))
+    (root / "train" / "class_1" / "00003.png").write_bytes(b"not a png")
+    write_shards(root, tmp_path / "shards", sorted(p.name for p in (root / "train").iterdir()), SHARD_BYTES)
+    train = str(tmp_path / "shards" / "train")
+    assert index_location(train) == f"{train}/{INDEX_NAME}"
+    dataset = SeededImageFolder(train, train_transform(16), SEED)
+    bad = next(i for i, (name, _) in enumerate(dataset.folder.samples) if name.endswith("class_1/00003.png"))
+
+    sample = dataset[(0, bad)]
+
+    assert sample.image is not None  # the next readable image stands in
+    ((name, problem),) = sample.unreadable
+    assert name.startswith(f"{train}/shard-") and name.endswith(".tar:class_1/00003.png")
+    assert problem.startswith("UnidentifiedImageError")
+    val = EvalDataset(str(tmp_path / "shards" / "val"), 16)
+    assert val.folder.classes == dataset.folder.classes
+    assert sum(len(b.images) for b in eval_loader(val, 8, 0, 1, {"num_workers": 0})) == len(val)
+
+
+def test_an_s3_outage_while_streaming_is_waited_out_and_nothing_is_lost(
+    aws: MotoServer, shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from botocore.exceptions import EndpointConnectionError
+
+    import training.streaming
+
+    uri = upload(shards)
+    dataset = SeededImageFolder(uri, train_transform(16), SEED)
+    assert isinstance(dataset.folder, ShardFolder)
+    dataset.folder.configure(CacheSettings(str(tmp_path / "cache")))
+    cache = dataset.folder.cache
+    real = boto3.client("s3")
+    failures = [
+        EndpointConnectionError(endpoint_url="http://s3"),
+        EndpointConnectionError(endpoint_url="http://s3"),
+    ]
+
+    class Flaky:
+        def download_file(self, *args: Any, **kwargs: Any) -> None:
+            if failures:
+                raise failures.pop()
+            real.download_file(*args, **kwargs)
+
+    cache._client = Flaky()
+    pauses: list[float] = []
+    # The module's clock only: moto's threads keep the real sleep.
+    clock = SimpleNamespace(monotonic=time.monotonic, sleep=pauses.append)
+    monkeypatch.setattr(training.streaming, "time", clock)
+
+    sample = dataset[(0, 0)]
+
+    assert sample.image is not None and sample.unreadable == ()
+    assert pauses == [1.0, 2.0]  # backed off, then went on
+    reference = SeededImageFolder(str(shards / "train"), train_transform(16), SEED)[(0, 0)]
+    assert reference.image is not None and torch.equal(sample.image, reference.image)
+
+
+def test_the_trainers_config_check_takes_a_shard_index_for_a_data_folder(tmp_path: Path) -> None:
+    """What the agent places for a streamed split is a folder holding only shards.json (or an s3:// index):
+    the config check leaves it to the streaming reader instead of refusing it as an empty ImageFolder."""
+    from training.config import build_config
+    from training.dataset_layout import data_dir_problems
+    from trainstack_job.shards import INDEX_NAME
+
+    train = tmp_path / "train"
+    train.mkdir()
+    (train / INDEX_NAME).write_text("{}", encoding="utf-8")
+    config = build_config({"data": {"train_dir": str(train), "val_dir": "s3://bucket/datasets/x/val/"}})
+    assert data_dir_problems(config) == []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    config = build_config({"data": {"train_dir": str(empty), "val_dir": "s3://bucket/datasets/x/val/"}})
+    assert [p.split(":")[0] for p in data_dir_problems(config)] == ["data.train_dir"]
+
+
+def test_the_shuffle_window_is_part_of_the_optimisation_only_when_it_changes_the_order() -> None:
+    from training.config import build_config
+
+    default = build_config({})
+    assert (
+        default.optimisation_hash()
+        == build_config({"data": {"shuffle_window_shards": 4}}).optimisation_hash()
+    )
+    assert (
+        default.optimisation_hash()
+        != build_config({"data": {"shuffle_window_shards": 8}}).optimisation_hash()
+    )

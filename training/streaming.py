@@ -1,0 +1,346 @@
+"""A split read from shards (`trainstack data push DIR --format shards`) instead of a synced ImageFolder:
+training starts once the first shards are local, not once the whole dataset is.
+
+Why plain tar shards read by offset, not a streaming library: the trainer's exact resume rests on a
+map-style dataset keyed by (epoch, sample index) and on ResumableBatchSampler, whose position (epoch, step)
+is in every checkpoint. webdataset and s3torchconnector's tar reader are iterable datasets (no random
+access: a resume replays or skips the stream, and worker sharding changes the order with the worker count);
+litdata brings its own loader, sampler and checkpointable state, which would replace (and re-verify) ours.
+So the sampler keeps its design with a shard-aware order (shards shuffled, then samples within a window of
+shards, from seed + epoch), and this module fetches each shard whole with boto3's transfer manager (the
+parallel ranged GETs s5cmd and s3torchconnector also use) into a bounded local cache, reading ahead of the
+sampler. The shards stay in webdataset's layout, so those libraries can read them for jobs of your own.
+
+The cache is content-addressed (the shard's sha256 is its file name): a later life on the same disk, or a
+new dataset version sharing shards, reuses what is there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import io
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from PIL import Image
+
+from training.dataset_layout import BadDataError
+from trainstack_job.shards import INDEX_NAME, SampleEntry, ShardError, ShardIndex, read_sample
+
+log = logging.getLogger("training")
+
+# Where shards are cached when data.cache_dir is empty: the agent exports the instance's scratch (NVMe).
+CACHE_ENV = "TRAINSTACK_DATA_CACHE"
+# How long a shard download keeps retrying through S3 errors (an outage) before the life fails (retried).
+OUTAGE_SECONDS = 600.0
+# Open shard files kept per process: enough for a shuffle window and the eval split.
+_OPEN_SHARDS = 16
+_HASH_CHUNK = 1024 * 1024
+# Left free on the cache's disk whatever data.cache_gb says: checkpoints and logs share it.
+FREE_DISK_BYTES = 2 * 10**9
+_FIX = "push the dataset again with `trainstack data push DIR --format shards`"
+
+
+def index_location(root: str) -> str | None:
+    """The shard index `root` names (an index file, or a folder or S3 prefix holding one), else None."""
+    if root.startswith("s3://"):
+        return root if root.endswith(".json") else root.rstrip("/") + "/" + INDEX_NAME
+    path = Path(root)
+    if path.is_file() and path.name.endswith(".json"):
+        return str(path)
+    if (path / INDEX_NAME).is_file():
+        return str(path / INDEX_NAME)
+    return None
+
+
+def _split_s3(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    return bucket, key
+
+
+def _s3_client() -> Any:
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    # Adaptive retries ride out throttling; the loop in _download rides out longer outages.
+    return boto3.client("s3", config=BotoConfig(retries={"max_attempts": 5, "mode": "adaptive"}))
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """data.cache_dir / data.cache_gb / data.read_ahead_shards / data.shuffle_window_shards."""
+
+    cache_dir: str = ""
+    max_bytes: int = 50 * 10**9
+    read_ahead: int = 2
+    window: int = 4
+
+    def directory(self, placed: str = "") -> Path:
+        """data.cache_dir, else the folder the agent named in the index (`placed`), else the environment's."""
+        chosen = (
+            self.cache_dir
+            or placed
+            or os.environ.get(CACHE_ENV)
+            or str(Path(tempfile.gettempdir()) / "trainstack-shards")
+        )
+        return Path(chosen)
+
+
+class ShardCache:
+    """The local copies of one split's shards: fetched on demand (or ahead), verified, bounded in size."""
+
+    def __init__(self, index_uri: str, index: ShardIndex, settings: CacheSettings) -> None:
+        # The agent's copy of an index names where the shards are; an index read where it was pushed has
+        # them beside it.
+        self.base = (index.source or index_uri.rsplit("/", 1)[0]).rstrip("/")
+        self.remote = self.base.startswith("s3://")
+        self.index = index
+        self.settings = settings
+        self._client: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to loader workers: each makes its own client (boto3 clients do not cross processes).
+        return {**self.__dict__, "_client": None}
+
+    def uri(self, shard: int) -> str:
+        return f"{self.base}/{self.index.shards[shard].key}"
+
+    def path(self, shard: int) -> Path:
+        """The local file of shard number `shard`, fetched first when it is not there yet."""
+        if not self.remote:
+            return Path(self.uri(shard))
+        info = self.index.shards[shard]
+        directory = self.settings.directory(self.index.cache_dir)
+        target = directory / f"{info.sha256}.tar"
+        if target.exists():
+            os.utime(target)  # recently used: evicted last
+            return target
+        directory.mkdir(parents=True, exist_ok=True)
+        # One download per shard across the read-ahead thread and every loader worker of every rank.
+        with (directory / f"{info.sha256}.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not target.exists():
+                self._download(shard, target)
+                self._evict(keep=target)
+        return target
+
+    def _download(self, shard: int, target: Path) -> None:
+        from boto3.s3.transfer import TransferConfig
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        info = self.index.shards[shard]
+        uri = self.uri(shard)
+        bucket, key = _split_s3(uri)
+        partial = target.with_suffix(".part")
+        deadline = time.monotonic() + OUTAGE_SECONDS
+        pause = 1.0
+        started = time.monotonic()
+        while True:
+            if self._client is None:
+                self._client = _s3_client()
+            try:
+                self._client.download_file(
+                    bucket,
+                    key,
+                    str(partial),
+                    Config=TransferConfig(max_concurrency=8, multipart_chunksize=2**25),
+                )
+                break
+            except ClientError as error:
+                code = str(error.response.get("Error", {}).get("Code", ""))
+                if code in {"404", "NoSuchKey", "NotFound"}:
+                    raise BadDataError(f"shard {uri} is missing from S3; {_FIX}") from None
+                if code in {"403", "AccessDenied"} or time.monotonic() > deadline:
+                    raise
+                problem: Exception = error
+            except BotoCoreError as error:
+                if time.monotonic() > deadline:
+                    raise
+                problem = error
+            log.warning("shard %s: %s; retrying in %.0fs (S3 unreachable?)", uri, problem, pause)
+            time.sleep(pause)
+            pause = min(pause * 2, 30.0)
+        size = partial.stat().st_size
+        if size != info.size or _sha256(partial) != info.sha256:
+            partial.unlink(missing_ok=True)
+            raise BadDataError(
+                f"shard {uri} is corrupt (its {size} bytes do not match the index's size {info.size} and "
+                f"sha256); {_FIX}"
+            )
+        partial.rename(target)
+        log.debug("shard %s: %d bytes in %.2fs", uri, size, time.monotonic() - started)
+
+    def _evict(self, keep: Path) -> None:
+        """Delete the least recently used shards past the size bound, or past what the disk can hold
+        keeping FREE_DISK_BYTES free (data.cache_gb may be larger than a small root volume). A reader
+        holding an evicted shard open keeps reading it: the file goes when it closes it."""
+        entries = []
+        for path in keep.parent.glob("*.tar"):
+            try:
+                entries.append((path.stat().st_mtime, path.stat().st_size, path))
+            except FileNotFoundError:
+                continue  # another process evicted it
+        total = sum(size for _, size, _ in entries)
+        fits = total + shutil.disk_usage(keep.parent).free - FREE_DISK_BYTES
+        limit = min(self.settings.max_bytes, fits)
+        for _, size, path in sorted(entries):
+            if total <= limit:
+                break
+            if path != keep:
+                path.unlink(missing_ok=True)
+                total -= size
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for chunk in iter(lambda: stream.read(_HASH_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_index(uri: str) -> ShardIndex:
+    """A split's index from S3 or the local disk; one line naming it when it cannot be read."""
+    try:
+        if uri.startswith("s3://"):
+            bucket, key = _split_s3(uri)
+            body = _s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        else:
+            body = Path(uri).read_bytes()
+        return ShardIndex.from_json(body, uri)
+    except ShardError as error:
+        raise BadDataError(str(error)) from None
+    except Exception as error:  # botocore's and the OS's errors alike: one line, the fix
+        raise BadDataError(
+            f"shard index {uri}: cannot be read ({type(error).__name__}: {error}); {_FIX}"
+        ) from None
+
+
+class ShardFolder:
+    """One split's samples from its shards, with what SeededImageFolder and EvalDataset use of an
+    ImageFolder: `classes`, `samples` [(name, label)] and `loader(name)`. A sample's name says where it is:
+    `s3://bucket/data/train/shard-000003.tar:cat/1.jpg`, so a bad image is named and skipped as before."""
+
+    def __init__(self, index_uri: str, settings: CacheSettings | None = None) -> None:
+        self.index_uri = index_uri
+        self.index = load_index(index_uri)
+        self.cache = ShardCache(index_uri, self.index, settings or CacheSettings())
+        self.classes = list(self.index.classes)
+        self.samples: list[tuple[str, int]] = []
+        self._entries: dict[str, SampleEntry] = {}
+        for entry in self.index.samples:
+            name = f"{self.cache.uri(entry.shard)}:{entry.name}"
+            self.samples.append((name, entry.label))
+            self._entries[name] = entry
+        self._open: dict[int, IO[bytes]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_open": {}}
+
+    def configure(self, settings: CacheSettings) -> None:
+        self.cache.settings = settings
+
+    def shard_sizes(self) -> list[int]:
+        return self.index.shard_sizes()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _stream(self, shard: int) -> IO[bytes]:
+        stream = self._open.get(shard)
+        if stream is None:
+            if len(self._open) >= _OPEN_SHARDS:
+                oldest = next(iter(self._open))
+                self._open.pop(oldest).close()
+            stream = self.cache.path(shard).open("rb")
+            self._open[shard] = stream
+        return stream
+
+    def loader(self, name: str) -> Image.Image:
+        entry = self._entries[name]
+        try:
+            data = read_sample(self._stream(entry.shard), entry)
+        except ShardError:
+            uri = self.cache.uri(entry.shard)
+            problem = f"shard {uri} ends before sample {entry.name}: it is truncated; {_FIX}"
+            raise BadDataError(problem) from None
+        if not data:
+            raise ValueError("empty file (0 bytes)")
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+
+    @staticmethod
+    def decode_problem(_name: str, error: Exception) -> str | None:
+        """Why a sample is not a usable image, or None when the error is not the sample's fault (a disk
+        error while reading its shard: the life fails and is retried)."""
+        if isinstance(error, OSError) and error.errno is not None:
+            return None
+        return f"{type(error).__name__}: {error}".replace("\n", " ")
+
+
+class ReadAhead:
+    """Fetches the shards the sampler will need next, in the order it will need them, while the loader
+    reads the current ones: `plan` with this epoch's shard of each upcoming sample, `advance` as samples
+    are handed out. One daemon thread per loader; it stays `read_ahead` shards ahead, no more (the cache
+    is bounded)."""
+
+    def __init__(self, fetch: Callable[[int], object], read_ahead: int) -> None:
+        self._fetch = fetch
+        self._read_ahead = read_ahead
+        self._lock = threading.Condition()
+        self._sequence: list[int] = []  # distinct shards in order of first use
+        self._first_use: list[int] = []  # the sample position of each one's first use
+        self._position = 0
+        self._generation = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="shard-read-ahead", daemon=True)
+        self._thread.start()
+
+    def plan(self, shards: list[int]) -> None:
+        sequence: list[int] = []
+        first_use: list[int] = []
+        seen: set[int] = set()
+        for position, shard in enumerate(shards):
+            if shard not in seen:
+                seen.add(shard)
+                sequence.append(shard)
+                first_use.append(position)
+        with self._lock:
+            self._sequence, self._first_use, self._position = sequence, first_use, 0
+            self._generation += 1
+            self._lock.notify_all()
+
+    def advance(self, position: int) -> None:
+        with self._lock:
+            self._position = position
+            self._lock.notify_all()
+
+    def _wanted(self) -> list[int]:
+        # The shards in use at the current position plus the next `read_ahead` ones.
+        current = sum(1 for use in self._first_use if use <= self._position)
+        return self._sequence[: current + self._read_ahead]
+
+    def _run(self) -> None:
+        done: set[tuple[int, int]] = set()
+        while True:
+            with self._lock:
+                todo = [s for s in self._wanted() if (self._generation, s) not in done]
+                while not todo:
+                    self._lock.wait()
+                    todo = [s for s in self._wanted() if (self._generation, s) not in done]
+                generation = self._generation
+            try:
+                self._fetch(todo[0])
+            except Exception as error:  # the worker that needs the shard fetches it again and reports it
+                log.warning("read-ahead of shard %d failed: %s", todo[0], error)
+                self.error = error
+            done.add((generation, todo[0]))
