@@ -154,9 +154,11 @@ def life_hours(life: Life) -> float | None:
     try:
         start = datetime.fromisoformat(life.started_at.replace("Z", "+00:00"))
         end = datetime.fromisoformat(life.ended_at.replace("Z", "+00:00"))
-    except ValueError:
+        seconds = (end - start).total_seconds()
+    # TypeError: one time with an offset and one without; raised, it stopped every later merge of the job.
+    except (TypeError, ValueError):
         return None
-    return max(0.0, (end - start).total_seconds() / 3600)
+    return max(0.0, seconds / 3600)
 
 
 @dataclass
