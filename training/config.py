@@ -110,8 +110,9 @@ class TrackingConfig:
     """An experiment tracker (training/tracker.py): one run per job, resumed by every life. Off by default."""
 
     backend: Literal["none", "tensorboard", "mlflow", "wandb"] = "none"
-    # TensorBoard: the log folder or s3:// prefix (default <output.dir>/tensorboard); MLflow: the tracking
-    # URI (default MLFLOW_TRACKING_URI). W&B takes its server from its own WANDB_* variables.
+    # TensorBoard: the log folder or s3:// prefix (default: the job's results in S3 under the agent, else
+    # <output.dir>/tensorboard); MLflow: the tracking URI (default MLFLOW_TRACKING_URI). W&B takes its server
+    # from its own WANDB_* variables.
     uri: str = ""
     # The MLflow experiment or the W&B project.
     project: str = "trainstack"

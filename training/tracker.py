@@ -207,13 +207,26 @@ class MlflowTracker(_SkipLogged):
     every life; `tracking.uri` or MLFLOW_TRACKING_URI says where the server is, and its credentials come
     from the environment (MLFLOW_TRACKING_TOKEN, or _USERNAME/_PASSWORD, through the job's `secrets:`)."""
 
-    # What the trainer logs, read back on resume to find the run's last logged step.
-    KEYS = ("train/loss", "eval/accuracy")
+    # What the trainer logs, read back on resume: per metric, its last step in the run. Per metric, not per
+    # step: a life killed during an epoch's evaluation logged that step's train/* but not its eval/*, which
+    # the replay logs.
+    KEYS = (
+        "train/loss",
+        "train/samples_per_s",
+        "train/data_wait_fraction",
+        "train/lr",
+        "epoch/train_loss",
+        "epoch/train_accuracy",
+        "eval/loss",
+        "eval/accuracy",
+    )
 
     def __init__(
         self, tracking: TrackingConfig, run: str, restored_step: int, params: Mapping[str, Any]
     ) -> None:
         mlflow = _require("mlflow")
+        # Per metric, its last step already in the run (none in a new run).
+        self._logged: dict[str, int] = {}
         self._entities = importlib.import_module("mlflow.entities")
         uri = tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or None
         self._client = mlflow.MlflowClient(tracking_uri=uri)
@@ -227,10 +240,11 @@ class MlflowTracker(_SkipLogged):
         if found:
             self.run_id = found[0].info.run_id
             self._client.update_run(self.run_id, status="RUNNING")
-            self.last_logged = max(
-                [m.step for key in self.KEYS for m in self._client.get_metric_history(self.run_id, key)],
-                default=0,
-            )
+            self._logged = {
+                key: max((m.step for m in self._client.get_metric_history(self.run_id, key)), default=0)
+                for key in self.KEYS
+            }
+            self.last_logged = max(self._logged.values())
         else:
             created = self._client.create_run(experiment_id, tags={RUN_ID_TAG: run}, run_name=run)
             self.run_id = created.info.run_id
@@ -246,11 +260,14 @@ class MlflowTracker(_SkipLogged):
             )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        if not self._new(step):
-            return
         now = int(time.time() * 1000)
-        batch = [self._entities.Metric(key, float(value), now, step) for key, value in metrics.items()]
-        self._client.log_batch(self.run_id, metrics=batch)  # synchronous: nothing to flush
+        batch = [
+            self._entities.Metric(key, float(value), now, step)
+            for key, value in metrics.items()
+            if step > self._logged.get(key, 0)
+        ]
+        if batch:
+            self._client.log_batch(self.run_id, metrics=batch)  # synchronous: nothing to flush
 
     def flush(self) -> None:
         pass

@@ -5,6 +5,8 @@ trainer without tracking imports none of the trackers."""
 
 from __future__ import annotations
 
+import logging
+import re
 import signal
 import subprocess
 import sys
@@ -29,9 +31,11 @@ from training.tracker import (
     epoch_metrics,
     flat_params,
     open_tracker,
+    progress_metrics,
     run_id,
 )
 from trainstack_job.contract import ExitCode, JobEnv
+from trainstack_job.records import Progress
 
 JOB_ID = "resnet-1a2b3c4d"
 
@@ -215,35 +219,141 @@ def test_the_tracking_section_is_checked_like_any_other_and_does_not_change_the_
     assert tracked.optimisation_hash() == build_config({}).optimisation_hash()
 
 
+def test_the_run_id_by_hand_is_local_and_twelve_hex_digits_as_the_docs_say(tmp_path: Path) -> None:
+    assert re.fullmatch(r"local-[0-9a-f]{12}", run_id({}, str(tmp_path / "checkpoints")))
+    assert run_id({JobEnv.JOB_ID.value: "  "}, str(tmp_path)).startswith("local-"), "a blank job id is none"
+
+
+def test_each_progress_line_becomes_the_train_charts_the_docs_name() -> None:
+    report = Progress(step=4, loss=0.5, samples_per_s=812.5, data_wait_fraction=0.125).to_json()
+    assert progress_metrics(0.5, report, 0.01) == {
+        "train/loss": 0.5,
+        "train/samples_per_s": 812.5,
+        "train/data_wait_fraction": 0.125,
+        "train/lr": 0.01,
+    }
+
+
+def test_tracking_none_opens_no_tracker_on_any_rank(tmp_path: Path) -> None:
+    for is_main in (True, False):
+        tracker = open_tracker(
+            TrackingConfig(backend="none"), run=JOB_ID, restored_step=3, output_dir=tmp_path, is_main=is_main
+        )
+        assert tracker is NO_TRACKER
+        tracker.log(4, {"train/loss": 1.0})
+        tracker.flush()
+        tracker.close(ExitCode.COMPLETED)
+    assert list(tmp_path.iterdir()) == []
+
+
+def scalars(log_dir: Path | str, tag: str) -> list[tuple[int, float]]:
+    """The (step, value) points of `tag` as TensorBoard shows them, replays purged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars(tag)]
+
+
+def tracking_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("tracking:")]
+
+
+def test_by_hand_a_tensorboard_run_is_in_the_output_folder_and_a_resumed_life_replaces_what_it_replays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No tracking.uri and no agent: `<output.dir>/tensorboard/<run>`. Life 1 logs 1-5 and dies with
+    checkpoint 3; life 2 trains 4-8 again (other numbers here, to tell them apart): the run shows life 2's."""
+    pytest.importorskip("torch.utils.tensorboard")
+    monkeypatch.delenv(JobEnv.RESULTS_URI.value, raising=False)
+    output = tmp_path / "output"
+    tracking = TrackingConfig(backend="tensorboard")
+    with caplog.at_level(logging.INFO, logger="training"):
+        for restored, last, scale in ((0, 5, 1.0), (3, 8, 2.0)):
+            life = open_tracker(tracking, run=JOB_ID, restored_step=restored, output_dir=output, is_main=True)
+            for step in range(restored + 1, last + 1):
+                life.log(step, {"train/loss": scale * step})
+            life.flush()
+            life.close(ExitCode.COMPLETED)
+    assert tracking_lines(caplog) == [
+        f"tracking: tensorboard run {JOB_ID}, from step 1",
+        f"tracking: tensorboard run {JOB_ID}, resumed after step 3",
+    ]
+    assert [p.name for p in output.iterdir()] == ["tensorboard"]
+    assert scalars(output / "tensorboard" / JOB_ID, "train/loss") == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        *((step, 2.0 * step) for step in range(4, 9)),
+    ]
+
+
+def test_a_tensorboard_run_is_in_the_folder_tracking_uri_names_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the folder's name, with or without its trailing slash; an absolute folder stays absolute."""
+    pytest.importorskip("torch.utils.tensorboard")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    folder = tmp_path / "Team-Runs" / "EXP-X"
+    life = open_tracker(
+        TrackingConfig(backend="tensorboard", uri=f"{folder}/"),
+        run=JOB_ID,
+        restored_step=0,
+        output_dir=tmp_path / "output",
+        is_main=True,
+    )
+    for step in (1, 2, 3):
+        life.log(step, {"train/loss": 1.0})
+    life.close(ExitCode.COMPLETED)
+    assert [p.name for p in folder.iterdir()] == [JOB_ID]
+    assert [step for step, _ in scalars(folder / JOB_ID, "train/loss")] == [1, 2, 3]
+    assert list(elsewhere.iterdir()) == [] and not (tmp_path / "output").exists()
+
+
 # -- MLflow and W&B against in-memory fakes of their clients: the resume logic, not the services ----------
 
 
 class FakeMlflowClient:
-    """MlflowClient's calls the tracker makes, over one dict of runs (what a tracking server keeps)."""
+    """MlflowClient's calls the tracker makes, over what a tracking server keeps: its experiments by name and
+    its runs; and the tracking URI each client was opened with."""
 
+    experiments: ClassVar[dict[str, str]] = {}
     runs: ClassVar[dict[str, dict[str, Any]]] = {}
+    uris: ClassVar[list[str | None]] = []
+    # What set_terminated raises (the server gone away), or None.
+    terminate_error: ClassVar[Exception | None] = None
 
     def __init__(self, tracking_uri: str | None = None) -> None:
-        self.tracking_uri = tracking_uri
+        self.uris.append(tracking_uri)
 
     def get_experiment_by_name(self, name: str) -> Any:
-        return types.SimpleNamespace(experiment_id="1") if name == "exp" else None
+        found = self.experiments.get(name)
+        return types.SimpleNamespace(experiment_id=found) if found else None
 
     def create_experiment(self, name: str) -> str:
-        raise AssertionError("the experiment exists")
+        assert name not in self.experiments, "MLflow refuses a second experiment of the same name"
+        self.experiments[name] = str(len(self.experiments) + 1)
+        return self.experiments[name]
 
-    def search_runs(self, experiments: list[str], filter_string: str, max_results: int) -> list[Any]:
+    def search_runs(self, experiment_ids: list[str], filter_string: str, max_results: int) -> list[Any]:
+        # MLflow's file and SQL stores compare max_results with their limit: None is a TypeError there.
+        if not isinstance(max_results, int) or max_results < 1:
+            raise TypeError(f"max_results must be a positive int, not {max_results!r}")
         assert filter_string.startswith("tags.`trainstack.run_id` = ")
         wanted = filter_string.split("= ")[1].strip("'")
+        searched = set(experiment_ids)
         return [
             types.SimpleNamespace(info=types.SimpleNamespace(run_id=key))
             for key, run in self.runs.items()
-            if run["tags"].get("trainstack.run_id") == wanted
+            if run["experiment_id"] in searched and run["tags"].get("trainstack.run_id") == wanted
         ][:max_results]
 
     def create_run(self, experiment_id: str, tags: Mapping[str, str], run_name: str) -> Any:
         key = f"mlflow-{len(self.runs)}"
         self.runs[key] = {
+            "experiment_id": experiment_id,
             "tags": dict(tags),
             "name": run_name,
             "metrics": [],
@@ -256,6 +366,8 @@ class FakeMlflowClient:
         self.runs[run_id]["status"] = status
 
     def set_terminated(self, run_id: str, status: str) -> None:
+        if self.terminate_error is not None:
+            raise self.terminate_error
         self.runs[run_id]["status"] = status
 
     def get_metric_history(self, run_id: str, key: str) -> list[Any]:
@@ -280,9 +392,16 @@ def fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attributes: Any) -
 
 @pytest.fixture()
 def fake_mlflow(monkeypatch: pytest.MonkeyPatch) -> type[FakeMlflowClient]:
-    FakeMlflowClient.runs = {}
+    """A tracking server with experiment "exp" and no run; MLFLOW_TRACKING_URI unset."""
+    monkeypatch.setattr(FakeMlflowClient, "experiments", {"exp": "1"})
+    monkeypatch.setattr(FakeMlflowClient, "runs", {})
+    monkeypatch.setattr(FakeMlflowClient, "uris", [])
+    monkeypatch.setattr(FakeMlflowClient, "terminate_error", None)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     fake_module(monkeypatch, "mlflow", MlflowClient=FakeMlflowClient)
-    metric = lambda key, value, timestamp, step: types.SimpleNamespace(key=key, value=value, step=step)  # noqa: E731
+    metric = lambda key, value, timestamp, step: types.SimpleNamespace(  # noqa: E731
+        key=key, value=value, timestamp=timestamp, step=step
+    )
     param = lambda key, value: types.SimpleNamespace(key=key, value=value)  # noqa: E731
     monkeypatch.setitem(sys.modules, "mlflow.entities", types.SimpleNamespace(Metric=metric, Param=param))
     return FakeMlflowClient
@@ -299,17 +418,23 @@ def mlflow_life(restored: int, steps: range, exit_code: int) -> MlflowTracker:
 
 
 def test_an_mlflow_run_is_found_again_by_the_job_id_and_the_replayed_steps_are_not_logged_twice(
-    fake_mlflow: type[FakeMlflowClient],
+    fake_mlflow: type[FakeMlflowClient], caplog: pytest.LogCaptureFixture
 ) -> None:
     first = mlflow_life(0, range(1, 6), ExitCode.STOPPED)
     (run,) = fake_mlflow.runs.values()
     assert run["name"] == JOB_ID and run["params"] == {"train.lr": "0.1"} and run["status"] == "SCHEDULED"
+    assert run["experiment_id"] == fake_mlflow.experiments["exp"]
     # Life 2 resumes at 5, logs 6-9 and dies (a kill: no close) with only checkpoint 6 committed.
     second = MlflowTracker(TrackingConfig(backend="mlflow", project="exp"), JOB_ID, 5, {})
     assert second.run_id == first.run_id and run["status"] == "RUNNING"
     for step in range(6, 10):
         second.log(step, {"train/loss": 1.0 / step})
-    third = mlflow_life(6, range(7, 17), ExitCode.COMPLETED)
+    with caplog.at_level(logging.INFO, logger="training"):
+        third = mlflow_life(6, range(7, 17), ExitCode.COMPLETED)
+    assert tracking_lines(caplog) == [
+        "tracking: steps 7-9 are in the run already (logged by the life that wrote them); "
+        "logging from step 10"
+    ]
     assert third.run_id == first.run_id and len(fake_mlflow.runs) == 1
     assert [m.step for m in run["metrics"]] == list(range(1, 17))
     assert run["status"] == "FINISHED"
@@ -320,37 +445,149 @@ def test_an_mlflow_life_that_fails_marks_the_run_failed(fake_mlflow: type[FakeMl
     assert [run["status"] for run in fake_mlflow.runs.values()] == ["FAILED"]
 
 
-class FakeWandbRun:
-    def __init__(self, steps: list[int], **init: Any) -> None:
-        self.init = init
-        self.logged = steps
-        self.resumed = bool(steps)
-        self.step = steps[-1] + 1 if steps else 0
-        self.ended: list[str] = []
+def test_mlflow_points_carry_their_value_and_the_wall_clock_time_in_milliseconds(
+    fake_mlflow: type[FakeMlflowClient],
+) -> None:
+    before = int(time.time() * 1000)
+    mlflow_life(0, range(1, 4), ExitCode.COMPLETED)
+    after = int(time.time() * 1000) + 1
+    (run,) = fake_mlflow.runs.values()
+    assert [(m.key, m.step, m.value) for m in run["metrics"]] == [
+        ("train/loss", step, 1.0 / step) for step in (1, 2, 3)
+    ]
+    assert all(before <= m.timestamp <= after for m in run["metrics"]), [m.timestamp for m in run["metrics"]]
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
+
+def test_an_mlflow_run_goes_to_tracking_uri_else_mlflow_tracking_uri_else_mlflows_default(
+    fake_mlflow: type[FakeMlflowClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tracking = TrackingConfig(backend="mlflow", project="exp")
+    MlflowTracker(tracking, JOB_ID, 0, {})
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5001")
+    MlflowTracker(tracking, JOB_ID, 0, {})
+    MlflowTracker(TrackingConfig(backend="mlflow", project="exp", uri="http://127.0.0.1:5000"), JOB_ID, 0, {})
+    assert fake_mlflow.uris == [None, "http://127.0.0.1:5001", "http://127.0.0.1:5000"]
+
+
+def test_an_mlflow_run_of_a_new_project_creates_its_experiment_and_is_found_there_again(
+    fake_mlflow: type[FakeMlflowClient],
+) -> None:
+    tracking = TrackingConfig(backend="mlflow", project="cifar-sweeps")
+    first = MlflowTracker(tracking, JOB_ID, 0, {})
+    assert set(fake_mlflow.experiments) == {"exp", "cifar-sweeps"}
+    second = MlflowTracker(tracking, JOB_ID, 0, {})
+    (run,) = fake_mlflow.runs.values()
+    assert second.run_id == first.run_id
+    assert run["experiment_id"] == fake_mlflow.experiments["cifar-sweeps"]
+    assert run["tags"] == {"trainstack.run_id": JOB_ID}
+    # The same job id in the other experiment is another run.
+    other = MlflowTracker(TrackingConfig(backend="mlflow", project="exp"), JOB_ID, 0, {})
+    assert other.run_id != first.run_id and len(fake_mlflow.runs) == 2
+
+
+def test_an_mlflow_run_a_life_died_in_before_its_first_step_is_logged_from_step_1(
+    fake_mlflow: type[FakeMlflowClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Life 1 created the run and was killed before step 1: life 2 (restored step 0) skips nothing, and a
+    life resumed exactly at the run's last step says nothing about skipping."""
+    MlflowTracker(TrackingConfig(backend="mlflow", project="exp"), JOB_ID, 0, {})
+    with caplog.at_level(logging.INFO, logger="training"):
+        mlflow_life(0, range(1, 4), ExitCode.STOPPED)
+        mlflow_life(3, range(4, 6), ExitCode.COMPLETED)
+    (run,) = fake_mlflow.runs.values()
+    assert [m.step for m in run["metrics"]] == [1, 2, 3, 4, 5]
+    assert not [line for line in tracking_lines(caplog) if "already" in line]
+
+
+def test_a_failed_status_update_leaves_the_lifes_outcome_and_says_which_run(
+    fake_mlflow: type[FakeMlflowClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_mlflow.terminate_error = ConnectionError("connection refused")
+    with caplog.at_level(logging.WARNING, logger="training"):
+        tracker = mlflow_life(0, range(1, 3), ExitCode.FAILED)
+    assert tracking_lines(caplog) == [
+        f"tracking: could not mark MLflow run {tracker.run_id} FAILED: connection refused"
+    ]
+
+
+def test_open_tracker_opens_the_mlflow_run_with_the_configs_params_once(
+    fake_mlflow: type[FakeMlflowClient], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tracking = TrackingConfig(backend="mlflow", project="exp")
+    params = {"train": {"lr": 0.1, "epochs": 2}}
+    with caplog.at_level(logging.INFO, logger="training"):
+        first = open_tracker(
+            tracking, run=JOB_ID, restored_step=0, output_dir=tmp_path, is_main=True, params=params
+        )
+        first.log(1, {"train/loss": 1.0})
+        first.close(ExitCode.STOPPED)
+        second = open_tracker(tracking, run=JOB_ID, restored_step=1, output_dir=tmp_path, is_main=True)
+        second.log(1, {"train/loss": 5.0})  # already in the run
+        second.log(2, {"train/loss": 0.5})
+        second.close(ExitCode.COMPLETED)
+    (run,) = fake_mlflow.runs.values()
+    assert run["name"] == JOB_ID and run["tags"] == {"trainstack.run_id": JOB_ID}
+    assert run["params"] == {"train.lr": "0.1", "train.epochs": "2"}
+    assert [(m.step, m.value) for m in run["metrics"]] == [(1, 1.0), (2, 0.5)]
+    assert run["status"] == "FINISHED"
+    assert tracking_lines(caplog) == [
+        f"tracking: mlflow run {JOB_ID}, from step 1",
+        f"tracking: mlflow run {JOB_ID}, resumed after step 1",
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+class FakeWandbRun:
+    """A wandb Run: `step` is the next step it takes, lower ones it drops."""
+
+    def __init__(self, history: list[tuple[int, dict[str, float]]], resumed: bool, **init: Any) -> None:
+        self.init = init
+        self.id = init["id"]
+        self.history = history
+        self.resumed = resumed
+        self.step = history[-1][0] + 1 if history else 0
+        self.ended: list[str] = []
+        self.finish_error: Exception | None = None
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
         assert step >= self.step, "W&B drops a step lower than the run's"
-        self.logged.append(step)
+        self.history.append((step, dict(metrics)))
         self.step = step + 1
 
     def mark_preempting(self) -> None:
         self.ended.append("preempting")
 
     def finish(self, exit_code: int) -> None:
+        if self.finish_error is not None:
+            raise self.finish_error
         self.ended.append(f"finish {exit_code}")
 
 
-def test_a_wandb_run_resumes_by_the_job_id_and_skips_the_steps_it_has(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    stored: list[int] = []
-    runs: list[FakeWandbRun] = []
+class FakeWandb:
+    """wandb.init over what W&B keeps: each run's logged steps and metrics, by run id."""
 
-    def init(**kwargs: Any) -> FakeWandbRun:
-        runs.append(FakeWandbRun(stored, **kwargs))
-        return runs[-1]
+    def __init__(self) -> None:
+        self.runs: dict[str, list[tuple[int, dict[str, float]]]] = {}
+        self.lives: list[FakeWandbRun] = []
 
-    fake_module(monkeypatch, "wandb", init=init)
+    def init(self, **kwargs: Any) -> FakeWandbRun:
+        assert kwargs["resume"] == "allow"
+        resumed = kwargs["id"] in self.runs
+        self.lives.append(FakeWandbRun(self.runs.setdefault(kwargs["id"], []), resumed, **kwargs))
+        return self.lives[-1]
+
+    def steps(self, run: str) -> list[int]:
+        return [step for step, _ in self.runs[run]]
+
+
+@pytest.fixture()
+def fake_wandb(monkeypatch: pytest.MonkeyPatch) -> FakeWandb:
+    wandb = FakeWandb()
+    fake_module(monkeypatch, "wandb", init=wandb.init)
+    return wandb
+
+
+def test_a_wandb_run_resumes_by_the_job_id_and_skips_the_steps_it_has(fake_wandb: FakeWandb) -> None:
     tracking = TrackingConfig(backend="wandb", project="p", entity="team")
     first = WandbTracker(tracking, JOB_ID, 0, {})
     for step in range(1, 6):
@@ -363,11 +600,62 @@ def test_a_wandb_run_resumes_by_the_job_id_and_skips_the_steps_it_has(
     for step in range(7, 17):
         third.log(step, {"train/loss": 1.0})
     third.close(ExitCode.COMPLETED)
-    assert stored == list(range(1, 17))
-    assert {(r.init["id"], r.init["resume"], r.init["project"], r.init["entity"]) for r in runs} == {
-        (JOB_ID, "allow", "p", "team")
-    }
+    assert fake_wandb.steps(JOB_ID) == list(range(1, 17))
+    assert {
+        (r.init["id"], r.init["resume"], r.init["project"], r.init["entity"]) for r in fake_wandb.lives
+    } == {(JOB_ID, "allow", "p", "team")}
+    runs = fake_wandb.lives
     assert runs[0].ended == ["preempting", "finish 0"] and runs[2].ended == ["finish 0"]
+
+
+def test_open_tracker_opens_the_wandb_run_named_after_the_job_with_the_config_and_its_metrics(
+    fake_wandb: FakeWandb, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tracking = TrackingConfig(backend="wandb", project="p")
+    params = {"train": {"lr": 0.1}}
+    with caplog.at_level(logging.INFO, logger="training"):
+        first = open_tracker(
+            tracking, run=JOB_ID, restored_step=0, output_dir=tmp_path, is_main=True, params=params
+        )
+        first.log(1, {"train/loss": 0.5, "train/lr": 0.1})
+        first.close(ExitCode.STOPPED)
+        second = open_tracker(tracking, run=JOB_ID, restored_step=1, output_dir=tmp_path, is_main=True)
+        second.log(2, {"train/loss": 0.25})
+        second.close(ExitCode.COMPLETED)
+    assert fake_wandb.runs == {JOB_ID: [(1, {"train/loss": 0.5, "train/lr": 0.1}), (2, {"train/loss": 0.25})]}
+    first_init, second_init = (life.init for life in fake_wandb.lives)
+    assert first_init["name"] == JOB_ID and first_init["config"] == params
+    assert first_init["entity"] is None, "empty: the API key's default entity"
+    assert second_init["config"] == {}
+    assert tracking_lines(caplog) == [
+        f"tracking: wandb run {JOB_ID}, from step 1",
+        f"tracking: wandb run {JOB_ID}, resumed after step 1",
+    ]
+
+
+def test_a_wandb_run_a_life_died_in_before_its_first_step_is_logged_from_step_1(
+    fake_wandb: FakeWandb,
+) -> None:
+    tracking = TrackingConfig(backend="wandb", project="p")
+    WandbTracker(tracking, JOB_ID, 0, {})  # killed before step 1: the run exists, empty
+    second = WandbTracker(tracking, JOB_ID, 0, {})
+    for step in (1, 2):
+        second.log(step, {"train/loss": 1.0})
+    assert fake_wandb.lives[1].resumed and fake_wandb.steps(JOB_ID) == [1, 2]
+
+
+def test_a_failed_wandb_life_finishes_the_run_with_its_exit_code_and_a_finish_error_is_one_warning(
+    fake_wandb: FakeWandb, caplog: pytest.LogCaptureFixture
+) -> None:
+    tracking = TrackingConfig(backend="wandb", project="p")
+    failed = WandbTracker(tracking, JOB_ID, 0, {})
+    failed.close(ExitCode.DATA_ERROR)
+    assert fake_wandb.lives[0].ended == [f"finish {int(ExitCode.DATA_ERROR)}"]
+    unreachable = WandbTracker(tracking, JOB_ID, 0, {})
+    fake_wandb.lives[1].finish_error = ConnectionError("upload stalled")
+    with caplog.at_level(logging.WARNING, logger="training"):
+        unreachable.close(ExitCode.COMPLETED)
+    assert tracking_lines(caplog) == [f"tracking: could not finish W&B run {JOB_ID}: upload stalled"]
 
 
 def test_the_epoch_metrics_and_mlflow_params_are_named_as_the_charts_show_them() -> None:
@@ -414,3 +702,47 @@ def test_under_the_agent_a_tensorboard_run_lives_in_the_jobs_results_in_s3_and_r
     run = EventAccumulator(results + "tensorboard/resnet-1a2b3c4d")
     run.Reload()
     assert [event.step for event in run.Scalars("train/loss")] == list(range(1, 9))
+
+
+def test_a_tensorboard_run_under_an_s3_tracking_uri_has_its_files_right_under_that_prefix(
+    aws: Any, tmp_path: Path
+) -> None:
+    """`s3://bucket/prefix/` and the run folder join with one slash: S3 keys are not paths, and a `//` would
+    be another prefix, which TensorBoard pointed at `s3://bucket/prefix` would not show."""
+    import boto3
+
+    s3 = boto3.client("s3", region_name="us-east-1")
+    s3.create_bucket(Bucket="team-runs")
+    life = open_tracker(
+        TrackingConfig(backend="tensorboard", uri="s3://team-runs/tensorboard/"),
+        run=JOB_ID,
+        restored_step=0,
+        output_dir=tmp_path,
+        is_main=True,
+    )
+    life.log(1, {"train/loss": 1.0})
+    life.close(ExitCode.COMPLETED)
+    keys = [item["Key"] for item in s3.list_objects_v2(Bucket="team-runs").get("Contents", [])]
+    # The life's event file (and the folder's marker object that TensorBoard's makedirs writes), nothing else.
+    assert {key.rsplit("/", 1)[0] for key in keys} == {f"tensorboard/{JOB_ID}"}, keys
+    assert any(key.startswith(f"tensorboard/{JOB_ID}/events.out.tfevents.") for key in keys), keys
+    assert [step for step, _ in scalars(f"s3://team-runs/tensorboard/{JOB_ID}", "train/loss")] == [1]
+
+
+def test_an_mlflow_life_killed_during_an_evaluation_leaves_no_gap_the_replay_logs_its_eval(
+    fake_mlflow: type[FakeMlflowClient],
+) -> None:
+    """Skipped per metric, not per step: a life killed while it evaluated epoch 1 logged step 8's train/*
+    points but not its eval/*; the next life, resumed at checkpoint 6, replays steps 7-8 and its eval/* at
+    step 8 reaches the run once, its train/* points not a second time."""
+    tracking = TrackingConfig(backend="mlflow", project="exp")
+    killed = MlflowTracker(tracking, JOB_ID, 0, {})
+    for step in range(1, 9):
+        killed.log(step, {"train/loss": 1.0 / step})
+    replay = MlflowTracker(tracking, JOB_ID, 6, {})
+    for step in (7, 8):
+        replay.log(step, {"train/loss": 1.0 / step})
+    replay.log(8, {"eval/accuracy": 0.5, "eval/loss": 0.7})
+    (run,) = fake_mlflow.runs.values()
+    assert [m.step for m in run["metrics"] if m.key == "eval/accuracy"] == [8]
+    assert [m.step for m in run["metrics"] if m.key == "train/loss"] == list(range(1, 9))
