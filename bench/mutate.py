@@ -266,6 +266,17 @@ TARGETS: dict[str, Target] = {
             "test_a_phase_added_to_one_lifes_list_runs_with_what_the_earlier_phases_set_up_and_its_end_is_the_lifes",
         ),
     ),
+    # Streamed datasets: the shard cache (bounded, content-addressed, one download per shard per machine,
+    # checked against the index), the read-ahead in the sampler's order, S3 outages waited out, a corrupt or
+    # missing shard named. The loader's position (the shard-aware order) is the trainer target's data.py.
+    "streaming": Target(
+        ("training/streaming.py",),
+        ("tests/training/test_streaming.py", "tests/training/test_data.py"),
+        deselect=(
+            "tests/training/test_data.py::test_training_completes_past_bad_images_and_metrics_lists_them",
+            "tests/training/test_data.py::test_too_many_bad_images_stop_the_job_with_exit_65_naming_them",
+        ),
+    ),
     # One run in the tracker across lives: the run id, the resume step (a dead life's steps replayed once,
     # never twice), the main rank only, the one-line error for a missing package. In-process, with fakes of
     # the MLflow and W&B clients and TensorBoard's own files; the trainer lives are the stories' proof.
