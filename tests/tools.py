@@ -41,6 +41,9 @@ MODULES = {
     "lightning": "pip install -e '.[dev]'",
     "transformers": "pip install -e '.[dev]'",
     "accelerate": "pip install -e '.[dev]'",
+    # tests/training/test_tracker.py: the trainer's runs read back from TensorBoard files and an MLflow store.
+    "tensorboard": "pip install -e '.[dev]'",
+    "mlflow": "pip install -e '.[dev]'",
 }
 _CI_SAYS = f"{CI_ENV}=1: CI installs every tool the suite needs (.ci/run, .github/workflows/test.yml)"
 

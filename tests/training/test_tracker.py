@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import pytest
 
 import training.tracker
+from tests.tools import require_module
 from tests.training.conftest import REPO, STEPS_PER_EPOCH, TOTAL_STEPS, MakeRun
 from tests.training.lives import EXIT_STOPPED, Lives
 from tests.waiting import wait_until
@@ -81,8 +82,7 @@ def test_a_tensorboard_run_across_a_spot_stop_and_a_kill_mid_checkpoint_has_ever
     while it writes the step-9 checkpoint: its steps 6-9 (and step 8's evaluation) are already in its event
     file, flushed before the checkpoint, but only checkpoint 6 is committed. Life 3 resumes at 6 and trains
     7-9 again: the run shows them once (purge_step), with no step missing and one run folder."""
-    pytest.importorskip("tensorboard")
-    pytest.importorskip("torch.utils.tensorboard")
+    require_module("tensorboard", "the trainer's TensorBoard run is read back from its event files")
     store = tmp_path / "tensorboard"
     run = make_run("tracking.backend=tensorboard", f"tracking.uri={store}")
     env = {JobEnv.JOB_ID.value: JOB_ID}
@@ -120,7 +120,7 @@ def test_an_mlflow_run_in_a_file_store_across_a_spot_stop_and_a_kill_mid_checkpo
 ) -> None:
     """The same three lives with MLflow: one run, named and tagged with the job id; the third life finds
     steps 7-9 in the run already and logs from step 10; the run ends FINISHED."""
-    pytest.importorskip("mlflow")
+    require_module("mlflow", "the trainer's MLflow run is read back from a file store")
     store = f"file:{tmp_path / 'mlruns'}"
     run = make_run("tracking.backend=mlflow", f"tracking.uri={store}", "tracking.project=exp")
     # MLflow 3 refuses a file store unless asked (it wants a database); a test needs no server.
@@ -143,8 +143,8 @@ def test_an_mlflow_run_in_a_file_store_across_a_spot_stop_and_a_kill_mid_checkpo
 def test_a_missing_tracker_package_stops_the_trainer_with_one_line_naming_the_key_and_the_install(
     make_run: MakeRun, lives: Lives
 ) -> None:
-    if training.tracker.importlib.util.find_spec("wandb") is not None:
-        pytest.skip("wandb is installed here")
+    # The dev venv has no wandb (only the tracking-wandb extra brings it): the trainer finds it missing.
+    assert training.tracker.importlib.util.find_spec("wandb") is None, "uninstall wandb to run this test"
     code, output = lives.life(make_run("tracking.backend=wandb"), {JobEnv.JOB_ID.value: JOB_ID})
     assert code == ExitCode.CONFIG_ERROR, output
     (line,) = [line for line in output.splitlines() if "tracking.backend" in line]
@@ -264,7 +264,7 @@ def test_by_hand_a_tensorboard_run_is_in_the_output_folder_and_a_resumed_life_re
 ) -> None:
     """No tracking.uri and no agent: `<output.dir>/tensorboard/<run>`. Life 1 logs 1-5 and dies with
     checkpoint 3; life 2 trains 4-8 again (other numbers here, to tell them apart): the run shows life 2's."""
-    pytest.importorskip("torch.utils.tensorboard")
+    require_module("tensorboard", "TensorBoard's event files are what this checks")
     monkeypatch.delenv(JobEnv.RESULTS_URI.value, raising=False)
     output = tmp_path / "output"
     tracking = TrackingConfig(backend="tensorboard")
@@ -292,7 +292,7 @@ def test_a_tensorboard_run_is_in_the_folder_tracking_uri_names_as_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Whatever the folder's name, with or without its trailing slash; an absolute folder stays absolute."""
-    pytest.importorskip("torch.utils.tensorboard")
+    require_module("tensorboard", "TensorBoard's event files are what this checks")
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
