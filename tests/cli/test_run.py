@@ -817,3 +817,35 @@ def test_a_followed_job_first_says_its_place_and_the_group_it_woke(
     assert second.out.splitlines()[0] == (
         f"submitted {ids[2]} (queued, position 2); Ctrl-C stops following, never the job"
     )
+
+
+def test_the_json_names_each_jobs_code_bundle_as_it_lies_in_the_bucket(deployed: Deployed) -> None:
+    """`trainstack run --json`'s `bundle_key` is the object the agent will fetch: under job-code/, by its
+    sha256, and there."""
+    report = _submit(deployed, "--config", str(CONFIG))
+    (job,) = report["jobs"]
+    record = _get(deployed, f"jobs/{job['job_id']}/job.json")
+    assert job["bundle_key"] == record["agent"]["bundle_key"]
+    assert job["bundle_key"] == f"job-code/{record['agent']['bundle_sha256']}/bundle.tar.gz"
+    assert _keys(deployed, "job-code/") == [job["bundle_key"]]
+
+
+def test_a_job_an_instance_took_before_it_was_described_is_said_queued_without_a_position(
+    deployed: Deployed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the upload and the first look an instance may take the job: it has no place in the queue
+    any more, and the line says so plainly rather than `position None`."""
+
+    def taken(clients: Any, outputs: Any, job_id: str) -> dict[str, Any]:
+        return {"job_id": job_id, "status": "running", "queue_position": None}
+
+    def interrupt(_seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "describe", taken)
+    monkeypatch.setattr(follow_module, "wait", interrupt)
+    result = deployed.run("run", "--config", str(CONFIG))
+    first = result.out.splitlines()[0]
+    assert first.startswith("submitted default-") and first.endswith(
+        f" (queued); group {GROUP} scaled up to 2; Ctrl-C stops following, never the job"
+    ), first
