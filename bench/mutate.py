@@ -43,7 +43,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Copied into mutmut's mutants/ folder whole, so every import of the project comes from the private copy.
-PACKAGES = ("bootstrap", "infra", "training", "trainstack", "trainstack_job", "demo")
+# Every first-party package: mutmut copies them into its mutants/ tree, where the tests run (the Lambdas and
+# the policy pack moved to folders of their own: without them there, their targets and every test that
+# imports them fail before a mutant runs).
+PACKAGES = ("bootstrap", "infra", "training", "trainstack", "trainstack_job", "demo", "lambdas", "policypack")
 KILLED = {"killed", "timeout"}
 UNCHECKED = "not checked"
 # mutmut's own per-mutant limit, in CPU seconds: (the mutant's tests' clean time + 1) × this × 2, for a mutant
@@ -226,6 +229,8 @@ TARGETS: dict[str, Target] = {
             "tests/training/test_stop.py",
             "tests/training/test_data.py",
             "tests/training/test_checkpoint_policy.py",
+            # The streamed dataset's order and position (data.py's shard-aware sampler).
+            "tests/training/test_streaming.py",
             # Not test_startup.py: each of its tests starts `python -m training` (tests/training/test_stop.py
             # holds the signal handling's promises in-process).
         ),

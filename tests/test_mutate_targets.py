@@ -211,3 +211,13 @@ def test_the_targets_of_an_older_bench_mutate_are_read_from_git() -> None:
     head = mutate._targets_at("HEAD")
     assert head["persist"] == mutate._definition(mutate.TARGETS["persist"])
     assert mutate._targets_at("no-such-ref") == {}
+
+
+def test_mutmuts_copy_holds_every_first_party_package() -> None:
+    """The tests run in mutmut's mutants/ tree, which holds PACKAGES only: a package left out (the Lambdas'
+    and the policy pack's folders once were) fails every target whose tests import it, before any mutant."""
+    import tomllib
+
+    project = tomllib.loads((mutate.ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    included = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert set(mutate.PACKAGES) == {pattern.removesuffix("*") for pattern in included}
