@@ -18,7 +18,6 @@ new dataset version sharing shards, reuses what is there.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import io
 import logging
 import os
@@ -34,6 +33,7 @@ from typing import IO, Any
 from PIL import Image
 
 from training.dataset_layout import BadDataError
+from trainstack_job.layout import sha256_file
 from trainstack_job.shards import INDEX_NAME, SampleEntry, ShardError, ShardIndex, read_sample
 
 log = logging.getLogger("training")
@@ -44,7 +44,6 @@ CACHE_ENV = "TRAINSTACK_DATA_CACHE"
 OUTAGE_SECONDS = 600.0
 # Open shard files kept per process: enough for a shuffle window and the eval split.
 _OPEN_SHARDS = 16
-_HASH_CHUNK = 1024 * 1024
 # Left free on the cache's disk whatever data.cache_gb says: checkpoints and logs share it.
 FREE_DISK_BYTES = 2 * 10**9
 _FIX = "push the dataset again with `trainstack data push DIR --format shards`"
@@ -170,7 +169,7 @@ class ShardCache:
             time.sleep(pause)
             pause = min(pause * 2, 30.0)
         size = partial.stat().st_size
-        if size != info.size or _sha256(partial) != info.sha256:
+        if size != info.size or sha256_file(partial) != info.sha256:
             partial.unlink(missing_ok=True)
             raise BadDataError(
                 f"shard {uri} is corrupt (its {size} bytes do not match the index's size {info.size} and "
@@ -198,14 +197,6 @@ class ShardCache:
             if path != keep:
                 path.unlink(missing_ok=True)
                 total -= size
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for chunk in iter(lambda: stream.read(_HASH_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def load_index(uri: str) -> ShardIndex:

@@ -9,7 +9,6 @@ no longer in DIR after that.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -47,6 +46,7 @@ from trainstack_job.datasets import (
     short,
 )
 from trainstack_job.jobs import LEGACY_JOB_ID, JobPrefixes
+from trainstack_job.layout import sha256_file
 from trainstack_job.records import is_conflict, write_condition
 from trainstack_job.shards import DEFAULT_SHARD_BYTES, write_split
 
@@ -55,7 +55,6 @@ LAYOUTS = ("auto", "image-folder", "any")
 # --format: files = DIR's files as they are; shards = each split as tar shards plus an index, which the
 # built-in trainer streams (`data.mode: stream`) instead of syncing the whole dataset first.
 FORMATS = ("files", "shards")
-_HASH_CHUNK = 1024 * 1024
 _HEAD_THREADS = 16
 _SHOWN = 5
 
@@ -66,14 +65,6 @@ class LocalFile:
     path: Path
     size: int
     sha256: str
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for chunk in iter(lambda: stream.read(_HASH_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _named(items: list[str]) -> str:
@@ -98,7 +89,7 @@ def _hashed(
             if relative not in sizes:
                 continue
             try:
-                files.append(LocalFile(relative, path, sizes[relative], _sha256(path)))
+                files.append(LocalFile(relative, path, sizes[relative], sha256_file(path)))
             except OSError as error:
                 unreadable.append(f"{relative} ({error.strerror or error})")
             advance(sizes[relative])

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
+from trainstack_job.layout import sha256_file
+
 INDEX_NAME = "shards.json"
 INDEX_FORMAT = "trainstack-shards/1"
 # 512 MB: inside the 100 MB-1 GB range where one GET is long enough to reach S3's per-connection rate and
 # few enough files that listing and caching stay cheap; tests pass a few KB.
 DEFAULT_SHARD_BYTES = 512 * 1000 * 1000
-_HASH_CHUNK = 1024 * 1024
 
 
 class ShardError(ValueError):
@@ -137,14 +138,6 @@ def iter_shard(path: str | Path) -> Iterator[tuple[str, bytes, int | None]]:
             yield name, data, labels.get(stem)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for chunk in iter(lambda: stream.read(_HASH_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _member(name: str, size: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.size = size
@@ -192,7 +185,7 @@ def write_split(
         for position, (relative, label) in enumerate(group):
             size = (split_dir / relative).stat().st_size
             samples.append(SampleEntry(number, offsets[f"{position:09d}"], size, label, relative))
-        shards.append(ShardInfo(key, path.stat().st_size, _sha256(path)))
+        shards.append(ShardInfo(key, path.stat().st_size, sha256_file(path)))
     index = ShardIndex(list(classes), shards, samples)
     (out / INDEX_NAME).write_text(json.dumps(index.to_json(), separators=(",", ":")))
     return index

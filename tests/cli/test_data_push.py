@@ -249,14 +249,14 @@ def test_links_leaving_dir_and_unreadable_files_are_named_before_anything_is_sen
     (folder / "leak.txt").unlink()
     (folder / "outside").unlink()
     (folder / "tokenizer" / "merges.txt").symlink_to(folder / "gone")
-    real_sha256 = datapush._sha256
+    real_sha256 = datapush.sha256_file
 
     def unreadable(path: Path) -> str:
         if path.name == "train-000.jsonl":
             raise PermissionError(13, "Permission denied", str(path))
         return real_sha256(path)
 
-    monkeypatch.setattr(datapush, "_sha256", unreadable)
+    monkeypatch.setattr(datapush, "sha256_file", unreadable)
     refused = deployed.run("data", "push", str(folder), "--name", "corpus")
     assert refused.code == 1 and refused.err.count("\n") == 1
     assert "cannot read 2 file(s): tokenizer/merges.txt (broken link)" in refused.err
@@ -264,7 +264,7 @@ def test_links_leaving_dir_and_unreadable_files_are_named_before_anything_is_sen
     assert keys(deployed, "") == []
 
     (folder / "tokenizer" / "merges.txt").unlink()
-    monkeypatch.setattr(datapush, "_sha256", real_sha256)
+    monkeypatch.setattr(datapush, "sha256_file", real_sha256)
     pushed = deployed.run("data", "push", str(folder), "--name", "corpus", "--json")
     assert pushed.code == 0, pushed.err
     body = deployed.s3().get_object(Bucket=BUCKET, Key=PREFIX + "readme-link")["Body"].read()
