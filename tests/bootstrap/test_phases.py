@@ -930,6 +930,29 @@ def test_the_jobs_dataset_is_waited_for_then_synced_into_scratch_at_the_jobs_ver
     assert version.recorded == ["the sync's report"]
 
 
+@pytest.mark.parametrize(
+    ("job", "streams"),
+    [
+        (None, True),
+        (user_job(data_mode="stream"), True),
+        (user_job(), False),
+        (user_job(data_mode="sync"), False),
+    ],
+)
+def test_the_built_in_trainer_and_a_job_asking_for_it_stream_a_sharded_version_the_others_sync_it(
+    fake: FakeLife, monkeypatch: pytest.MonkeyPatch, job: JobSpec | None, streams: bool
+) -> None:
+    """The shard cache under scratch is offered to the sync (which streams a version pushed as shards, and
+    syncs one pushed as files whole) for the built-in trainer and for a job.yaml with `data: {mode: stream}`;
+    a job that did not ask gets every file synced, as before."""
+    fake.user_job = job
+    _, dataset = install_data(fake, monkeypatch)
+    assert Data().run(fake.life) is None
+    assert fake.paths is not None
+    expected = fake.paths.scratch / data_phase.SHARD_CACHE if streams else None
+    assert getattr(dataset, "stream_cache", None) == expected
+
+
 def test_a_dataset_that_never_comes_ends_the_life_with_no_data(
     fake: FakeLife, monkeypatch: pytest.MonkeyPatch
 ) -> None:
