@@ -688,6 +688,12 @@ def test_under_the_agent_a_tensorboard_run_lives_in_the_jobs_results_in_s3_and_r
     monkeypatch.setenv(JobEnv.RESULTS_URI.value, results)
     assert training.tracker.default_tensorboard_root(tmp_path) == results + "tensorboard"
     assert training.tracker.default_tensorboard_root(tmp_path, env={}) == str(tmp_path / "tensorboard")
+    # TensorBoard reads a run's files in name order: <time>.<host>.<pid>.<writer number>. Two lives in one
+    # second of one process (here, never on instances) would sort by that number as text, "10" before "9":
+    # the count starts again so that the lives' files sort in the order they were written.
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
     for restored, last in ((0, 5), (3, 8)):  # the first life logged 1-5, its last checkpoint was step 3
         life = training.tracker.TensorBoardTracker(
             TrackingConfig(backend="tensorboard"), "resnet-1a2b3c4d", restored, tmp_path
