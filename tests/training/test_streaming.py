@@ -327,3 +327,58 @@ def test_the_shuffle_window_is_part_of_the_optimisation_only_when_it_changes_the
         default.optimisation_hash()
         != build_config({"data": {"shuffle_window_shards": 8}}).optimisation_hash()
     )
+
+
+def test_a_streamed_split_gets_the_configs_cache_settings_and_a_plain_one_gets_none(tmp_path: Path) -> None:
+    """What the loaders cache and read ahead with is the config's, cache_gb in bytes (10^9 per GB, what
+    the disk's free space is compared with); an ImageFolder on disk is given no streaming settings."""
+    from training.config import build_config
+    from training.data import STREAMING, loader_options
+    from training.streaming import CacheSettings
+
+    streamed = build_config(
+        {
+            "data": {
+                "train_dir": "s3://bucket/datasets/x/train/",
+                "val_dir": str(tmp_path),
+                "cache_dir": "/scratch/shard-cache",
+                "cache_gb": 1.5,
+                "read_ahead_shards": 3,
+                "shuffle_window_shards": 6,
+                "num_workers": 0,
+            }
+        }
+    )
+    assert loader_options(streamed, world_size=1, on_gpu=False)[STREAMING] == CacheSettings(
+        cache_dir="/scratch/shard-cache", max_bytes=1_500_000_000, read_ahead=3, window=6
+    )
+    plain = build_config({"data": {"train_dir": str(tmp_path), "val_dir": str(tmp_path), "num_workers": 0}})
+    assert STREAMING not in loader_options(plain, world_size=1, on_gpu=False)
+
+
+def test_the_sample_order_is_pinned_so_a_checkpoint_of_an_earlier_version_resumes_on_the_same_order() -> None:
+    """A checkpoint records (epoch, step) only: the order behind them must stay the one it was taken with, or
+    a resumed job trains on other samples than an uninterrupted one. Pinned for seed 7, epoch 1: the
+    ImageFolder's permutation, and the streamed order shard by shard (window 1: each group of 4 is one
+    shard's samples) and by windows of two shards."""
+    from training.data import BatchPlan
+
+    def order(shards: list[int] | None, window: int = 1) -> list[int]:
+        sampler = ResumableBatchSampler(12, BatchPlan(4, 1, 4), rank=0, seed=7)
+        if shards is not None:
+            sampler.use_shards(shards, window=window, read_ahead=None)
+        sampler.set_position(1, 0)
+        return list(sampler._order().tolist())
+
+    assert order(None) == [9, 5, 0, 10, 2, 11, 4, 6, 3, 8, 1, 7]
+    assert order([4, 4, 4], window=1) == [3, 2, 0, 1, 5, 4, 7, 6, 10, 8, 11, 9]
+    assert order([4, 4, 4], window=2) == [7, 0, 1, 4, 5, 6, 3, 2, 8, 10, 9, 11]
+    assert order([4, 4, 4], window=0) == order([4, 4, 4], window=1), "a window is at least one shard"
+
+
+def test_shards_that_do_not_hold_the_datasets_samples_are_refused_naming_both_counts() -> None:
+    from training.data import BatchPlan
+
+    sampler = ResumableBatchSampler(12, BatchPlan(4, 1, 4), rank=0, seed=7)
+    with pytest.raises(ValueError, match=r"^shards hold 11 samples, the sampler has 12$"):
+        sampler.use_shards([4, 4, 3], window=1, read_ahead=None)
