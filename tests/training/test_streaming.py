@@ -382,3 +382,21 @@ def test_shards_that_do_not_hold_the_datasets_samples_are_refused_naming_both_co
     sampler = ResumableBatchSampler(12, BatchPlan(4, 1, 4), rank=0, seed=7)
     with pytest.raises(ValueError, match=r"^shards hold 11 samples, the sampler has 12$"):
         sampler.use_shards([4, 4, 3], window=1, read_ahead=None)
+
+
+def test_a_streamed_val_split_is_evaluated_through_the_configs_cache(
+    aws: MotoServer, shards: Path, tmp_path: Path
+) -> None:
+    """The evaluation loader hands a streamed split the config's cache settings, as the training loader
+    does: its shards land in data.cache_dir, not in a folder of its own choosing, and every sample is read."""
+    from training.data import EvalDataset, eval_loader
+
+    index = upload(shards).replace("/train/", "/val/")
+    dataset = EvalDataset(index, 16)
+    settings = CacheSettings(str(tmp_path / "cache"), max_bytes=10**9, read_ahead=1, window=2)
+    batches = list(
+        eval_loader(dataset, 8, rank=0, world_size=1, options={"num_workers": 0, STREAMING: settings})
+    )
+    assert sum(len(batch.targets) for batch in batches) == len(dataset)
+    cached = sorted(path.name for path in (tmp_path / "cache").glob("*.tar"))
+    assert cached and len(cached) == len(dataset.folder.shard_sizes())
