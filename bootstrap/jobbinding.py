@@ -102,7 +102,16 @@ SCRATCH_OWNER = ".trainstack-job"
 # pip.conf, ~/.cache, ~/.local's site-packages), its venvs and pip's cache and HOME while it installs
 # (`python/`, bootstrap/job.py prepare_python), and its credentials off an instance (`job-credentials/`).
 # The next job runs as the same user: any of these kept would be read, or run, as that job's own.
-_JOB_LOCAL = ("checkpoints", "output", "control", "job.yaml", "home", "python", "job-credentials")
+_JOB_LOCAL = (
+    "checkpoints",
+    "output",
+    "control",
+    "job.yaml",
+    "home",
+    "python",
+    "job-credentials",
+    "shard-cache",
+)
 
 
 class JobBindingError(RuntimeError):

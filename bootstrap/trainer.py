@@ -64,6 +64,10 @@ def default_trainer_command(gpu_count: int) -> list[str]:
     return [trainer_python(), "-m", "training", f"train.processes={max(gpu_count, 1)}"]
 
 
+# Under scratch (the instance store where the type has one): a streamed dataset's shards, content-addressed.
+SHARD_CACHE = "shard-cache"
+
+
 @dataclass(frozen=True)
 class TrainerPaths:
     """Where a job reads and writes on this instance. Checkpoints and results stay local: the agent's
@@ -90,6 +94,13 @@ class TrainerPaths:
     @property
     def progress_file(self) -> Path:
         return self.output_dir / PROGRESS
+
+    @property
+    def shard_cache(self) -> Path:
+        """A streamed dataset's shards (training/streaming.py), fetched by the trainer itself, as the job's
+        user: that user owns the folder, kept across the job's lives on this disk and cleared when another
+        job takes the scratch (bootstrap/jobbinding.py), so one job never reads another's shards."""
+        return self.scratch / SHARD_CACHE
 
     @property
     def control_dir(self) -> Path:
@@ -213,7 +224,15 @@ class TrainerProcess:
             self.paths.start_gate_file.unlink(missing_ok=True)
         # The directories the job writes are its user's; nothing else in scratch is (bootstrap/jobuser.py).
         home = self.paths.scratch / "home"
-        self._launch.give([self.paths.output_dir, self.paths.checkpoint_dir, self.paths.control_dir, home])
+        self._launch.give(
+            [
+                self.paths.output_dir,
+                self.paths.checkpoint_dir,
+                self.paths.control_dir,
+                self.paths.shard_cache,
+                home,
+            ]
+        )
         inherited = self._launch.inherited_environment(os.environ, home if self._launch.isolated else None)
         env = {**inherited, "PYTHONUNBUFFERED": "1", **self._env}
         # The bundle on the path: `import trainstack_job` works in any job without an install.

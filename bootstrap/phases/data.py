@@ -9,11 +9,8 @@ from __future__ import annotations
 from bootstrap.datasync import DatasetVersionError, DataSync, DiskSpaceError, JobDataset, SyncAborted
 from bootstrap.outcomes import Failure, LifeEnd
 from bootstrap.phases.base import Ended, Life
+from bootstrap.trainer import SHARD_CACHE as SHARD_CACHE  # the job's shard cache, under scratch
 from trainstack_job.contract import RESUME_COMMAND
-
-# Under scratch (the instance store where the type has one): the streamed shards, content-addressed, so a
-# later life on the same disk (a restart, a standby promoted) reads them again without S3.
-SHARD_CACHE = "shard-cache"
 
 
 class Data:
@@ -31,7 +28,7 @@ class Data:
         version = JobDataset(life.clients.s3, life.config, life.job, life.log)
         if life.user_job is None or life.user_job.data_mode == "stream":
             # A version pushed as shards is then streamed: its indexes placed, not its files synced.
-            dataset.stream_cache = life.paths.scratch / SHARD_CACHE
+            dataset.stream_cache = life.paths.shard_cache
         try:
             synced = dataset.sync(
                 life.paths.scratch / "data", should_abort=life.stops.is_set, check_version=version.check

@@ -902,7 +902,7 @@ def test_a_new_job_clears_the_scratch_folder_of_the_previous_jobs_files_and_keep
     log = EventLog(stream=stream)
     claim_scratch(tmp_path, A, log)
     assert (tmp_path / ".trainstack-job").read_text() == A + "\n"
-    local = ("checkpoints", "output", "control", "home", "python", "job-credentials")
+    local = ("checkpoints", "output", "control", "home", "python", "job-credentials", "shard-cache")
     for name in local:
         (tmp_path / name).mkdir()
         (tmp_path / name / "f").write_text("x")

@@ -370,6 +370,11 @@ def test_the_job_runs_as_its_user_without_new_privileges_and_the_agent_still_con
     assert said["home"] == str(scratch / "home")
     assert said["secret"] == "None", "the agent's credentials leaked into the job"
     assert (paths.output_dir / "written-by-the-job").stat().st_uid == launch.user.uid
+    # The streamed dataset's shards are fetched by the job itself, as its user: the cache is that user's.
+    assert (paths.shard_cache.stat().st_uid, paths.shard_cache.stat().st_gid) == (
+        launch.user.uid,
+        launch.user.gid,
+    )
     if switched:
         assert said["groups"] == "[]"
         assert int(said["capbnd"], 16) == 0
