@@ -6,7 +6,7 @@ The launch template carries the agent's bootstrap only, never a job: jobs are su
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pulumi
@@ -18,7 +18,7 @@ from infra.baseline import code_bundle_object, encrypted_root, metadata_options,
 from infra.bundle import CodeBundle
 from infra.config import NAMESPACE, Pool, StackConfig, StackConfigError
 from infra.efa import EfaTableError, efa_interfaces
-from trainstack_job.throughput import capacity_weights
+from trainstack_job.throughput import pool_capacity_weights
 
 # The agent completes this hook once its last upload is confirmed, so a scale-in never cuts one short.
 LIFECYCLE_HOOK_NAME = "trainstack-drain"
@@ -29,20 +29,40 @@ NO_JOB = ""
 
 def pool_weights(pool: Pool) -> dict[str, int] | None:
     """Each of the pool's types' WeightedCapacity (trainstack_job/throughput.py: expected throughput relative
-    to the slowest type, from the shipped estimate), so price-capacity-optimized picks by price per unit of
-    training, not per instance; None (no weights, a unit is an instance) for a pool that may hold more than
-    one instance per job or more than one job at once.
+    to the slowest type: trainstack:measuredThroughput's samples/s for the types it names, the shipped
+    estimate scaled to them for the others, the shipped estimate alone without any), so
+    price-capacity-optimized picks by price per unit of training, not per instance; None (no weights, a unit
+    is an instance) for a pool that may hold more than one instance per job or more than one job at once.
 
     Why only there: AWS fulfils a desired capacity in units with whatever mix of types it finds cheapest per
     unit, so 4 units may be one instance of weight 4. A single-instance, single-lane pool only ever asks for 0
     or 1 unit, and its slowest type weighs 1: any one instance fulfils it, so one unit is exactly one instance
     and everything that sets its desired capacity (the scheduler, the agent, `trainstack run`) stays right
     unchanged. A multi-node job or a pool of lanes needs N instances: weights there would let AWS start fewer,
-    heavier ones (or, asking N x the heaviest weight, more, lighter ones), so those pools stay unweighted."""
-    if pool.max_instances != 1 or pool.max_jobs != 1:
-        return None
-    weights = capacity_weights(pool.instance_types)
-    return weights if max(weights.values(), default=1) > 1 else None
+    heavier ones (or, asking N x the heaviest weight, more, lighter ones), so those pools stay unweighted.
+
+    Infrastructure does not change silently from data: the measured figures come from the stack config (a
+    reviewed diff, `trainstack weights --apply`), and `pulumi up` logs which weights they set."""
+    weights = pool_capacity_weights(
+        pool.instance_types, max_instances=pool.max_instances, max_jobs=pool.max_jobs, measured=pool.measured
+    )
+    if weights is not None:
+        pulumi.log.info(weights_note(pool, weights))
+    return weights
+
+
+def weights_note(pool: Pool, weights: Mapping[str, int]) -> str:
+    """One line for `pulumi up`: the pool's weights, each said to be measured or estimated."""
+    measured = pool.measured
+    each = ", ".join(
+        f"{t} {weights[t]} ({'measured' if t in measured else 'estimated'})" for t in pool.instance_types
+    )
+    source = (
+        "trainstack:measuredThroughput where measured, the shipped estimate scaled to it elsewhere"
+        if measured
+        else "the shipped estimate; `trainstack weights` shows what measured lives would set"
+    )
+    return f"pool {pool.name}: WeightedCapacity {each}; from {source}"
 
 
 @dataclass(frozen=True)

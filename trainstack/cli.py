@@ -27,6 +27,7 @@ from trainstack import (
     status,
     top,
     transfer,
+    weights,
 )
 from trainstack.aws import Clients, explain
 from trainstack.dev import connect as dev_connect
@@ -375,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     dev_lifecycle.add_lifecycle_commands(dev_commands, parents=both)
     dev_connect.add_dev_connect_commands(dev_commands, parents=[common])
     top.add_top_command(commands, parents=both)
+    weights.add_weights_command(commands, parents=both)
     drill_parser = commands.add_parser(
         "drill",
         parents=both,
@@ -522,6 +524,10 @@ def dispatch(args: argparse.Namespace, stack: Stack, clients: Clients) -> int:
             once=args.once,
             interval=args.interval,
             as_json=as_json,
+        )
+    if command == "weights":
+        return weights.run(
+            clients, stack, family=args.family, job=args.job, do_apply=args.apply, as_json=as_json
         )
     if command == "drill":
         return drill.run(clients, stack, wait=args.wait, as_json=as_json, timeout_minutes=args.timeout)

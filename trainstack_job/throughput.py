@@ -10,6 +10,7 @@ next; before either, `SHIPPED` below estimates each GPU's speed relative to a T4
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -278,17 +279,62 @@ def _anchor(types: Mapping[str, Measured]) -> tuple[str, float, float] | None:
 # -- weights --------------------------------------------------------------------------------------------
 
 
+def pool_throughput(
+    instance_types: Sequence[str], measured: Mapping[str, float]
+) -> dict[str, Throughput | None]:
+    """Each of a pool's types' expected throughput in one unit, from the stack's measured figures
+    (trainstack:measuredThroughput, samples/s of one model on each type it names) and the shipped estimate.
+
+    A measured type trains at its figure. Every other type gets the shipped estimate scaled by the measured
+    types' measured/shipped ratio (their geometric mean: the ratios scale multiplicatively, and that mean
+    does not depend on which measured type is taken as the reference), so measured and estimated numbers
+    compare. None of the types measured: the shipped estimates as they are. None for a type that can be
+    neither measured nor scaled (no estimate, or no measured type with one to scale by)."""
+    ratios = [
+        measured[t] / shipped.samples_per_second
+        for t in instance_types
+        if t in measured and (shipped := shipped_throughput(t)) is not None and shipped.samples_per_second > 0
+    ]
+    any_measured = any(t in measured for t in instance_types)
+    scale = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else None
+    found: dict[str, Throughput | None] = {}
+    for instance_type in instance_types:
+        shipped = shipped_throughput(instance_type)
+        if instance_type in measured:
+            found[instance_type] = Throughput(
+                instance_type, measured[instance_type], "measured: trainstack:measuredThroughput"
+            )
+        elif shipped is None or not any_measured:
+            found[instance_type] = shipped
+        elif scale is None:
+            found[instance_type] = None
+        else:
+            found[instance_type] = Throughput(
+                instance_type,
+                shipped.samples_per_second * scale,
+                f"estimated: the {shipped.source}, scaled by the measured types' measured/shipped ratio",
+            )
+    return found
+
+
 def capacity_weights(
     instance_types: Sequence[str],
     *,
     family: str | None = None,
     job_id: str | None = None,
     table: ThroughputTable | None = None,
+    measured: Mapping[str, float] | None = None,
 ) -> dict[str, int]:
     """Each type's WeightedCapacity: its expected throughput relative to the slowest type's, rounded, at
     least 1, so that price-capacity-optimized compares price per unit of training. All 1 (unweighted) when any
-    type is unknown: a weight guessed for one type would be compared against measured ones."""
-    expected = [expected_throughput(t, family=family, job_id=job_id, table=table) for t in instance_types]
+    type is unknown: a weight guessed for one type would be compared against measured ones.
+
+    `measured` (the stack's trainstack:measuredThroughput) naming any of the types decides instead of
+    `table`: `pool_throughput` combines it with the shipped estimate."""
+    if measured and any(t in measured for t in instance_types):
+        expected = list(pool_throughput(instance_types, measured).values())
+    else:
+        expected = [expected_throughput(t, family=family, job_id=job_id, table=table) for t in instance_types]
     speeds = [e.samples_per_second for e in expected if e is not None and e.samples_per_second > 0]
     if len(speeds) != len(instance_types) or not speeds:
         return {t: 1 for t in instance_types}
@@ -297,6 +343,23 @@ def capacity_weights(
         t: min(MAX_WEIGHT, max(1, round(speed / slowest)))
         for t, speed in zip(instance_types, speeds, strict=True)
     }
+
+
+def pool_capacity_weights(
+    instance_types: Sequence[str],
+    *,
+    max_instances: int,
+    max_jobs: int,
+    measured: Mapping[str, float] | None = None,
+) -> dict[str, int] | None:
+    """A pool's types' WeightedCapacity, or None (no weights: a unit is an instance) for a pool that may hold
+    more than one instance per job or more than one job at once, and for one whose types all weigh 1.
+    infra/fleet.py's pool_weights says why only a pool of one instance of one job is weighted; the program
+    and `trainstack weights` both ask here, so they never disagree."""
+    if max_instances != 1 or max_jobs != 1:
+        return None
+    weights = capacity_weights(instance_types, measured=measured)
+    return weights if max(weights.values(), default=1) > 1 else None
 
 
 def capacity_units(instances: int, weights: Mapping[str, int] | None = None) -> int:

@@ -1,8 +1,8 @@
 """The stack's configuration: one typed, validated `StackConfig`, every problem named by its key.
 
 One module per part, each importing only those before it: `values` (the readers and the problems),
-`groups` (a group's keys), `pools` (trainstack:pools), `jobs` (the default job), `network`, `stack` (the
-whole config and its parser).
+`groups` (a group's keys), `pools` (trainstack:pools), `measured` (trainstack:measuredThroughput), `jobs` (the
+default job), `network`, `stack` (the whole config and its parser).
 """
 
 from infra.config.groups import (
@@ -35,6 +35,7 @@ from infra.config.stack import (
 from infra.config.values import (
     DEFAULT_AMI_PARAMETER,
     DEFAULTS,
+    MEASURED_KEY,
     NAMESPACE,
     POOLS_KEY,
     REPO_ROOT,
@@ -52,6 +53,7 @@ __all__ = [
     "MAX_JOBS_PER_POOL",
     "MAX_NODES",
     "MAX_POOLS",
+    "MEASURED_KEY",
     "NAMESPACE",
     "NVIDIA_FAMILIES",
     "PLACEMENT_STRATEGIES",

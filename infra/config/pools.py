@@ -103,6 +103,14 @@ class Pool:
     # Jobs the pool runs at once (its lanes, docs/internals.md "Several jobs at once in one pool"); each
     # single-instance job has its instance and its warm standby. 1 = one job at a time, as before.
     max_jobs: int = 1
+    # trainstack:measuredThroughput's (type, samples/s) for this pool's types: its weights follow them
+    # (infra/fleet.py pool_weights). A tuple, not a mapping, so a pool stays hashable.
+    measured_throughput: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def measured(self) -> dict[str, float]:
+        """trainstack:measuredThroughput for this pool's types: instance type -> samples/s."""
+        return dict(self.measured_throughput)
 
     @property
     def max_size(self) -> int:

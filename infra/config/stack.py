@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from infra.config.jobs import (
     load_user_job,
     parse_expected_hours,
 )
+from infra.config.measured import parse_measured_throughput
 from infra.config.network import (
     SUBNET_IDS_EXAMPLE,
     VPC_ID_EXAMPLE,
@@ -38,6 +39,7 @@ from infra.config.values import (
     DEFAULT_AMI_PARAMETER,
     DEFAULTS,
     EMAIL,
+    MEASURED_KEY,
     NAMESPACE,
     POOLS_KEY,
     PRICE,
@@ -120,6 +122,10 @@ class StackConfig:
     subnet_ids: tuple[str, ...] = ()
     # With vpc_id: add the endpoints the VPC lacks instead of refusing the preview.
     create_vpc_endpoints: bool = False
+    # trainstack:measuredThroughput: (instance type, samples/s of one model), which each weighted pool's
+    # WeightedCapacity follows for the types it names (infra/fleet.py pool_weights); (): the shipped
+    # estimate.
+    measured_throughput: tuple[tuple[str, float], ...] = ()
 
     @property
     def existing_vpc(self) -> bool:
@@ -165,6 +171,7 @@ class StackConfig:
                 spot_fallback_minutes=self.spot_fallback_minutes,
                 placement_group=self.cluster_placement,
                 default=True,
+                measured_throughput=_measured_for(self.instance_types, self.measured_throughput),
             ),
         )
 
@@ -344,6 +351,15 @@ def parse_stack_config(
         check_group_purchase(
             instance_count, strategy, on_demand_base, on_demand_pct, spot_max_price, group, problems
         )
+    pools_parsed = not pools_given or bool(declared_pools)
+    offered = (
+        {t for pool in declared_pools for t in pool.instance_types} if pools_given else set(instance_types)
+    )
+    measured = parse_measured_throughput(raw.get(MEASURED_KEY), problems, offered if pools_parsed else None)
+    declared_pools = tuple(
+        replace(pool, measured_throughput=_measured_for(pool.instance_types, measured))
+        for pool in declared_pools
+    )
     if ami_id and not AMI_ID.match(ami_id):
         problems.add("amiId", f"{ami_id!r} is not an AMI id", "ami-0123456789abcdef0")
     if ami_id and ami_parameter != DEFAULT_AMI_PARAMETER:
@@ -468,4 +484,12 @@ def parse_stack_config(
         vpc_id=vpc_id,
         subnet_ids=subnet_ids,
         create_vpc_endpoints=create_vpc_endpoints,
+        measured_throughput=measured,
     )
+
+
+def _measured_for(
+    instance_types: tuple[str, ...], measured: tuple[tuple[str, float], ...]
+) -> tuple[tuple[str, float], ...]:
+    """trainstack:measuredThroughput's entries for one pool's types."""
+    return tuple((t, speed) for t, speed in measured if t in instance_types)

@@ -62,7 +62,10 @@ DEFAULTS: dict[str, Any] = {
 # typed schema has no type for a list of objects, and Pulumi passes such a value to the program as JSON).
 # Unset or empty: today's single-group keys above define the stack's one pool, named LEGACY_POOL.
 POOLS_KEY = "pools"
-STRUCTURED_KEYS = (POOLS_KEY,)
+# trainstack:measuredThroughput (infra/config/measured.py): a mapping of instance type to samples/s, which the
+# schema cannot type either; unset, every pool weighs its types by the shipped estimate.
+MEASURED_KEY = "measuredThroughput"
+STRUCTURED_KEYS = (POOLS_KEY, MEASURED_KEY)
 AMI_ID = re.compile(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$")
 EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[A-Za-z]{2,}$")
 PRICE = re.compile(r"^\d+(\.\d+)?$")

@@ -1055,3 +1055,122 @@ def test_only_a_pool_of_one_instance_and_one_job_weighs_its_types_by_throughput(
         "nodes": None,
         "same": None,
     }
+
+
+# -- weights from measured throughput (trainstack:measuredThroughput) ----------------------------------------
+
+MEASURED = "trainstack:measuredThroughput"
+# resnet50 measured 100 samples/s on a T4 and 310 on an L4 (its datasheet says 1.86 T4s): the geometric mean
+# of measured/shipped (100 and 166.5) is 129, which scales the A10G's estimate (1.92) to 248 and the L40S's
+# (5.57) to 719. Relative to the T4: L4 3.1 -> 3, A10G 2.5 -> 2, L40S 7.2 -> 7.
+MEASURED_FIGURES = {"g4dn.xlarge": 100, "g6.xlarge": "310"}
+MEASURED_WEIGHTS = {"g6.xlarge": "3", "g5.xlarge": "2", "g6e.xlarge": "7", "g4dn.xlarge": "1"}
+
+
+def test_measured_throughput_sets_the_groups_weights_and_up_says_which_are_measured(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("INFO"):
+        stack = run_stack({**example_config(), MEASURED: MEASURED_FIGURES})
+    (group,) = stack.of_type(ASG)
+    overrides = group.inputs["mixedInstancesPolicy"]["launchTemplate"]["overrides"]
+    assert {o["instanceType"]: o["weightedCapacity"] for o in overrides} == MEASURED_WEIGHTS
+    # Sizes in units: room for the same instances, each the heaviest; a unit is still one instance.
+    assert group.inputs["maxSize"] == 2 * 7
+    assert group.inputs["desiredCapacity"] == 1
+    (line,) = [r.getMessage() for r in caplog.records if "WeightedCapacity" in r.getMessage()]
+    assert line.startswith(
+        "pool default: WeightedCapacity g6.xlarge 3 (measured), g5.xlarge 2 (estimated), g6e.xlarge 7 "
+        "(estimated), g4dn.xlarge 1 (measured); from trainstack:measuredThroughput"
+    )
+
+
+def test_measured_throughput_as_pulumi_passes_it_and_as_the_stack_file_holds_it_weigh_alike() -> None:
+    pools = [{**GOOD, "instanceTypes": ["g4dn.xlarge", "g6.xlarge", "g6e.xlarge"]}]
+    as_json = _parse(pools, measuredThroughput=json.dumps(MEASURED_FIGURES))
+    as_yaml = _parse(pools, measuredThroughput=MEASURED_FIGURES)
+    assert (
+        as_json.measured_throughput
+        == as_yaml.measured_throughput
+        == (
+            ("g4dn.xlarge", 100.0),
+            ("g6.xlarge", 310.0),
+        )
+    )
+    assert (
+        pool_weights(as_json.pools[0])
+        == pool_weights(as_yaml.pools[0])
+        == {
+            "g4dn.xlarge": 1,
+            "g6.xlarge": 3,
+            "g6e.xlarge": 7,
+        }
+    )
+    # Unset or empty: the shipped estimate, as before the key.
+    assert pool_weights(_parse(pools, measuredThroughput="").pools[0]) == pool_weights(_parse(pools).pools[0])
+
+
+def test_a_pool_whose_slowest_type_is_unmeasured_weighs_it_1() -> None:
+    """The L4 is measured by nobody: its estimate (1.86 T4s) scaled by the measured types' ratio (geometric
+    mean of the L40S's 1200/5.57 and the A10G's 500/1.92: 237) is 441 samples/s, below the A10G's measured
+    500: the slowest, so exactly 1, and a unit stays one instance."""
+    from trainstack_job.throughput import capacity_units
+
+    pool = {**GOOD, "instanceTypes": ["g6.xlarge", "g5.xlarge", "g6e.xlarge"]}
+    config = _parse([pool], measuredThroughput={"g6e.xlarge": 1200, "g5.xlarge": 500})
+    weights = pool_weights(config.pools[0])
+    assert weights == {"g6.xlarge": 1, "g5.xlarge": 1, "g6e.xlarge": 3}
+    assert capacity_units(1, weights) == 1
+
+
+def test_measured_figures_weigh_only_the_pools_of_one_instance_and_one_job_that_offer_their_types() -> None:
+    one = {"name": "default", "instanceTypes": ["g4dn.xlarge", "g6.xlarge"], "maxInstances": 1}
+    pools = [
+        one,
+        {**one, "name": "lanes", "maxJobs": 2},
+        {**one, "name": "l40s", "instanceTypes": ["g6e.xlarge", "g6e.2xlarge"]},
+    ]
+    config = _parse(pools, measuredThroughput={"g4dn.xlarge": 100, "g6.xlarge": 500})
+    assert {p.name: p.measured for p in config.pools} == {
+        "default": {"g4dn.xlarge": 100.0, "g6.xlarge": 500.0},
+        "lanes": {"g4dn.xlarge": 100.0, "g6.xlarge": 500.0},
+        "l40s": {},
+    }
+    assert {p.name: pool_weights(p) for p in config.pools} == {
+        "default": {"g4dn.xlarge": 1, "g6.xlarge": 5},
+        "lanes": None,
+        "l40s": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("[100]", "must be a mapping of instance type to the samples per second measured on it"),
+        ("not json", "must be a mapping of instance type"),
+        ({"g6.xlarge": -3}, "must be a positive number of samples per second, got -3"),
+        ({"g6.xlarge": 0}, "must be a positive number of samples per second, got 0"),
+        ({"g6.xlarge": "fast"}, "must be a number of samples per second, got 'fast'"),
+        ({"g6.xlarge": True}, "must be a number of samples per second, got True"),
+        ({"g6.xlarge": "nan"}, "must be a positive number of samples per second, got 'nan'"),
+        ({"g6.xlarge": 5e12}, "is more than any training job measures"),
+        (
+            {"g6.xlarg": 410},
+            "not an instance type of any pool, so it would weigh nothing (did you mean 'g6.xlarge'?)",
+        ),
+        (
+            {"p5.48xlarge": 410},
+            "not an instance type of any pool, so it would weigh nothing (the pools offer",
+        ),
+    ],
+)
+def test_a_bad_measured_throughput_is_one_line_naming_the_key_and_the_fix(value: Any, says: str) -> None:
+    problems = _problems([GOOD], measuredThroughput=value)
+    assert len(problems) == 1, problems
+    (line,) = problems
+    assert line.startswith(f"{MEASURED}"), line
+    assert says in line, line
+    assert "pulumi config set --path 'trainstack:measuredThroughput[\"" in line or (
+        "pulumi config rm --path 'trainstack:measuredThroughput[\"" in line
+    ), line
+    assert "\n" not in line
