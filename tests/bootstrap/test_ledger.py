@@ -639,3 +639,58 @@ def test_a_table_that_cannot_be_written_never_fails_the_ledgers_write(s3: Any) -
     assert store.throughput_error == "s3://trainstack-ledger/state/t.json: RuntimeError: " + (
         "s3://trainstack-ledger/state/t.json: 2 concurrent writers in a row; the next life end merges"
     )
+
+
+def test_a_write_s3_keeps_refusing_is_tried_ten_times_by_default_backing_off_a_little_more_each_time(
+    s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ten conflicts in a row by default, each retry waiting longer than the last (the other writer gets
+    through), all ten within a few seconds (a heartbeat is not held up)."""
+    slept: list[float] = []
+    monkeypatch.setattr("bootstrap.ledger.time.sleep", slept.append)
+    racing = Interleaved(s3)
+    racing.fail_put = s3_error("PutObject", "PreconditionFailed", 412)
+    with pytest.raises(RuntimeError, match="10 concurrent writers in a row"):
+        LedgerStore(racing, BUCKET, KEY).update(count("interruptions"))
+    assert racing.puts == 10
+    assert slept == sorted(slept) and len(set(slept)) == len(slept), f"no growing back-off: {slept}"
+    assert slept[0] < 0.1 and sum(slept) < 5.0, f"back-off too long for a heartbeat: {slept}"
+
+
+def test_a_fresh_store_has_no_throughput_error_to_report(s3: Any) -> None:
+    assert LedgerStore(s3, BUCKET, KEY).throughput_error is None
+
+
+def test_a_report_of_no_speed_is_not_counted_and_a_slow_one_is() -> None:
+    ledger = opened("i-a", 0)
+    assert not ledger.record_throughput(report(10, 0.0)), "a stalled report (0 samples/s) is no measurement"
+    assert ledger.record_throughput(report(20, 0.5)), "a slow trainer's 0.5 samples/s is one"
+    assert life_of(ledger, "i-a")["samples_per_second"] == 0.5
+
+
+def test_the_mean_is_kept_to_three_decimals() -> None:
+    ledger = opened("i-a", 0)
+    ledger.record_throughput(report(10, 123.4567))
+    assert life_of(ledger, "i-a")["samples_per_second"] == 123.457
+    ledger.record_throughput(report(20, 100.0001))
+    assert life_of(ledger, "i-a")["samples_per_second"] == 111.729
+
+
+def test_a_life_with_reports_but_no_mean_on_record_starts_its_mean_from_zero() -> None:
+    """A hand-edited or truncated life (reports counted, mean missing) is not given a speed it never had."""
+    ledger = opened("i-a", 0)
+    life = life_of(ledger, "i-a")
+    life["throughput_reports"], life["samples_per_second"] = 1, None
+    ledger.record_throughput(report(10, 100.0))
+    assert life_of(ledger, "i-a")["samples_per_second"] == 50.0
+
+
+def test_an_update_of_a_life_that_had_already_ended_merges_nothing_again(s3: Any) -> None:
+    merges: list[str] = []
+    store = LedgerStore(s3, BUCKET, KEY)
+    store.measure_throughput(lambda: report(5, 10.0), ThroughputStore(s3, BUCKET, "state/t.json"), "j")
+    store.begin_life(node("i-a"), 1.0, at(0))
+    store.update(lambda ledger: ledger.end_life(LifeOutcome.COMPLETED, at(60)))
+    store._merge_throughput = lambda ledger: merges.append("merged")  # type: ignore[method-assign]
+    store.update(lambda ledger: ledger.update_cost(at(120)))
+    assert merges == [], "only the update that ends the life merges"
