@@ -25,6 +25,7 @@ from trainstack_job.layout import (
     STEP_DIR,
     latest_json,
     now_iso,
+    read_manifest,
     sha256_file,
     step_dir_name,
     verify_dir,
@@ -164,9 +165,11 @@ class CheckpointManager:
         world_size: int,
         config_hash: str,
         context: CheckpointContext | None = None,
+        step_in_epoch: int | None = None,
     ) -> Path:
         """Write step-<N> atomically (staging directory, manifest last, rename); returns the directory.
-        `context` goes into the manifest, readable without loading the state (the CLI, users' jobs)."""
+        `context` goes into the manifest, readable without loading the state (the CLI, users' jobs), and so
+        does `step_in_epoch`: with `epoch`, where the data resumes (`resume_position`)."""
         started = time.monotonic()
         name = step_dir_name(step)
         tmp = self.root / f".{name}.tmp-{os.getpid()}"
@@ -181,6 +184,7 @@ class CheckpointManager:
             manifest = {
                 "step": step,
                 "epoch": epoch,
+                **({"step_in_epoch": step_in_epoch} if step_in_epoch is not None else {}),
                 "world_size": world_size,
                 "config_hash": config_hash,
                 **({"context": context.to_dict()} if context is not None else {}),
@@ -244,12 +248,7 @@ class CheckpointManager:
             self.persister.close()
 
     def _local_steps(self) -> list[int]:
-        steps = []
-        for entry in self.root.iterdir():
-            match = STEP_DIR.match(entry.name)
-            if match and entry.is_dir():
-                steps.append(int(match.group(1)))
-        return sorted(steps, reverse=True)
+        return local_steps(self.root)
 
     def _prune_local(self) -> None:
         for step in self._local_steps()[self.keep :]:
@@ -278,6 +277,33 @@ class CheckpointManager:
         if found is not None:
             self.latest_saved_step = found.step
         return found
+
+
+def local_steps(root: Path) -> list[int]:
+    """The step folders in `root`, newest first (none when `root` does not exist)."""
+    steps = []
+    for entry in root.iterdir() if root.is_dir() else ():
+        match = STEP_DIR.match(entry.name)
+        if match and entry.is_dir():
+            steps.append(int(match.group(1)))
+    return sorted(steps, reverse=True)
+
+
+def resume_position(root: Path) -> tuple[int, int] | None:
+    """Where the newest committed checkpoint in `root` resumes the data: (epoch, batch within the epoch), from
+    its manifest alone. A gated standby warms its loader there, so a streamed dataset's next shards are on
+    its disk before the hand-over; it loads no state before the gate (the restore after it decides what is
+    trained, and may find a newer step). None without one, or for a checkpoint from before the manifest
+    said its batch."""
+    for step in local_steps(root):
+        manifest = read_manifest(root / step_dir_name(step))
+        if manifest is None:
+            continue  # not committed: an older step may be
+        epoch, batch = manifest.get("epoch"), manifest.get("step_in_epoch")
+        if isinstance(epoch, int) and isinstance(batch, int) and epoch >= 0 and batch >= 0:
+            return epoch, batch
+        return None
+    return None
 
 
 def _state_bytes(state: dict[str, Any]) -> int:

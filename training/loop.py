@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training import distributed as dist_utils
 from training.artifacts import write_artifacts
 from training.batch_size import cuda_step_probe, fits, search_micro_batch
-from training.checkpoint import CheckpointManager, PersisterFactory, state_from_bytes
+from training.checkpoint import CheckpointManager, PersisterFactory, resume_position, state_from_bytes
 from training.checkpoint_policy import InterruptionRate
 from training.config import Config, ConfigError
 from training.data import (
@@ -322,6 +322,7 @@ class Trainer:
             )
             if sampler.steps_per_epoch == 0:
                 return None  # the restore's plan reports it
+            self._position_warm_sampler(sampler)
             loader = train_loader(
                 self.train_set,
                 sampler,
@@ -330,6 +331,27 @@ class Trainer:
             # Read and dropped: an unreadable file in it is recorded when training reads it again.
             next(iter(loader))
         return WarmLoader(plan, sampler, loader)
+
+    def _position_warm_sampler(self, sampler: ResumableBatchSampler) -> None:
+        """Put the warm-up batch where the newest checkpoint in checkpoint.dir resumes (the agent restores it
+        before the gate): a streamed dataset's shards there and the read-ahead's next ones are fetched while
+        the standby waits, not after the hand-over. Only the data order's position: no state is loaded and
+        every RNG is left as it was. Without a checkpoint (or one past this plan's epoch) the warm-up reads
+        from the start, as before; a checkpoint of another batch plan (the restore adopts it) has the warm-up
+        read other samples than the job will next: a wasted prefetch, never a change to what is trained."""
+        position = resume_position(Path(self.config.checkpoint.dir))
+        if position is None:
+            return
+        epoch, batch = position
+        if batch >= sampler.steps_per_epoch or epoch >= self.config.train.epochs:
+            return
+        sampler.set_position(epoch, batch)
+        if self.world.is_main:
+            log.info(
+                "standby: warming the data at the newest checkpoint's position (epoch %d, batch %d)",
+                epoch + 1,
+                batch,
+            )
 
     def _warn_if_config_changed(self, config_hash: Any, step: int) -> None:
         if self.world.is_main and config_hash != self.config_hash:
@@ -761,6 +783,7 @@ class Trainer:
             world_size=self.world.size,
             config_hash=self.config_hash,
             context=self.context(),
+            step_in_epoch=self.state.step_in_epoch,
         )
         return time.monotonic() - started
 

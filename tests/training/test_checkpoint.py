@@ -25,6 +25,7 @@ from training.checkpoint import (
     CheckpointManager,
     CheckpointTimings,
     Restored,
+    resume_position,
     state_from_bytes,
 )
 from training.faults import ENV as FAULT_ENV
@@ -552,3 +553,39 @@ def test_finishing_says_whether_every_step_is_persisted_by_the_deadline(
     assert persister.deadlines[1] >= before + FINAL_UPLOAD_SECONDS
     manager.close()
     assert persister.calls == ["start", "finish", "finish", "close"]
+
+
+# -- where the data resumes, from the manifest alone (a gated standby's warm-up) -------------------------
+
+
+def test_the_manifest_says_where_the_data_resumes_and_the_newest_committed_step_decides(
+    tmp_path: Path,
+) -> None:
+    manager = CheckpointManager(tmp_path)
+    assert resume_position(tmp_path / "absent") is None, "no checkpoint folder yet (a standby's first wait)"
+    assert resume_position(tmp_path) is None
+    save(manager, 3, epoch=0, step_in_epoch=3)
+    save(manager, 11, epoch=1, step_in_epoch=3)
+    assert json.loads((tmp_path / "step-11" / "manifest.json").read_text())["step_in_epoch"] == 3
+    assert resume_position(tmp_path) == (1, 3)
+    # A newer step that never committed (a kill before its manifest) is passed over for the last good one.
+    (tmp_path / "step-12").mkdir()
+    assert resume_position(tmp_path) == (1, 3)
+
+
+def test_a_checkpoint_without_its_batch_on_record_gives_no_position(tmp_path: Path) -> None:
+    """Written before manifests said the batch, or by a writer that does not: the warm-up starts at the
+    beginning rather than guess, and an older step's position (behind the job) is not taken instead."""
+    manager = CheckpointManager(tmp_path)
+    save(manager, 3, epoch=0, step_in_epoch=3)
+    directory = save(manager, 5, epoch=0)
+    assert "step_in_epoch" not in json.loads((directory / "manifest.json").read_text())
+    assert resume_position(tmp_path) is None
+    manifest = json.loads((directory / "manifest.json").read_text())
+    for epoch, batch in ((0, -1), (-1, 2), ("0", 2), (0, 2.0)):
+        (directory / "manifest.json").write_text(
+            json.dumps({**manifest, "epoch": epoch, "step_in_epoch": batch})
+        )
+        assert resume_position(tmp_path) is None, (epoch, batch)
+    (directory / "manifest.json").write_text(json.dumps({**manifest, "epoch": 0, "step_in_epoch": 0}))
+    assert resume_position(tmp_path) == (0, 0)

@@ -121,6 +121,32 @@ def test_a_gated_trainer_waits_warm_then_restores_only_after_the_gate_and_matche
     assert metrics(run) == metrics(baseline)
 
 
+def test_a_standby_warms_the_data_where_the_restored_checkpoint_resumes_and_still_matches(
+    make_run: MakeRun, baseline: Run, lives: Lives
+) -> None:
+    """The agent restores the newest checkpoint before the gate: the warm-up batch is read at its position
+    (for a streamed dataset, its shards and the read-ahead's next ones reach the disk while the standby
+    waits), and the run still ends bit for bit on the baseline: the warm-up moved no RNG and no order."""
+    gate = make_run().root / "START_GATE"
+    run = make_run(f"train.start_gate_file={gate}")
+    gate.parent.mkdir(parents=True, exist_ok=True)
+    gate.touch()
+    step = oldest_checkpoint(baseline)
+    run.checkpoints.mkdir(parents=True)
+    shutil.copytree(baseline.checkpoints / f"step-{step}", run.checkpoints / f"step-{step}")
+    (run.checkpoints / "latest.json").write_bytes(latest_json(step, 1))
+    output = Output(lives, run)
+    output.wait_for(warm_line(gate))
+    # tiny's 8 batches an epoch: step 15 is the second epoch's 7th batch done.
+    assert "standby: warming the data at the newest checkpoint's position (epoch 2, batch 7)" in output.text
+    gate.unlink()
+    code = output.finish()
+    assert code == 0, output.text[-3000:]
+    assert f"resuming at step {step} " in output.text
+    assert run.model.read_bytes() == baseline.model.read_bytes()
+    assert metrics(run) == metrics(baseline)
+
+
 @pytest.mark.slow(seconds=7)
 def test_sigterm_while_two_ranks_wait_at_the_gate_exits_75_and_writes_no_step(
     make_run: MakeRun, lives: Lives
