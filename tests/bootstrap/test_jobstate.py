@@ -286,4 +286,5 @@ def test_a_throughput_table_s3_refuses_is_said_once_and_the_ledger_still_ends_th
     assert (
         len(said) == 1 and "state/throughput.json" in said[0]["error"] and "AccessDenied" in said[0]["error"]
     )
+    assert said[0]["stage"] == "state", "said under the job state's stage, where an operator filters for it"
     assert state.record(lambda ledger: None) and len(lines.messages("throughput table")) == 1, "said once"
