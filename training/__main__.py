@@ -242,6 +242,18 @@ def _main(
     return code
 
 
+def one_line(exc: BaseException) -> str:
+    """An error's own message on one line. A DataLoader worker's error reaches the trainer as torch re-raises
+    it: the same type, its message "Caught X in DataLoader worker process N.\\nOriginal Traceback ...", whose
+    last line is the original "X: message" (a bad shard, a full disk); the traceback itself is for the
+    worker's own log, not the one line the agent reports."""
+    text = str(exc)
+    if text.startswith("Caught ") and "\nOriginal Traceback" in text:
+        last = text.rstrip().splitlines()[-1]
+        return last.split(": ", 1)[1] if ": " in last else last
+    return text
+
+
 def _run(
     args: argparse.Namespace,
     argv: list[str] | None,
@@ -285,7 +297,7 @@ def _run(
             print(f"config error: {problem}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR, False
     except BadDataError as exc:
-        print(f"data error: {exc}", file=sys.stderr)
+        print(f"data error: {one_line(exc)}", file=sys.stderr)
         return ExitCode.DATA_ERROR, False
     except (S3UnreachableError, CheckpointRefusedError) as exc:  # each names the object and the fix
         print(f"error: {exc}", file=sys.stderr)
@@ -297,10 +309,8 @@ def _run(
         )
         return ExitCode.FAILED, False
     except OSError as exc:
-        print(
-            f"error: {exc.filename or ''}: {exc.strerror or exc}; check the path and free disk space",
-            file=sys.stderr,
-        )
+        problem = exc.strerror or one_line(exc)
+        print(f"error: {exc.filename or ''}: {problem}; check the path and free disk space", file=sys.stderr)
         return ExitCode.FAILED, False
 
 

@@ -17,6 +17,7 @@ new dataset version sharing shards, reuses what is there.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import io
 import logging
@@ -105,6 +106,7 @@ class ShardCache:
         self.index = index
         self.settings = settings
         self._client: Any = None
+        self._verified: set[str] = set()  # the sha256 of the shards this process has checked on disk
 
     def __getstate__(self) -> dict[str, Any]:
         # Sent to loader workers: each makes its own client (boto3 clients do not cross processes).
@@ -114,25 +116,56 @@ class ShardCache:
         return f"{self.base}/{self.index.shards[shard].key}"
 
     def path(self, shard: int) -> Path:
-        """The local file of shard number `shard`, fetched first when it is not there yet."""
+        """The local file of shard number `shard`, fetched first when it is not there yet (or when the
+        copy there is not the index's: checked by sha256 once per process)."""
         if not self.remote:
             return Path(self.uri(shard))
         info = self.index.shards[shard]
         directory = self.settings.directory(self.index.cache_dir)
         target = directory / f"{info.sha256}.tar"
-        if target.exists():
-            os.utime(target)  # recently used: evicted last
-            return target
+        if target.exists() and self._intact(target, shard):
+            try:
+                os.utime(target)  # recently used: evicted last
+                return target
+            except FileNotFoundError:
+                pass  # evicted while it was checked (the read-ahead made room): fetched again below
         directory.mkdir(parents=True, exist_ok=True)
         # One download per shard across the read-ahead thread and every loader worker of every rank.
         with (directory / f"{info.sha256}.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            # Checked again under the lock: another process may have fetched it again meanwhile. (Absent,
+            # or evicted meanwhile, is not damaged: fetched below without a warning.)
+            if not self._intact(target, shard) and target.exists():
+                # A crash before the shard reached the disk, or the disk's own damage: the name promises
+                # the index's bytes, so the copy is fetched again rather than served (or blamed on the
+                # dataset: S3's copy is fine).
+                log.warning(
+                    "shard %s: the cached copy %s is damaged; fetching it again", self.uri(shard), target
+                )
+                target.unlink(missing_ok=True)
             if not target.exists():
+                # What a killed process left of this shard is never reused: the download starts over.
+                _remove_partials(directory, info.sha256)
                 self._download(shard, target)
                 self._evict(keep=target)
         return target
 
+    def _intact(self, target: Path, shard: int) -> bool:
+        """Whether the cached file holds the index's bytes (size, then sha256; hashed once per process and
+        shard: a loader worker opening it again trusts its own check)."""
+        info = self.index.shards[shard]
+        if info.sha256 in self._verified:
+            return True
+        try:
+            intact = target.stat().st_size == info.size and sha256_file(target) == info.sha256
+        except FileNotFoundError:
+            return False  # evicted meanwhile: fetched again
+        if intact:
+            self._verified.add(info.sha256)
+        return intact
+
     def _download(self, shard: int, target: Path) -> None:
+        from boto3.exceptions import RetriesExceededError
         from boto3.s3.transfer import TransferConfig
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -161,10 +194,15 @@ class ShardCache:
                 if code in {"403", "AccessDenied"} or time.monotonic() > deadline:
                     raise
                 problem: Exception = error
-            except BotoCoreError as error:
+            # RetriesExceededError: the connection lost mid-shard after the transfer's own retries (boto3's
+            # error, not botocore's): the same outage, waited out too.
+            except (BotoCoreError, RetriesExceededError) as error:
                 if time.monotonic() > deadline:
                     raise
                 problem = error
+            except OSError as error:
+                # A local disk error is not an outage: waiting 10 minutes would not free the disk.
+                raise self._disk_error(error, shard, target.parent) from None
             log.warning("shard %s: %s; retrying in %.0fs (S3 unreachable?)", uri, problem, pause)
             time.sleep(pause)
             pause = min(pause * 2, 30.0)
@@ -175,13 +213,38 @@ class ShardCache:
                 f"shard {uri} is corrupt (its {size} bytes do not match the index's size {info.size} and "
                 f"sha256); {_FIX}"
             )
-        partial.rename(target)
+        try:
+            # On the disk before its name says it is whole: a crash after the rename leaves no short copy.
+            with partial.open("rb") as written:
+                os.fsync(written.fileno())
+            partial.rename(target)
+        except OSError as error:  # the disk filled as the written bytes were flushed, or failed
+            raise self._disk_error(error, shard, target.parent) from None
+        self._verified.add(info.sha256)
         log.debug("shard %s: %d bytes in %.2fs", uri, size, time.monotonic() - started)
+
+    def _disk_error(self, error: OSError, shard: int, directory: Path) -> OSError:
+        """What to raise for the disk's `error` while caching `shard`, its partial file deleted (nothing
+        cached before is touched): a full disk is one line naming the folder, the shard and the fix (the
+        trainer prints `error: FOLDER: LINE`); any other error is itself."""
+        info = self.index.shards[shard]
+        _remove_partials(directory, info.sha256)
+        if error.errno != errno.ENOSPC:
+            return error
+        free = shutil.disk_usage(directory).free
+        return OSError(
+            errno.ENOSPC,
+            f"disk full while caching shard {self.uri(shard)} ({info.size / 1e9:.1f} GB) in {directory} "
+            f"({free / 1e9:.1f} GB free); free space there, lower data.cache_gb or set "
+            "data.cache_dir to a larger disk",
+            str(directory),
+        )
 
     def _evict(self, keep: Path) -> None:
         """Delete the least recently used shards past the size bound, or past what the disk can hold
         keeping FREE_DISK_BYTES free (data.cache_gb may be larger than a small root volume). A reader
         holding an evicted shard open keeps reading it: the file goes when it closes it."""
+        _remove_stale_partials(keep.parent)
         entries = []
         for path in keep.parent.glob("*.tar"):
             try:
@@ -197,6 +260,25 @@ class ShardCache:
             if path != keep:
                 path.unlink(missing_ok=True)
                 total -= size
+
+
+def _remove_partials(directory: Path, sha256: str) -> None:
+    """Delete what a download of shard `sha256` left: `.part`, and boto3's own temporary `.part.XXXXXXXX`
+    of a process killed mid-transfer. Only with the shard's lock held (no download of it is running)."""
+    for partial in directory.glob(f"{sha256}.part*"):
+        partial.unlink(missing_ok=True)
+
+
+def _remove_stale_partials(directory: Path) -> None:
+    """Delete the partial downloads no process is running any more (killed mid-download): they take disk
+    space the cache's bound cannot see, and no later download reuses them."""
+    for sha256 in {path.name.split(".", 1)[0] for path in directory.glob("*.part*")}:
+        with (directory / f"{sha256}.lock").open("w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its download is running in another process or thread
+            _remove_partials(directory, sha256)
 
 
 def load_index(uri: str) -> ShardIndex:
@@ -252,7 +334,10 @@ class ShardFolder:
             if len(self._open) >= _OPEN_SHARDS:
                 oldest = next(iter(self._open))
                 self._open.pop(oldest).close()
-            stream = self.cache.path(shard).open("rb")
+            try:
+                stream = self.cache.path(shard).open("rb")
+            except FileNotFoundError:  # evicted between its fetch and this open: fetched again
+                stream = self.cache.path(shard).open("rb")
             self._open[shard] = stream
         return stream
 
@@ -269,12 +354,16 @@ class ShardFolder:
         with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB")
 
-    @staticmethod
-    def decode_problem(_name: str, error: Exception) -> str | None:
+    def decode_problem(self, name: str, error: Exception) -> str | None:
         """Why a sample is not a usable image, or None when the error is not the sample's fault (a disk
         error while reading its shard: the life fails and is retried)."""
         if isinstance(error, OSError) and error.errno is not None:
             return None
+        # An empty image reads as it does from a synced folder (data.decode_problem), not as the loader's
+        # ValueError: the split's list of skipped files says the same whichever way the data came.
+        entry = self._entries.get(name)
+        if entry is not None and entry.size == 0:
+            return "empty file (0 bytes)"
         return f"{type(error).__name__}: {error}".replace("\n", " ")
 
 

@@ -699,6 +699,118 @@ def test_each_rank_evaluates_its_own_shard_once(tmp_path: Path) -> None:
     assert workers.num_workers == 1 and not workers.persistent_workers
 
 
+# -- streamed splits (shards): the read-ahead's schedule, a bad shard sample, the evaluation's cache --------
+
+
+class RecordingReadAhead:
+    """Stands in for ReadAhead (no thread, no cache): what the sampler tells it, in order."""
+
+    def __init__(self) -> None:
+        self.plans: list[list[int]] = []
+        self.advances: list[int] = []
+
+    def plan(self, shards: list[int]) -> None:
+        self.plans.append(list(shards))
+
+    def advance(self, position: int) -> None:
+        self.advances.append(position)
+
+
+def test_the_read_ahead_is_told_each_upcoming_samples_shard_and_each_handed_out_position() -> None:
+    """The read-ahead fetches in the order the sampler reads: one plan per epoch holding the shard of every
+    sample still to come (from the resumed step on), then, before each micro-batch is handed out, how many
+    samples came before it. A wrong plan or position still yields the right samples, only late."""
+    plan = BatchPlan(global_batch=4, world_size=1, micro_batch=2)
+    sizes = [4, 4, 4]
+    sampler = ResumableBatchSampler(12, plan, rank=0, seed=7)
+    recorder = RecordingReadAhead()
+    sampler.use_shards(sizes, window=1, read_ahead=recorder)  # type: ignore[arg-type]
+    sampler.set_position(epoch=1, start_step=1)
+    shard_of = [shard for shard, size in enumerate(sizes) for _ in range(size)]
+
+    handed: list[list[tuple[int, int]]] = []
+    for batch in sampler:
+        # Told before the batch is handed out, not after: the fetch of its shard may already be due.
+        assert recorder.advances[-1] == len(handed) * plan.micro_batch
+        handed.append(batch)
+
+    assert len(handed) == 4  # steps 1 and 2 of 3, two micro-batches each
+    assert recorder.plans == [[shard_of[i] for batch in handed for _, i in batch]]
+    assert recorder.advances == [0, 2, 4, 6]
+    assert all(type(position) is int for position in recorder.advances)
+
+
+@pytest.fixture()
+def shard_splits(tmp_path: Path) -> Path:
+    """A local ImageFolder pushed as shards (`out/train`, `out/val`): val/cat holds an image, a file that is
+    not one and an empty one."""
+    from trainstack.datapush import write_shards
+
+    root = tmp_path / "images"
+    for split in ("train", "val"):
+        _png(root / split / "cat" / "1.png", 10)
+        _png(root / split / "dog" / "1.png", 200)
+    (root / "val" / "cat" / "2.png").write_bytes(b"not a png")
+    (root / "val" / "cat" / "3.png").write_bytes(b"")
+    write_shards(root, tmp_path / "shards", ["cat", "dog"], 1_000)
+    return tmp_path / "shards"
+
+
+def test_a_bad_validation_image_in_a_shard_is_named_by_shard_and_name_and_dropped(shard_splits: Path) -> None:
+    """A bad image read from a shard is reported as one from a folder is: its name (the shard and the image),
+    why, and its class; an empty one reads "empty file (0 bytes)" as it does from disk."""
+    dataset = EvalDataset(str(shard_splits / "val"), 16)
+    names = [name for name, _ in dataset.folder.samples]
+    bad = names.index(next(n for n in names if n.endswith(":cat/2.png")))
+    empty = names.index(next(n for n in names if n.endswith(":cat/3.png")))
+
+    sample = dataset[bad]
+
+    assert sample.image is None and sample.target == 0  # cat
+    ((name, problem),) = sample.unreadable
+    assert name.startswith(f"{shard_splits / 'val'}/shard-") and name.endswith(".tar:cat/2.png")
+    assert problem.startswith("UnidentifiedImageError: cannot identify image file")
+    assert dataset[empty].unreadable == ((names[empty], "empty file (0 bytes)"),)
+    (batch,) = list(eval_loader(dataset, 8, rank=0, world_size=1, options={"num_workers": 0}))
+    assert batch.targets.tolist() == [0, 1]
+    assert sorted(path for path, _ in batch.unreadable) == sorted([names[bad], names[empty]])
+
+
+def test_the_evaluation_loader_gives_a_streamed_split_the_settings_it_is_handed_or_the_defaults(
+    shard_splits: Path,
+) -> None:
+    """The evaluation loader caches where the config says (STREAMING's settings), never passes them on to
+    the DataLoader as an argument, and falls back to the defaults when none are given."""
+    from training.data import STREAMING
+    from training.streaming import CacheSettings, ShardFolder
+
+    dataset = EvalDataset(str(shard_splits / "val"), 16)
+    assert isinstance(dataset.folder, ShardFolder)
+    settings = CacheSettings("/scratch/shard-cache", max_bytes=10**9, read_ahead=1, window=3)
+    handed = {"num_workers": 0, STREAMING: settings}
+
+    loader = eval_loader(dataset, 8, rank=0, world_size=1, options=handed)
+
+    assert dataset.folder.cache.settings is settings
+    assert STREAMING in handed  # the caller's options are not changed
+    assert sum(len(batch.targets) for batch in loader) == 2
+    eval_loader(dataset, 8, rank=0, world_size=1, options={"num_workers": 0})
+    assert dataset.folder.cache.settings == CacheSettings()
+
+
+def test_a_split_streamed_from_local_shards_gets_the_shard_order_and_no_read_ahead(
+    shard_splits: Path,
+) -> None:
+    """Shards on the local disk need no fetching: the sampler orders by shard, no read-ahead thread runs."""
+    dataset = SeededImageFolder(str(shard_splits / "train"), train_transform(16), seed=0)
+    sampler = ResumableBatchSampler(len(dataset), BatchPlan(2, 1, 2), rank=0, seed=0)
+
+    batches = list(train_loader(dataset, sampler, {"num_workers": 0}))
+
+    assert sampler.shard_sizes == dataset.folder.shard_sizes() and sampler.read_ahead is None
+    assert [len(batch.targets) for batch in batches] == [2]
+
+
 # -- a real trainer on a dataset with bad images ------------------------------------------------------------
 
 
