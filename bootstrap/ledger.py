@@ -11,7 +11,7 @@ import copy
 import json
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from botocore.exceptions import ClientError
@@ -357,12 +357,19 @@ class JobLedger:
             self.data["consecutive_failures"] = 0
 
     def record_throughput(self, progress: Progress | None) -> bool:
-        """Fold the trainer's latest report into this life's measured samples/s (a running mean over its
-        reports; a report seen at an earlier heartbeat counts once), with its precision and model. True when
-        the life took it. Only a running life measures: an ended one's figure is final."""
+        """Fold the trainer's latest report into this life: its measured samples/s (a running mean over its
+        reports; a report seen at an earlier heartbeat counts once), with its precision and model, its mean
+        data wait (counted the same way) and its time to first step (once). True when the life took any of
+        it. Only a running life measures: an ended one's figures are final."""
         life = self._current
         if life is None or life["outcome"] != LifeOutcome.RUNNING or progress is None:
             return False
+        first_step = self._record_first_step(life, progress)
+        data_wait = self._record_data_wait(life, progress)
+        return self._record_speed(life, progress) or data_wait or first_step
+
+    @staticmethod
+    def _record_speed(life: dict[str, Any], progress: Progress) -> bool:
         speed = progress.samples_per_s
         last_step = life.get("throughput_step")
         if speed is None or speed <= 0 or (isinstance(last_step, int) and progress.step <= last_step):
@@ -377,6 +384,49 @@ class JobLedger:
             life["precision"] = progress.precision
         if progress.model:
             life["model_family"] = progress.model
+        return True
+
+    @staticmethod
+    def _record_data_wait(life: dict[str, Any], progress: Progress) -> bool:
+        """The life's mean share of step time spent waiting on the loader, over its reports: its own step
+        marker, since a report with no speed (a stall: 0 samples/s) still says how long it waited."""
+        wait = progress.data_wait_fraction
+        last_step = life.get("data_wait_step")
+        # A share outside 0..1 is not one (a user's job reporting a percentage): no measurement.
+        if wait is None or not 0.0 <= wait <= 1.0:
+            return False
+        if isinstance(last_step, int) and progress.step <= last_step:
+            return False
+        reports = life.get("data_wait_reports")
+        count = reports if isinstance(reports, int) and reports > 0 else 0
+        mean = float(life.get("data_wait_fraction") or 0.0)
+        life["data_wait_fraction"] = round((mean * count + wait) / (count + 1), 3)
+        life["data_wait_reports"] = count + 1
+        life["data_wait_step"] = progress.step
+        return True
+
+    @staticmethod
+    def _record_first_step(life: dict[str, Any], progress: Progress) -> bool:
+        """Seconds from the life's start to its trainer's first step, kept once: a trainer restarted within
+        the life (a multi-node regroup) reports a later first step of its own, but the life's came first.
+        A warm standby's life counts from its hand-over (the end of its standby wait): what it promises is a
+        fast first step once it holds the job; its boot and its wait were not the job waiting for it."""
+        if life.get("first_step_seconds") is not None or progress.first_step_at is None:
+            return False
+        waited = life.get("standby_seconds")
+        try:
+            began = _parse(life["started_at"])
+            if "standby_since" in life and isinstance(waited, (int, float)) and not isinstance(waited, bool):
+                began = _parse(life["standby_since"]) + timedelta(seconds=float(waited))
+            seconds = (_parse(progress.first_step_at) - began).total_seconds()
+        except (TypeError, ValueError):  # not a time (a user's job wrote something else): no measurement
+            return False
+        if seconds < 0:
+            # A first step before the life began is not this life's: a progress file an earlier trainer left,
+            # or a clock stepped back (NTP at boot). Left unknown rather than clamped to a 0 s that never
+            # happened; a later report of this life's own trainer can still give it.
+            return False
+        life["first_step_seconds"] = round(seconds, 3)
         return True
 
     def set_generation(self, generation: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -12,7 +13,9 @@ from rich.table import Table
 
 from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES
 from demo.run import DemoResult
+from trainstack.top import data_wait_text, first_step_text
 from trainstack_job.contract import ExitCode
+from trainstack_job.records import Life
 
 MIN_ACCURACY = 0.5  # 4 classes: chance is 0.25
 
@@ -220,6 +223,32 @@ def print_timeline(result: DemoResult, console: Console) -> None:
     summary.add_row("group desired capacity", str(result.desired_capacity))
     summary.add_row("estimated cost", cost_line(result.ledger))
     console.print(summary)
+    console.print(lives_table([("job", result.ledger)]))
+
+
+def lives_table(ledgers: Sequence[tuple[str, dict[str, Any]]]) -> Table:
+    """Every life of each (label, ledger): its instance, how it ended, how long after its start its trainer
+    took its first step (what streaming shortens) and its mean data wait; "–" where it measured none (a
+    job that reports no progress, a life that never trained)."""
+    table = Table(title="lives: time to first step and data wait")
+    for column in ("job", "instance", "type", "outcome"):
+        table.add_column(column)
+    table.add_column("first step after", justify="right")
+    table.add_column("data wait", justify="right")
+    for label, ledger in ledgers:
+        found = ledger.get("lives")
+        for life in map(Life.from_json, found if isinstance(found, list) else []):
+            if life is None:
+                continue
+            table.add_row(
+                label,
+                life.instance_id or "?",
+                life.instance_type or "?",
+                life.outcome,
+                first_step_text(life.first_step_seconds),
+                data_wait_text(life.data_wait_fraction),
+            )
+    return table
 
 
 def cost_line(ledger: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES
 from demo.multinode import COMPLETE_LINE, INTERRUPTED, NODES, STOPPED_LINE, MultiNodeResult
-from demo.report import LENGTHEN, MIN_ACCURACY, Check, cost_line
+from demo.report import LENGTHEN, MIN_ACCURACY, Check, cost_line, lives_table
 from trainstack_job.contract import ExitCode, JobStatus, LifeOutcome
 
 REPLACEMENT = f"node-{NODES + 1}"
@@ -257,6 +257,7 @@ def print_timeline(result: MultiNodeResult, console: Console) -> None:
     summary.add_row("group desired capacity", str(result.desired_capacity))
     summary.add_row("estimated cost", cost_line(result.ledger))
     console.print(summary)
+    console.print(lives_table([("job", result.ledger)]))
 
 
 def plot_timeline(result: MultiNodeResult, path: Path) -> Path:

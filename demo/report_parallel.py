@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from demo.parallel import BIG_POOL, DEFAULT_POOL, ParallelResult, StepSeen
-from demo.report import Check
+from demo.report import Check, lives_table
 
 # Not built yet (issue 32, item 5): `trainstack jobs` shows no waiting reasons; the demo says so.
 SKIPPED = ("waiting reasons shown in `trainstack jobs`", "not built yet: the check is skipped")
@@ -385,6 +385,7 @@ def print_timeline(result: ParallelResult, console: Console) -> None:
     summary.add_row("desired capacity at the end", str(result.desired_end))
     summary.add_row("story took", f"{max((i.exited_at for i in result.instances), default=t0) - t0:.1f}s")
     console.print(summary)
+    console.print(lives_table([(job.label, job.ledger) for job in result.jobs]))
     if result.jobs_table:
         console.print("[bold]trainstack jobs[/] at the end:")
         console.print(result.jobs_table, highlight=False, markup=False)

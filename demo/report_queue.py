@@ -10,7 +10,7 @@ from rich.table import Table
 
 from bootstrap.cloud_init import USER_DATA_LIMIT_BYTES
 from demo.queue import Notice, QueuedJob, QueueResult
-from demo.report import LENGTHEN, MIN_ACCURACY, Check, cost_line, mark_interruption
+from demo.report import LENGTHEN, MIN_ACCURACY, Check, cost_line, lives_table, mark_interruption
 from trainstack_job.contract import ExitCode
 
 COMPLETED = "completed"
@@ -379,6 +379,7 @@ def print_timeline(result: QueueResult, console: Console) -> None:
             summary.add_row("  artifacts", "\n".join(job.artifacts))
     summary.add_row("group desired capacity", str(result.desired_capacity))
     console.print(summary)
+    console.print(lives_table([(job.label, job.ledger) for job in result.jobs]))
     if result.jobs_table:
         console.print("[bold]trainstack jobs[/] at the end:")
         console.print(result.jobs_table, highlight=False, markup=False)

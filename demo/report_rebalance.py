@@ -41,7 +41,7 @@ from demo.rebalance import (
     RebalanceResult,
     StepSeen,
 )
-from demo.report import MIN_ACCURACY, Check, cost_line
+from demo.report import MIN_ACCURACY, Check, cost_line, lives_table
 from trainstack_job.contract import JobStatus, LifeOutcome
 
 STEP_FOLDER = re.compile(r"^step-(\d+)/")
@@ -647,6 +647,7 @@ def print_timeline(result: RebalanceResult, console: Console) -> Figures:
     summary.add_row("group desired capacity", str(result.desired_capacity))
     summary.add_row("estimated cost", cost_line(result.ledger))
     console.print(summary)
+    console.print(lives_table([("job", result.ledger)]))
     return numbers
 
 

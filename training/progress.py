@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +76,10 @@ class ProgressReporter:
         world_size: int = 1,
         precision: str | None = None,
         model: str | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.path = output_dir / PROGRESS if output_dir else None
+        self.device = device
         self.epochs = epochs
         self.total_steps = total_steps
         self.log_every = log_every
@@ -92,8 +96,20 @@ class ProgressReporter:
         self.total_samples = 0
         self.starved_lines = 0
         self.last: dict[str, Any] = {}
+        # In progress.json: when this process completed its first optimizer step (wall clock, as the agent's
+        # life start is), from which the agent keeps its life's time to first step. Once per process: a
+        # resumed life runs a new trainer, so its first step is its own.
+        self._wall_clock = wall_clock
+        self.first_step_at: str | None = None
 
     def record_step(self, wait_seconds: float, samples: int) -> None:
+        if self.first_step_at is None:
+            if self.device.type == "cuda":
+                # CUDA runs the step's kernels after the call returns: wait for them (once), so this is when
+                # the first step finished, not when it was queued.
+                torch.cuda.synchronize(self.device)
+            moment = datetime.fromtimestamp(self._wall_clock(), timezone.utc)
+            self.first_step_at = moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
         self.interval.wait_seconds += wait_seconds
         self.interval.samples += samples
         self.interval.steps += 1
@@ -128,6 +144,7 @@ class ProgressReporter:
             loss=round(loss, 5),
             samples_per_s=round(samples_per_s, 1),
             data_wait_fraction=round(wait_fraction, 3),
+            first_step_at=self.first_step_at,
             eta_s=eta_s,
             world_size=self.world_size,
             precision=self.precision,

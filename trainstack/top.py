@@ -27,10 +27,10 @@ from bootstrap import hostmetrics as hm
 from trainstack.aws import Clients, explain
 from trainstack.dev.instances import require_dev_instance
 from trainstack.errors import CliError
-from trainstack.output import console, print_json
+from trainstack.output import console, format_duration, print_json
 from trainstack.stack import Stack
 from trainstack.state import read_ledger, read_progress, resolve_job
-from trainstack_job.records import Progress
+from trainstack_job.records import Life, Progress
 
 # The write-ups' rule: a GPU under ~70% busy is waiting on something.
 GPU_BUSY_PERCENT = 70.0
@@ -144,6 +144,38 @@ class Target:
     instances: dict[str, str]  # instance id → type
     progress: Progress | None = None
     note: str = ""
+    # The job's lives, oldest first: each one's time to first step and mean data wait (the ledger's).
+    lives: tuple[Life, ...] = ()
+
+
+# Shown for a figure a life has not measured (yet): never 0, which would claim an instant first step.
+UNKNOWN = "–"
+
+
+def first_step_text(seconds: float | None) -> str:
+    """A life's time to first step: `4.2s`, `42s`, `3m 05s`; "–" while unknown."""
+    if seconds is None:
+        return UNKNOWN
+    # Tenths under 10 s: a warm start's few seconds are what streaming and a standby are for.
+    return f"{seconds:.1f}s" if seconds < 10 else format_duration(seconds)
+
+
+def data_wait_text(fraction: float | None) -> str:
+    """A life's mean data wait as a share of step time: `12%`; "–" while unknown."""
+    return UNKNOWN if fraction is None else f"{100 * fraction:.0f}%"
+
+
+def life_summary(life: Life) -> dict[str, Any]:
+    """One life as `top --json` lists it (null: not measured)."""
+    return {
+        "life_id": life.life_id,
+        "instance_id": life.instance_id,
+        "instance_type": life.instance_type,
+        "outcome": life.outcome,
+        "started_at": life.started_at,
+        "first_step_seconds": life.first_step_seconds,
+        "data_wait_fraction": life.data_wait_fraction,
+    }
 
 
 def job_target(clients: Clients, stack: Stack, job_id: str | None) -> Target:
@@ -158,7 +190,8 @@ def job_target(clients: Clients, stack: Stack, job_id: str | None) -> Target:
     status = ledger.status if ledger is not None else "not started"
     note = "" if running else f"no instance runs job {job.job_id} now (status: {status})"
     progress = read_progress(clients, outputs.bucket, job)
-    return Target(f"job {job.job_id}", running, progress, note)
+    lives = tuple(ledger.lives) if ledger is not None else ()
+    return Target(f"job {job.job_id}", running, progress, note, lives)
 
 
 def dev_target(clients: Clients, stack: Stack) -> Target:
@@ -278,6 +311,7 @@ def snapshot(target: Target, readings: Sequence[InstanceReading], now: datetime)
         if progress is not None
         else None,
         "instances": instances,
+        "lives": [life_summary(life) for life in target.lives],
     }
 
 
@@ -361,7 +395,26 @@ def render(shot: dict[str, Any], problem: str = "") -> RenderableType:
             f"in {_rate(item[hm.NETWORK_IN_BYTES])}, out {_rate(item[hm.NETWORK_OUT_BYTES])}",
         )
         parts += [table, Text(f"diagnosis: {item['diagnosis']['line']}")]
+    if shot.get("lives"):
+        parts.append(lives_table(shot["lives"]))
     return RenderGroup(*parts)
+
+
+def lives_table(lives: Sequence[dict[str, Any]]) -> Table:
+    """Per life (as `life_summary` lists it): its instance, how it ended, how long its data kept it from its
+    first step, and its mean data wait."""
+    table = Table(title="lives", title_justify="left", box=None, padding=(0, 1))
+    for column in ("instance", "type", "outcome", "first step after", "data wait"):
+        table.add_column(column, justify="right" if column in {"first step after", "data wait"} else "left")
+    for life in lives:
+        table.add_row(
+            life["instance_id"] or "?",
+            life["instance_type"] or "?",
+            life["outcome"],
+            first_step_text(life["first_step_seconds"]),
+            data_wait_text(life["data_wait_fraction"]),
+        )
+    return table
 
 
 class Watcher:

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
@@ -87,6 +88,8 @@ class Job:
         self._stop_requested = False
         self._stop_reason = ""
         self._watching_signals = False
+        # When this process first reported a step past the one it resumed from: its time to first step.
+        self._first_step_at: str | None = None
 
     @classmethod
     def from_env(cls, *, keep: int = DEFAULT_KEEP, environ: Mapping[str, str] | None = None) -> Job:
@@ -262,7 +265,13 @@ class Job:
         Cheap enough to call every step: no fsync, a reader sees the old file or the new one."""
         if self.progress_file is None:
             return
-        value = Progress(step, total_steps, updated_at=now_iso(), extra=metrics).to_json()
+        if self._first_step_at is None and step > (self.restored_step or 0):
+            # The first step this process trained (a report of the restored step itself, before any step, is
+            # not one): the agent keeps it as the life's time to first step.
+            self._first_step_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        value = Progress(
+            step, total_steps, updated_at=now_iso(), first_step_at=self._first_step_at, extra=metrics
+        ).to_json()
         tmp = self.progress_file.with_name(f".{self.progress_file.name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(value, default=_plain))
         tmp.replace(self.progress_file)

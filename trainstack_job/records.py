@@ -211,6 +211,15 @@ class Life:
     throughput_step: int | None = None
     precision: str | None = None
     model_family: str | None = None
+    # How long the life's data kept it from training (docs/internals.md, "The ledger"): the seconds from its
+    # start to its trainer's first completed optimizer step (what streaming shortens: no full dataset sync
+    # first), and the mean share of step time the trainer waited on its data loader over its progress reports
+    # (`data_wait_reports` of them, the last at `data_wait_step`). None (absent from the JSON) until the
+    # trainer reports them: a job that reports no progress (or none of these) never has them.
+    first_step_seconds: float | None = None
+    data_wait_fraction: float | None = None
+    data_wait_reports: int | None = None
+    data_wait_step: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -289,6 +298,10 @@ class Life:
             throughput_step=_int(raw, "throughput_step"),
             precision=_text(raw, "precision"),
             model_family=_text(raw, "model_family"),
+            first_step_seconds=_float(raw, "first_step_seconds"),
+            data_wait_fraction=_float(raw, "data_wait_fraction"),
+            data_wait_reports=_int(raw, "data_wait_reports"),
+            data_wait_step=_int(raw, "data_wait_step"),
             extra=_extra(cls, raw),
         )
 
@@ -306,6 +319,10 @@ _MEASURED_LIFE_FIELDS = (
     "throughput_step",
     "precision",
     "model_family",
+    "first_step_seconds",
+    "data_wait_fraction",
+    "data_wait_reports",
+    "data_wait_step",
 )
 
 
@@ -388,6 +405,9 @@ class Progress:
     samples_per_s: float | None = None
     # The share of step time spent waiting for the data loader (0..1): the data-starvation measure.
     data_wait_fraction: float | None = None
+    # When this process completed its first optimizer step (ISO 8601 UTC, wall clock): set once per process,
+    # so a resumed life's is its own. The agent turns it into its life's `first_step_seconds`.
+    first_step_at: str | None = None
     eta_s: int | None = None
     world_size: int | None = None
     # The precision the trainer runs in (bf16, fp16, fp32) and its model's name: what a life's throughput is
@@ -413,6 +433,7 @@ class Progress:
             loss=_float(raw, "loss"),
             samples_per_s=_float(raw, "samples_per_s"),
             data_wait_fraction=_float(raw, "data_wait_fraction"),
+            first_step_at=_text(raw, "first_step_at"),
             eta_s=_int(raw, "eta_s"),
             world_size=_int(raw, "world_size"),
             precision=_text(raw, "precision"),

@@ -97,3 +97,59 @@ def test_the_multi_node_check_passes_a_stop_mid_run_and_fails_a_finished_job() -
     assert not passed and "the job finished before the notice: lengthen it" in detail
     passed, detail = report_multinode.interrupted_mid_run(_multi(exit_code=1))
     assert not passed and "did not stop with exit 75 (exit 1" in detail
+
+
+# -- the lives table: time to first step and data wait per life (issue 35) ---------------------------
+
+
+def _lives_ledger() -> dict[str, Any]:
+    """Instance 1 measured both; instance 2 (a user's job, no progress) measured neither."""
+    first = {
+        "instance_id": "i-1",
+        "instance_type": "g6.xlarge",
+        "started_at": "2026-12-06T10:00:00.000Z",
+        "outcome": "preempted",
+        "first_step_seconds": 6.25,
+        "data_wait_fraction": 0.083,
+    }
+    second = {
+        "instance_id": "i-2",
+        "instance_type": "g4dn.xlarge",
+        "started_at": "2026-12-06T10:05:00.000Z",
+        "outcome": "completed",
+    }
+    return {"status": "completed", "lives": [first, second, "not a life", {"outcome": "no start"}]}
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    return {
+        cells[1]: cells
+        for line in text.splitlines()
+        if len(cells := [c.strip() for c in line.strip("│┃ ").split("│")]) > 1 and cells[1].startswith("i-")
+    }
+
+
+def test_the_lives_table_shows_each_lifes_first_step_and_data_wait_and_a_dash_for_unknown() -> None:
+    from rich.console import Console
+
+    console = Console(width=160, record=True)
+    console.print(report.lives_table([("job 1", _lives_ledger()), ("job 2", {"lives": None})]))
+    text = console.export_text()
+    rows = _rows(text)
+    assert rows["i-1"] == ["job 1", "i-1", "g6.xlarge", "preempted", "6.2s", "8%"]
+    assert rows["i-2"] == ["job 1", "i-2", "g4dn.xlarge", "completed", "–", "–"]
+    assert set(rows) == {"i-1", "i-2"}, "what is not a life is left out"
+    assert "first step after" in text and "data wait" in text
+
+
+def test_the_demos_summary_ends_with_the_lives_table() -> None:
+    from rich.console import Console
+
+    result = _single()
+    result.ledger = _lives_ledger()
+    result.ledger["lives"] = result.ledger["lives"][:2]
+    console = Console(width=200, record=True)
+    report.print_timeline(result, console)
+    text = console.export_text()
+    assert text.index("estimated cost") < text.index("lives: time to first step and data wait")
+    assert _rows(text)["i-1"][-2:] == ["6.2s", "8%"]

@@ -351,3 +351,26 @@ def test_the_timeline_tells_the_queue_in_order() -> None:
     ]
     positions = [text.index(row) for row in rows]
     assert positions == sorted(positions), text
+
+
+def test_the_report_ends_with_each_lifes_time_to_first_step_and_data_wait() -> None:
+    result = _passing()
+    tiny = result.job("job 1")
+    for life, started, first, wait in zip(
+        tiny.ledger["lives"],
+        ("2026-12-06T10:00:00Z", "2026-12-06T10:05:00Z"),
+        (7.5, None),
+        (0.05, None),
+        strict=True,
+    ):
+        life["started_at"] = started
+        if first is not None:
+            life["first_step_seconds"], life["data_wait_fraction"] = first, wait
+    console = Console(file=io.StringIO(), width=200)
+    report(result, console)
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    table = text[text.index("lives: time to first step and data wait") :]
+    lines = [line for line in table.splitlines() if "job 1" in line]
+    assert len(lines) == 2, table
+    assert "preempted" in lines[0] and "7.5s" in lines[0] and "5%" in lines[0]
+    assert "completed" in lines[1] and lines[1].count("–") == 2, "unknown, never 0"

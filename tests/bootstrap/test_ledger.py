@@ -694,3 +694,135 @@ def test_an_update_of_a_life_that_had_already_ended_merges_nothing_again(s3: Any
     store._merge_throughput = lambda ledger: merges.append("merged")  # type: ignore[method-assign]
     store.update(lambda ledger: ledger.update_cost(at(120)))
     assert merges == [], "only the update that ends the life merges"
+
+
+# -- time to first step and data wait: what each life's data cost it (issue 35) -----------------------
+
+
+def waited(step: int, fraction: float | None, samples_per_s: float | None = None) -> Progress:
+    return Progress(step=step, samples_per_s=samples_per_s, data_wait_fraction=fraction)
+
+
+def first_step(step: int, seconds: float) -> Progress:
+    """A report of a trainer whose first step of this process finished `seconds` after T0."""
+    return Progress(step=step, first_step_at=iso_at(seconds))
+
+
+def test_a_lifes_time_to_first_step_is_kept_once_from_its_start() -> None:
+    ledger = opened("i-a", 100)  # the life starts at T0 + 100 s
+    assert ledger.record_throughput(first_step(10, 142.125))
+    assert life_of(ledger, "i-a")["first_step_seconds"] == 42.125
+    # A trainer restarted within the life (a multi-node regroup) reports its own, later first step: the
+    # life's first step came first.
+    assert not ledger.record_throughput(first_step(20, 300.0))
+    assert life_of(ledger, "i-a")["first_step_seconds"] == 42.125
+
+
+def test_a_first_step_at_the_lifes_start_is_0_and_one_before_it_is_left_unknown() -> None:
+    ledger = opened("i-a", 100)
+    # Before the life began: a progress file an earlier trainer left, or a clock stepped back. Never a
+    # negative number, never a made-up 0: unknown, and the life's own trainer can still give it.
+    assert not ledger.record_throughput(first_step(10, 99.999))
+    assert "first_step_seconds" not in life_of(ledger, "i-a")
+    assert ledger.record_throughput(first_step(10, 100.0))
+    assert life_of(ledger, "i-a")["first_step_seconds"] == 0.0
+
+
+def test_a_first_step_that_is_no_time_is_not_measured() -> None:
+    ledger = opened("i-a", 0)
+    for said in ("soon", "2030-01-01T00:00:10", ""):  # not a time; no time zone; empty
+        assert not ledger.record_throughput(Progress(step=10, first_step_at=said)), said
+    assert "first_step_seconds" not in life_of(ledger, "i-a")
+    assert not ledger.record_throughput(Progress(step=10)), "a user's job that does not say has none"
+    assert "first_step_seconds" not in life_of(ledger, "i-a")
+
+
+def test_each_life_has_its_own_first_step() -> None:
+    ledger = opened("i-a", 0)
+    ledger.record_throughput(first_step(10, 30.0))
+    ledger.end_life(LifeOutcome.PREEMPTED, at(600))
+    assert not ledger.record_throughput(first_step(20, 700.0)), "an ended life measures no more"
+    ledger.begin_life(node("i-b"), 1.0, at(900))
+    assert ledger.record_throughput(first_step(400, 912.5))
+    assert life_of(ledger, "i-a")["first_step_seconds"] == 30.0
+    assert life_of(ledger, "i-b")["first_step_seconds"] == 12.5
+
+
+def test_a_life_keeps_the_mean_data_wait_of_its_reports_counting_each_step_once() -> None:
+    ledger = opened("i-a", 0)
+    assert ledger.record_throughput(waited(10, 0.1, samples_per_s=100.0))
+    assert not ledger.record_throughput(waited(10, 0.1, samples_per_s=100.0)), "the same report again"
+    assert not ledger.record_throughput(waited(5, 0.9)), "an older report (a restarted trainer's first)"
+    assert not ledger.record_throughput(waited(30, None)), "a report without a data wait"
+    # A stall (0 samples/s) is no speed but still a wait: counted here, not in the throughput mean.
+    assert ledger.record_throughput(waited(20, 0.4, samples_per_s=0.0))
+    life = life_of(ledger, "i-a")
+    assert (life["data_wait_fraction"], life["data_wait_reports"], life["data_wait_step"]) == (0.25, 2, 20)
+    assert (life["samples_per_second"], life["throughput_reports"], life["throughput_step"]) == (100.0, 1, 10)
+
+
+def test_a_data_wait_outside_0_to_1_is_no_measurement_and_its_ends_are() -> None:
+    ledger = opened("i-a", 0)
+    assert not ledger.record_throughput(waited(10, 1.5)), "a percentage is not a share"
+    assert not ledger.record_throughput(waited(20, -0.1))
+    assert "data_wait_fraction" not in life_of(ledger, "i-a")
+    assert ledger.record_throughput(waited(30, 1.0))
+    assert ledger.record_throughput(waited(40, 0.0))
+    life = life_of(ledger, "i-a")
+    assert (life["data_wait_fraction"], life["data_wait_reports"], life["data_wait_step"]) == (0.5, 2, 40)
+
+
+def test_the_data_wait_mean_is_kept_to_three_decimals_and_starts_from_zero_without_one() -> None:
+    ledger = opened("i-a", 0)
+    ledger.record_throughput(waited(10, 0.1234))
+    assert life_of(ledger, "i-a")["data_wait_fraction"] == 0.123
+    ledger.record_throughput(waited(20, 0.2))
+    assert life_of(ledger, "i-a")["data_wait_fraction"] == 0.162
+    # A hand-edited life: one report counted but its mean lost is not given a wait it never had; a count
+    # that is no count starts over.
+    life = life_of(ledger, "i-a")
+    life["data_wait_reports"], life["data_wait_fraction"] = 1, None
+    ledger.record_throughput(waited(30, 0.5))
+    assert (life_of(ledger, "i-a")["data_wait_fraction"], life_of(ledger, "i-a")["data_wait_reports"]) == (
+        0.25,
+        2,
+    )
+    life["data_wait_reports"], life["data_wait_fraction"] = -3, 0.9
+    ledger.record_throughput(waited(40, 0.1))
+    assert (life_of(ledger, "i-a")["data_wait_fraction"], life_of(ledger, "i-a")["data_wait_reports"]) == (
+        0.1,
+        1,
+    )
+
+
+def test_the_ledgers_updates_store_the_first_step_once_and_each_reports_wait_once(s3: Any) -> None:
+    store = LedgerStore(s3, BUCKET, KEY)
+    progress: list[Progress | None] = [None]
+    store.measure_throughput(lambda: progress[0], ThroughputStore(s3, BUCKET, "state/t.json"), "j")
+    store.begin_life(node("i-a"), 1.0, at(0))
+    progress[0] = Progress(step=10, data_wait_fraction=0.2, first_step_at=iso_at(8.5))
+    store.update(lambda ledger: ledger.update_cost(at(30)))
+    store.update(lambda ledger: ledger.update_cost(at(60)))  # the same report at the next heartbeat
+    progress[0] = Progress(step=20, data_wait_fraction=0.6, first_step_at=iso_at(8.5))
+    store.update(lambda ledger: ledger.update_cost(at(90)))
+    [life] = stored(s3)["lives"]
+    assert life["first_step_seconds"] == 8.5
+    assert (life["data_wait_fraction"], life["data_wait_reports"], life["data_wait_step"]) == (0.4, 2, 20)
+    assert "samples_per_second" not in life, "no speed reported, none measured"
+
+
+def test_a_standbys_time_to_first_step_counts_from_its_hand_over() -> None:
+    ledger = opened("i-a", 100)
+    ledger.mark_standby(at(110))
+    ledger.end_standby(at(710))  # waited warm for 600 s, then took the job
+    assert ledger.record_throughput(first_step(10, 714.5))
+    assert life_of(ledger, "i-a")["first_step_seconds"] == 4.5
+
+
+def test_a_standby_still_waiting_counts_from_its_start_until_its_wait_is_settled() -> None:
+    """A report while the wait is open (a wait never settled: the hand-over's record lost) has no hand-over
+    to count from: the life's start is all there is."""
+    ledger = opened("i-a", 100)
+    ledger.mark_standby(at(110))
+    assert ledger.record_throughput(first_step(10, 150.0))
+    assert life_of(ledger, "i-a")["first_step_seconds"] == 50.0

@@ -112,7 +112,8 @@ def test_top_once_shows_each_gpu_the_host_and_the_diagnosis(training: tuple[Depl
     assert "98%" in out and "61%" in out and "46%" in out
     assert "read 250.0 MB/s, write 1.0 MB/s" in out and "in 40.0 MB/s, out 0.2 MB/s" in out
     assert "diagnosis: input-bound: GPU 38% busy, CPU 98%, steps wait on data 46% of the time" in out
-    assert "i-0gone" not in out  # a life that ended is not watched
+    # A life that ended is not watched (no metrics panel), only listed among the job's lives.
+    assert "i-0gone (g6.xlarge)" not in out and "i-0gone " in out
 
 
 def test_top_json_is_the_same_snapshot(training: tuple[Deployed, str]) -> None:
@@ -243,3 +244,77 @@ def test_a_corrupt_progress_file_with_once_is_one_line(training: tuple[Deployed,
 def test_too_short_an_interval_is_one_line(deployed: Deployed) -> None:
     result = deployed.run("top", "--interval", "0.5")
     assert result.code == 1 and "--interval 0.5: at least 2 seconds" in result.err
+
+
+def _lives_measured(deployed: Deployed, instance: str) -> None:
+    """The ended life measured its first step and data wait; the running one has not reported yet."""
+    ended = {
+        "instance_id": "i-0gone",
+        "instance_type": "g6.xlarge",
+        "outcome": "preempted",
+        "started_at": T0,
+        "ended_at": T1,
+        "first_step_seconds": 187.4,
+        "data_wait_fraction": 0.463,
+        "data_wait_reports": 12,
+        "data_wait_step": 1200,
+    }
+    running = {
+        "instance_id": instance,
+        "instance_type": "g6.12xlarge",
+        "outcome": "running",
+        "started_at": T1,
+    }
+    deployed.s3().put_object(
+        Bucket=BUCKET,
+        Key=f"jobs/{JOB}/state/ledger.json",
+        Body=json.dumps({"status": "running", "lives": [ended, running]}),
+    )
+
+
+def test_top_shows_each_lifes_time_to_first_step_and_data_wait(training: tuple[Deployed, str]) -> None:
+    deployed, instance = training
+    _lives_measured(deployed, instance)
+
+    result = deployed.run("top", "--once")
+
+    assert result.code == 0, result.err
+    rows = {
+        line.split()[0]: line.split() for line in result.out.splitlines() if line.strip().startswith("i-")
+    }
+    assert rows["i-0gone"][1:] == ["g6.xlarge", "preempted", "3m", "07s", "46%"]
+    # Not measured yet: "–", never a 0 that would claim an instant start or no wait at all.
+    assert rows[instance][1:] == ["g6.12xlarge", "running", "–", "–"]
+    assert "first step after" in result.out and "data wait" in result.out
+
+
+def test_top_json_lists_the_lives_with_null_for_unknown(training: tuple[Deployed, str]) -> None:
+    deployed, instance = training
+    _lives_measured(deployed, instance)
+
+    shot = deployed.run("top", "--json").json()
+
+    ended, running = shot["lives"]
+    assert (ended["instance_id"], ended["first_step_seconds"], ended["data_wait_fraction"]) == (
+        "i-0gone",
+        187.4,
+        0.463,
+    )
+    assert (running["instance_id"], running["first_step_seconds"], running["data_wait_fraction"]) == (
+        instance,
+        None,
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [(None, "–"), (0.0, "0.0s"), (4.25, "4.2s"), (9.96, "10.0s"), (10.0, "10s"), (187.4, "3m 07s")],
+)
+def test_time_to_first_step_reads_in_tenths_under_10_s(seconds: float | None, shown: str) -> None:
+    assert top.first_step_text(seconds) == shown
+
+
+@pytest.mark.parametrize(("fraction", "shown"), [(None, "–"), (0.0, "0%"), (0.463, "46%"), (1.0, "100%")])
+def test_data_wait_reads_as_a_percentage(fraction: float | None, shown: str) -> None:
+    assert top.data_wait_text(fraction) == shown

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,31 @@ def test_progress_is_written_as_json(job: Job) -> None:
     assert job.progress_file is not None
     value = json.loads(job.progress_file.read_text())
     assert (value["step"], value["total_steps"], value["loss"]) == (12, 100, 0.5)
+
+
+def test_progress_says_when_this_process_first_stepped_past_its_restored_step(job: Job) -> None:
+    """The agent's time to first step for a job of your own: the first report past the restored step (a
+    report of the restored step itself trained nothing yet), then the same moment in every report."""
+    from trainstack_job.records import Progress
+
+    assert job.progress_file is not None
+    job.restored_step = 40
+
+    def reported() -> Progress:
+        assert job.progress_file is not None
+        progress = Progress.from_json(json.loads(job.progress_file.read_text()))
+        assert progress is not None
+        return progress
+
+    job.report_progress(40, 100)
+    assert reported().first_step_at is None
+    now = datetime.now(timezone.utc)
+    before = now.replace(microsecond=now.microsecond // 1000 * 1000)  # said to the millisecond
+    job.report_progress(41, 100)
+    first = reported().first_step_at
+    assert first is not None and before <= datetime.fromisoformat(first) <= datetime.now(timezone.utc)
+    job.report_progress(42, 100)
+    assert reported().first_step_at == first
 
 
 def test_manifest_records_the_step_and_epoch(job: Job) -> None:

@@ -502,3 +502,58 @@ def test_records_load_only_the_standard_library() -> None:
         for alias in node.names
     }
     assert imported - set(sys.stdlib_module_names) - {"__future__"} == {"trainstack_job"}
+
+
+# -- time to first step and data wait (issue 35) ------------------------------------------------------
+
+
+def test_a_life_with_its_first_step_and_data_wait_round_trips_and_an_old_life_reads_without_them() -> None:
+    measured = {
+        **LIFE,
+        "first_step_seconds": 42.125,
+        "data_wait_fraction": 0.125,
+        "data_wait_reports": 3,
+        "data_wait_step": 300,
+    }
+    life = Life.from_json(json.loads(json.dumps(measured)))
+    assert life is not None
+    assert (life.first_step_seconds, life.data_wait_fraction) == (42.125, 0.125)
+    assert (life.data_wait_reports, life.data_wait_step) == (3, 300)
+    assert life.to_json() == measured and not life.extra.keys() & measured.keys() - LIFE.keys()
+    old = Life.from_json(LIFE)
+    assert old is not None
+    assert (old.first_step_seconds, old.data_wait_fraction, old.data_wait_reports, old.data_wait_step) == (
+        None,
+    ) * 4
+    written = old.to_json()
+    for unknown in ("first_step_seconds", "data_wait_fraction", "data_wait_reports", "data_wait_step"):
+        assert unknown not in written, f"{unknown}: absent until measured, never 0 or null"
+
+
+def test_a_first_step_or_data_wait_of_the_wrong_type_reads_as_unknown() -> None:
+    odd = Life.from_json(
+        {
+            **LIFE,
+            "first_step_seconds": "soon",
+            "data_wait_fraction": True,
+            "data_wait_reports": 2.5,
+            "data_wait_step": "300",
+        }
+    )
+    assert odd is not None
+    assert (odd.first_step_seconds, odd.data_wait_fraction, odd.data_wait_reports, odd.data_wait_step) == (
+        None,
+    ) * 4
+    zero = Life.from_json({**LIFE, "first_step_seconds": 0, "data_wait_fraction": 0})
+    assert zero is not None and (zero.first_step_seconds, zero.data_wait_fraction) == (0.0, 0.0)
+    assert zero.to_json()["first_step_seconds"] == 0.0, "a measured 0 is kept, unlike an unknown"
+
+
+def test_progress_carries_the_first_step_of_its_process() -> None:
+    raw = {"step": 10, "total_steps": 100, "first_step_at": "2026-12-06T10:00:42.125Z"}
+    progress = Progress.from_json(raw)
+    assert progress is not None and progress.first_step_at == "2026-12-06T10:00:42.125Z"
+    assert progress.extra == {} and progress.to_json() == raw
+    assert "first_step_at" not in Progress(step=10).to_json(), "a job that does not say writes nothing"
+    odd = Progress.from_json({"step": 10, "first_step_at": 1765015242})
+    assert odd is not None and odd.first_step_at is None
