@@ -448,6 +448,8 @@ def test_a_defined_job_is_queued_once_and_the_pointer_names_it_with_when(bucket:
     assert bucket.get(queue_key(A)) == {"job_id": A, "submitted_at": iso(NOW), "now": False}
     for key in (f"jobs/{A}/job.json", queue_key(A), "state/current-job.json"):
         assert bucket.content_type(key) == "application/json", key
+    body = bucket.s3.get_object(Bucket=FAST_BUCKET, Key=f"jobs/{A}/job.json")["Body"].read().decode()
+    assert body == json.dumps(json.loads(body), indent=2), "the job's record is indented JSON, for people"
     jobs = bucket.directory()
     assert jobs.submit(config, NOW) is False, "written once: the entry is there"
     # Unnamed, a job is named by its id; a pool's entry says its pool.
@@ -1322,6 +1324,21 @@ def test_each_queue_entry_is_read_once_per_life_and_once_for_all_of_a_pools_lane
     _standby(bucket, C, NOW.timestamp())
     assert bind_job(lanes, bucket.config(lanes=3), NOW) is None
     assert lanes.reads == {queue_key(A): 1, queue_key(B): 1}
+
+
+def test_an_unreadable_entry_is_read_once_per_version_not_at_every_scan(bucket: Bucket) -> None:
+    """A malformed entry stays in the queue until someone removes it: each agent's scan must not GET it
+    again (every scan of every instance of the pool would pay for it), only once it is rewritten."""
+    bucket.put(queue_key(A), b"not json")
+    bucket.submit(B, LATER)
+    counting = Counting(bucket.s3)
+    jobs = JobDirectory(counting, bucket.config(), bucket.log)
+    for _ in range(3):
+        assert [entry.job_id for entry in jobs.entries()] == [B]
+    assert counting.reads[queue_key(A)] == 1
+    bucket.put(queue_key(A), b"still not json, but rewritten")
+    jobs.entries()
+    assert counting.reads[queue_key(A)] == 2
 
 
 def test_every_unreadable_entry_is_named_once_and_other_objects_under_queue_are_not(bucket: Bucket) -> None:

@@ -784,6 +784,31 @@ def test_a_users_job_with_requirements_runs_in_its_venv_built_once_per_instance(
     assert (reused["stage"], reused["requirements"], reused["venv"]) == ("job", str(requirements), str(venv))
 
 
+def test_the_jobs_venv_is_built_as_the_jobs_user_and_a_stop_during_the_build_interrupts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pip runs a requirement's install code: as the job's unprivileged user (the supervisor's launch), never
+    root; and a stop that comes while it installs (a spot notice, a cancel) ends the build rather than
+    waiting for it, so the job never starts (bootstrap/job.py's prepare_python polls both)."""
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "requirements.txt").write_text("einops\n")
+    built: dict[str, Any] = {}
+
+    def prepare(base: str, requirements: Path | None, *args: Any, **options: Any) -> str:
+        built.update(options, requirements=requirements)
+        return base
+
+    monkeypatch.setattr("bootstrap.supervisor.prepare_python", prepare)
+    run = Run(tmp_path, user_job=user_job(workdir="w", requirements="requirements.txt"))
+    build(run)
+    assert built["requirements"] == tmp_path / "w" / "requirements.txt"
+    assert built["launch"] is run.supervisor.launch, "pip must run as the job's user"
+    should_abort = built["should_abort"]
+    assert not should_abort()
+    run.stops.request("spot interruption notice")
+    assert should_abort(), "a stop during the build must interrupt it"
+
+
 def test_an_efa_instances_settings_come_on_top_of_the_contract(tmp_path: Path) -> None:
     trainer = build(
         Run(tmp_path, efa=True), identity=InstanceIdentity("i-1", "p4d.24xlarge", "a", "r", "spot")
