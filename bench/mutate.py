@@ -276,7 +276,12 @@ TARGETS: dict[str, Target] = {
     # missing shard named. The loader's position (the shard-aware order) is the trainer target's data.py.
     "streaming": Target(
         ("training/streaming.py",),
-        ("tests/training/test_streaming.py", "tests/training/test_data.py"),
+        (
+            "tests/training/test_streaming.py",
+            "tests/training/test_streaming_cache.py",
+            "tests/training/test_streaming_faults.py",
+            "tests/training/test_data.py",
+        ),
         deselect=(
             "tests/training/test_data.py::test_training_completes_past_bad_images_and_metrics_lists_them",
             "tests/training/test_data.py::test_too_many_bad_images_stop_the_job_with_exit_65_naming_them",
