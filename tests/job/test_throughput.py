@@ -23,6 +23,8 @@ from trainstack_job.throughput import (
     dropped_types,
     expected_throughput,
     life_hours,
+    pool_capacity_weights,
+    pool_throughput,
     shipped_throughput,
 )
 
@@ -437,3 +439,74 @@ def test_a_life_whose_times_do_not_read_is_left_out_and_never_stops_the_others(
     table = ThroughputTable()
     assert table.merge(JOB, [unreadable, life("g6.xlarge", 300.0)]) == 1
     assert table.jobs[JOB]["g6.xlarge"].samples_per_second == 300.0
+
+
+# -- a pool's weights from the stack's measured figures (trainstack:measuredThroughput) --------------------
+
+
+def shipped(instance_type: str) -> float:
+    found = shipped_throughput(instance_type)
+    assert found is not None, instance_type
+    return found.samples_per_second
+
+
+def test_without_measured_types_a_pool_keeps_the_shipped_estimates() -> None:
+    assert pool_throughput(TYPES, {}) == {t: shipped_throughput(t) for t in TYPES}
+    assert pool_throughput(TYPES, {"p5.48xlarge": 900.0}) == {t: shipped_throughput(t) for t in TYPES}
+
+
+def test_measured_types_train_at_their_figure_and_the_others_are_scaled_by_the_geometric_mean() -> None:
+    found = pool_throughput(TYPES, {"g4dn.xlarge": 100.0, "g6.xlarge": 500.0})
+    measured = found["g4dn.xlarge"], found["g6.xlarge"]
+    assert [(m.samples_per_second if m else None) for m in measured] == [100.0, 500.0]
+    assert all(m is not None and m.source == "measured: trainstack:measuredThroughput" for m in measured)
+    scale = ((100.0 / shipped("g4dn.xlarge")) * (500.0 / shipped("g6.xlarge"))) ** 0.5
+    for instance_type in ("g5.xlarge", "g6e.xlarge"):
+        estimated = found[instance_type]
+        assert estimated is not None
+        assert estimated.samples_per_second == pytest.approx(shipped(instance_type) * scale, rel=1e-12)
+        assert estimated.source.startswith("estimated: the shipped estimate: 1x ")
+        assert estimated.source.endswith(", scaled by the measured types' measured/shipped ratio")
+    assert list(found) == TYPES, "in the pool's order"
+
+
+def test_a_type_neither_measured_nor_estimated_has_no_throughput_and_leaves_the_pool_unweighted() -> None:
+    found = pool_throughput(["g6.xlarge", "m7i.large"], {"g6.xlarge": 400.0})
+    assert found["m7i.large"] is None
+    assert capacity_weights(["g6.xlarge", "m7i.large"], measured={"g6.xlarge": 400.0}) == {
+        "g6.xlarge": 1,
+        "m7i.large": 1,
+    }
+    # Measured on an unknown type only: nothing to scale the known ones by.
+    alone = pool_throughput(["m7i.large", "g6.xlarge"], {"m7i.large": 50.0})
+    assert alone["g6.xlarge"] is None and alone["m7i.large"] is not None
+    assert alone["m7i.large"].samples_per_second == 50.0
+
+
+def test_measured_figures_decide_the_weights_over_the_table_and_the_estimate() -> None:
+    table = ThroughputTable()
+    measured = {"g4dn.xlarge": 100.0, "g6.xlarge": 500.0}
+    weights = capacity_weights(TYPES, job_id=JOB, table=table, measured=measured)
+    scale = ((100.0 / shipped("g4dn.xlarge")) * (500.0 / shipped("g6.xlarge"))) ** 0.5
+    assert weights == {
+        "g6.xlarge": 5,
+        "g5.xlarge": round(shipped("g5.xlarge") * scale / 100.0),
+        "g6e.xlarge": round(shipped("g6e.xlarge") * scale / 100.0),
+        "g4dn.xlarge": 1,
+    }
+    # A mapping that names none of the pool's types is no measurement of it: the estimate decides.
+    assert capacity_weights(TYPES, measured={"p5.48xlarge": 900.0}) == capacity_weights(TYPES)
+
+
+def test_only_a_pool_of_one_instance_and_one_job_is_weighted() -> None:
+    measured = {"g4dn.xlarge": 100.0, "g6.xlarge": 500.0}
+    assert pool_capacity_weights(TYPES, max_instances=1, max_jobs=1) == capacity_weights(TYPES)
+    assert pool_capacity_weights(TYPES, max_instances=1, max_jobs=1, measured=measured) == capacity_weights(
+        TYPES, measured=measured
+    )
+    assert pool_capacity_weights(TYPES, max_instances=2, max_jobs=1) is None, "a multi-node pool"
+    assert pool_capacity_weights(TYPES, max_instances=1, max_jobs=2) is None, "a pool of lanes"
+    assert pool_capacity_weights(TYPES, max_instances=0, max_jobs=1) is None
+    # Every type weighing 1 is no weighting at all (a unit is an instance already).
+    assert pool_capacity_weights(["g6.xlarge"], max_instances=1, max_jobs=1) is None
+    assert pool_capacity_weights(["g6.xlarge", "g5.xlarge"], max_instances=1, max_jobs=1) is None
