@@ -1462,3 +1462,120 @@ def test_pools_set_to_nothing_are_the_single_group_and_a_pools_own_settings_are_
     assert [pool.min_nodes for pool in config.pools] == [1, 2]
     assert config.placement_strategy == "", "the first pool asks for no placement group"
     assert parse_pools([{**GOOD, "placementGroup": True}]).placement_strategy == "cluster"
+
+
+# -- an existing VPC's ids (vpcId, subnetIds, createVpcEndpoints): their shapes, before any lookup ----------
+
+_VPC = "vpc-0123456789abcdef0"
+_SUBNETS = ("subnet-0123456789abcdef0", "subnet-0fedcba9876543210")
+_SUBNETS_EXAMPLE = (
+    '`pulumi config set trainstack:subnetIds \'["subnet-0123456789abcdef0","subnet-0fedcba9876543210"]\'`'
+)
+
+
+def _vpc_problems(vpc_id: str, subnet_ids: tuple[str, ...], create_endpoints: bool = False) -> list[str]:
+    from infra.config.network import check_existing_vpc
+    from infra.config.values import Problems
+
+    problems = Problems()
+    check_existing_vpc(vpc_id, subnet_ids, create_endpoints, problems)
+    return problems.lines
+
+
+@pytest.mark.parametrize(
+    "vpc_id, subnet_ids, create_endpoints",
+    [
+        (_VPC, _SUBNETS, True),
+        (_VPC, _SUBNETS, False),
+        ("vpc-01234567", ("subnet-01234567",), False),  # the older 8-digit ids
+        ("", (), False),
+    ],
+)
+def test_an_existing_vpcs_well_formed_ids_pass(
+    vpc_id: str, subnet_ids: tuple[str, ...], create_endpoints: bool
+) -> None:
+    assert _vpc_problems(vpc_id, subnet_ids, create_endpoints) == []
+
+
+def test_each_malformed_or_missing_vpc_id_is_its_own_line_with_an_example() -> None:
+    assert _vpc_problems("vpc-xyz", ("subnet-1", "subnet-0123456789abcdef")) == [
+        "trainstack:vpcId: 'vpc-xyz' is not a VPC id (e.g. `pulumi config set trainstack:vpcId "
+        "vpc-0123456789abcdef0`)",
+        f"trainstack:subnetIds: 'subnet-1' is not a subnet id (e.g. {_SUBNETS_EXAMPLE})",
+        f"trainstack:subnetIds: 'subnet-0123456789abcdef' is not a subnet id (e.g. {_SUBNETS_EXAMPLE})",
+    ]
+    assert _vpc_problems(_VPC, (_SUBNETS[1], _SUBNETS[0], _SUBNETS[1], _SUBNETS[0])) == [
+        f"trainstack:subnetIds: {_SUBNETS[0]}, {_SUBNETS[1]} listed more than once (e.g. {_SUBNETS_EXAMPLE})"
+    ]
+    assert _vpc_problems(_VPC, ()) == [
+        f"trainstack:subnetIds: vpcId {_VPC} is set: list the private subnets of it to use "
+        f"(e.g. {_SUBNETS_EXAMPLE})"
+    ]
+    assert _vpc_problems("", _SUBNETS) == [
+        "trainstack:vpcId: subnetIds is set: name the VPC they belong to (or remove subnetIds) (e.g. "
+        "`pulumi config set trainstack:vpcId vpc-0123456789abcdef0`)"
+    ]
+    assert _vpc_problems("", (), True) == [
+        "trainstack:createVpcEndpoints: only applies to an existing VPC (vpcId); the stack's own VPC always "
+        "has its endpoints (e.g. `pulumi config set trainstack:createVpcEndpoints false`)"
+    ]
+
+
+def test_an_existing_vpcs_keys_reach_the_stack_config_and_are_checked_there() -> None:
+    config = _parse(vpcId=_VPC, subnetIds=json.dumps(list(_SUBNETS)), createVpcEndpoints="true")
+    assert (config.vpc_id, config.subnet_ids, config.create_vpc_endpoints) == (_VPC, _SUBNETS, True)
+    _refused("createVpcEndpoints", "only applies to an existing VPC", createVpcEndpoints="true")
+
+
+# -- trainstack:measuredThroughput: the stack's and each pool's measured figures ---------------------------
+
+
+def test_measured_throughput_reaches_the_stack_and_each_pool_gets_its_own_types() -> None:
+    measured = {"g6.xlarge": 410, "g4dn.xlarge": "100.5"}
+    single = _parse(measuredThroughput=json.dumps(measured))
+    assert dict(single.measured_throughput) == {"g6.xlarge": 410.0, "g4dn.xlarge": 100.5}
+    assert [dict(pool.measured_throughput) for pool in single.pools] == [
+        {"g6.xlarge": 410.0, "g4dn.xlarge": 100.5}
+    ]
+    pools = [
+        {"name": "default", "instanceTypes": ["g6.xlarge", "g5.xlarge"], "maxInstances": 1},
+        {"name": "old", "instanceTypes": ["g4dn.xlarge"], "maxInstances": 1, "spotFallbackMinutes": 7},
+    ]
+    declared = _parse(pools=json.dumps(pools), measuredThroughput=json.dumps(measured))
+    assert [dict(pool.measured_throughput) for pool in declared.pools] == [
+        {"g6.xlarge": 410.0},
+        {"g4dn.xlarge": 100.5},
+    ]
+    assert _parse().measured_throughput == () and _parse().pools[0].measured_throughput == ()
+
+
+def test_a_measured_type_no_pool_offers_is_refused_unless_the_pools_themselves_are() -> None:
+    message = _refused(
+        'measuredThroughput["p5.48xlarge"]',
+        "not an instance type of any pool",
+        measuredThroughput='{"p5.48xlarge": 9}',
+    )
+    assert "the pools offer g4dn.xlarge, g5.xlarge, g6.xlarge, g6e.xlarge" in message
+    pools = [{"name": "default", "instanceTypes": ["g5.xlarge"], "maxInstances": 1}]
+    message = _refused(
+        'measuredThroughput["p4d.24xlarge"]',
+        "not an instance type",
+        pools=json.dumps(pools),
+        measuredThroughput='{"p4d.24xlarge": 9}',
+    )
+    assert "the pools offer g5.xlarge" in message
+    # Pools refused for their own reasons: the types they would offer are unknown, so no type is judged.
+    with pytest.raises(StackConfigError) as refused:
+        _parse(pools='[{"name": "default"}]', measuredThroughput='{"p5.48xlarge": 9}')
+    assert "measuredThroughput" not in str(refused.value)
+    _refused(
+        'measuredThroughput["g6.xlarge"]', "must be a positive number", measuredThroughput='{"g6.xlarge": -1}'
+    )
+
+
+def test_with_pools_the_stacks_spot_fallback_is_the_first_pools() -> None:
+    pools = [
+        {"name": "default", "instanceTypes": ["g6.xlarge"], "maxInstances": 1, "spotFallbackMinutes": 7},
+        {"name": "big", "instanceTypes": ["g6e.12xlarge"], "maxInstances": 2, "spotFallbackMinutes": 3},
+    ]
+    assert _parse(pools=json.dumps(pools)).spot_fallback_minutes == 7

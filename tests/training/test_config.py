@@ -540,6 +540,14 @@ def test_the_default_configs_hash_is_stable_across_versions() -> None:
     assert Config().optimisation_hash() == DEFAULT_HASH
 
 
+def test_a_streamed_orders_window_is_in_the_hash_by_its_value_stably_across_versions() -> None:
+    """The shuffle window decides a streamed dataset's order: each value hashes apart, and as recorded in
+    the checkpoints written with it (pinned, like the default's)."""
+    configs = {w: build_config(apply_overrides({}, [f"data.shuffle_window_shards={w}"])) for w in (8, 16)}
+    hashes = {window: config.optimisation_hash() for window, config in configs.items()}
+    assert hashes == {8: "59c0a20d73dfaa28", 16: "7e27fea9ad3a4b87"}
+
+
 # What does not decide the numbers: paths, worker counts, logging, the agent's files, the device.
 SAME = [
     "data.train_dir=/elsewhere",
@@ -547,6 +555,10 @@ SAME = [
     "data.num_workers=3",
     "data.prefetch_factor=9",
     "data.max_bad_fraction=0.5",
+    "data.cache_dir=/cache",
+    "data.cache_gb=7",
+    "data.read_ahead_shards=5",
+    "data.shuffle_window_shards=4",  # its default: configs from before streaming keep their hash
     "train.log_every_steps=7",
     "train.stop_file=/s",
     "train.checkpoint_request_file=/c",
@@ -578,6 +590,7 @@ DIFFERENT = [
     "train.seed=1",
     "train.precision=bf16",
     "train.deterministic=true",
+    "data.shuffle_window_shards=8",
 ]
 
 
@@ -590,3 +603,27 @@ def test_what_does_not_decide_the_numbers_leaves_the_hash_alone(override: str) -
 def test_what_decides_the_numbers_changes_the_hash(override: str) -> None:
     changed = build_config(apply_overrides({}, [override])).optimisation_hash()
     assert changed != DEFAULT_HASH and len(changed) == 16 and int(changed, 16) >= 0
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ("data.cache_gb=0", "data.cache_gb: must be positive, got 0"),
+        ("data.cache_gb=-1", "data.cache_gb: must be positive, got -1"),
+        ("data.read_ahead_shards=-1", "data.read_ahead_shards: must be at least 0, got -1"),
+        ("data.shuffle_window_shards=0", "data.shuffle_window_shards: must be at least 1, got 0"),
+    ],
+)
+def test_streaming_settings_out_of_range_are_one_line(override: str, line: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        build_config(apply_overrides({}, [override]))
+    assert refused.value.problems == [line]
+
+
+@pytest.mark.parametrize(
+    "key, value", [("cache_gb", 0.5), ("read_ahead_shards", 0), ("shuffle_window_shards", 1)]
+)
+def test_the_smallest_streaming_settings_are_accepted(key: str, value: float) -> None:
+    """Half a GB of cache (a small disk), no read-ahead, one shard's window: slow, never wrong."""
+    config = build_config(apply_overrides({}, [f"data.{key}={value}"]))
+    assert getattr(config.data, key) == value
