@@ -826,3 +826,9 @@ def test_a_standby_still_waiting_counts_from_its_start_until_its_wait_is_settled
     ledger.mark_standby(at(110))
     assert ledger.record_throughput(first_step(10, 150.0))
     assert life_of(ledger, "i-a")["first_step_seconds"] == 50.0
+
+
+def test_a_first_step_said_to_the_microsecond_is_kept_to_the_millisecond() -> None:
+    ledger = opened("i-a", 100)
+    assert ledger.record_throughput(Progress(step=10, first_step_at=at(142.123457).isoformat()))
+    assert life_of(ledger, "i-a")["first_step_seconds"] == 42.123
