@@ -51,6 +51,23 @@ def _hours(start: str, end: str) -> float:
     return max(0.0, (_parse(end) - _parse(start)).total_seconds() / 3600)
 
 
+def _fold_mean(life: dict[str, Any], keys: tuple[str, str, str], value: float, progress: Progress) -> bool:
+    """Fold one report's `value` into the life's running mean, kept to 3 decimals under `keys` (the mean, how
+    many reports it holds, the step of the last): a report of a step already counted (seen at an earlier
+    heartbeat, or a restarted trainer's older one) counts once. True when it counted."""
+    mean_key, count_key, step_key = keys
+    last_step = life.get(step_key)
+    if isinstance(last_step, int) and progress.step <= last_step:
+        return False
+    reports = life.get(count_key)
+    count = reports if isinstance(reports, int) and reports > 0 else 0
+    mean = float(life.get(mean_key) or 0.0)
+    life[mean_key] = round((mean * count + value) / (count + 1), 3)
+    life[count_key] = count + 1
+    life[step_key] = progress.step
+    return True
+
+
 class JobLedger:
     """In-memory view of the ledger; `LedgerStore.update` applies each change to the latest copy in S3."""
 
@@ -371,15 +388,11 @@ class JobLedger:
     @staticmethod
     def _record_speed(life: dict[str, Any], progress: Progress) -> bool:
         speed = progress.samples_per_s
-        last_step = life.get("throughput_step")
-        if speed is None or speed <= 0 or (isinstance(last_step, int) and progress.step <= last_step):
+        if speed is None or speed <= 0:
             return False
-        reports = life.get("throughput_reports")
-        count = reports if isinstance(reports, int) and reports > 0 else 0
-        mean = float(life.get("samples_per_second") or 0.0)
-        life["samples_per_second"] = round((mean * count + speed) / (count + 1), 3)
-        life["throughput_reports"] = count + 1
-        life["throughput_step"] = progress.step
+        keys = ("samples_per_second", "throughput_reports", "throughput_step")
+        if not _fold_mean(life, keys, speed, progress):
+            return False
         if progress.precision:
             life["precision"] = progress.precision
         if progress.model:
@@ -391,19 +404,10 @@ class JobLedger:
         """The life's mean share of step time spent waiting on the loader, over its reports: its own step
         marker, since a report with no speed (a stall: 0 samples/s) still says how long it waited."""
         wait = progress.data_wait_fraction
-        last_step = life.get("data_wait_step")
         # A share outside 0..1 is not one (a user's job reporting a percentage): no measurement.
         if wait is None or not 0.0 <= wait <= 1.0:
             return False
-        if isinstance(last_step, int) and progress.step <= last_step:
-            return False
-        reports = life.get("data_wait_reports")
-        count = reports if isinstance(reports, int) and reports > 0 else 0
-        mean = float(life.get("data_wait_fraction") or 0.0)
-        life["data_wait_fraction"] = round((mean * count + wait) / (count + 1), 3)
-        life["data_wait_reports"] = count + 1
-        life["data_wait_step"] = progress.step
-        return True
+        return _fold_mean(life, ("data_wait_fraction", "data_wait_reports", "data_wait_step"), wait, progress)
 
     @staticmethod
     def _record_first_step(life: dict[str, Any], progress: Progress) -> bool:
