@@ -589,3 +589,10 @@ def test_a_checkpoint_without_its_batch_on_record_gives_no_position(tmp_path: Pa
         assert resume_position(tmp_path) is None, (epoch, batch)
     (directory / "manifest.json").write_text(json.dumps({**manifest, "epoch": 0, "step_in_epoch": 0}))
     assert resume_position(tmp_path) == (0, 0)
+
+
+def test_the_manifest_is_indented_json_for_people_to_read(tmp_path: Path) -> None:
+    """`trainstack` and a person inspecting a checkpoint read the manifest: two-space indented JSON."""
+    directory = save(CheckpointManager(tmp_path), 3, epoch=0, step_in_epoch=3)
+    body = (directory / "manifest.json").read_text()
+    assert body == json.dumps(json.loads(body), indent=2)
