@@ -510,3 +510,21 @@ def test_only_a_pool_of_one_instance_and_one_job_is_weighted() -> None:
     # Every type weighing 1 is no weighting at all (a unit is an instance already).
     assert pool_capacity_weights(["g6.xlarge"], max_instances=1, max_jobs=1) is None
     assert pool_capacity_weights(["g6.xlarge", "g5.xlarge"], max_instances=1, max_jobs=1) is None
+
+
+def test_a_pool_measured_on_every_type_is_weighted_by_the_measurements_alone() -> None:
+    both = {"g4dn.xlarge": 100.0, "g6.xlarge": 500.0}
+    assert capacity_weights(["g6.xlarge", "g4dn.xlarge"], measured=both) == {"g6.xlarge": 5, "g4dn.xlarge": 1}
+    found = pool_throughput(["g6.xlarge", "g5.xlarge"], {"g6.xlarge": 400.0})
+    assert [(t, f.instance_type if f else None) for t, f in found.items()] == [
+        ("g6.xlarge", "g6.xlarge"),
+        ("g5.xlarge", "g5.xlarge"),
+    ], "each figure names its own type, measured or estimated"
+
+
+def test_a_pool_whose_heaviest_type_weighs_2_is_weighted_and_one_of_no_types_is_not() -> None:
+    assert pool_capacity_weights(["g5.xlarge", "g4dn.xlarge"], max_instances=1, max_jobs=1) == {
+        "g5.xlarge": 2,
+        "g4dn.xlarge": 1,
+    }
+    assert pool_capacity_weights([], max_instances=1, max_jobs=1) is None
