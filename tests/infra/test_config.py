@@ -1579,3 +1579,35 @@ def test_with_pools_the_stacks_spot_fallback_is_the_first_pools() -> None:
         {"name": "big", "instanceTypes": ["g6e.12xlarge"], "maxInstances": 2, "spotFallbackMinutes": 3},
     ]
     assert _parse(pools=json.dumps(pools)).spot_fallback_minutes == 7
+
+
+def test_the_default_job_is_checked_against_every_pool_it_may_start_on(tmp_path: Path) -> None:
+    """Until jobs are placed on pools, any pool's agent may take the stack's default job: a user's job (one
+    instance) is refused beside a multi-node pool, and the built-in trainer's global batch must split over
+    each pool's node counts, each named by the pool's own key."""
+    pools = json.dumps(
+        [
+            {"name": "default", "instanceTypes": ["g6.xlarge"], "maxInstances": 1},
+            {"name": "big", "instanceTypes": ["g6e.12xlarge"], "maxInstances": 2},
+        ]
+    )
+    (tmp_path / "job.yaml").write_text("name: mine\ncommand: [python, train.py]\n")
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "train.yaml").write_text("train:\n  batch_size: 7\n")
+    with pytest.raises(StackConfigError) as user_job:
+        _parse(pools=pools, job=str(tmp_path / "job.yaml"))
+    assert str(user_job.value).splitlines()[1:] == [
+        "  - trainstack:pools[1].maxInstances: 2 nodes with trainstack:job: a user's job runs on one "
+        "instance (multi-node runs the built-in trainer, trainstack:trainingConfig); set 1, or a multi-GPU "
+        'type for more GPUs (e.g. instanceTypes ["g6.12xlarge"], 4 x L4); until jobs are placed on pools, '
+        "any pool may run the stack's default job (e.g. `pulumi config set --path "
+        "'trainstack:pools[1].maxInstances' 1`)"
+    ]
+    with pytest.raises(StackConfigError) as trainer:
+        _parse(pools=pools, job="", trainingConfig=str(tmp_path / "train.yaml"))
+    assert str(trainer.value).splitlines()[1:] == [
+        "  - trainstack:pools[1].minNodes: train.batch_size 7 of trainstack:trainingConfig does not split "
+        "over 2 node(s), and the job keeps its global batch whatever the number of nodes "
+        "(minNodes..maxInstances = 1..2): use a multiple of 2, or raise minNodes (e.g. `pulumi config set "
+        "--path 'trainstack:pools[1].minNodes' 2`)"
+    ]
