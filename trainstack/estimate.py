@@ -33,7 +33,7 @@ from trainstack.prices import Risk, SpotPrice, gather
 from trainstack.stack import NAMESPACE, Stack
 from trainstack_job.contract import JobEnv
 from trainstack_job.resources import ResourceError, match_pool, pool_offers
-from trainstack_job.throughput import expected_throughput
+from trainstack_job.throughput import DROP_MARGIN, expected_throughput
 
 if TYPE_CHECKING:
     from trainstack.stack import StackConfig
@@ -425,6 +425,28 @@ def throughput_from_helper(types: Sequence[str], family: str | None = None) -> d
     return found
 
 
+def behind(ranking: Sequence[Progress], margin: float = DROP_MARGIN) -> list[str]:
+    """A line for each ranked type whose expected $ per useful step is more than `margin` above the best's:
+    a type this job gains nothing from. The pool's group cannot leave it out for one job (its weights
+    already make AWS compare price per unit of training); the line says what the user can do."""
+    priced = [p for p in ranking if p.usd_per_1000_steps is not None]
+    if not priced:
+        return []
+    best = priced[0]
+    best_cost = best.usd_per_1000_steps or 0.0
+    return [
+        f"{p.instance_type}: {(p.usd_per_1000_steps or 0.0) / best_cost - 1:.0%} dearer per useful step "
+        f"than {best.instance_type} (past the {margin:.0%} margin): this job gains nothing from it; run the "
+        "job on a pool without it (`trainstack run --pool`), or remove it from the pool (`pulumi config`)"
+        for p in priced[1:]
+        if best_cost > 0 and (p.usd_per_1000_steps or 0.0) > best_cost * (1 + margin)
+    ] + [
+        f"{p.instance_type}: interruptions waste all its time at this rate: this job gains nothing from it"
+        for p in ranking
+        if p.usd_per_1000_steps is None
+    ]
+
+
 def verdict(estimate: Estimate) -> list[str]:
     """The lines under the table: the range, and where it stands against maxCostUsd."""
     cheapest, dearest = estimate.cheapest(), estimate.most_expensive()
@@ -535,7 +557,7 @@ def _ranking_markdown(estimate: Estimate) -> list[str]:
         "",
         f"- C (checkpoint) {first.checkpoint_seconds:g} s, restart {first.restart_seconds:g} s "
         "per interruption",
-        *(f"- {line}" for line in _throughput_lines(estimate)),
+        *(f"- {line}" for line in _throughput_lines(estimate) + behind(estimate.ranking)),
         "",
     ]
     return lines
@@ -561,6 +583,7 @@ def run(
                 **asdict(estimate),
                 "cheapest": None if cheapest is None else cheapest.instance_type,
                 "most_expensive": None if dearest is None else dearest.instance_type,
+                "behind": behind(estimate.ranking),
             }
         )
         return 0
@@ -587,7 +610,7 @@ def run(
     out.print(table)
     if estimate.ranking:
         out.print(_ranking_table(estimate))
-        for line in _throughput_lines(estimate):
+        for line in _throughput_lines(estimate) + behind(estimate.ranking):
             out.print(line, markup=False)
     for line in verdict(estimate):
         out.print(line, markup=False)

@@ -25,7 +25,8 @@ THROUGHPUT = "throughput.json"
 MERGED_LIVES_KEPT = 2000
 # A life shorter than this counts as this long: its average over a minute or two is mostly warm-up.
 MIN_LIFE_HOURS = 1 / 60
-# A type is dropped for a job when its samples per dollar fall this far below the best type's.
+# A type is behind for a job when its expected $ per useful step is this far above the best type's
+# (`trainstack estimate`): the job gains nothing from it.
 DROP_MARGIN = 0.25
 # AWS's bounds on an override's WeightedCapacity.
 MAX_WEIGHT = 999
@@ -373,37 +374,6 @@ def capacity_units(instances: int, weights: Mapping[str, int] | None = None) -> 
 
 
 # -- goodput per dollar ---------------------------------------------------------------------------------
-
-
-def dropped_types(
-    instance_types: Sequence[str],
-    prices_usd_per_hour: Mapping[str, float | None],
-    *,
-    family: str | None = None,
-    job_id: str | None = None,
-    table: ThroughputTable | None = None,
-    margin: float = DROP_MARGIN,
-) -> dict[str, str]:
-    """The types this job should not train on, each with a one-line why: its expected samples per dollar are
-    more than `margin` below the best type's. A type without a price or an estimate is kept (nothing says it
-    loses), and the best type is never dropped, so a job always keeps a type."""
-    value: dict[str, float] = {}
-    for instance_type in instance_types:
-        price = prices_usd_per_hour.get(instance_type)
-        expected = expected_throughput(instance_type, family=family, job_id=job_id, table=table)
-        if price is not None and price > 0 and expected is not None:
-            value[instance_type] = expected.samples_per_second * 3600 / price
-    if not value:
-        return {}
-    best = max(value, key=lambda t: value[t])
-    return {
-        t: (
-            f"{t}: {value[t]:,.0f} samples per dollar, {1 - value[t] / value[best]:.0%} below {best}'s "
-            f"{value[best]:,.0f} (more than the {margin:.0%} margin)"
-        )
-        for t in instance_types
-        if t in value and value[t] < value[best] * (1 - margin)
-    }
 
 
 # -- the stack's table in S3 ----------------------------------------------------------------------------

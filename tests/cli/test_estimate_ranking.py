@@ -204,3 +204,47 @@ def test_estimate_of_a_job_no_pool_serves_is_one_line_naming_the_pools(
     result = cli("estimate", str(config), "--cwd", str(project), "--stack", STACK, "--offline")
     assert result.code == 1
     assert result.err.count("\n") == 1 and "no pool serves" in result.err and "g6.xlarge" in result.err
+
+
+def test_a_type_past_the_margin_is_named_as_one_the_job_gains_nothing_from() -> None:
+    """The T4 is cheaper by the hour; per useful step it is 2.5 × 0.16/0.24 - 1 = 67 % dearer: past the 25 %
+    margin, named with what to do. One within the margin, and the best, are not named."""
+    from trainstack.estimate import behind
+
+    prices = {"g4dn.xlarge": 0.16, "g6.xlarge": 0.24, "g5.xlarge": 0.27}
+    steps = {
+        "g4dn.xlarge": 1.0,
+        "g6.xlarge": 2.5,
+        "g5.xlarge": 2.5,
+    }  # the A10G 12.5 % dearer per step (13 % shown)
+    ranked = rank_by_progress(prices, steps, {})
+    assert behind(ranked) == [
+        "g4dn.xlarge: 67% dearer per useful step than g6.xlarge (past the 25% margin): this job gains "
+        "nothing from it; run the job on a pool without it (`trainstack run --pool`), or remove it from the "
+        "pool (`pulumi config`)"
+    ]
+    assert behind(ranked, margin=0.7) == [], "within a wider margin"
+    assert behind(ranked, margin=0.1)[0].startswith("g5.xlarge: 13% dearer")
+    assert behind([]) == []
+    never = rank_by_progress(
+        {"flaky": 0.1, "steady": 0.3},
+        {"flaky": 1.0, "steady": 1.0},
+        {"flaky": InterruptionRate(0.001, "test"), "steady": RARE},
+    )
+    assert (
+        behind(never)[-1]
+        == "flaky: interruptions waste all its time at this rate: this job gains nothing from it"
+    )
+
+
+def test_the_table_and_the_json_name_the_types_a_job_gains_nothing_from(
+    estimate: Callable[..., Result],
+) -> None:
+    # g6.xlarge $0.25/h at 2 steps/s; g5.xlarge $0.45/h at 1 step/s: 3.6 x dearer per step.
+    result = estimate("--throughput", "g6.xlarge=2", "--throughput", "g5.xlarge=1", ec2=_ec2())
+    assert result.code == 0, result.err
+    assert "g5.xlarge: 260% dearer per useful step than g6.xlarge" in " ".join(result.out.split())
+    report = estimate(
+        "--json", "--throughput", "g6.xlarge=2", "--throughput", "g5.xlarge=1", ec2=_ec2()
+    ).json()
+    assert [line.split(":")[0] for line in report["behind"]] == ["g5.xlarge"]

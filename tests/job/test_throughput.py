@@ -20,7 +20,6 @@ from trainstack_job.throughput import (
     ThroughputTable,
     capacity_units,
     capacity_weights,
-    dropped_types,
     expected_throughput,
     life_hours,
     pool_capacity_weights,
@@ -97,23 +96,6 @@ def test_weights_come_from_the_recorded_lives_relative_to_the_slowest_type() -> 
 
 def test_a_pool_with_a_type_nothing_is_known_of_stays_unweighted() -> None:
     assert capacity_weights(["g6.xlarge", "m7i.large"]) == {"g6.xlarge": 1, "m7i.large": 1}
-
-
-def test_a_type_whose_progress_per_dollar_loses_by_the_margin_is_dropped_for_the_job() -> None:
-    table = ThroughputTable()
-    table.merge(JOB, [life("g4dn.xlarge", 100.0), life("g6.xlarge", 300.0)])
-    prices = {"g4dn.xlarge": 0.22, "g6.xlarge": 0.38, "g5.xlarge": None}
-    # Per dollar: the T4 trains 100 x 3600 / 0.22 = 1.64M samples, the L4 2.84M: the T4 is 42% behind.
-    dropped = dropped_types(["g4dn.xlarge", "g6.xlarge", "g5.xlarge"], prices, job_id=JOB, table=table)
-    assert list(dropped) == ["g4dn.xlarge"], "a type without a price is kept: nothing says it loses"
-    assert dropped["g4dn.xlarge"] == (
-        "g4dn.xlarge: 1,636,364 samples per dollar, 42% below g6.xlarge's 2,842,105 "
-        "(more than the 25% margin)"
-    )
-    # Within the margin, both stay; the best type is never dropped, whatever the margin.
-    assert dropped_types(["g4dn.xlarge", "g6.xlarge"], prices, job_id=JOB, table=table, margin=0.5) == {}
-    assert "g6.xlarge" not in dropped_types(["g4dn.xlarge", "g6.xlarge"], prices, table=table, margin=0)
-    assert dropped_types(["g4dn.xlarge"], {}, table=table) == {}
 
 
 def test_the_table_round_trips_and_counts_a_life_merged_twice_once() -> None:
@@ -345,23 +327,6 @@ def test_n_instances_are_n_units_whether_or_not_the_pool_is_weighted() -> None:
         ValueError, match=r"weights \{'g6.xlarge': 2, 'g6e.xlarge': 6\} must give the slowest"
     ):
         capacity_units(3, {"g6.xlarge": 2, "g6e.xlarge": 6})
-
-
-# -- goodput per dollar -----------------------------------------------------------------------------------
-
-
-def test_a_new_job_drops_the_types_its_model_family_loses_on_and_a_free_type_is_kept() -> None:
-    table = ThroughputTable()
-    table.merge("older-1a2b3c4d", [life("g5.xlarge", 400.0), life("g6.xlarge", 100.0)])
-    # Per dollar: the A10G trains 400 x 3600 / 1.0 = 1.44M samples, the L4 100 x 3600 / 0.8 = 0.45M.
-    prices: dict[str, float | None] = {"g5.xlarge": 1.0, "g6.xlarge": 0.8, "g4dn.xlarge": 0.0}
-    dropped = dropped_types(
-        ["g6.xlarge", "g5.xlarge", "g4dn.xlarge"], prices, family="resnet50", job_id="new", table=table
-    )
-    assert dropped == {
-        "g6.xlarge": "g6.xlarge: 450,000 samples per dollar, 69% below g5.xlarge's 1,440,000 "
-        "(more than the 25% margin)"
-    }, "a price of 0 says nothing: the type is kept like one without a price"
 
 
 # -- the stack's table in S3 ------------------------------------------------------------------------------
