@@ -103,6 +103,11 @@ def test_a_token_the_job_forged_in_latest_json_does_not_stop_its_holder(s3: Any,
         "(a token above the lease's was never handed out; only the lease record says who writes the job's "
         "checkpoints)"
     ]
+    [(stage, _, fields)] = [r for r in events.records if r[1].startswith("latest.json carries token")]
+    assert (stage, fields) == (
+        "checkpoint",
+        {"level": "warning", "uri": f"s3://{BUCKET}/{LATEST_KEY}", "token": 1},
+    )
     assert not events.messages("lease lost")
 
 

@@ -1590,3 +1590,46 @@ def test_an_abandoned_uploads_file_stays_open_while_its_request_is_out_then_is_c
         time.sleep(0.05)
     assert _held_under(local) == [], "an abandoned upload's file was never closed"
     owner.close()
+
+
+RECORD_KEY = "jobs/demo-1a2b3c4d/state/latest-token.json"
+
+
+def recorder(s3: Any, root: Path) -> CheckpointPersister:
+    root.mkdir(parents=True, exist_ok=True)
+    return CheckpointPersister(s3, BUCKET, PREFIX, root, Events(), poll_seconds=0.05, token_record=RECORD_KEY)
+
+
+@pytest.mark.parametrize("token", ["7", True, 7.5, None, [7]])
+def test_a_token_record_holding_no_whole_number_gives_no_floor(s3: Any, tmp_path: Path, token: Any) -> None:
+    """Damaged by hand (or by a bug): no floor is read from it, rather than a text or a fraction compared
+    with the lease's tokens; the next recorded token replaces it."""
+    s3.put_object(Bucket=BUCKET, Key=RECORD_KEY, Body=json.dumps({"token": token}).encode())
+    keeper = recorder(s3, tmp_path / "ckpt")
+    assert keeper.token_floor(soon()) is None
+    keeper._record_token(4, soon())
+    assert json.loads(s3.get_object(Bucket=BUCKET, Key=RECORD_KEY)["Body"].read())["token"] == 4
+
+
+def test_a_token_record_read_that_s3_never_answers_gives_up_at_the_deadline_naming_the_read(
+    s3: Any, tmp_path: Path
+) -> None:
+    released = threading.Event()
+
+    class Stalled:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(s3, name)
+
+        def get_object(self, **call: Any) -> Any:
+            released.wait(10)  # a blackholed request: no answer, no error
+            return s3.get_object(**call)
+
+    keeper = recorder(Stalled(), tmp_path / "ckpt")
+    started = time.monotonic()
+    try:
+        with pytest.raises(UploadAbandonedError) as gave_up:
+            keeper.token_floor(time.monotonic() + 0.3)
+    finally:
+        released.set()
+    assert time.monotonic() - started < 5, "the read held the caller past its deadline"
+    assert str(gave_up.value) == "read-token-record: no answer from S3 before the deadline"
