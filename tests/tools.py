@@ -44,7 +44,7 @@ MODULES = {
     # tests/training/test_tracker.py: the trainer's runs read back from TensorBoard files and an MLflow store.
     "tensorboard": "pip install -e '.[dev]'",
     "mlflow": "pip install -e '.[dev]'",
-    # tests/job/test_shards_webdataset.py: the shards' layout read by webdataset, as docs/job-contract.md shows.
+    # tests/job/test_shards_webdataset.py: the shards read by webdataset, as docs/job-contract.md shows.
     "webdataset": "pip install -e '.[dev]'",
 }
 _CI_SAYS = f"{CI_ENV}=1: CI installs every tool the suite needs (.ci/run, .github/workflows/test.yml)"
