@@ -248,3 +248,18 @@ def test_a_pool_running_several_jobs_goes_to_zero_only_with_every_lane_free(pool
     _ledger(pooled, "other-1a2b3c4d", "completed")
     assert _cancel(pooled, _job(pooled, "tiny-2a2b3c4d"))["scaled_to_zero_now"] is True
     assert (_desired(pooled), _desired(pooled, BIG)) == (0, 1)
+
+
+def test_a_single_job_pool_is_kept_up_by_its_own_pointers_running_job_not_the_default_pools(
+    pooled: Deployed,
+) -> None:
+    """`big` trains the job its own pointer names while the default pool's names none: cancelling another
+    of big's jobs must leave big's group up (read through the default pool's pointer, it would stop a
+    training instance)."""
+    pooled.put_state("current-job-big.json", {"job_id": "wide-1a2b3c4d"})
+    _ledger(pooled, "wide-1a2b3c4d", "running")
+    assert _cancel(pooled, _job(pooled, "next-1a2b3c4d", pool="big"))["scaled_to_zero_now"] is False
+    assert _desired(pooled, BIG) == 1
+    _ledger(pooled, "wide-1a2b3c4d", "completed")
+    assert _cancel(pooled, _job(pooled, "last-1a2b3c4d", pool="big"))["scaled_to_zero_now"] is True
+    assert (_desired(pooled), _desired(pooled, BIG)) == (1, 0)
