@@ -58,6 +58,12 @@ def train(life: Life, paths: TrainerPaths, gpu_count: int) -> Ended:
             return life.stops.stopped_before_training()
         if life.user_job is not None:
             trainer = job_process(life, paths, gpu_count, restored)
+    if not (standby and life.user_job is None):
+        # Heartbeats read the file from the next line on, and trainer.start() deletes an earlier life's copy
+        # only later: a report left on this disk (a life of the same job before, on this instance) would
+        # be folded into this life's samples/s and data wait in that gap. A gated standby's trainer is
+        # already running and its file is its own.
+        paths.progress_file.unlink(missing_ok=True)
     life.job.progress_file = paths.progress_file
     assert life.identity is not None  # identified before any phase of the life
     metrics = GpuMetricPublisher(

@@ -1165,6 +1165,49 @@ def test_a_holder_restores_through_its_fenced_persister_starts_its_job_and_class
     assert training.waits == []
 
 
+class Progress(Job):
+    """A job state that says whether the progress file was there when heartbeats began to read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stale_when_read: list[bool] = []
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "progress_file" and value is not None:
+            self.stale_when_read.append(Path(value).exists())
+        super().__setattr__(name, value)
+
+
+@pytest.mark.parametrize("user", [False, True])
+def test_an_earlier_lifes_progress_report_is_deleted_before_heartbeats_read_the_file(
+    fake: FakeLife, training: TrainingRig, user: bool
+) -> None:
+    # A life of the same job before, on this instance: its last report must not count as this life's.
+    assert fake.paths is not None
+    fake.paths.progress_file.parent.mkdir(parents=True, exist_ok=True)
+    fake.paths.progress_file.write_text('{"step": 90, "samples_per_second": 999.0}')
+    fake.job = job = Progress()
+    if user:
+        fake.user_job = user_job()
+    training.train()
+    assert job.stale_when_read == [False]
+
+
+def test_a_gated_standbys_own_progress_report_is_kept_at_its_hand_over(
+    fake: FakeLife, training: TrainingRig
+) -> None:
+    # Its trainer has run since the gate was set (its start deleted any earlier life's file): the report is
+    # its own warm-up's.
+    fake.writer = Writer(Role.STANDBY, None, (), {})
+    fake.writer.role = Role.STANDBY
+    assert fake.paths is not None
+    fake.paths.progress_file.parent.mkdir(parents=True, exist_ok=True)
+    fake.paths.progress_file.write_text('{"step": 40}')
+    fake.job = job = Progress()
+    training.train()
+    assert job.stale_when_read == [True]
+
+
 def test_a_life_without_a_writer_restores_through_an_unfenced_persister(
     fake: FakeLife, training: TrainingRig
 ) -> None:
