@@ -8,21 +8,34 @@ loader, for the same dataset read three ways, side by side in one run, against m
 - stream-warm: the same, with the cache the previous case left (a later life on the same instance store).
 
 Time to first batch counts from the start of the case (sync included) to the loader's first micro-batch;
-steady samples/s is over the rest of one epoch. The images are random-noise PNGs of about `--image-kb`
-(incompressible, like JPEGs), so bytes, not decoding tricks, set the pace. moto serves S3 from memory at
-local speed: the network is not the limit here (see the results file for what that means).
+steady samples/s is over the rest of one epoch, and the steady wait is the part of it the loop spent blocked
+on the loader (all of it unless `--step-ms` stands in for a training step's compute). Each case also says
+the bytes it fetched from S3 (the synced files, the shards downloaded into the cache). The images are
+random-noise PNGs of about `--image-kb` (incompressible, like JPEGs), so bytes, not decoding tricks, set the
+pace.
+
+Network models: by default moto serves S3 from memory at local speed, so the network is not the limit.
+`--throttle-mbps N` puts demo/fault_proxy.py's proxy between the loader and moto, limiting every connection
+to N MB/s each way (S3 serves one connection at about 100 MB/s, and an instance gets its bandwidth from many):
+the network, not the disk, is then the limit. moto (and the proxy) run in a child process, so that their
+Python work does not share the loader's main process (its GIL), as S3 is another machine for an instance;
+`--no-moto-process` serves them from the bench's own process, as the runs before 2026-12-07 08:30 UTC did.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +43,11 @@ import numpy as np
 from PIL import Image
 
 BUCKET = "bench-streaming"
+# The goal of issue 35: streaming's steady rate at least this fraction of the full sync's.
+STEADY_GOAL = 0.95
+# How long the moto process may take to start (it imports moto: seconds) or to stop.
+SERVER_START_SECONDS = 120.0
+SERVER_STOP_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -39,6 +57,83 @@ class CaseResult:
     steady_samples_per_s: float
     samples: int
     prepare_s: float  # the sync (sync case) or the index read (stream cases), part of first_batch_s
+    steady_s: float  # the rest of the epoch after the first micro-batch
+    steady_wait_s: float  # of steady_s, the time blocked in next(loader): waiting for data
+    fetched_bytes: int  # payload from S3: the synced files, or the shards downloaded into the cache
+    proxy_bytes: int  # bytes through the throttling proxy, both ways (0 unthrottled)
+
+
+@dataclass(frozen=True)
+class S3Service:
+    """Where the bench's S3 is: `direct` (moto itself: the uploads) and `endpoint` (what the cases use: the
+    throttling proxy when there is one); `forwarded()` is the proxy's byte count so far."""
+
+    direct: str
+    endpoint: str
+    forwarded: Callable[[], int]
+
+
+def _serve_s3(connection: Connection, throttle_bps: int) -> None:
+    """The moto process: moto (and the throttling proxy when throttle_bps > 0); sends (direct, endpoint),
+    then answers each request with the proxy's byte count until told to stop (or the bench is gone)."""
+    from demo.fault_proxy import S3FaultProxy, Slow
+    from demo.moto_server import moto_server
+
+    with moto_server() as direct, contextlib.ExitStack() as stack:
+        proxy = None
+        if throttle_bps:
+            proxy = stack.enter_context(S3FaultProxy(direct))
+            proxy.set_mode(Slow(bytes_per_second=throttle_bps))
+        connection.send((direct, proxy.endpoint_url if proxy else direct))
+        while True:
+            try:
+                request = connection.recv()
+            except EOFError:  # the bench died: stop with it
+                return
+            if request == "stop":
+                return
+            connection.send(proxy.bytes_forwarded if proxy else 0)
+
+
+@contextlib.contextmanager
+def s3_service(throttle_mbps: float | None, moto_process: bool) -> Iterator[S3Service]:
+    """moto on 127.0.0.1 (a port the OS picks), in this process or a child, behind the throttling proxy
+    when `throttle_mbps` is given; stopped on exit."""
+    throttle_bps = int(throttle_mbps * 1e6) if throttle_mbps else 0
+    if not moto_process:
+        from demo.fault_proxy import S3FaultProxy, Slow
+        from demo.moto_server import moto_server
+
+        with moto_server() as direct, contextlib.ExitStack() as stack:
+            if not throttle_bps:
+                yield S3Service(direct, direct, lambda: 0)
+                return
+            proxy = stack.enter_context(S3FaultProxy(direct))
+            proxy.set_mode(Slow(bytes_per_second=throttle_bps))
+            yield S3Service(direct, proxy.endpoint_url, lambda: proxy.bytes_forwarded)
+        return
+    # spawn, not fork: a forked child would inherit whatever threads and locks this process holds.
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    server = context.Process(target=_serve_s3, args=(theirs, throttle_bps), name="bench-moto", daemon=True)
+    server.start()
+    try:
+        if not ours.poll(SERVER_START_SECONDS):
+            raise RuntimeError(f"the moto process did not start within {SERVER_START_SECONDS:.0f} s")
+        direct, endpoint = ours.recv()
+
+        def forwarded() -> int:
+            ours.send("bytes")
+            return int(ours.recv())
+
+        yield S3Service(direct, endpoint, forwarded)
+    finally:
+        with contextlib.suppress(OSError):
+            ours.send("stop")
+        server.join(SERVER_STOP_SECONDS)
+        if server.is_alive():
+            server.terminate()
+            server.join(SERVER_STOP_SECONDS)
 
 
 def write_images(root: Path, gigabytes: float, image_kb: int, classes: int, seed: int = 0) -> int:
@@ -64,10 +159,18 @@ def upload_tree(s3: Any, root: Path, prefix: str) -> None:
             s3.upload_file(str(path), BUCKET, prefix + path.relative_to(root).as_posix(), Config=config)
 
 
+@dataclass(frozen=True)
+class Epoch:
+    first_s: float  # to the first micro-batch
+    samples: int  # after the first micro-batch
+    steady_s: float  # the rest of the epoch
+    wait_s: float  # of steady_s, blocked in next(loader)
+
+
 def read_epoch(
-    root: str, settings: Any, workers: int, batch: int, image_size: int
-) -> tuple[float, int, float]:
-    """(seconds to the first micro-batch, samples, seconds for the rest) over one epoch of the loader."""
+    root: str, settings: Any, workers: int, batch: int, image_size: int, step_s: float = 0.0
+) -> Epoch:
+    """One epoch of the loader; `step_s` of simulated compute (a sleep) after each micro-batch."""
     from training.data import (
         STREAMING,
         BatchPlan,
@@ -86,11 +189,23 @@ def read_epoch(
     loader = iter(train_loader(dataset, sampler, options))
     first = next(loader)
     first_at = time.monotonic()
-    samples = 0
-    for micro in loader:
-        samples += len(micro.images)
     del first
-    return first_at - started, samples, time.monotonic() - first_at
+    samples, waited = 0, 0.0
+    while True:
+        asked = time.monotonic()
+        try:
+            micro = next(loader)
+        except StopIteration:
+            break
+        waited += time.monotonic() - asked
+        samples += len(micro.images)
+        if step_s:
+            time.sleep(step_s)  # a training step's compute, while the workers and the read-ahead go on
+    return Epoch(first_at - started, samples, time.monotonic() - first_at, waited)
+
+
+def _tree_bytes(root: Path, pattern: str = "*") -> int:
+    return sum(path.stat().st_size for path in root.rglob(pattern) if path.is_file()) if root.exists() else 0
 
 
 def run(
@@ -103,13 +218,17 @@ def run(
     image_size: int,
     window: int,
     read_ahead: int,
+    *,
+    throttle_mbps: float | None = None,
+    moto_process: bool = True,
+    part_mb: float | None = None,
+    step_ms: float = 0.0,
 ) -> dict[str, Any]:
     import boto3
 
     from bootstrap.datasync import DataSync
     from bootstrap.eventlog import EventLog
-    from demo.moto_server import moto_server
-    from training.streaming import CacheSettings
+    from training.streaming import CacheSettings, part_size
     from trainstack.datapush import write_shards
 
     images = work / "images"
@@ -117,36 +236,46 @@ def run(
     classes = sorted(p.name for p in (images / "train").iterdir())
     write_shards(images, work / "shards", classes, int(shard_mb * 1e6))
     dataset_bytes = sum(p.stat().st_size for p in (images / "train").rglob("*.png"))
+    part_bytes = int(part_mb * 2**20) if part_mb else 0  # 0: training/streaming.py's choice per shard
+    step_s = step_ms / 1000
     results: list[CaseResult] = []
-    with moto_server() as endpoint:
+    with s3_service(throttle_mbps, moto_process) as service:
         saved = {
             k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
         }
         os.environ |= {
-            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ENDPOINT_URL": service.endpoint,  # the cases' clients, through the proxy when throttled
             "AWS_ACCESS_KEY_ID": "bench",
             "AWS_SECRET_ACCESS_KEY": "bench",
             "AWS_DEFAULT_REGION": "us-east-1",
         }
         try:
-            s3 = boto3.client("s3")
-            s3.create_bucket(Bucket=BUCKET)
-            upload_tree(s3, images, "files/")
-            upload_tree(s3, work / "shards", "shards/")
+            # The push is not measured: straight to moto, never throttled.
+            pusher = boto3.client("s3", endpoint_url=service.direct)
+            pusher.create_bucket(Bucket=BUCKET)
+            upload_tree(pusher, images, "files/")
+            upload_tree(pusher, work / "shards", "shards/")
 
             # sync: the whole dataset to local disk first, then the ImageFolder.
+            forwarded = service.forwarded()
             started = time.monotonic()
             synced = work / "synced"
-            DataSync(s3, BUCKET, "files/", "us-east-1", EventLog()).sync(synced, tool="boto3")
+            DataSync(boto3.client("s3"), BUCKET, "files/", "us-east-1", EventLog()).sync(synced, tool="boto3")
             sync_s = time.monotonic() - started
-            first, samples, rest = read_epoch(str(synced / "train"), None, workers, batch, image_size)
-            results.append(CaseResult("sync", sync_s + first, samples / rest, samples, sync_s))
+            fetched = _tree_bytes(synced, "*.png")
+            epoch = read_epoch(str(synced / "train"), None, workers, batch, image_size, step_s)
+            results.append(_result("sync", epoch, sync_s, fetched, service.forwarded() - forwarded))
 
-            cache = CacheSettings(str(work / "cache"), max_bytes=10**12, read_ahead=read_ahead, window=window)
+            cache_dir = work / "cache"
+            cache = CacheSettings(
+                str(cache_dir), max_bytes=10**12, read_ahead=read_ahead, window=window, part_bytes=part_bytes
+            )
             uri = f"s3://{BUCKET}/shards/train/shards.json"
             for case in ("stream", "stream-warm"):
-                first, samples, rest = read_epoch(uri, cache, workers, batch, image_size)
-                results.append(CaseResult(case, first, samples / rest, samples, 0.0))
+                forwarded, cached = service.forwarded(), _tree_bytes(cache_dir, "*.tar")
+                epoch = read_epoch(uri, cache, workers, batch, image_size, step_s)
+                fetched = _tree_bytes(cache_dir, "*.tar") - cached
+                results.append(_result(case, epoch, 0.0, fetched, service.forwarded() - forwarded))
         finally:
             for key, value in saved.items():
                 if value is None:
@@ -161,12 +290,62 @@ def run(
         "train_images": count,
         "shards": len(json.loads((work / "shards" / "train" / "shards.json").read_text())["shards"]),
         "shard_mb": shard_mb,
+        "part_mib": (part_bytes or part_size(int(shard_mb * 1e6))) / 2**20,
         "workers": workers,
         "batch": batch,
         "window": window,
         "read_ahead": read_ahead,
+        "throttle_mbps": throttle_mbps,
+        "moto_process": moto_process,
+        "step_ms": step_ms,
         "cases": [asdict(r) for r in results],
     }
+
+
+def _result(case: str, epoch: Epoch, prepare_s: float, fetched: int, proxied: int) -> CaseResult:
+    return CaseResult(
+        case,
+        prepare_s + epoch.first_s,
+        epoch.samples / epoch.steady_s,
+        epoch.samples,
+        prepare_s,
+        epoch.steady_s,
+        epoch.wait_s,
+        fetched,
+        proxied,
+    )
+
+
+def goals(report: dict[str, Any]) -> list[str]:
+    """What this one run can say of issue 35's goals: each stream case's steady rate against the sync's.
+    (The other goal, time to first batch within 2x from 0.1 to 5 GB, takes runs at several sizes.)"""
+    rates = {case["case"]: case["steady_samples_per_s"] for case in report["cases"]}
+    if "sync" not in rates:
+        return []
+    lines = []
+    for case, rate in rates.items():
+        if case != "sync":
+            ratio = rate / rates["sync"]
+            verdict = "met" if ratio >= STEADY_GOAL else "NOT met"
+            lines.append(f"{case}: steady {ratio:.2f}x sync: goal (>= {STEADY_GOAL}x) {verdict}")
+    return lines
+
+
+def table(report: dict[str, Any]) -> str:
+    """The cases side by side, then the goals."""
+    sync = next((c["steady_samples_per_s"] for c in report["cases"] if c["case"] == "sync"), None)
+    lines = [
+        f"{'case':<12} {'first batch s':>14} {'steady samples/s':>17} {'vs sync':>8} {'MB fetched':>11} "
+        f"{'waited s / steady s':>20}"
+    ]
+    for case in report["cases"]:
+        ratio = f"{case['steady_samples_per_s'] / sync:.2f}" if sync else "-"
+        waited = f"{case.get('steady_wait_s', 0):.2f} / {case.get('steady_s', 0):.2f}"
+        lines.append(
+            f"{case['case']:<12} {case['first_batch_s']:>14.2f} {case['steady_samples_per_s']:>17.1f} "
+            f"{ratio:>8} {case.get('fetched_bytes', 0) / 1e6:>11.1f} {waited:>20}"
+        )
+    return "\n".join([*lines, *goals(report)])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -179,8 +358,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--image-size", type=int, default=64, help="the crop the trainer makes (default 64)")
     parser.add_argument("--window", type=int, default=2, help="data.shuffle_window_shards (default 2)")
     parser.add_argument("--read-ahead", type=int, default=2, help="data.read_ahead_shards (default 2)")
+    parser.add_argument(
+        "--throttle-mbps",
+        type=float,
+        help="limit every S3 connection to this many MB/s each way (the fault proxy; default: no limit)",
+    )
+    # The default since 2026-12-07: the full sync took 6.8-9.4 s with moto in its own process against
+    # 8.8-15.0 s in the bench's (0.1 GB, three pairs of runs); the steady rates' differences were noise.
+    parser.add_argument(
+        "--moto-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve moto (and the proxy) from a child process, not the loader's (default: yes)",
+    )
+    parser.add_argument(
+        "--part-mb",
+        type=float,
+        help="a shard download's part size, MiB (default: training/streaming.py's part_size(shard))",
+    )
+    parser.add_argument(
+        "--step-ms", type=float, default=0.0, help="simulated compute per micro-batch, ms (default 0)"
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
+    for name in ("throttle_mbps", "part_mb"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be above 0, got {value}")
     with tempfile.TemporaryDirectory(prefix="bench-streaming-") as work:
         report = run(
             Path(work),
@@ -192,14 +396,16 @@ def main(argv: list[str] | None = None) -> None:
             args.image_size,
             args.window,
             args.read_ahead,
+            throttle_mbps=args.throttle_mbps,
+            moto_process=args.moto_process,
+            part_mb=args.part_mb,
+            step_ms=args.step_ms,
         )
     text = json.dumps(report, indent=1)
     if args.out:
         args.out.write_text(text)
     print(text)
-    print(f"{'case':<12} {'first batch s':>14} {'steady samples/s':>17}")
-    for case in report["cases"]:
-        print(f"{case['case']:<12} {case['first_batch_s']:>14.2f} {case['steady_samples_per_s']:>17.1f}")
+    print(table(report))
 
 
 if __name__ == "__main__":

@@ -12,14 +12,24 @@ parallel ranged GETs s5cmd and s3torchconnector also use) into a bounded local c
 sampler. The shards stay in webdataset's layout, so those libraries can read them for jobs of your own.
 
 The cache is content-addressed (the shard's sha256 is its file name): a later life on the same disk, or a
-new dataset version sharing shards, reuses what is there.
+new dataset version sharing shards, reuses what is there. A cached shard is checked against its sha256 once
+per cache, not once per process: the check (or the download, checked before its rename) leaves
+`<sha256>.ok` beside it, recording the file's identity as stat shows it (size, mtime in ns, inode), and any
+process that finds the file still of that identity trusts it without hashing. Without the marker each
+persistent loader worker would hash the whole dataset once per life (1.2 TB of sha256 for 150 GB and 8
+workers). What the marker does not see is damage that leaves the identity unchanged (the disk's own bit
+rot); a copy written over, or a crash before the download reached the disk, has no marker of its identity and
+is hashed (the download is fsynced before its rename, and the marker is written after it). The cache's
+recency (least recently used evicted first) is the marker's mtime, since the tar's is part of its identity.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
+import json
 import logging
 import os
 import shutil
@@ -47,7 +57,32 @@ OUTAGE_SECONDS = 600.0
 _OPEN_SHARDS = 16
 # Left free on the cache's disk whatever data.cache_gb says: checkpoints and logs share it.
 FREE_DISK_BYTES = 2 * 10**9
+# A shard is downloaded as ranged GETs (boto3's transfer manager), at most PARALLEL_PARTS at a time, each on
+# its own connection. S3 serves one connection at about 100 MB/s and the read-ahead fetches one shard at a
+# time, so it reads at min(parts, PARALLEL_PARTS) x the per-connection rate: a 32 MB shard in one 32 MiB part
+# is one connection. Measured (`python -m bench.streaming --throttle-mbps 20 --moto-process`, 2026-12-07):
+# streaming 32 MB shards read 207 samples/s (23 MB/s) in 32 MiB parts and 469 (52 MB/s) in 8 MiB parts;
+# 16 MB shards 199 and 283-318. So a shard is cut into PARALLEL_PARTS parts where that keeps them at least
+# MIN_PART_BYTES (S3's performance guidelines suggest 8-16 MB ranges; smaller ones pay a request's
+# first-byte latency for too few bytes), and never into parts above MAX_PART_BYTES: the default 512 MB
+# shard keeps its 32 MiB parts (already 8 in flight), a 64 MB one gets 8 parts of 8 MiB, not 2 of 32 MiB.
+MIN_PART_BYTES = 8 * 2**20
+MAX_PART_BYTES = 32 * 2**20
+PARALLEL_PARTS = 8
+# Shards the read-ahead fetches at once (data.read_ahead_shards of them, at most this many). One at a
+# time, its bandwidth was one shard's parts' (measured at 20 MB/s per connection: the cold stream waited
+# 1.6 s of 2.7 s for data, 16 MB shards in 8 MiB parts); N at once, N times that. Four shards of 8 parts
+# are 32 connections, about 3 GB/s at S3's 100 MB/s each: more than any loader decodes.
+MAX_CONCURRENT_SHARDS = 4
+# A marker's temporary file older than this was left by a killed process (a live one lives milliseconds).
+_STALE_MARKER_SECONDS = 600.0
 _FIX = "push the dataset again with `trainstack data push DIR --format shards`"
+
+
+def part_size(shard_bytes: int) -> int:
+    """The part size a shard of `shard_bytes` is downloaded in: PARALLEL_PARTS parts, within
+    MIN_PART_BYTES..MAX_PART_BYTES (see above)."""
+    return min(MAX_PART_BYTES, max(MIN_PART_BYTES, -(-shard_bytes // PARALLEL_PARTS)))
 
 
 def index_location(root: str) -> str | None:
@@ -71,8 +106,15 @@ def _s3_client() -> Any:
     import boto3
     from botocore.config import Config as BotoConfig
 
-    # Adaptive retries ride out throttling; the loop in _download rides out longer outages.
-    return boto3.client("s3", config=BotoConfig(retries={"max_attempts": 5, "mode": "adaptive"}))
+    # Adaptive retries ride out throttling; the loop in _download rides out longer outages. The pool holds
+    # every connection the read-ahead's concurrent shards open (botocore's default, 10, would cap them).
+    return boto3.client(
+        "s3",
+        config=BotoConfig(
+            retries={"max_attempts": 5, "mode": "adaptive"},
+            max_pool_connections=PARALLEL_PARTS * MAX_CONCURRENT_SHARDS,
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -83,6 +125,7 @@ class CacheSettings:
     max_bytes: int = 50 * 10**9
     read_ahead: int = 2
     window: int = 4
+    part_bytes: int = 0  # a download's part size; 0: part_size(shard). Not a config key: for the bench
 
     def directory(self, placed: str = "") -> Path:
         """data.cache_dir, else the folder the agent named in the index (`placed`), else the environment's."""
@@ -117,7 +160,7 @@ class ShardCache:
 
     def path(self, shard: int) -> Path:
         """The local file of shard number `shard`, fetched first when it is not there yet (or when the
-        copy there is not the index's: checked by sha256 once per process)."""
+        copy there is not the index's: checked by sha256 once per cache, see `_intact`)."""
         if not self.remote:
             return Path(self.uri(shard))
         info = self.index.shards[shard]
@@ -125,10 +168,14 @@ class ShardCache:
         target = directory / f"{info.sha256}.tar"
         if target.exists() and self._intact(target, shard):
             try:
-                os.utime(target)  # recently used: evicted last
-                return target
+                # Recently used: evicted last. The marker's mtime, not the tar's (part of its identity).
+                os.utime(_marker(target))
             except FileNotFoundError:
-                pass  # evicted while it was checked (the read-ahead made room): fetched again below
+                pass  # being evicted (the marker goes first), or never marked: looked at under the lock
+            else:
+                if target.exists():
+                    return target
+                # Evicted just after its check (the read-ahead made room): fetched again below.
         directory.mkdir(parents=True, exist_ok=True)
         # One download per shard across the read-ahead thread and every loader worker of every rank.
         with (directory / f"{info.sha256}.lock").open("w") as lock:
@@ -142,7 +189,7 @@ class ShardCache:
                 log.warning(
                     "shard %s: the cached copy %s is damaged; fetching it again", self.uri(shard), target
                 )
-                target.unlink(missing_ok=True)
+                _unlink_shard(target)
             if not target.exists():
                 # What a killed process left of this shard is never reused: the download starts over.
                 _remove_partials(directory, info.sha256)
@@ -151,17 +198,25 @@ class ShardCache:
         return target
 
     def _intact(self, target: Path, shard: int) -> bool:
-        """Whether the cached file holds the index's bytes (size, then sha256; hashed once per process and
-        shard: a loader worker opening it again trusts its own check)."""
+        """Whether the cached file holds the index's bytes: its size, then its marker (`<sha256>.ok`, left by
+        whichever process last checked or downloaded this very file), else its sha256 (marked when it
+        matches). Once true in a process, true there without a stat: a loader worker opening it again trusts
+        its own check."""
         info = self.index.shards[shard]
         if info.sha256 in self._verified:
             return True
         try:
-            intact = target.stat().st_size == info.size and sha256_file(target) == info.sha256
+            # The identity before the hash: a file replaced or written over while it is hashed then does not
+            # match the marker this writes (its inode or mtime differs).
+            identity = target.stat()
+            if identity.st_size != info.size:
+                return False
+            intact = _marked(target, identity) or sha256_file(target) == info.sha256
         except FileNotFoundError:
             return False  # evicted meanwhile: fetched again
         if intact:
             self._verified.add(info.sha256)
+            _mark(target, identity)
         return intact
 
     def _download(self, shard: int, target: Path) -> None:
@@ -184,7 +239,10 @@ class ShardCache:
                     bucket,
                     key,
                     str(partial),
-                    Config=TransferConfig(max_concurrency=8, multipart_chunksize=2**25),
+                    Config=TransferConfig(
+                        max_concurrency=PARALLEL_PARTS,
+                        multipart_chunksize=self.settings.part_bytes or part_size(info.size),
+                    ),
                 )
                 break
             except ClientError as error:
@@ -206,7 +264,9 @@ class ShardCache:
             log.warning("shard %s: %s; retrying in %.0fs (S3 unreachable?)", uri, problem, pause)
             time.sleep(pause)
             pause = min(pause * 2, 30.0)
-        size = partial.stat().st_size
+        # The identity the marker records: stat before the hash; the fsync and the rename keep it.
+        identity = partial.stat()
+        size = identity.st_size
         if size != info.size or sha256_file(partial) != info.sha256:
             partial.unlink(missing_ok=True)
             raise BadDataError(
@@ -221,6 +281,7 @@ class ShardCache:
         except OSError as error:  # the disk filled as the written bytes were flushed, or failed
             raise self._disk_error(error, shard, target.parent) from None
         self._verified.add(info.sha256)
+        _mark(target, identity)
         log.debug("shard %s: %d bytes in %.2fs", uri, size, time.monotonic() - started)
 
     def _disk_error(self, error: OSError, shard: int, directory: Path) -> OSError:
@@ -248,9 +309,17 @@ class ShardCache:
         entries = []
         for path in keep.parent.glob("*.tar"):
             try:
-                entries.append((path.stat().st_mtime, path.stat().st_size, path))
+                size = path.stat().st_size
             except FileNotFoundError:
                 continue  # another process evicted it
+            try:
+                used = _marker(path).stat().st_mtime  # the last use (path() touches the marker)
+            except FileNotFoundError:
+                try:
+                    used = path.stat().st_mtime  # not marked (yet): its download's time
+                except FileNotFoundError:
+                    continue
+            entries.append((used, size, path))
         total = sum(size for _, size, _ in entries)
         fits = total + shutil.disk_usage(keep.parent).free - FREE_DISK_BYTES
         limit = min(self.settings.max_bytes, fits)
@@ -258,8 +327,52 @@ class ShardCache:
             if total <= limit:
                 break
             if path != keep:
-                path.unlink(missing_ok=True)
+                _unlink_shard(path)
                 total -= size
+
+
+def _marker(target: Path) -> Path:
+    """The verified marker of the cached shard `target` (`<sha256>.tar` -> `<sha256>.ok`)."""
+    return target.with_suffix(".ok")
+
+
+def _identity(stat: os.stat_result) -> dict[str, int]:
+    # A rewrite of the file changes its mtime (and a download's rename its inode); the size is checked too.
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+
+
+def _marked(target: Path, identity: os.stat_result) -> bool:
+    """Whether `target`'s marker records exactly this identity. A marker missing, unreadable, not JSON or
+    of another file is no marker: the file is hashed (never an error)."""
+    try:
+        recorded = json.loads(_marker(target).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and recorded == _identity(identity)
+
+
+def _mark(target: Path, identity: os.stat_result) -> None:
+    """Record that `target`, of this identity, holds its sha256's bytes: a temporary file renamed over the
+    marker, so a reader sees a whole marker or none. Best effort: a marker that cannot be written (a
+    read-only or full disk) only means the next process hashes the file again."""
+    temporary: Path | None = None
+    try:
+        handle, name = tempfile.mkstemp(dir=target.parent, prefix=f"{target.stem}.ok-", suffix=".tmp")
+        temporary = Path(name)
+        with os.fdopen(handle, "w") as written:
+            json.dump(_identity(identity), written)
+        temporary.replace(_marker(target))
+    except OSError as error:
+        log.debug("shard cache: no marker for %s: %s", target, error)
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
+
+
+def _unlink_shard(target: Path) -> None:
+    """Delete a cached shard and its marker, the marker first: a marker never outlives its file's deletion
+    for a reader to find (one of an older file would not match the identity anyway)."""
+    _marker(target).unlink(missing_ok=True)
+    target.unlink(missing_ok=True)
 
 
 def _remove_partials(directory: Path, sha256: str) -> None:
@@ -271,7 +384,8 @@ def _remove_partials(directory: Path, sha256: str) -> None:
 
 def _remove_stale_partials(directory: Path) -> None:
     """Delete the partial downloads no process is running any more (killed mid-download): they take disk
-    space the cache's bound cannot see, and no later download reuses them."""
+    space the cache's bound cannot see, and no later download reuses them. Likewise a marker's temporary
+    file a killed process left, and a marker left without its shard. A marker of a cached shard stays."""
     for sha256 in {path.name.split(".", 1)[0] for path in directory.glob("*.part*")}:
         with (directory / f"{sha256}.lock").open("w") as lock:
             try:
@@ -279,6 +393,15 @@ def _remove_stale_partials(directory: Path) -> None:
             except BlockingIOError:
                 continue  # its download is running in another process or thread
             _remove_partials(directory, sha256)
+    for marker in directory.glob("*.ok"):
+        # A marker whose shard is gone (written by a check that the shard's eviction overtook): a download
+        # renames its shard into place before it marks it, so no live shard is without its file here.
+        if not marker.with_suffix(".tar").exists():
+            marker.unlink(missing_ok=True)
+    for temporary in directory.glob("*.ok-*.tmp"):
+        with contextlib.suppress(OSError):
+            if time.time() - temporary.stat().st_mtime > _STALE_MARKER_SECONDS:
+                temporary.unlink()
 
 
 def load_index(uri: str) -> ShardIndex:
@@ -370,8 +493,9 @@ class ShardFolder:
 class ReadAhead:
     """Fetches the shards the sampler will need next, in the order it will need them, while the loader
     reads the current ones: `plan` with this epoch's shard of each upcoming sample, `advance` as samples
-    are handed out. One daemon thread per loader; it stays `read_ahead` shards ahead, no more (the cache
-    is bounded)."""
+    are handed out. It stays `read_ahead` shards ahead, no more (the cache is bounded), and fetches those
+    shards at once, on up to MAX_CONCURRENT_SHARDS daemon threads per loader, each taking the first wanted
+    shard no other has taken: the one needed soonest starts first."""
 
     def __init__(self, fetch: Callable[[int], object], read_ahead: int) -> None:
         self._fetch = fetch
@@ -381,9 +505,15 @@ class ReadAhead:
         self._first_use: list[int] = []  # the sample position of each one's first use
         self._position = 0
         self._generation = 0
+        # (generation, shard) of every fetch started: one fetch per shard and plan, whichever thread.
+        self._taken: set[tuple[int, int]] = set()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="shard-read-ahead", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"shard-read-ahead-{n}", daemon=True)
+            for n in range(max(1, min(read_ahead, MAX_CONCURRENT_SHARDS)))
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def plan(self, shards: list[int]) -> None:
         sequence: list[int] = []
@@ -409,18 +539,24 @@ class ReadAhead:
         current = sum(1 for use in self._first_use if use <= self._position)
         return self._sequence[: current + self._read_ahead]
 
+    def _take(self) -> int | None:
+        """The first wanted shard no thread has taken in this plan, now taken; None when there is none.
+        Called with the lock held."""
+        for shard in self._wanted():
+            if (self._generation, shard) not in self._taken:
+                self._taken.add((self._generation, shard))
+                return shard
+        return None
+
     def _run(self) -> None:
-        done: set[tuple[int, int]] = set()
         while True:
             with self._lock:
-                todo = [s for s in self._wanted() if (self._generation, s) not in done]
-                while not todo:
+                shard = self._take()
+                while shard is None:
                     self._lock.wait()
-                    todo = [s for s in self._wanted() if (self._generation, s) not in done]
-                generation = self._generation
+                    shard = self._take()
             try:
-                self._fetch(todo[0])
+                self._fetch(shard)
             except Exception as error:  # the worker that needs the shard fetches it again and reports it
-                log.warning("read-ahead of shard %d failed: %s", todo[0], error)
+                log.warning("read-ahead of shard %d failed: %s", shard, error)
                 self.error = error
-            done.add((generation, todo[0]))

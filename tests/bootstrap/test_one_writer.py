@@ -36,11 +36,11 @@ from bootstrap.eventlog import EventLog
 from bootstrap.imds import ImdsClient
 from bootstrap.lease import DRIFT_SECONDS
 from bootstrap.lifecycle import InstanceLife, LifeResult
+from demo.fault_proxy import Cut, Pass, S3FaultProxy
 from demo.imds import ImdsSimulator, SimulatedInstance
 from demo.stack import LocalStack
 from tests.bootstrap.conftest import FAKE_TRAINER, upload_dataset
 from tests.conftest import MotoServer
-from tests.faults.proxy import Cut, Pass, S3FaultProxy
 
 # Slow enough steps that the second agent boots, syncs and warms while the first one trains.
 STEPS = {"steps": 60, "step_seconds": 0.08, "checkpoint_every": 10, "log_steps": True}

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from demo.fault_proxy import Pass, S3FaultProxy
 from tests.conftest import MotoServer
-from tests.faults.proxy import Pass, S3FaultProxy
 
 
 @pytest.fixture()

@@ -29,11 +29,11 @@ from bootstrap.imds import InstanceIdentity
 from bootstrap.ledger import JobLedger, LedgerStore
 from bootstrap.lifecycle import AwsClients, InstanceLife, LifeResult
 from bootstrap.persist import CheckpointPersister
+from demo.fault_proxy import Blackhole, Cut, Pass, S3FaultProxy, Slow
 from demo.imds import ImdsSimulator, SimulatedInstance
 from demo.stack import LocalStack, create_stack
 from tests.checkpoints import commit_step
 from tests.conftest import MotoServer
-from tests.faults.proxy import Blackhole, Cut, Pass, S3FaultProxy, Slow
 
 FAKE_TRAINER = [sys.executable, str(Path(__file__).parents[1] / "bootstrap" / "fake_trainer.py")]
 # The agent's clients in these tests: the production bounds, shortened so a blackhole costs seconds.

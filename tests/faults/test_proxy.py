@@ -18,7 +18,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-from tests.faults.proxy import Blackhole, Cut, CutRequests, Pass, S3FaultProxy, Slow
+from demo.fault_proxy import Blackhole, Cut, CutRequests, Pass, S3FaultProxy, Slow
 
 BUCKET = "faults"
 # botocore's legacy `max_attempts` counts retries (1 means two tries); `total_max_attempts` is the real cap.

@@ -167,13 +167,38 @@ def test_a_shard_is_fetched_once_into_the_cache_under_its_sha256_and_reused(tmp_
         "data/train/shard-000001.tar",
         str(directory / f"{info.sha256}.part"),
     )
-    assert (config.max_concurrency, config.multipart_chunksize) == (8, 2**25)  # parallel 32 MiB ranges
+    assert (config.max_concurrency, config.multipart_chunksize) == (8, 2**23)  # parallel 8 MiB ranges
     assert (directory / f"{info.sha256}.tar").read_bytes() == b"b" * 20
-    assert sorted(p.name for p in directory.iterdir()) == [f"{info.sha256}.lock", f"{info.sha256}.tar"]
-    os.utime(directory / f"{info.sha256}.tar", (1, 1))
+    # The download was checked before its rename: marked verified for the other processes.
+    names = [f"{info.sha256}.{suffix}" for suffix in ("lock", "ok", "tar")]
+    assert sorted(p.name for p in directory.iterdir()) == names
+    tar_mtime = (directory / f"{info.sha256}.tar").stat().st_mtime_ns
+    os.utime(directory / f"{info.sha256}.ok", (1, 1))
     assert cache.path(1) == directory / f"{info.sha256}.tar" and len(s3.calls) == 1
-    assert (directory / f"{info.sha256}.tar").stat().st_mtime > 1  # used now: evicted last
+    assert (directory / f"{info.sha256}.ok").stat().st_mtime > 1  # used now: evicted last
+    assert (directory / f"{info.sha256}.tar").stat().st_mtime_ns == tar_mtime  # its identity untouched
     assert cache.path(0).read_bytes() == b"a" * 10 and len(s3.calls) == 2
+
+
+def test_a_shard_is_cut_into_8_parts_of_8_to_32_mib_and_the_settings_may_say_otherwise(
+    tmp_path: Path,
+) -> None:
+    from training.streaming import part_size
+
+    mib = 2**20
+    # Small shards in 8 MiB parts (more than one connection where they can); 64-256 MB ones in 8 parts; the
+    # default 512 MB shards in 32 MiB parts, at most 8 at a time either way.
+    assert [part_size(size) for size in (10, 16 * 10**6, 64 * 2**20, 200 * 10**6, 512 * 10**6)] == [
+        8 * mib,
+        8 * mib,
+        8 * mib,
+        25 * 10**6,
+        32 * mib,
+    ]
+    cache, s3 = remote_cache(tmp_path, [[b"a" * 10]])
+    cache.settings = CacheSettings(cache.settings.cache_dir, part_bytes=5 * mib)
+    cache.path(0)
+    assert s3.calls[0][3].multipart_chunksize == 5 * mib
 
 
 def test_a_local_index_reads_its_shards_in_place_and_an_agents_copy_where_it_says(tmp_path: Path) -> None:
@@ -519,6 +544,171 @@ def test_a_cached_copy_is_checked_once_per_process_and_a_damaged_one_fetched_aga
     assert fresh._intact(tmp_path / "nowhere.tar", 0) is False  # evicted meanwhile: fetched again
 
 
+def hash_counter(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The files the module hashes from now on, in order."""
+    import training.streaming
+
+    hashed: list[Path] = []
+    real_hash = training.streaming.sha256_file
+
+    def counted(path: Path) -> str:
+        hashed.append(path)
+        return real_hash(path)
+
+    monkeypatch.setattr(training.streaming, "sha256_file", counted)
+    return hashed
+
+
+def another_process(cache: Any) -> Any:
+    """A ShardCache as a loader worker gets it (pickled: its own client, its own set of checked shards)."""
+    import pickle
+
+    other = pickle.loads(pickle.dumps(cache))
+    other._verified, other._client = set(), cache._client
+    return other
+
+
+def identity(path: Path) -> dict[str, int]:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+
+
+def test_a_shard_checked_by_one_process_is_trusted_by_the_others_without_hashing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    cache, s3 = remote_cache(tmp_path, [[b"a" * 10], [b"b" * 10]])
+    directory = tmp_path / "c" / "d"
+    directory.mkdir(parents=True)
+    earlier = directory / f"{cache.index.shards[1].sha256}.tar"
+    earlier.write_bytes(b"b" * 10)  # an earlier life's copy, from before markers: hashed once, then marked
+    hashed = hash_counter(monkeypatch)
+    downloaded = cache.path(0)
+    assert cache.path(1) == earlier and hashed == [downloaded.with_suffix(".part"), earlier]
+    for shard in (downloaded, earlier):
+        assert json.loads(shard.with_suffix(".ok").read_text()) == identity(shard)
+
+    hashed.clear()
+    workers = [another_process(cache) for _ in range(3)]
+    for worker in workers:
+        assert worker.path(0) == downloaded and worker.path(1) == earlier
+    assert hashed == [] and len(s3.calls) == 1  # three workers, two shards: no hash, no download
+
+
+def test_a_shard_written_over_after_its_marker_is_hashed_again_and_fetched_again_when_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache, s3 = remote_cache(tmp_path, [[b"a" * 10], [b"b" * 10]])
+    damaged, rewritten = cache.path(0), cache.path(1)
+    marked = {path: path.with_suffix(".ok").read_bytes() for path in (damaged, rewritten)}
+    mtime = damaged.stat().st_mtime_ns
+    damaged.write_bytes(b"A" * 10)  # written over in place: the same inode and size, another mtime
+    # Set, not left to the clock: a write within the clock's tick (milliseconds) would keep the mtime.
+    os.utime(damaged, ns=(mtime + 10**9, mtime + 10**9))
+    # Replaced by another file of the same bytes, size and mtime: only the inode tells.
+    (tmp_path / "copy").write_bytes(b"b" * 10)
+    os.utime(tmp_path / "copy", ns=(rewritten.stat().st_atime_ns, rewritten.stat().st_mtime_ns))
+    (tmp_path / "copy").replace(rewritten)
+    for path, body in marked.items():
+        assert path.with_suffix(".ok").read_bytes() == body  # the markers still say what they said
+
+    hashed = hash_counter(monkeypatch)
+    worker = another_process(cache)
+    with caplog.at_level(logging.WARNING, logger="training"):
+        assert worker.path(0).read_bytes() == b"a" * 10 and worker.path(1).read_bytes() == b"b" * 10
+    assert [key for _, key, _, _ in s3.calls[2:]] == ["data/train/shard-000000.tar"]  # the damaged one only
+    assert hashed[:2] == [damaged, damaged] and rewritten in hashed  # checked, not trusted
+    assert [r.getMessage() for r in caplog.records] == [
+        f"shard {REMOTE}/shard-000000.tar: the cached copy {damaged} is damaged; fetching it again"
+    ]
+    import json
+
+    for path in (damaged, rewritten):  # marked again, as the files they are now
+        assert json.loads(path.with_suffix(".ok").read_text()) == identity(path)
+
+
+@pytest.mark.parametrize(
+    "marker",
+    [
+        b"",
+        b"\xff\xfe not json",
+        b"[1, 2, 3]",
+        b'{"size": 10}',
+        b'{"size": 10, "mtime_ns": 1, "inode": 2}',
+        b'{"size": "10", "mtime_ns": null, "inode": {}, "extra": 1}',
+        "a folder",
+    ],
+)
+def test_a_marker_of_another_file_or_not_a_marker_at_all_is_ignored_never_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, marker: bytes | str
+) -> None:
+    cache, s3 = remote_cache(tmp_path, [[b"a" * 10]])
+    directory = tmp_path / "c" / "d"
+    directory.mkdir(parents=True)
+    good = directory / f"{cache.index.shards[0].sha256}.tar"
+    good.write_bytes(b"a" * 10)
+    if isinstance(marker, bytes):
+        good.with_suffix(".ok").write_bytes(marker)
+    else:
+        good.with_suffix(".ok").mkdir()  # cannot be read, nor replaced: still no error
+    hashed = hash_counter(monkeypatch)
+    assert cache.path(0) == good and hashed == [good] and s3.calls == []
+
+
+def test_a_marker_that_cannot_be_written_only_costs_the_next_process_a_hash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    cache, s3 = remote_cache(tmp_path, [[b"a" * 10]])
+
+    def full(**_: Any) -> tuple[int, str]:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(tempfile, "mkstemp", full)
+        target = cache.path(0)
+        assert cache.path(0) == target  # not marked: its recency falls back to the tar's mtime
+    assert sorted(p.suffix for p in target.parent.iterdir()) == [".lock", ".tar"]
+    hashed = hash_counter(monkeypatch)
+    assert another_process(cache).path(0) == target and hashed == [target] and len(s3.calls) == 1
+    assert target.with_suffix(".ok").exists()
+
+
+def test_eviction_follows_the_markers_recency_and_deletes_each_marker_before_its_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import training.streaming
+    from training.streaming import ShardCache
+
+    # The tars' own mtimes say a, b, c, d (their downloads); their markers' say the later use: d, a, c, and
+    # b was never marked (its download's time counts).
+    made = aged(tmp_path, {"a": 100, "b": 100, "c": 100, "d": 100})
+    for name, used in (("d", 2000), ("a", 3000), ("c", 4000)):
+        made[name].with_suffix(".ok").write_text("{}")
+        os.utime(made[name].with_suffix(".ok"), (used, used))
+    (tmp_path / "gone.ok").write_text("{}")  # its shard was evicted after the check that marked it
+    (tmp_path / "e.ok-abc123.tmp").write_text("{}")  # a killed process's temporary marker, long ago
+    os.utime(tmp_path / "e.ok-abc123.tmp", (1, 1))
+    (tmp_path / "f.ok-def456.tmp").write_text("{}")  # being written now: left alone
+    monkeypatch.setattr(training.streaming, "shutil", disk(tmp_path, 10**15))
+    deleted: list[str] = []
+    real_unlink = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        deleted.append(self.name)
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    ShardCache(REMOTE, ShardIndex([], [], []), CacheSettings(max_bytes=200))._evict(keep=made["a"])
+    monkeypatch.undo()
+    shards = [name for name in deleted if name.endswith((".tar", ".ok"))]
+    assert shards == ["gone.ok", "b.ok", "b.tar", "d.ok", "d.tar"]  # the least recently used, marker first
+    left = ["a.ok", "a.tar", "c.ok", "c.tar", "f.ok-def456.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == left
+
+
 def test_a_damaged_copy_another_rank_evicts_while_it_is_checked_is_fetched_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -562,14 +752,19 @@ def test_a_damaged_copy_another_rank_evicts_as_it_is_deleted_is_fetched_again(
                 return True
             return False
 
+    evicted: list[Path] = []
+
     def exists(self: Path) -> bool:
         there = real_exists(self)
-        if self == target and there and locked():
-            target.unlink()  # seen there under the lock, then evicted by another rank (eviction takes none)
+        if self == target and there and not evicted and locked():
+            # Seen there under the lock, then evicted by another rank (eviction takes none); once: the copy
+            # fetched again is not evicted.
+            target.unlink()
+            evicted.append(target)
         return there
 
     monkeypatch.setattr(Path, "exists", exists)
-    assert cache.path(0) == target and len(s3.calls) == 1
+    assert cache.path(0) == target and len(s3.calls) == 1 and evicted == [target]
     monkeypatch.undo()
     assert target.read_bytes() == b"a" * 10
 
@@ -620,7 +815,7 @@ def test_a_killed_downloads_leftovers_are_removed_before_the_shard_is_fetched_ag
     monkeypatch.setattr(Path, "glob", listed)
     cache.path(0)
     monkeypatch.undo()
-    assert seen == [[]] and sorted(p.suffix for p in directory.iterdir()) == [".lock", ".tar"]
+    assert seen == [[]] and sorted(p.suffix for p in directory.iterdir()) == [".lock", ".ok", ".tar"]
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES])
@@ -772,20 +967,24 @@ def test_a_sample_error_is_the_samples_problem_in_one_line_unless_the_disk_faile
 
 
 class Watched(threading.Condition):
-    """The read-ahead's condition, telling the test when the thread waits with nothing to do for the last plan
-    or advance (`asked`: how many the test made, under the lock; `idle_for`: how many the thread had seen)."""
+    """The read-ahead's condition, telling the test when every fetching thread waits with nothing to do since
+    the last plan or advance (each notifies all: `idle` counts the threads that waited since)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.asked, self.idle_for = 0, -1
+        self.idle = 0
+
+    def notify_all(self) -> None:
+        self.idle = 0
+        super().notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
-        self.idle_for = self.asked
+        self.idle += 1
         return super().wait(timeout)
 
 
 def read_ahead(monkeypatch: pytest.MonkeyPatch, fetch: Any, shards: int) -> tuple[Any, Any]:
-    """A ReadAhead and `tell(method, *args)`, which calls plan/advance and returns once the thread is idle."""
+    """A ReadAhead and `tell(method, *args)`: calls plan/advance, returns once its threads are idle."""
     import training.streaming
     from training.streaming import ReadAhead
 
@@ -798,9 +997,8 @@ def read_ahead(monkeypatch: pytest.MonkeyPatch, fetch: Any, shards: int) -> tupl
     def tell(method: str, *args: Any) -> None:
         with watched:
             getattr(ahead, method)(*args)
-            watched.asked += 1
         wait_until(
-            lambda: watched.idle_for == watched.asked,
+            lambda: watched.idle == len(ahead._threads),
             timeout=10,
             what=f"the read-ahead idle after {method}{args}",
         )
@@ -813,24 +1011,59 @@ def test_the_read_ahead_fetches_in_the_samplers_order_and_stays_its_bound_ahead(
 ) -> None:
     fetched: list[int] = []
     ahead, tell = read_ahead(monkeypatch, fetched.append, 2)
-    thread = next(
-        t for t in threading.enumerate() if t.name == "shard-read-ahead" and t.ident == ahead._thread.ident
-    )
-    assert thread.daemon and ahead.error is None  # a finished loader's thread never holds the process
+    names = {t.name: t for t in threading.enumerate() if t.ident in {a.ident for a in ahead._threads}}
+    assert sorted(names) == ["shard-read-ahead-0", "shard-read-ahead-1"]  # read_ahead 2: two at once
+    assert all(t.daemon for t in names.values()) and ahead.error is None  # never holds the process
+
+    def since(step: int) -> list[int]:
+        # Two threads append in whichever order their fetches end: each step's set, in the steps' order.
+        return sorted(fetched[step:])
 
     tell("plan", [4, 4, 1, 1, 6, 6, 2, 2, 0, 0])
-    assert fetched == [4, 1, 6]  # the shard in use and the next two
+    assert since(0) == [1, 4, 6]  # the shard in use and the next two
     tell("advance", 2)
-    assert fetched == [4, 1, 6, 2]
+    assert since(3) == [2] and len(fetched) == 4
     tell("advance", 3)
-    assert fetched == [4, 1, 6, 2]  # 6 is first used at position 4
+    assert len(fetched) == 4  # 6 is first used at position 4
     tell("advance", 4)
-    assert fetched == [4, 1, 6, 2, 0]
+    assert since(4) == [0] and len(fetched) == 5
     # The next epoch starts at its first sample; a shard is fetched again (the cache may have evicted it).
     tell("plan", [3, 6, 6, 5, 4])
-    assert fetched == [4, 1, 6, 2, 0, 3, 6, 5]
+    assert since(5) == [3, 5, 6] and len(fetched) == 8
     tell("plan", [3])
-    assert fetched == [4, 1, 6, 2, 0, 3, 6, 5, 3]
+    assert since(8) == [3] and len(fetched) == 9
+
+
+@pytest.mark.parametrize(("read_ahead_shards", "threads"), [(0, 1), (1, 1), (3, 3), (4, 4), (9, 4)])
+def test_the_read_ahead_fetches_its_shards_at_once_on_up_to_four_threads(
+    read_ahead_shards: int, threads: int
+) -> None:
+    # One shard at a time, a network limited per connection held the loader to one shard's parts' bandwidth.
+    from training.streaming import MAX_CONCURRENT_SHARDS, ReadAhead
+
+    started: list[int] = []
+    release = threading.Event()
+    lock = threading.Lock()
+
+    def fetch(shard: int) -> None:
+        with lock:
+            started.append(shard)
+        release.wait(timeout=30)
+
+    ahead = ReadAhead(fetch, read_ahead_shards)
+    try:
+        assert len(ahead._threads) == threads <= MAX_CONCURRENT_SHARDS
+        ahead.plan(list(range(12)))  # one sample per shard: the first in use, `read_ahead_shards` ahead
+        wanted = 1 + read_ahead_shards
+        wait_until(
+            lambda: len(started) == min(threads, wanted), timeout=10, what=f"{threads} fetches at once"
+        )
+        assert sorted(started) == list(range(min(threads, wanted)))  # the soonest needed first
+        release.set()
+        wait_until(lambda: len(started) == wanted, timeout=10, what=f"all {wanted} wanted shards fetched")
+        assert sorted(started) == list(range(wanted))  # no more than its bound, none twice
+    finally:
+        release.set()
 
 
 def test_a_failed_read_ahead_is_logged_kept_and_the_next_shard_still_fetched(

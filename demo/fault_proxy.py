@@ -1,4 +1,8 @@
-"""A TCP proxy in front of the moto server that injects network faults (cut, blackhole, slow) on demand."""
+"""A TCP proxy in front of the moto server that injects network faults (cut, blackhole, slow) on demand.
+
+Part of the simulated world (with the moto server and the IMDS simulator): the fault tests put it between
+boto3 and moto, and `python -m bench.streaming --throttle-mbps N` uses its Slow mode as a network limited
+per connection. It lives in demo/, not tests/, because bench/ uses it and tests import bench/."""
 
 from __future__ import annotations
 
