@@ -16,7 +16,7 @@ import torch
 from trainstack_job.atomic import write_atomic
 from trainstack_job.contract import PROGRESS
 from trainstack_job.layout import now_iso
-from trainstack_job.records import Progress
+from trainstack_job.records import Progress, first_step_stamp
 
 log = logging.getLogger("training")
 
@@ -109,7 +109,7 @@ class ProgressReporter:
                 # the first step finished, not when it was queued.
                 torch.cuda.synchronize(self.device)
             moment = datetime.fromtimestamp(self._wall_clock(), timezone.utc)
-            self.first_step_at = moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+            self.first_step_at = first_step_stamp(moment)
         self.interval.wait_seconds += wait_seconds
         self.interval.samples += samples
         self.interval.steps += 1

@@ -34,7 +34,7 @@ from trainstack_job.layout import (
     step_dir_name,
     verify_dir,
 )
-from trainstack_job.records import Progress
+from trainstack_job.records import Progress, first_step_stamp
 
 LOCAL_CHECKPOINT_DIR = Path("checkpoints")
 LOCAL_OUTPUT_DIR = Path("output")
@@ -268,7 +268,7 @@ class Job:
         if self._first_step_at is None and step > (self.restored_step or 0):
             # The first step this process trained (a report of the restored step itself, before any step, is
             # not one): the agent keeps it as the life's time to first step.
-            self._first_step_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+            self._first_step_at = first_step_stamp(datetime.now(timezone.utc))
         value = Progress(
             step, total_steps, updated_at=now_iso(), first_step_at=self._first_step_at, extra=metrics
         ).to_json()

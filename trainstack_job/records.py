@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
 from typing import Any, TypeGuard
 
 from trainstack_job.contract import JobStatus, LifeOutcome
@@ -388,6 +389,11 @@ class Ledger:
 
 
 # -- progress ---------------------------------------------------------------------------------------
+
+
+def first_step_stamp(moment: datetime) -> str:
+    """`Progress.first_step_at` as every writer spells it: UTC, to the millisecond, with a `Z`."""
+    return moment.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass

@@ -181,6 +181,7 @@ def test_progress_says_when_this_process_first_stepped_past_its_restored_step(jo
     job.report_progress(41, 100)
     first = reported().first_step_at
     assert first is not None and before <= datetime.fromisoformat(first) <= datetime.now(timezone.utc)
+    assert first.endswith("Z") and len(first) == len("2026-12-07T09:00:00.000Z"), "spelled as the trainer's"
     job.report_progress(42, 100)
     assert reported().first_step_at == first
 

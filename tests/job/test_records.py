@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import sys
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -550,6 +550,11 @@ def test_a_first_step_or_data_wait_of_the_wrong_type_reads_as_unknown() -> None:
 
 
 def test_progress_carries_the_first_step_of_its_process() -> None:
+    # One spelling for every writer (the trainer, the helper): UTC, milliseconds, Z.
+    from trainstack_job.records import first_step_stamp
+
+    moment = datetime(2026, 12, 6, 11, 0, 42, 125_999, tzinfo=timezone(timedelta(hours=1)))
+    assert first_step_stamp(moment) == "2026-12-06T10:00:42.125Z"
     raw = {"step": 10, "total_steps": 100, "first_step_at": "2026-12-06T10:00:42.125Z"}
     progress = Progress.from_json(raw)
     assert progress is not None and progress.first_step_at == "2026-12-06T10:00:42.125Z"
