@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -61,6 +62,10 @@ class CaseResult:
     steady_wait_s: float  # of steady_s, the time blocked in next(loader): waiting for data
     fetched_bytes: int  # payload from S3: the synced files, or the shards downloaded into the cache
     proxy_bytes: int  # bytes through the throttling proxy, both ways (0 unthrottled)
+    # CPU of the trainer's side (the bench process, its read-ahead threads and its loader workers; not moto
+    # nor the proxy when they run in their own process) per steady sample, in ms: decoding, and for a stream
+    # also its downloads and their sha256. What an instance pays, where S3 is another machine.
+    cpu_ms_per_sample: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,7 @@ class Epoch:
     samples: int  # after the first micro-batch
     steady_s: float  # the rest of the epoch
     wait_s: float  # of steady_s, blocked in next(loader)
+    cpu_s: float = 0.0  # of steady_s, the trainer side's CPU (`CaseResult.cpu_ms_per_sample`)
 
 
 def read_epoch(
@@ -186,11 +192,18 @@ def read_epoch(
     options: dict[str, Any] = {"num_workers": workers, STREAMING: settings}
     if workers:
         options["prefetch_factor"] = 4
+    import psutil
+
+    bench = psutil.Process()
+    before = {child.pid for child in bench.children(recursive=True)}  # moto's process, when it has one
     loader = iter(train_loader(dataset, sampler, options))
     first = next(loader)
     first_at = time.monotonic()
     del first
-    samples, waited = 0, 0.0
+    trainer_side = [bench, *(c for c in bench.children(recursive=True) if c.pid not in before)]
+    cpu_at_first = cpu = _cpu_seconds(trainer_side)
+    samples = counted = 0
+    waited = 0.0
     while True:
         asked = time.monotonic()
         try:
@@ -199,9 +212,24 @@ def read_epoch(
             break
         waited += time.monotonic() - asked
         samples += len(micro.images)
+        # Read while the workers are alive (they exit with the epoch): the CPU up to this batch, its samples.
+        cpu, counted = _cpu_seconds(trainer_side), samples
         if step_s:
             time.sleep(step_s)  # a training step's compute, while the workers and the read-ahead go on
-    return Epoch(first_at - started, samples, time.monotonic() - first_at, waited)
+    epoch = Epoch(first_at - started, samples, time.monotonic() - first_at, waited)
+    return dataclasses.replace(epoch, cpu_s=(cpu - cpu_at_first) * samples / max(counted, 1))
+
+
+def _cpu_seconds(processes: list[Any]) -> float:
+    """User and system CPU of `processes` so far (one that ended counts nothing more)."""
+    import psutil
+
+    total = 0.0
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def _tree_bytes(root: Path, pattern: str = "*") -> int:
@@ -313,6 +341,7 @@ def _result(case: str, epoch: Epoch, prepare_s: float, fetched: int, proxied: in
         epoch.wait_s,
         fetched,
         proxied,
+        1000 * epoch.cpu_s / max(epoch.samples, 1),
     )
 
 
@@ -336,14 +365,15 @@ def table(report: dict[str, Any]) -> str:
     sync = next((c["steady_samples_per_s"] for c in report["cases"] if c["case"] == "sync"), None)
     lines = [
         f"{'case':<12} {'first batch s':>14} {'steady samples/s':>17} {'vs sync':>8} {'MB fetched':>11} "
-        f"{'waited s / steady s':>20}"
+        f"{'waited s / steady s':>20} {'CPU ms/sample':>14}"
     ]
     for case in report["cases"]:
         ratio = f"{case['steady_samples_per_s'] / sync:.2f}" if sync else "-"
         waited = f"{case.get('steady_wait_s', 0):.2f} / {case.get('steady_s', 0):.2f}"
         lines.append(
             f"{case['case']:<12} {case['first_batch_s']:>14.2f} {case['steady_samples_per_s']:>17.1f} "
-            f"{ratio:>8} {case.get('fetched_bytes', 0) / 1e6:>11.1f} {waited:>20}"
+            f"{ratio:>8} {case.get('fetched_bytes', 0) / 1e6:>11.1f} {waited:>20} "
+            f"{case.get('cpu_ms_per_sample', 0):>14.2f}"
         )
     return "\n".join([*lines, *goals(report)])
 

@@ -43,6 +43,8 @@ def check_cases(report: dict[str, Any], downloads: list[int]) -> dict[str, dict[
         assert case["samples"] == expected
         assert case["first_batch_s"] > 0 and case["steady_samples_per_s"] > 0
         assert 0 < case["steady_wait_s"] <= case["steady_s"]
+        # The trainer side decodes every sample: some CPU each, and less than the whole steady time's 4 cores.
+        assert 0 < case["cpu_ms_per_sample"] < 4000 * case["steady_s"] / case["samples"]
     assert cases["sync"]["prepare_s"] > 0
     # Every shard fetched once, by the cold case; the warm case reads its cache only.
     assert sorted(downloads) == list(range(report["shards"]))
