@@ -304,7 +304,9 @@ class ShardCache:
     def _evict(self, keep: Path) -> None:
         """Delete the least recently used shards past the size bound, or past what the disk can hold
         keeping FREE_DISK_BYTES free (data.cache_gb may be larger than a small root volume). A reader
-        holding an evicted shard open keeps reading it: the file goes when it closes it."""
+        holding an evicted shard open keeps reading it: the file goes when it closes it. Each download
+        evicts once its shard is in place, so the bound is exceeded only by the shards in flight at once
+        (the read-ahead's, at most MAX_CONCURRENT_SHARDS), for as long as their downloads end."""
         _remove_stale_partials(keep.parent)
         entries = []
         for path in keep.parent.glob("*.tar"):

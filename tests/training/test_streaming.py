@@ -175,6 +175,14 @@ def test_an_interrupted_streamed_run_resumed_on_an_empty_cache_ends_bitwise_equa
         assert torch.equal(value, resumed_model.state_dict()[name]), name
 
 
+def size_unless_evicted(path: Path) -> int:
+    """The file's size, 0 when the read-ahead evicted it since it was listed."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def test_a_warm_cache_is_read_without_s3_and_the_cache_stays_bounded(
     aws: MotoServer, shards: Path, tmp_path: Path
 ) -> None:
@@ -184,8 +192,10 @@ def test_a_warm_cache_is_read_without_s3_and_the_cache_stays_bounded(
     bound = 3 * largest
     _, batches = loader(uri, tmp_path / "small", epoch=0, step=0, cache_bytes=bound)
     for _ in batches:
-        cached = sum(p.stat().st_size for p in (tmp_path / "small").glob("*.tar"))
-        assert cached <= bound + largest  # the bound, plus at most the shard being fetched
+        cached = sum(size_unless_evicted(p) for p in (tmp_path / "small").glob("*.tar"))
+        # The bound, plus at most the shards being fetched at once: the read-ahead's 2 (each is evicted for
+        # just after its rename).
+        assert cached <= bound + 2 * largest
     _, batches = loader(uri, tmp_path / "warm", epoch=0, step=0)
     expected = [b.images for b in batches]
     # The next life on the same disk: shards come from the cache (content-addressed), even with S3 gone.
