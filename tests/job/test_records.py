@@ -549,12 +549,22 @@ def test_a_first_step_or_data_wait_of_the_wrong_type_reads_as_unknown() -> None:
     assert zero.to_json()["first_step_seconds"] == 0.0, "a measured 0 is kept, unlike an unknown"
 
 
-def test_progress_carries_the_first_step_of_its_process() -> None:
+def test_progress_carries_the_first_step_of_its_process(monkeypatch: pytest.MonkeyPatch) -> None:
     # One spelling for every writer (the trainer, the helper): UTC, milliseconds, Z.
     from trainstack_job.records import first_step_stamp
 
     moment = datetime(2026, 12, 6, 11, 0, 42, 125_999, tzinfo=timezone(timedelta(hours=1)))
     assert first_step_stamp(moment) == "2026-12-06T10:00:42.125Z"
+    # Whatever the machine's own zone (a workstation's is rarely UTC).
+    import time
+
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        assert first_step_stamp(moment) == "2026-12-06T10:00:42.125Z"
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
     raw = {"step": 10, "total_steps": 100, "first_step_at": "2026-12-06T10:00:42.125Z"}
     progress = Progress.from_json(raw)
     assert progress is not None and progress.first_step_at == "2026-12-06T10:00:42.125Z"

@@ -195,6 +195,9 @@ def test_a_shard_is_cut_into_8_parts_of_8_to_32_mib_and_the_settings_may_say_oth
         25 * 10**6,
         32 * mib,
     ]
+    # A shard whose size 8 does not divide: parts rounded up to whole bytes (8 of them cover it), an int.
+    odd = part_size(100 * mib + 1)
+    assert odd == 100 * mib // 8 + 1 and isinstance(odd, int)
     cache, s3 = remote_cache(tmp_path, [[b"a" * 10]])
     cache.settings = CacheSettings(cache.settings.cache_dir, part_bytes=5 * mib)
     cache.path(0)
@@ -674,6 +677,80 @@ def test_a_marker_that_cannot_be_written_only_costs_the_next_process_a_hash(
     hashed = hash_counter(monkeypatch)
     assert another_process(cache).path(0) == target and hashed == [target] and len(s3.calls) == 1
     assert target.with_suffix(".ok").exists()
+
+
+def test_a_marker_a_killed_writer_left_half_written_is_in_the_cache_and_swept_once_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+
+    import training.streaming
+    from training.streaming import _remove_stale_partials
+
+    cache, _ = remote_cache(tmp_path, [[b"a" * 10], [b"b" * 10]])
+
+    def killed(*_: Any, **__: Any) -> None:
+        raise KeyboardInterrupt  # the process dies mid-write: nothing of its own cleans up
+
+    with monkeypatch.context() as patched:
+        patched.setattr(json, "dump", killed)
+        with pytest.raises(KeyboardInterrupt):
+            cache.path(0)
+    # The next process: the copy is whole (renamed into place before the marker), hashed and marked.
+    target = another_process(cache).path(0)
+    (left,) = target.parent.glob("*.tmp")
+    assert left.parent == target.parent and left.name.startswith(f"{target.stem}.ok-")
+    os.utime(left, (1, 1))  # older than any live writer
+    fresh = target.parent / f"{target.stem}.ok-live.tmp"
+    fresh.write_text("")  # a writer still at work: kept
+    _remove_stale_partials(target.parent)
+    assert not left.exists() and fresh.exists() and target.with_suffix(".ok").exists()
+
+    # A marker that cannot be renamed into place: its temporary file goes, and the reason is said at debug.
+    def refused(self: Path, other: Any) -> Path:
+        raise OSError(errno.EROFS, "read-only file system")
+
+    with monkeypatch.context() as patched, caplog.at_level(logging.DEBUG, logger="training"):
+        patched.setattr(Path, "replace", refused)
+        second = cache.path(1)
+    assert sorted(p.name for p in second.parent.glob(f"{second.stem}*")) == [
+        f"{second.stem}.lock",
+        f"{second.stem}.tar",
+    ]
+    assert f"shard cache: no marker for {second}: [Errno 30] read-only file system" in caplog.messages
+    assert training.streaming._marker(second).exists() is False
+
+
+def test_a_shard_checked_once_in_a_process_is_not_looked_at_again_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import training.streaming
+
+    cache, _ = remote_cache(tmp_path, [[b"a" * 10], [b"b" * 10]])
+    downloaded = cache.path(0)  # checked by its download
+    warm = another_process(cache)
+    assert warm.path(1) and warm.path(0) == downloaded  # checked by its marker
+    assert cache.path(1) == warm.path(1)  # the other process's download, checked by its marker
+    looked: list[Path] = []
+    real = training.streaming._marked
+
+    def marked(target: Path, identity: Any) -> bool:
+        looked.append(target)
+        return bool(real(target, identity))
+
+    monkeypatch.setattr(training.streaming, "_marked", marked)
+    for process in (cache, warm):
+        assert process.path(0) == downloaded and process.path(1).exists()
+    assert looked == [], "a process trusts its own check: no marker read, no hash"
+
+
+def test_the_s3_client_holds_a_connection_for_every_part_of_every_shard_in_flight() -> None:
+    # botocore's default pool (10) would cap 4 shards x 8 parts at 10 connections and warn for the others.
+    from training.streaming import MAX_CONCURRENT_SHARDS, PARALLEL_PARTS, _s3_client
+
+    client = _s3_client()
+    assert client.meta.config.max_pool_connections == PARALLEL_PARTS * MAX_CONCURRENT_SHARDS == 32
+    assert client.meta.config.retries == {"total_max_attempts": 6, "mode": "adaptive"}  # 5 retries
 
 
 def test_eviction_follows_the_markers_recency_and_deletes_each_marker_before_its_shard(
