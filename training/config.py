@@ -48,8 +48,8 @@ class DataConfig:
     # A split given as shards (train_dir / val_dir naming a shard index, s3://.../train/shards.json, or a
     # folder holding one: `trainstack data push DIR --format shards`) is streamed through this cache: empty
     # = $TRAINSTACK_DATA_CACHE (the agent's NVMe scratch), else the temp folder. Bounded at cache_gb; the
-    # next read_ahead_shards shards are fetched (at once, up to 4) while the current ones are read; a network
-    # limited per connection wants more of them (python -m bench.streaming --throttle-mbps); samples are shuffled
+    # next read_ahead_shards shards are fetched (at once, up to 4) while the current ones are read (a network
+    # limited per connection wants more: python -m bench.streaming --throttle-mbps); samples are shuffled
     # within windows of shuffle_window_shards shards (part of the order: changing it changes the run).
     cache_dir: str = ""
     cache_gb: float = 50.0
