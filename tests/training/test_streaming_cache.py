@@ -512,7 +512,6 @@ def test_eviction_skips_what_other_processes_evict_and_clears_only_dead_download
 def test_a_cached_copy_is_checked_once_per_process_and_a_damaged_one_fetched_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import training.streaming
 
     cache, s3 = remote_cache(tmp_path, [[b"a" * 10], [b"b" * 10], [b"c" * 10]])
     directory = tmp_path / "c" / "d"
@@ -521,14 +520,7 @@ def test_a_cached_copy_is_checked_once_per_process_and_a_damaged_one_fetched_aga
     good.write_bytes(b"a" * 10)  # an earlier life's copy
     bad.write_bytes(b"B" * 10)  # the right size, not the right bytes: a crash before it reached the disk
     short.write_bytes(b"c" * 9)
-    hashed: list[Path] = []
-    real_hash = training.streaming.sha256_file
-
-    def counted(path: Path) -> str:
-        hashed.append(path)
-        return real_hash(path)
-
-    monkeypatch.setattr(training.streaming, "sha256_file", counted)
+    hashed = hash_counter(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="training"):
         assert cache.path(0) == good and cache.path(0) == good and s3.calls == [] and hashed == [good]
         assert cache.path(1).read_bytes() == b"b" * 10 and cache.path(2).read_bytes() == b"c" * 10
