@@ -108,7 +108,9 @@ def _s3_client() -> Any:
 
     # Adaptive retries ride out throttling; the loop in _download rides out longer outages. The pool holds
     # every connection the read-ahead's concurrent shards open (botocore's default, 10, would cap them).
-    return boto3.client(
+    # A session of its own: the read-ahead's threads may make clients at once, and boto3's shared default
+    # session is not thread-safe.
+    return boto3.session.Session().client(
         "s3",
         config=BotoConfig(
             retries={"max_attempts": 5, "mode": "adaptive"},
@@ -149,11 +151,20 @@ class ShardCache:
         self.index = index
         self.settings = settings
         self._client: Any = None
+        # The process that made `_client` (None: given, e.g. by a test). A loader worker forked after the
+        # read-ahead made it inherits it, pooled connections and all, which two processes must never share.
+        self._client_pid: int | None = None
         self._verified: set[str] = set()  # the sha256 of the shards this process has checked on disk
 
     def __getstate__(self) -> dict[str, Any]:
         # Sent to loader workers: each makes its own client (boto3 clients do not cross processes).
-        return {**self.__dict__, "_client": None}
+        return {**self.__dict__, "_client": None, "_client_pid": None}
+
+    def _s3(self) -> Any:
+        """This process's S3 client, made on first use (two threads at once may both make one: harmless)."""
+        if self._client is None or self._client_pid not in (None, os.getpid()):
+            self._client, self._client_pid = _s3_client(), os.getpid()
+        return self._client
 
     def uri(self, shard: int) -> str:
         return f"{self.base}/{self.index.shards[shard].key}"
@@ -211,7 +222,10 @@ class ShardCache:
             identity = target.stat()
             if identity.st_size != info.size:
                 return False
-            intact = _marked(target, identity) or sha256_file(target) == info.sha256
+            if _marked(target, identity):
+                self._verified.add(info.sha256)
+                return True  # its marker says so already: nothing to write (each worker would, per shard)
+            intact = sha256_file(target) == info.sha256
         except FileNotFoundError:
             return False  # evicted meanwhile: fetched again
         if intact:
@@ -232,10 +246,8 @@ class ShardCache:
         pause = 1.0
         started = time.monotonic()
         while True:
-            if self._client is None:
-                self._client = _s3_client()
             try:
-                self._client.download_file(
+                self._s3().download_file(
                     bucket,
                     key,
                     str(partial),

@@ -373,9 +373,6 @@ def capacity_units(instances: int, weights: Mapping[str, int] | None = None) -> 
     return instances
 
 
-# -- goodput per dollar ---------------------------------------------------------------------------------
-
-
 # -- the stack's table in S3 ----------------------------------------------------------------------------
 
 

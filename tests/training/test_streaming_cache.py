@@ -585,10 +585,13 @@ def test_a_shard_checked_by_one_process_is_trusted_by_the_others_without_hashing
         assert json.loads(shard.with_suffix(".ok").read_text()) == identity(shard)
 
     hashed.clear()
+    markers = {shard: shard.with_suffix(".ok").stat().st_ino for shard in (downloaded, earlier)}
     workers = [another_process(cache) for _ in range(3)]
     for worker in workers:
         assert worker.path(0) == downloaded and worker.path(1) == earlier
     assert hashed == [] and len(s3.calls) == 1  # three workers, two shards: no hash, no download
+    # Nor a write: a marker that already says so is not written again by each worker (only touched).
+    assert {shard: shard.with_suffix(".ok").stat().st_ino for shard in markers} == markers
 
 
 def test_a_shard_written_over_after_its_marker_is_hashed_again_and_fetched_again_when_damaged(
@@ -734,6 +737,44 @@ def test_a_shard_checked_once_in_a_process_is_not_looked_at_again_there(
     for process in (cache, warm):
         assert process.path(0) == downloaded and process.path(1).exists()
     assert looked == [], "a process trusts its own check: no marker read, no hash"
+
+
+def test_a_client_another_process_made_is_never_used_here_and_one_made_here_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A loader worker forked after the read-ahead made its client inherits it, with its pooled connections:
+    # two processes reading one connection's answers would mix them.
+    import training.streaming
+
+    made: list[object] = []
+
+    def client() -> object:
+        made.append(object())
+        return made[-1]
+
+    monkeypatch.setattr(training.streaming, "_s3_client", client)
+    cache, given = remote_cache(tmp_path, [[b"a" * 10]])
+    assert cache._s3() is given and made == []  # given (a test's, pid None): kept
+    cache._client_pid = os.getpid() + 1  # made by the parent before the fork
+    mine = cache._s3()
+    assert made == [mine] and cache._client_pid == os.getpid()
+    assert cache._s3() is mine and len(made) == 1  # this process's own: kept
+    worker = another_process(cache)
+    worker._client, worker._client_pid = None, None
+    assert worker._s3() is made[-1] and len(made) == 2  # a worker sent its copy makes its own
+
+
+def test_the_s3_client_has_a_session_of_its_own_not_boto3s_shared_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The read-ahead's threads may make clients at once; boto3's default session is not thread-safe.
+    import boto3
+
+    from training.streaming import _s3_client
+
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+    assert _s3_client().meta.service_model.service_name == "s3"
+    assert boto3.DEFAULT_SESSION is None
 
 
 def test_the_s3_client_holds_a_connection_for_every_part_of_every_shard_in_flight() -> None:
