@@ -539,6 +539,14 @@ def test_a_cached_copy_is_checked_once_per_process_and_a_damaged_one_fetched_aga
     assert fresh._intact(tmp_path / "nowhere.tar", 0) is False  # evicted meanwhile: fetched again
 
 
+def cached_copy(cache: Any, shard: int, data: bytes) -> Path:
+    """What an earlier life (or a crash) left in the cache as shard number `shard`: `data`, no marker."""
+    target = cache.settings.directory() / f"{cache.index.shards[shard].sha256}.tar"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(data)
+    return target
+
+
 def hash_counter(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """The files the module hashes from now on, in order."""
     import training.streaming
@@ -574,10 +582,8 @@ def test_a_shard_checked_by_one_process_is_trusted_by_the_others_without_hashing
     import json
 
     cache, s3 = remote_cache(tmp_path, [[b"a" * 10], [b"b" * 10]])
-    directory = tmp_path / "c" / "d"
-    directory.mkdir(parents=True)
-    earlier = directory / f"{cache.index.shards[1].sha256}.tar"
-    earlier.write_bytes(b"b" * 10)  # an earlier life's copy, from before markers: hashed once, then marked
+    # An earlier life's copy, from before markers: hashed once, then marked.
+    earlier = cached_copy(cache, 1, b"b" * 10)
     hashed = hash_counter(monkeypatch)
     downloaded = cache.path(0)
     assert cache.path(1) == earlier and hashed == [downloaded.with_suffix(".part"), earlier]
@@ -642,10 +648,7 @@ def test_a_marker_of_another_file_or_not_a_marker_at_all_is_ignored_never_an_err
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, marker: bytes | str
 ) -> None:
     cache, s3 = remote_cache(tmp_path, [[b"a" * 10]])
-    directory = tmp_path / "c" / "d"
-    directory.mkdir(parents=True)
-    good = directory / f"{cache.index.shards[0].sha256}.tar"
-    good.write_bytes(b"a" * 10)
+    good = cached_copy(cache, 0, b"a" * 10)
     if isinstance(marker, bytes):
         good.with_suffix(".ok").write_bytes(marker)
     else:
@@ -825,10 +828,7 @@ def test_a_damaged_copy_another_rank_evicts_while_it_is_checked_is_fetched_again
     import training.streaming
 
     cache, s3 = remote_cache(tmp_path, [[b"a" * 10]])
-    directory = tmp_path / "c" / "d"
-    directory.mkdir(parents=True)
-    target = directory / f"{cache.index.shards[0].sha256}.tar"
-    target.write_bytes(b"A" * 10)
+    target = cached_copy(cache, 0, b"A" * 10)
     real_hash = training.streaming.sha256_file
     checks = iter(["damaged", "evicted"])
 
@@ -849,9 +849,7 @@ def test_a_damaged_copy_another_rank_evicts_as_it_is_deleted_is_fetched_again(
 
     cache, s3 = remote_cache(tmp_path, [[b"a" * 10]])
     directory = tmp_path / "c" / "d"
-    directory.mkdir(parents=True)
-    target = directory / f"{cache.index.shards[0].sha256}.tar"
-    target.write_bytes(b"A" * 10)
+    target = cached_copy(cache, 0, b"A" * 10)
     real_exists = Path.exists
 
     def locked() -> bool:
@@ -885,10 +883,7 @@ def test_a_copy_evicted_after_its_check_is_fetched_again(
     import training.streaming
 
     cache, s3 = remote_cache(tmp_path, [[b"a" * 10]])
-    directory = tmp_path / "c" / "d"
-    directory.mkdir(parents=True)
-    target = directory / f"{cache.index.shards[0].sha256}.tar"
-    target.write_bytes(b"a" * 10)
+    target = cached_copy(cache, 0, b"a" * 10)
     real_hash = training.streaming.sha256_file
 
     def checked_then_evicted(path: Path) -> str:
