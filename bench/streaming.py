@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import multiprocessing
 import os
@@ -202,7 +201,7 @@ def read_epoch(
     del first
     trainer_side = [bench, *(c for c in bench.children(recursive=True) if c.pid not in before)]
     cpu_at_first = cpu = _cpu_seconds(trainer_side)
-    samples = counted = 0
+    samples = 0
     waited = 0.0
     while True:
         asked = time.monotonic()
@@ -212,12 +211,11 @@ def read_epoch(
             break
         waited += time.monotonic() - asked
         samples += len(micro.images)
-        # Read while the workers are alive (they exit with the epoch): the CPU up to this batch, its samples.
-        cpu, counted = _cpu_seconds(trainer_side), samples
+        # Read while the workers are alive (they exit with the epoch): the CPU up to this batch.
+        cpu = _cpu_seconds(trainer_side)
         if step_s:
             time.sleep(step_s)  # a training step's compute, while the workers and the read-ahead go on
-    epoch = Epoch(first_at - started, samples, time.monotonic() - first_at, waited)
-    return dataclasses.replace(epoch, cpu_s=(cpu - cpu_at_first) * samples / max(counted, 1))
+    return Epoch(first_at - started, samples, time.monotonic() - first_at, waited, cpu - cpu_at_first)
 
 
 def _cpu_seconds(processes: list[Any]) -> float:
