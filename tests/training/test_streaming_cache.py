@@ -724,8 +724,10 @@ def test_a_shard_checked_once_in_a_process_is_not_looked_at_again_there(
 ) -> None:
     import training.streaming
 
-    cache, _ = remote_cache(tmp_path, [[b"a" * 10], [b"b" * 10]])
+    cache, _ = remote_cache(tmp_path, [[b"a" * 10], [b"b" * 10], [b"c" * 10]])
+    earlier = cached_copy(cache, 2, b"c" * 10)  # an earlier life's, unmarked
     downloaded = cache.path(0)  # checked by its download
+    assert cache.path(2) == earlier  # checked by its hash
     warm = another_process(cache)
     assert warm.path(1) and warm.path(0) == downloaded  # checked by its marker
     assert cache.path(1) == warm.path(1)  # the other process's download, checked by its marker
@@ -739,6 +741,7 @@ def test_a_shard_checked_once_in_a_process_is_not_looked_at_again_there(
     monkeypatch.setattr(training.streaming, "_marked", marked)
     for process in (cache, warm):
         assert process.path(0) == downloaded and process.path(1).exists()
+    assert cache.path(2) == earlier
     assert looked == [], "a process trusts its own check: no marker read, no hash"
 
 
