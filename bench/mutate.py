@@ -287,6 +287,18 @@ TARGETS: dict[str, Target] = {
             "tests/training/test_data.py::test_too_many_bad_images_stop_the_job_with_exit_65_naming_them",
         ),
     ),
+    # A dataset as shards: the index's columns (each sample's shard, offset, size, label and name, the first
+    # format still read), the one-line error for an index that cannot be used, and shards that hold every
+    # image byte for byte in webdataset's layout.
+    "shards": Target(
+        ("trainstack_job/shards.py",),
+        (
+            "tests/job/test_shards_index.py",
+            "tests/job/test_shards_webdataset.py",
+            "tests/cli/test_datapush_shards.py",
+            "tests/training/test_streaming.py",
+        ),
+    ),
     # One run in the tracker across lives: the run id, the resume step (a dead life's steps replayed once,
     # never twice), the main rank only, the one-line error for a missing package. In-process, with fakes of
     # the MLflow and W&B clients and TensorBoard's own files; the trainer lives are the stories' proof.

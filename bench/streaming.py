@@ -10,9 +10,12 @@ loader, for the same dataset read three ways, side by side in one run, against m
 Time to first batch counts from the start of the case (sync included) to the loader's first micro-batch;
 steady samples/s is over the rest of one epoch, and the steady wait is the part of it the loop spent blocked
 on the loader (all of it unless `--step-ms` stands in for a training step's compute). Each case also says
-the bytes it fetched from S3 (the synced files, the shards downloaded into the cache). The images are
-random-noise PNGs of about `--image-kb` (incompressible, like JPEGs), so bytes, not decoding tricks, set the
-pace.
+the bytes it fetched from S3 (the synced files, the shards downloaded into the cache), and the part of the
+first batch spent opening the dataset (`open_s`: the folder's scan, or the shard index's read). The images
+are random-noise PNGs of about `--image-kb` (incompressible, cheap to decode: bytes set the pace, the
+hardest case for a stream), or with `--image-format jpeg` ImageNet-like photos, as costly to decode as the
+real ones (with `--image-size 224`, the trainer's ImageNet crop). `--index-samples N` measures instead the
+index's own cost at N samples, in both index formats.
 
 Network models: by default moto serves S3 from memory at local speed, so the network is not the limit.
 `--throttle-mbps N` puts demo/fault_proxy.py's proxy between the loader and moto, limiting every connection
@@ -20,6 +23,10 @@ to N MB/s each way (S3 serves one connection at about 100 MB/s, and an instance 
 the network, not the disk, is then the limit. moto (and the proxy) run in a child process, so that their
 Python work does not share the loader's main process (its GIL), as S3 is another machine for an instance;
 `--no-moto-process` serves them from the bench's own process, as the runs before 2026-12-07 08:30 UTC did.
+S3 is another machine in two more ways, each an option: `--s3-cores` gives moto and the proxy CPUs of their
+own (the loader gets the rest, in every case alike), and `--s3-in-memory` keeps every object in moto's
+memory (moto keeps one over 5 MB in a temporary file on the disk the cache writes to, and reads all of it
+for every ranged GET).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ STEADY_GOAL = 0.95
 # How long the moto process may take to start (it imports moto: seconds) or to stop.
 SERVER_START_SECONDS = 120.0
 SERVER_STOP_SECONDS = 10.0
+CASES = ("sync", "stream", "stream-warm")
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ class CaseResult:
     first_batch_s: float
     steady_samples_per_s: float
     samples: int
-    prepare_s: float  # the sync (sync case) or the index read (stream cases), part of first_batch_s
+    prepare_s: float  # the sync (sync case; 0 for the streams), part of first_batch_s
     steady_s: float  # the rest of the epoch after the first micro-batch
     steady_wait_s: float  # of steady_s, the time blocked in next(loader): waiting for data
     fetched_bytes: int  # payload from S3: the synced files, or the shards downloaded into the cache
@@ -65,6 +73,9 @@ class CaseResult:
     # nor the proxy when they run in their own process) per steady sample, in ms: decoding, and for a stream
     # also its downloads and their sha256. What an instance pays, where S3 is another machine.
     cpu_ms_per_sample: float = 0.0
+    # Of first_batch_s, the dataset's opening: the folder's scan (sync) or the shard index's read and parse
+    # (streams). What grows with the number of samples before the first step.
+    open_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -77,9 +88,17 @@ class S3Service:
     forwarded: Callable[[], int]
 
 
-def _serve_s3(connection: Connection, throttle_bps: int) -> None:
+def _serve_s3(connection: Connection, throttle_bps: int, in_memory: bool, cores: frozenset[int]) -> None:
     """The moto process: moto (and the throttling proxy when throttle_bps > 0); sends (direct, endpoint),
-    then answers each request with the proxy's byte count until told to stop (or the bench is gone)."""
+    then answers each request with the proxy's byte count until told to stop (or the bench is gone).
+    `cores`: the CPUs it runs on (empty: any)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    if in_memory:
+        # moto keeps an object over 5 MB in a temporary file on this machine's disk, the disk the cache
+        # writes to, and the page cache a 5 GB run churns: its first GETs then read the disk. S3 is another
+        # machine whose first byte does not depend on the bucket's size.
+        os.environ["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(2**40)
     from demo.fault_proxy import S3FaultProxy, Slow
     from demo.moto_server import moto_server
 
@@ -100,9 +119,16 @@ def _serve_s3(connection: Connection, throttle_bps: int) -> None:
 
 
 @contextlib.contextmanager
-def s3_service(throttle_mbps: float | None, moto_process: bool) -> Iterator[S3Service]:
+def s3_service(
+    throttle_mbps: float | None,
+    moto_process: bool,
+    in_memory: bool = False,
+    cores: frozenset[int] = frozenset(),
+) -> Iterator[S3Service]:
     """moto on 127.0.0.1 (a port the OS picks), in this process or a child, behind the throttling proxy
-    when `throttle_mbps` is given; stopped on exit."""
+    when `throttle_mbps` is given; stopped on exit. `in_memory` (its own process only): every object in
+    moto's memory, none in a temporary file. `cores` (its own process only): the CPUs moto and the proxy
+    run on."""
     throttle_bps = int(throttle_mbps * 1e6) if throttle_mbps else 0
     if not moto_process:
         from demo.fault_proxy import S3FaultProxy, Slow
@@ -119,7 +145,9 @@ def s3_service(throttle_mbps: float | None, moto_process: bool) -> Iterator[S3Se
     # spawn, not fork: a forked child would inherit whatever threads and locks this process holds.
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
-    server = context.Process(target=_serve_s3, args=(theirs, throttle_bps), name="bench-moto", daemon=True)
+    server = context.Process(
+        target=_serve_s3, args=(theirs, throttle_bps, in_memory, cores), name="bench-moto", daemon=True
+    )
     server.start()
     try:
         if not ours.poll(SERVER_START_SECONDS):
@@ -140,17 +168,41 @@ def s3_service(throttle_mbps: float | None, moto_process: bool) -> Iterator[S3Se
             server.join(SERVER_STOP_SECONDS)
 
 
-def write_images(root: Path, gigabytes: float, image_kb: int, classes: int, seed: int = 0) -> int:
-    """root/{train,val}/<class>/<n>.png of random noise, about `gigabytes` in all (val: a tenth of train)."""
-    side = max(8, int((image_kb * 1000 / 3) ** 0.5))
-    count = max(classes * 2, int(gigabytes * 1e9 / (side * side * 3)))
+# ImageNet's typical photo: 500 x 375 pixels; with this much grain on a smooth picture, a quality-90 JPEG
+# of it is about 110 KB, ImageNet's mean file size.
+PHOTO_SIZE = (500, 375)
+PHOTO_GRAIN = 22.0
+IMAGE_FORMATS = ("png", "jpeg")
+
+
+def write_images(
+    root: Path, gigabytes: float, image_kb: int, classes: int, seed: int = 0, image_format: str = "png"
+) -> int:
+    """root/{train,val}/<class>/<n>.<ext>, about `gigabytes` in all (val: a tenth of train).
+
+    png: random noise of about `image_kb`, stored uncompressed, cheap to decode: the loader's cost is then
+    mostly bytes, the hardest case for a stream. jpeg: ImageNet-like photos (PHOTO_SIZE, about 110 KB each,
+    `image_kb` unused), as costly to decode as the real ones."""
     rng = np.random.default_rng(seed)
+    if image_format == "jpeg":
+        width, height = PHOTO_SIZE
+        count = max(classes * 2, int(gigabytes * 1e9 / 110e3))
+    else:
+        side = max(8, int((image_kb * 1000 / 3) ** 0.5))
+        count = max(classes * 2, int(gigabytes * 1e9 / (side * side * 3)))
     for split, n in (("train", count), ("val", max(classes, count // 10))):
         for index in range(n):
             folder = root / split / f"class_{index % classes}"
             folder.mkdir(parents=True, exist_ok=True)
-            pixels = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
-            Image.fromarray(pixels).save(folder / f"{index:07d}.png", compress_level=0)
+            if image_format == "jpeg":
+                smooth = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8))
+                base = np.asarray(smooth.resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32)
+                grain = rng.normal(0.0, PHOTO_GRAIN, (height, width, 3)).astype(np.float32)
+                photo = np.clip(base + grain, 0, 255).astype(np.uint8)
+                Image.fromarray(photo).save(folder / f"{index:07d}.jpg", quality=90)
+            else:
+                pixels = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(folder / f"{index:07d}.png", compress_level=0)
     return count
 
 
@@ -170,6 +222,7 @@ class Epoch:
     steady_s: float  # the rest of the epoch
     wait_s: float  # of steady_s, blocked in next(loader)
     cpu_s: float = 0.0  # of steady_s, the trainer side's CPU (`CaseResult.cpu_ms_per_sample`)
+    open_s: float = 0.0  # of first_s, the dataset, its sampler and its loader made (no sample read yet)
 
 
 def read_epoch(
@@ -196,6 +249,7 @@ def read_epoch(
     bench = psutil.Process()
     before = {child.pid for child in bench.children(recursive=True)}  # moto's process, when it has one
     loader = iter(train_loader(dataset, sampler, options))
+    opened_at = time.monotonic()
     first = next(loader)
     first_at = time.monotonic()
     del first
@@ -215,7 +269,14 @@ def read_epoch(
         cpu = _cpu_seconds(trainer_side)
         if step_s:
             time.sleep(step_s)  # a training step's compute, while the workers and the read-ahead go on
-    return Epoch(first_at - started, samples, time.monotonic() - first_at, waited, cpu - cpu_at_first)
+    return Epoch(
+        first_at - started,
+        samples,
+        time.monotonic() - first_at,
+        waited,
+        cpu - cpu_at_first,
+        opened_at - started,
+    )
 
 
 def _cpu_seconds(processes: list[Any]) -> float:
@@ -249,6 +310,10 @@ def run(
     moto_process: bool = True,
     part_mb: float | None = None,
     step_ms: float = 0.0,
+    cases: tuple[str, ...] = CASES,
+    s3_in_memory: bool = False,
+    image_format: str = "png",
+    s3_cores: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     import boto3
 
@@ -258,14 +323,20 @@ def run(
     from trainstack.datapush import write_shards
 
     images = work / "images"
-    count = write_images(images, gigabytes, image_kb, classes=10)
+    count = write_images(images, gigabytes, image_kb, classes=10, image_format=image_format)
     classes = sorted(p.name for p in (images / "train").iterdir())
     write_shards(images, work / "shards", classes, int(shard_mb * 1e6))
-    dataset_bytes = sum(p.stat().st_size for p in (images / "train").rglob("*.png"))
+    pattern = "*.jpg" if image_format == "jpeg" else "*.png"
+    dataset_bytes = _tree_bytes(images / "train", pattern)
     part_bytes = int(part_mb * 2**20) if part_mb else 0  # 0: training/streaming.py's choice per shard
     step_s = step_ms / 1000
     results: list[CaseResult] = []
-    with s3_service(throttle_mbps, moto_process) as service:
+    trainer_cores = os.sched_getaffinity(0)
+    if s3_cores:
+        # S3 is another machine for an instance: moto and the proxy get their cores, the loader the rest,
+        # in every case alike (its workers inherit this process's).
+        os.sched_setaffinity(0, trainer_cores - s3_cores)
+    with s3_service(throttle_mbps, moto_process, s3_in_memory, s3_cores) as service:
         saved = {
             k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
         }
@@ -279,18 +350,24 @@ def run(
             # The push is not measured: straight to moto, never throttled.
             pusher = boto3.client("s3", endpoint_url=service.direct)
             pusher.create_bucket(Bucket=BUCKET)
-            upload_tree(pusher, images, "files/")
+            if "sync" in cases:
+                upload_tree(pusher, images, "files/")
             upload_tree(pusher, work / "shards", "shards/")
+            # The images and shards just written (2x the dataset) are still being flushed to the disk. A
+            # case's writes wait behind them (a shard's fsync behind gigabytes at 5 GB): an instance's
+            # disk is quiet at boot. Flushed before the first case, not counted.
+            os.sync()
 
-            # sync: the whole dataset to local disk first, then the ImageFolder.
-            forwarded = service.forwarded()
-            started = time.monotonic()
-            synced = work / "synced"
-            DataSync(boto3.client("s3"), BUCKET, "files/", "us-east-1", EventLog()).sync(synced, tool="boto3")
-            sync_s = time.monotonic() - started
-            fetched = _tree_bytes(synced, "*.png")
-            epoch = read_epoch(str(synced / "train"), None, workers, batch, image_size, step_s)
-            results.append(_result("sync", epoch, sync_s, fetched, service.forwarded() - forwarded))
+            if "sync" in cases:  # the whole dataset to local disk first, then the ImageFolder.
+                forwarded = service.forwarded()
+                started = time.monotonic()
+                synced = work / "synced"
+                sync = DataSync(boto3.client("s3"), BUCKET, "files/", "us-east-1", EventLog())
+                sync.sync(synced, tool="boto3")
+                sync_s = time.monotonic() - started
+                fetched = _tree_bytes(synced, pattern)
+                epoch = read_epoch(str(synced / "train"), None, workers, batch, image_size, step_s)
+                results.append(_result("sync", epoch, sync_s, fetched, service.forwarded() - forwarded))
 
             cache_dir = work / "cache"
             cache = CacheSettings(
@@ -298,6 +375,8 @@ def run(
             )
             uri = f"s3://{BUCKET}/shards/train/shards.json"
             for case in ("stream", "stream-warm"):
+                if case not in cases:
+                    continue
                 forwarded, cached = service.forwarded(), _tree_bytes(cache_dir, "*.tar")
                 epoch = read_epoch(uri, cache, workers, batch, image_size, step_s)
                 fetched = _tree_bytes(cache_dir, "*.tar") - cached
@@ -308,6 +387,7 @@ def run(
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+            os.sched_setaffinity(0, trainer_cores)
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}",
@@ -324,6 +404,9 @@ def run(
         "throttle_mbps": throttle_mbps,
         "moto_process": moto_process,
         "step_ms": step_ms,
+        "s3_in_memory": s3_in_memory,
+        "image_format": image_format,
+        "s3_cores": sorted(s3_cores),
         "cases": [asdict(r) for r in results],
     }
 
@@ -340,7 +423,61 @@ def _result(case: str, epoch: Epoch, prepare_s: float, fetched: int, proxied: in
         fetched,
         proxied,
         1000 * epoch.cpu_s / max(epoch.samples, 1),
+        epoch.open_s,
     )
+
+
+# ImageNet's training split: its samples, and its shards at the default 512 MB.
+IMAGENET_SAMPLES = 1_281_167
+IMAGENET_SHARDS = 275
+
+
+def index_cost(work: Path, samples: int, shards: int, rounds: int = 3) -> dict[str, Any]:
+    """The index's part of the first step for `samples` in `shards`, both formats side by side (interleaved,
+    best of `rounds`): its bytes, and the seconds to read and parse it and open the split's ShardFolder (a
+    local file: the GET is the network's, said in bytes). Synthetic names of ImageNet's shape."""
+    from training.streaming import ShardFolder
+    from trainstack_job.shards import FIRST_INDEX_FORMAT, SampleEntry, ShardIndex, ShardInfo
+
+    per_shard = -(-samples // shards)
+    entries = [
+        SampleEntry(
+            n // per_shard,
+            1024 * (n % per_shard) + 512,
+            110_000,
+            n % 1000,
+            f"n{n % 1000:08d}/n{n % 1000:08d}_{n}.JPEG",
+        )
+        for n in range(samples)
+    ]
+    infos = [ShardInfo(f"shard-{n:06d}.tar", 512 * 10**6, f"{n:064x}") for n in range(entries[-1].shard + 1)]
+    index = ShardIndex([f"n{c:08d}" for c in range(1000)], infos, entries)
+    current = index.to_json()
+    first = {
+        **{k: v for k, v in current.items() if k not in ("offsets", "sizes", "labels", "names")},
+        "format": FIRST_INDEX_FORMAT,
+        "samples": [[e.shard, e.offset, e.size, e.label, e.name] for e in entries],
+    }
+    paths = {}
+    for name, body in (("first", first), ("current", current)):
+        paths[name] = work / name / "shards.json"
+        paths[name].parent.mkdir(parents=True, exist_ok=True)
+        paths[name].write_text(json.dumps(body, separators=(",", ":")))
+    del entries, index, current, first
+    best = {name: float("inf") for name in paths}
+    for _ in range(rounds):
+        for name, path in paths.items():
+            started = time.perf_counter()
+            folder = ShardFolder(str(path))
+            best[name] = min(best[name], time.perf_counter() - started)
+            del folder
+    return {
+        "samples": samples,
+        "shards": len(infos),
+        "formats": {
+            name: {"bytes": paths[name].stat().st_size, "open_s": best[name]} for name in ("first", "current")
+        },
+    }
 
 
 def goals(report: dict[str, Any]) -> list[str]:
@@ -363,7 +500,7 @@ def table(report: dict[str, Any]) -> str:
     sync = next((c["steady_samples_per_s"] for c in report["cases"] if c["case"] == "sync"), None)
     lines = [
         f"{'case':<12} {'first batch s':>14} {'steady samples/s':>17} {'vs sync':>8} {'MB fetched':>11} "
-        f"{'waited s / steady s':>20} {'CPU ms/sample':>14}"
+        f"{'waited s / steady s':>20} {'CPU ms/sample':>14} {'open s':>7}"
     ]
     for case in report["cases"]:
         ratio = f"{case['steady_samples_per_s'] / sync:.2f}" if sync else "-"
@@ -371,7 +508,7 @@ def table(report: dict[str, Any]) -> str:
         lines.append(
             f"{case['case']:<12} {case['first_batch_s']:>14.2f} {case['steady_samples_per_s']:>17.1f} "
             f"{ratio:>8} {case.get('fetched_bytes', 0) / 1e6:>11.1f} {waited:>20} "
-            f"{case.get('cpu_ms_per_sample', 0):>14.2f}"
+            f"{case.get('cpu_ms_per_sample', 0):>14.2f} {case.get('open_s', 0):>7.2f}"
         )
     return "\n".join([*lines, *goals(report)])
 
@@ -407,12 +544,66 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--step-ms", type=float, default=0.0, help="simulated compute per micro-batch, ms (default 0)"
     )
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"which cases, comma-separated, in this order: {','.join(CASES)} (default: all; "
+        "stream-warm reads the cache stream leaves, so it needs stream)",
+    )
+    parser.add_argument(
+        "--s3-in-memory",
+        action="store_true",
+        help="moto keeps every object in memory, none over 5 MB in a temporary file on this disk "
+        "(moto's own process only)",
+    )
+    parser.add_argument(
+        "--image-format",
+        choices=IMAGE_FORMATS,
+        default="png",
+        help="png: noise, cheap to decode (default); jpeg: ImageNet-like photos, as costly as real ones",
+    )
+    parser.add_argument(
+        "--s3-cores",
+        help="run moto and the proxy on these CPUs (comma-separated), the loader on the others, as S3 is "
+        "another machine (default: all share every CPU)",
+    )
+    parser.add_argument(
+        "--index-samples",
+        type=int,
+        help=f"instead of the cases: the index's cost at this many samples, both formats (ImageNet: "
+        f"{IMAGENET_SAMPLES}, in {IMAGENET_SHARDS} shards unless --index-shards)",
+    )
+    parser.add_argument("--index-shards", type=int, default=IMAGENET_SHARDS, help="with --index-samples")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
     for name in ("throttle_mbps", "part_mb"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be above 0, got {value}")
+    cases = tuple(case.strip() for case in args.cases.split(",") if case.strip())
+    unknown = [case for case in cases if case not in CASES]
+    if unknown or not cases:
+        parser.error(f"--cases: {','.join(unknown) or 'none'} is not one of {','.join(CASES)}")
+    if "stream-warm" in cases and "stream" not in cases:
+        parser.error("--cases: stream-warm reads the cache that stream leaves; add stream")
+    s3_cores = frozenset(int(c) for c in args.s3_cores.split(",")) if args.s3_cores else frozenset()
+    if s3_cores and not args.moto_process:
+        parser.error("--s3-cores: moto runs on its own cores in its own process; drop --no-moto-process")
+    usable = os.sched_getaffinity(0)
+    if s3_cores and not s3_cores < usable:
+        parser.error(f"--s3-cores {args.s3_cores}: name some of the CPUs {sorted(usable)}, not all, no other")
+    if args.s3_in_memory and not args.moto_process:
+        parser.error("--s3-in-memory: moto's buffer is set in its own process; drop --no-moto-process")
+    if args.index_samples is not None:
+        if args.index_samples < 1 or args.index_shards < 1:
+            parser.error("--index-samples and --index-shards must be at least 1")
+        with tempfile.TemporaryDirectory(prefix="bench-streaming-") as work:
+            cost = index_cost(Path(work), args.index_samples, args.index_shards)
+        cost["date"] = datetime.now(UTC).isoformat(timespec="seconds")
+        print(json.dumps(cost, indent=1))
+        for name, figures in cost["formats"].items():
+            print(f"{name:<8} index: {figures['bytes'] / 1e6:8.1f} MB, opened in {figures['open_s']:.3f} s")
+        return
     with tempfile.TemporaryDirectory(prefix="bench-streaming-") as work:
         report = run(
             Path(work),
@@ -428,6 +619,10 @@ def main(argv: list[str] | None = None) -> None:
             moto_process=args.moto_process,
             part_mb=args.part_mb,
             step_ms=args.step_ms,
+            cases=cases,
+            s3_in_memory=args.s3_in_memory,
+            image_format=args.image_format,
+            s3_cores=s3_cores,
         )
     text = json.dumps(report, indent=1)
     if args.out:

@@ -4,13 +4,15 @@ process)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 
 import training.streaming
-from bench.streaming import goals, main, run, table
+from bench.streaming import PHOTO_SIZE, goals, index_cost, main, run, table, write_images
 
 TINY: dict[str, Any] = {
     "image_kb": 8,
@@ -35,9 +37,11 @@ def counted_downloads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return downloads
 
 
-def check_cases(report: dict[str, Any], downloads: list[int]) -> dict[str, dict[str, Any]]:
+def check_cases(
+    report: dict[str, Any], downloads: list[int], names: tuple[str, ...] = ("sync", "stream", "stream-warm")
+) -> dict[str, dict[str, Any]]:
     cases = {case["case"]: case for case in report["cases"]}
-    assert list(cases) == ["sync", "stream", "stream-warm"]
+    assert tuple(cases) == names
     expected = report["train_images"] // 16 * 16 - 16  # one epoch, less the first batch
     for case in cases.values():
         assert case["samples"] == expected
@@ -45,6 +49,9 @@ def check_cases(report: dict[str, Any], downloads: list[int]) -> dict[str, dict[
         assert 0 < case["steady_wait_s"] <= case["steady_s"]
         # The trainer side decodes every sample: some CPU each, and less than the whole steady time's 4 cores.
         assert 0 < case["cpu_ms_per_sample"] < 4000 * case["steady_s"] / case["samples"]
+        assert 0 < case["open_s"] < case["first_batch_s"]
+    if "sync" not in cases:
+        return cases
     assert cases["sync"]["prepare_s"] > 0
     # Every shard fetched once, by the cold case; the warm case reads its cache only.
     assert sorted(downloads) == list(range(report["shards"]))
@@ -81,6 +88,62 @@ def test_a_throttled_run_reads_through_the_proxy_from_moto_in_its_own_process(
     assert (report["throttle_mbps"], report["moto_process"], report["part_mib"]) == (50, True, 8)
 
 
+@pytest.mark.slow(seconds=30)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="moto on a CPU of its own needs two")
+def test_a_run_can_leave_out_the_sync_and_give_moto_its_own_cpu_and_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    downloads = counted_downloads(monkeypatch)
+    ours = os.sched_getaffinity(0)
+    moto_cpu = min(ours)
+    seen: list[set[int]] = []
+    original = training.streaming.ShardCache._download
+
+    def where(self: training.streaming.ShardCache, shard: int, target: Path) -> None:
+        seen.append(os.sched_getaffinity(0))  # the loader's side, while the cases run
+        original(self, shard, target)
+
+    monkeypatch.setattr(training.streaming.ShardCache, "_download", where)
+    options = {**TINY, "image_kb": 0, "shard_mb": 0.5}
+    report = run(
+        tmp_path,
+        0.006,  # 54 photos of about 110 KB: a few shards, more than one batch
+        **options,
+        cases=("stream", "stream-warm"),
+        s3_cores=frozenset({moto_cpu}),
+        s3_in_memory=True,
+        image_format="jpeg",
+    )
+    cases = check_cases(report, downloads, ("stream", "stream-warm"))
+    # The cold case fetched each shard the epoch read, once (the dropped last partial batch may leave some
+    # unread); the warm one none.
+    assert downloads and len(downloads) == len(set(downloads)) <= report["shards"]
+    assert cases["stream"]["fetched_bytes"] > 0 and cases["stream-warm"]["fetched_bytes"] == 0
+    assert seen and all(cpus == ours - {moto_cpu} for cpus in seen)
+    assert os.sched_getaffinity(0) == ours  # given back after the run
+    assert (report["s3_cores"], report["s3_in_memory"], report["image_format"]) == ([moto_cpu], True, "jpeg")
+    assert not (tmp_path / "synced").exists()  # no sync, so no file copy of the dataset pushed either
+
+
+def test_jpeg_images_are_photos_of_imagenets_usual_size(tmp_path: Path) -> None:
+    count = write_images(tmp_path, 0.0011, 0, classes=2, image_format="jpeg")
+    assert count == 10  # 1.1 MB of 110 KB photos
+    photos = sorted((tmp_path / "train").rglob("*.jpg"))
+    assert len(photos) == count and len(list((tmp_path / "val").rglob("*.jpg"))) == 2
+    with Image.open(photos[0]) as photo:
+        assert (photo.format, photo.size, photo.mode) == ("JPEG", PHOTO_SIZE, "RGB")
+    # About ImageNet's mean of 110 KB, not noise (several times that) nor a flat picture (a few KB).
+    assert 60_000 < sum(p.stat().st_size for p in photos) / count < 200_000
+
+
+def test_the_index_cost_opens_both_formats_of_the_same_samples(tmp_path: Path) -> None:
+    cost = index_cost(tmp_path, samples=50, shards=3, rounds=1)
+    assert (cost["samples"], cost["shards"]) == (50, 3)
+    assert list(cost["formats"]) == ["first", "current"]
+    for figures in cost["formats"].values():
+        assert figures["bytes"] > 50 * 20 and 0 < figures["open_s"] < 60
+
+
 def test_the_command_line_prints_the_table_and_the_goals_and_writes_the_json(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -99,14 +162,72 @@ def test_the_command_line_prints_the_table_and_the_goals_and_writes_the_json(
     main(["--out", str(tmp_path / "r.json"), "--throttle-mbps", "25", "--no-moto-process", "--part-mb", "8"])
     out = capsys.readouterr().out
     assert "sync" in out and '"first_batch_s": 1.5' in (tmp_path / "r.json").read_text()
-    assert asked == {"throttle_mbps": 25.0, "moto_process": False, "part_mb": 8.0, "step_ms": 0.0}
+    defaults = {"cases": ("sync", "stream", "stream-warm"), "s3_in_memory": False, "image_format": "png"}
+    assert asked == {
+        "throttle_mbps": 25.0,
+        "moto_process": False,
+        "part_mb": 8.0,
+        "step_ms": 0.0,
+        **defaults,
+        "s3_cores": frozenset(),
+    }
+    cpu = min(os.sched_getaffinity(0))
+    cores = ["--s3-cores", str(cpu)] if len(os.sched_getaffinity(0)) > 1 else []
+    main(["--cases", "stream, stream-warm", "--s3-in-memory", "--image-format", "jpeg", *cores])
+    assert (asked["cases"], asked["s3_in_memory"], asked["image_format"], asked["s3_cores"]) == (
+        ("stream", "stream-warm"),
+        True,
+        "jpeg",
+        frozenset({cpu}) if cores else frozenset(),
+    )
     main([])
-    assert asked == {"throttle_mbps": None, "moto_process": True, "part_mb": None, "step_ms": 0.0}
+    assert asked == {
+        "throttle_mbps": None,
+        "moto_process": True,
+        "part_mb": None,
+        "step_ms": 0.0,
+        **defaults,
+        "s3_cores": frozenset(),
+    }
     assert out.rstrip().endswith(
         "stream: steady 0.94x sync: goal (>= 0.95x) NOT met\n"
         "stream-warm: steady 0.95x sync: goal (>= 0.95x) met"
     )
     assert goals({"cases": cases[1:]}) == [] and "0.94" in table({"cases": cases})
+
+
+def test_index_samples_prints_both_formats_instead_of_the_cases(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("bench.streaming.run", lambda *a, **k: pytest.fail("the cases ran"))
+    main(["--index-samples", "40", "--index-shards", "4"])
+    out = capsys.readouterr().out
+    assert '"samples": 40' in out and '"shards": 4' in out
+    assert "first    index:" in out and "current  index:" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--cases", "sync,fast"], "--cases: fast is not one of sync,stream,stream-warm"),
+        (["--cases", ","], "--cases: none is not one of"),
+        (["--cases", "sync,stream-warm"], "stream-warm reads the cache that stream leaves; add stream"),
+        (["--s3-in-memory", "--no-moto-process"], "--s3-in-memory: moto's buffer is set in its own process"),
+        (
+            ["--s3-cores", "0", "--no-moto-process"],
+            "--s3-cores: moto runs on its own cores in its own process",
+        ),
+        (["--s3-cores", "999"], "--s3-cores 999: name some of the CPUs"),
+        (["--index-samples", "0"], "--index-samples and --index-shards must be at least 1"),
+    ],
+)
+def test_options_that_cannot_be_run_are_refused_naming_them(
+    argv: list[str], error: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("bench.streaming.run", lambda *a, **k: pytest.fail("ran"))
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert error in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("option", ["--throttle-mbps", "--part-mb"])

@@ -168,6 +168,7 @@ def test_a_shard_is_fetched_once_into_the_cache_under_its_sha256_and_reused(tmp_
         str(directory / f"{info.sha256}.part"),
     )
     assert (config.max_concurrency, config.multipart_chunksize) == (8, 2**23)  # parallel 8 MiB ranges
+    assert config.io_chunksize == 2**20  # each part read and written 1 MiB at a time: less CPU per byte
     assert (directory / f"{info.sha256}.tar").read_bytes() == b"b" * 20
     # The download was checked before its rename: marked verified for the other processes.
     names = [f"{info.sha256}.{suffix}" for suffix in ("lock", "ok", "tar")]
@@ -971,9 +972,16 @@ def test_load_index_reads_s3_or_disk_and_names_the_index_and_the_fix(
     asked: list[dict[str, str]] = []
 
     class Index:
-        def get_object(self, **where: str) -> dict[str, Any]:
-            asked.append(where)
-            return {"Body": SimpleNamespace(read=lambda: (tmp_path / INDEX_NAME).read_bytes())}
+        def download_fileobj(self, bucket: str, key: str, received: Any, **options: Any) -> None:
+            asked.append({"Bucket": bucket, "Key": key})
+            # In 8 parallel ranges of 8 MiB, read 1 MiB at a time, as a shard is.
+            config = options["Config"]
+            assert (config.max_concurrency, config.multipart_chunksize, config.io_chunksize) == (
+                8,
+                2**23,
+                2**20,
+            )
+            received.write((tmp_path / INDEX_NAME).read_bytes())
 
     monkeypatch.setattr(training.streaming, "_s3_client", Index)
     assert load_index(f"s3://bucket/data/train/{INDEX_NAME}") == index
@@ -1000,13 +1008,23 @@ def test_a_shard_folder_names_samples_by_shard_and_reads_them_as_rgb_images(tmp_
     assert folder.index_uri == str(tmp_path / INDEX_NAME) and folder.index == index
     assert folder.classes == ["c0", "c1"] and len(folder) == 4 and folder.shard_sizes() == [2, 2]
     assert folder.cache.settings == CacheSettings()
-    assert folder.samples == [
+    assert list(folder.samples) == [
         (f"{tmp_path}/shard-000000.tar:c0/0-0.png", 0),
         (f"{tmp_path}/shard-000000.tar:c1/0-1.png", 1),
         (f"{tmp_path}/shard-000001.tar:c0/1-0.png", 0),
         (f"{tmp_path}/shard-000001.tar:c1/1-1.png", 1),
     ]
+    assert folder.samples[1:3] == list(folder.samples)[1:3] and folder.samples[-1] == folder.samples[3]
+    # Opening looked no sample's name up: a shard's names are looked up when this process first reads it.
+    assert folder._positions == {}
     image = folder.loader(folder.samples[2][0])
+    assert list(folder._positions) == [1]
+    assert folder.entry(folder.samples[3][0]) == folder.index.samples[3]
+    for stranger in (f"{tmp_path}/shard-000001.tar:c0/9.png", f"{tmp_path}/shard-000009.tar:c0/1-0.png"):
+        with pytest.raises(KeyError):
+            folder.entry(stranger)
+    with pytest.raises(KeyError):  # another split's (or dataset's) shard of the same key
+        folder.entry("s3://elsewhere/shard-000001.tar:c0/1-0.png")
     assert image.mode == "RGB" and image.getpixel((0, 0)) == (30, 30, 30)
     assert folder.loader(folder.samples[1][0]).getpixel((1, 1)) == (20, 0, 0)
     with pytest.raises(ValueError, match=r"^empty file \(0 bytes\)$"):

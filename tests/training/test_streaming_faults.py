@@ -85,7 +85,7 @@ def partials(cache: Path) -> list[str]:
 
 
 def first_sample_of(folder: ShardFolder, shard: int) -> str:
-    return next(name for name, _ in folder.samples if folder._entries[name].shard == shard)
+    return next(name for name, _ in folder.samples if folder.entry(name).shard == shard)
 
 
 def test_a_full_disk_mid_download_is_one_line_naming_the_cache_the_shard_and_the_fix(
@@ -105,6 +105,14 @@ def test_a_full_disk_mid_download_is_one_line_naming_the_cache_the_shard_and_the
         training.streaming, "time", SimpleNamespace(monotonic=time.monotonic, sleep=pauses.append)
     )
 
+    # A loader's dataset, opened (its index read into memory) before the disk fills.
+    dataset = SeededImageFolder(index_uri, train_transform(16), seed=0)
+    assert isinstance(dataset.folder, ShardFolder)
+    dataset.folder.configure(folder.cache.settings)
+    second = next(
+        i for i, (name, _) in enumerate(dataset.folder.samples) if name.startswith(folder.cache.uri(1))
+    )
+
     with monkeypatch.context() as disk:
 
         def full_disk(_task: IOWriteTask, fileobj: Any, data: bytes, offset: int) -> None:
@@ -116,12 +124,6 @@ def test_a_full_disk_mid_download_is_one_line_naming_the_cache_the_shard_and_the
         with pytest.raises(OSError) as raised:
             folder.cache.path(1)
         # What a sample read meets: the disk's error, never a skipped "bad image".
-        dataset = SeededImageFolder(index_uri, train_transform(16), seed=0)
-        assert isinstance(dataset.folder, ShardFolder)
-        dataset.folder.configure(folder.cache.settings)
-        second = next(
-            i for i, (name, _) in enumerate(dataset.folder.samples) if name.startswith(folder.cache.uri(1))
-        )
         with pytest.raises(OSError) as read:
             dataset[(0, second)]
 
@@ -192,7 +194,7 @@ def test_a_damaged_cached_shard_is_fetched_again_once_and_never_served(
     cache = tmp_path / "cache"
     folder = new_life(index_uri, cache, [])
     name = first_sample_of(folder, 0)
-    entry = folder._entries[name]
+    entry = folder.entry(name)
     expected = folder.loader(name).tobytes()
     cached = folder.cache.path(0)
     data = bytearray(cached.read_bytes())
