@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -64,6 +66,70 @@ def answer_as_aws() -> None:
     AutoScalingBackend.terminate_instance = terminate_instance
 
 
+# A ranged GET that S3 answers with exactly those bytes: "bytes=FIRST-LAST", both given. (A suffix, an open
+# end or several ranges are left to moto as before.)
+_ONE_RANGE = re.compile(r"bytes=(\d+)-(\d+)")
+_ranged = threading.local()
+
+
+class _RangeOfValue:
+    """A stored object's bytes as moto's range handling uses them: its length, and the slice asked for, read
+    from the object's own buffer. A whole answer after all (a range moto decides to ignore) is the bytes."""
+
+    def __init__(self, key: Any) -> None:
+        self._key = key
+
+    def __len__(self) -> int:
+        return int(self._key.size)
+
+    def __getitem__(self, part: slice) -> bytes:
+        start, stop, _ = part.indices(len(self))
+        with self._key.lock:
+            self._key._value_buffer.seek(start)
+            return bytes(self._key._value_buffer.read(max(0, stop - start)))
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield self[:]
+
+
+def serve_ranges_as_s3() -> None:
+    """Teach moto to read only the bytes a ranged GET asks for, as S3 does. Idempotent.
+
+    moto reads the whole object for every GET and then slices it, one request at a time per object (its
+    lock): a 64 MB shard fetched in 8 ranges of 8 MiB is 512 MB read on the server, and the ranges of one
+    object queue behind each other. S3's first byte and rate do not depend on the object's size, nor do its
+    ranges wait for each other. The streaming bench's cold first step measured that, not the trainer."""
+    from moto.s3.models import FakeKey
+    from moto.s3.responses import S3Response
+
+    get_object = S3Response.get_object
+    if getattr(get_object, "as_s3", False):
+        return
+    whole = FakeKey.value
+    if not isinstance(whole, property) or whole.fget is None:
+        return  # another moto than the one this was written for: its own behaviour stays
+    read_whole = whole.fget
+
+    def value(self: FakeKey) -> Any:
+        if getattr(_ranged, "active", False) and hasattr(self, "_value_buffer") and hasattr(self, "lock"):
+            return _RangeOfValue(self)
+        return read_whole(self)
+
+    def ranged_get_object(self: S3Response) -> Any:
+        asked = _ONE_RANGE.fullmatch(str(self.headers.get("range") or ""))
+        if asked is None or "partNumber" in self.querystring or int(asked[1]) > int(asked[2]):
+            return get_object(self)
+        _ranged.active = True
+        try:
+            return get_object(self)
+        finally:
+            _ranged.active = False
+
+    ranged_get_object.as_s3 = True  # type: ignore[attr-defined]
+    FakeKey.value = property(value, whole.fset)
+    S3Response.get_object = ranged_get_object
+
+
 @contextmanager
 def moto_server() -> Iterator[str]:
     """A moto server on 127.0.0.1, on a port the OS picks; yields its endpoint URL, stops it on exit."""
@@ -74,6 +140,7 @@ def moto_server() -> Iterator[str]:
 
     cache_moto_service_list()
     answer_as_aws()
+    serve_ranges_as_s3()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

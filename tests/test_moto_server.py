@@ -1,6 +1,11 @@
-"""The embedded AWS endpoint (demo/moto_server.py): moto still routes with its service list cached."""
+"""The embedded AWS endpoint (demo/moto_server.py): moto still routes with its service list cached, and
+answers a ranged GET from the range alone, as S3 does."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -37,3 +42,56 @@ def test_a_server_with_the_cached_list_routes_each_service_and_stops(monkeypatch
     once = Config(retries={"total_max_attempts": 1})
     with pytest.raises(EndpointConnectionError):  # stopped: nothing listens there any more
         boto3.client("s3", region_name="us-east-1", config=once).list_buckets()
+
+
+def test_a_ranged_get_reads_only_its_range_and_answers_as_s3_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import demo.moto_server
+
+    body = os.urandom(6 * 2**20 + 7)  # over moto's 5 MB: kept in a temporary file, as a shard is
+    reads: list[int] = []
+    original = demo.moto_server._RangeOfValue.__getitem__
+
+    def counted(self: Any, part: slice) -> bytes:
+        data = original(self, part)
+        reads.append(len(data))
+        return data
+
+    monkeypatch.setattr(demo.moto_server._RangeOfValue, "__getitem__", counted)
+    with moto_server() as endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+        s3 = boto3.client("s3", region_name="us-east-1")
+        s3.create_bucket(Bucket="ranges")
+        s3.put_object(Bucket="ranges", Key="shard.tar", Body=body)
+
+        def get(asked: str) -> tuple[bytes, str | None]:
+            answer = s3.get_object(Bucket="ranges", Key="shard.tar", Range=asked)
+            return answer["Body"].read(), answer.get("ContentRange")
+
+        last = len(body) - 1
+        assert get("bytes=0-9") == (body[:10], f"bytes 0-9/{len(body)}")
+        assert get("bytes=5000000-5000999") == (
+            body[5_000_000:5_001_000],
+            f"bytes 5000000-5000999/{len(body)}",
+        )
+        assert get(f"bytes={last - 2}-{last + 1000}") == (body[-3:], f"bytes {last - 2}-{last}/{len(body)}")
+        assert reads == [10, 1000, 3]  # each answer read its own bytes, never the whole object
+        # Left to moto, as before: a suffix, an open end, a range moto ignores; and a whole GET.
+        assert get("bytes=-4")[0] == body[-4:]
+        assert get("bytes=6291450-")[0] == body[6_291_450:]
+        assert get("bytes=9-2")[0] == body
+        assert s3.get_object(Bucket="ranges", Key="shard.tar")["Body"].read() == body
+        # The transfer manager's parallel ranges put the object back together byte for byte.
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(multipart_threshold=2**20, multipart_chunksize=2**20, max_concurrency=8)
+        s3.download_file("ranges", "shard.tar", str(tmp_path / "copy"), Config=config)
+        assert (tmp_path / "copy").read_bytes() == body
+        with pytest.raises(s3.exceptions.ClientError) as past:
+            get(f"bytes={len(body)}-{len(body) + 5}")
+        assert past.value.response["Error"]["Code"] == "InvalidRange"
+    # The download's ranges of 1 MiB read theirs alone too (its last, open-ended, is moto's as before).
+    assert reads[:3] == [10, 1000, 3] and reads[3:] == [2**20] * 6
