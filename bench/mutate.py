@@ -294,6 +294,7 @@ TARGETS: dict[str, Target] = {
         ("trainstack_job/shards.py",),
         (
             "tests/job/test_shards_index.py",
+            "tests/job/test_shards_writer.py",
             "tests/job/test_shards_webdataset.py",
             "tests/cli/test_datapush_shards.py",
             "tests/training/test_streaming.py",

@@ -55,7 +55,7 @@ def test_an_index_reads_back_as_the_same_entries_numbered_shard_after_shard() ->
     assert again.shard_sizes() == [2, 0, 1]
     assert [again.table.shard_of(i) for i in range(3)] == [0, 0, 2]
     assert again.samples[-1] == ENTRIES[2] and again.samples[1:] == ENTRIES[1:]
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=r"^sample 3 of 3$"):
         again.samples[3]
     assert (again.source, again.cache_dir) == ("s3://b/data/train", "/nvme/cache")
 
@@ -70,6 +70,9 @@ def test_an_index_of_the_first_format_still_reads_as_the_same_index() -> None:
         "cache_dir": "/nvme/cache",
     }
     assert ShardIndex.from_json(json.dumps(first).encode(), "train") == index()
+
+
+OFFSETS = index().to_json()["offsets"]
 
 
 def damaged(change: dict[str, Any]) -> bytes:
@@ -90,7 +93,12 @@ def damaged(change: dict[str, Any]) -> bytes:
         ),
         (
             {"shards": [{**s, "samples": -1} for s in index().to_json()["shards"]]},
-            "count of samples is below 0",
+            "(ValueError: a shard's count of samples is below 0)",
+        ),
+        ({"offsets": OFFSETS[:8] + "*" + OFFSETS[8:]}, "(ValueError: offsets is not base64"),
+        (
+            {"labels": base64.b64encode(b"\0" * 8).decode()},
+            "(ValueError: labels holds 2 values, the shards' counts 3)",
         ),
         ({"offsets": None}, "not a shard index (TypeError: "),
     ],
@@ -123,10 +131,40 @@ def test_a_first_format_index_with_a_sample_out_of_place_is_refused(samples: lis
     assert problem in str(raised.value) and str(raised.value).endswith(FIX)
 
 
+def test_an_index_the_agent_has_not_placed_says_nothing_of_where_its_shards_are() -> None:
+    pushed = ShardIndex(["dog", "cat"], SHARDS, ENTRIES)
+    written = pushed.to_json()
+    assert "source" not in written and "cache_dir" not in written
+    again = ShardIndex.from_json(json.dumps(written).encode(), "train")
+    assert (again.source, again.cache_dir) == ("", "")
+
+
+def test_a_big_endian_machine_stores_the_same_little_endian_bytes_and_reads_them_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from array import array
+
+    import trainstack_job.shards as shards
+
+    column = array("I", [1, 2**24])
+    native = column.tobytes()  # this machine's: little-endian
+    monkeypatch.setattr(shards.sys, "byteorder", "big")  # as if its native order were the other
+    text = shards._encode(column)
+    assert list(column) == [1, 2**24] and column.tobytes() == native  # the caller's column is left alone
+    # A big-endian machine swaps its native bytes into little-endian ones: here, pretending, into swapped.
+    assert base64.b64decode(text) == bytes([0, 0, 0, 1, 1, 0, 0, 0])
+    assert list(shards._decode("I", text, 2, "sizes")) == [1, 2**24]
+
+
 def test_a_table_must_hold_one_value_of_each_column_per_sample_and_one_count_per_shard() -> None:
     table = SampleTable.from_entries(ENTRIES, 3)
     assert table.counts == [2, 0, 1] and table.starts == [0, 2, 2, 3] and len(table) == 3
     with pytest.raises(ValueError, match="for 2 listed"):
         ShardIndex(["dog", "cat"], SHARDS[:2], table)
+    with pytest.raises(ValueError) as raised:
+        SampleTable([2, 1], table.offsets, table.sizes, table.labels, ["one name"])
+    assert str(raised.value) == "3 offsets, 3 sizes, 3 labels and 1 names for the shards' 3 samples"
+    with pytest.raises(ValueError, match="names shard 3: not one of the 3 listed"):
+        SampleTable.from_entries([SampleEntry(3, 0, 1, 0, "past")], 3)
     assert table != SampleTable.from_entries(ENTRIES[:2], 3) and table == SampleTable.from_entries(ENTRIES, 3)
     assert table.__eq__(ENTRIES) is NotImplemented
