@@ -507,7 +507,10 @@ class ShardFolder:
             table = self.index.table
             span = range(table.starts[shard], table.starts[shard + 1])
             positions = self._positions[shard] = {str(table.names[i]): i for i in span}
-        return self.index.samples[positions[sample]]
+        position = positions.get(sample)
+        if position is None:
+            raise KeyError(name)
+        return self.index.samples[position]
 
     def configure(self, settings: CacheSettings) -> None:
         self.cache.settings = settings

@@ -1001,6 +1001,27 @@ def test_load_index_reads_s3_or_disk_and_names_the_index_and_the_fix(
     assert raised.value.__cause__ is None
 
 
+def test_a_sample_whose_name_holds_a_colon_is_found_by_that_name(tmp_path: Path) -> None:
+    import hashlib
+    import json
+
+    from trainstack_job.shards import SampleEntry, ShardInfo
+
+    body = png(10) + png(20)
+    (tmp_path / "shard-000000.tar").write_bytes(body)
+    entries = [
+        SampleEntry(0, 0, len(png(10)), 0, "c0/a:b.png"),
+        SampleEntry(0, len(png(10)), len(png(20)), 1, "c1/b"),
+    ]
+    infos = [ShardInfo("shard-000000.tar", len(body), hashlib.sha256(body).hexdigest())]
+    index = ShardIndex(["c0", "c1"], infos, entries)
+    (tmp_path / INDEX_NAME).write_text(json.dumps(index.to_json()))
+    folder = ShardFolder(str(tmp_path / INDEX_NAME))
+    name, label = folder.samples[0]
+    assert (name, label) == (f"{tmp_path}/shard-000000.tar:c0/a:b.png", 0)
+    assert folder.entry(name) == entries[0] and folder.loader(name).getpixel((0, 0)) == (10, 10, 10)
+
+
 def test_a_shard_folder_names_samples_by_shard_and_reads_them_as_rgb_images(tmp_path: Path) -> None:
     shards = [[png(10), png(20, "RGB")], [png(30), b""]]
     index = shard_index(tmp_path, shards)
@@ -1019,10 +1040,15 @@ def test_a_shard_folder_names_samples_by_shard_and_reads_them_as_rgb_images(tmp_
     assert folder._positions == {}
     image = folder.loader(folder.samples[2][0])
     assert list(folder._positions) == [1]
+    looked_up = folder._positions[1]
     assert folder.entry(folder.samples[3][0]) == folder.index.samples[3]
-    for stranger in (f"{tmp_path}/shard-000001.tar:c0/9.png", f"{tmp_path}/shard-000009.tar:c0/1-0.png"):
-        with pytest.raises(KeyError):
+    assert folder._positions[1] is looked_up  # once per shard and process, not once per sample
+    # A name not in the split, a shard not in it, a sample of shard 0 named as if in shard 1: none is found.
+    strangers = ["shard-000001.tar:c0/9.png", "shard-000009.tar:c0/1-0.png", "shard-000001.tar:c0/0-0.png"]
+    for stranger in (f"{tmp_path}/{name}" for name in strangers):
+        with pytest.raises(KeyError) as missing:
             folder.entry(stranger)
+        assert missing.value.args == (stranger,)
     with pytest.raises(KeyError):  # another split's (or dataset's) shard of the same key
         folder.entry("s3://elsewhere/shard-000001.tar:c0/1-0.png")
     assert image.mode == "RGB" and image.getpixel((0, 0)) == (30, 30, 30)
