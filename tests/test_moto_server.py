@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import boto3
@@ -95,3 +96,15 @@ def test_a_ranged_get_reads_only_its_range_and_answers_as_s3_does(
         assert past.value.response["Error"]["Code"] == "InvalidRange"
     # The download's ranges of 1 MiB read theirs alone too (its last, open-ended, is moto's as before).
     assert reads[:3] == [10, 1000, 3] and reads[3:] == [2**20] * 6
+
+
+def test_a_range_moto_answers_whole_after_all_is_the_objects_bytes() -> None:
+    import io
+    import threading
+
+    from demo.moto_server import _RangeOfValue
+
+    key = SimpleNamespace(size=6, lock=threading.Lock(), _value_buffer=io.BytesIO(b"abcdef"))
+    value = _RangeOfValue(key)
+    assert len(value) == 6 and value[2:4] == b"cd" and value[4:99] == b"ef" and value[5:2] == b""
+    assert b"".join(value) == b"abcdef"  # the web server iterates a body that is not bytes

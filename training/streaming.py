@@ -423,32 +423,58 @@ def _remove_stale_partials(directory: Path) -> None:
                 temporary.unlink()
 
 
-def load_index(uri: str) -> ShardIndex:
-    """A split's index from S3 or the local disk; one line naming it when it cannot be read."""
-    try:
-        if uri.startswith("s3://"):
-            from boto3.s3.transfer import TransferConfig
+def _fetch_index(uri: str) -> bytes:
+    """The index's bytes from S3, in parallel ranges like a shard (ImageNet's is about 70 MB, most of a
+    second on one connection, before the first step). An outage is waited out as a shard's download is, for
+    up to OUTAGE_SECONDS; a missing index is the dataset's problem, named."""
+    from boto3.exceptions import RetriesExceededError
+    from boto3.s3.transfer import TransferConfig
+    from botocore.exceptions import BotoCoreError, ClientError
 
-            bucket, key = _split_s3(uri)
-            # In parallel ranges like a shard: ImageNet's index is about 70 MB, most of a second on one
-            # connection, before the first step.
-            received = io.BytesIO()
-            config = TransferConfig(
-                max_concurrency=PARALLEL_PARTS,
-                multipart_chunksize=MIN_PART_BYTES,
-                io_chunksize=IO_CHUNK_BYTES,
-            )
+    bucket, key = _split_s3(uri)
+    config = TransferConfig(
+        max_concurrency=PARALLEL_PARTS, multipart_chunksize=MIN_PART_BYTES, io_chunksize=IO_CHUNK_BYTES
+    )
+    deadline = time.monotonic() + OUTAGE_SECONDS
+    pause = 1.0
+    while True:
+        received = io.BytesIO()
+        try:
             _s3_client().download_fileobj(bucket, key, received, Config=config)
-            body = received.getvalue()
-        else:
+            return received.getvalue()
+        except ClientError as error:
+            code = str(error.response.get("Error", {}).get("Code", ""))
+            if code in {"404", "NoSuchKey", "NotFound"}:
+                raise BadDataError(f"shard index {uri} is missing from S3; {_FIX}") from None
+            if code in {"403", "AccessDenied"} or time.monotonic() > deadline:
+                raise
+            problem: Exception = error
+        except (BotoCoreError, RetriesExceededError) as error:
+            if time.monotonic() > deadline:
+                raise
+            problem = error
+        log.warning("shard index %s: %s; retrying in %.0fs (S3 unreachable?)", uri, problem, pause)
+        time.sleep(pause)
+        pause = min(pause * 2, 30.0)
+
+
+def load_index(uri: str) -> ShardIndex:
+    """A split's index from S3 or the local disk; one line naming it when it cannot be used. S3 being
+    unreachable is not the dataset's fault: waited out, then raised as S3's error (the life fails and is
+    retried), never as bad data (which stops the job)."""
+    if uri.startswith("s3://"):
+        body = _fetch_index(uri)
+    else:
+        try:
             body = Path(uri).read_bytes()
+        except OSError as error:
+            raise BadDataError(
+                f"shard index {uri}: cannot be read ({type(error).__name__}: {error}); {_FIX}"
+            ) from None
+    try:
         return ShardIndex.from_json(body, uri)
     except ShardError as error:
         raise BadDataError(str(error)) from None
-    except Exception as error:  # botocore's and the OS's errors alike: one line, the fix
-        raise BadDataError(
-            f"shard index {uri}: cannot be read ({type(error).__name__}: {error}); {_FIX}"
-        ) from None
 
 
 class NamedSamples(Sequence[tuple[str, int]]):

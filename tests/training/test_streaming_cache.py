@@ -1001,6 +1001,57 @@ def test_load_index_reads_s3_or_disk_and_names_the_index_and_the_fix(
     assert raised.value.__cause__ is None
 
 
+def test_an_s3_outage_at_the_index_read_is_waited_out_and_a_missing_index_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    import training.streaming
+    from training.streaming import OUTAGE_SECONDS, load_index
+
+    index = shard_index(tmp_path, [[b"a"]])
+    clock = [0.0]
+    pauses: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(training.streaming, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=sleep))
+    failures: list[Exception] = []
+
+    class Index:
+        def download_fileobj(self, bucket: str, key: str, received: Any, **options: Any) -> None:
+            if failures:
+                received.write(b"half of it")  # a failed try's bytes are never parsed with the next one's
+                raise failures.pop(0)
+            received.write((tmp_path / INDEX_NAME).read_bytes())
+
+    monkeypatch.setattr(training.streaming, "_s3_client", Index)
+    down = EndpointConnectionError(endpoint_url="https://s3.amazonaws.com")
+    failures[:] = [down, down, ClientError({"Error": {"Code": "SlowDown"}}, "GetObject")]
+    assert load_index("s3://b/data/train/shards.json") == index  # an outage of 3 tries: waited out
+    assert pauses == [1.0, 2.0, 4.0]
+
+    failures[:] = [ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")]
+    with pytest.raises(BadDataError) as missing:
+        load_index("s3://b/data/train/shards.json")
+    assert str(missing.value) == (
+        "shard index s3://b/data/train/shards.json is missing from S3; "
+        "push the dataset again with `trainstack data push DIR --format shards`"
+    )
+    # Refused, or unreachable past the outage's limit: S3's own error (the life fails and is retried), never
+    # bad data (which would stop the job).
+    failures[:] = [ClientError({"Error": {"Code": "AccessDenied"}}, "GetObject")]
+    with pytest.raises(ClientError):
+        load_index("s3://b/data/train/shards.json")
+    pauses.clear()
+    failures[:] = [down] * 100
+    with pytest.raises(EndpointConnectionError):
+        load_index("s3://b/data/train/shards.json")
+    assert OUTAGE_SECONDS <= sum(pauses) < OUTAGE_SECONDS + 60 and max(pauses) == 30.0
+
+
 def test_a_sample_whose_name_holds_a_colon_is_found_by_that_name(tmp_path: Path) -> None:
     import hashlib
     import json
