@@ -1002,7 +1002,7 @@ def test_load_index_reads_s3_or_disk_and_names_the_index_and_the_fix(
 
 
 def test_an_s3_outage_at_the_index_read_is_waited_out_and_a_missing_index_is_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from botocore.exceptions import ClientError, EndpointConnectionError
 
@@ -1029,22 +1029,38 @@ def test_an_s3_outage_at_the_index_read_is_waited_out_and_a_missing_index_is_nam
 
     monkeypatch.setattr(training.streaming, "_s3_client", Index)
     down = EndpointConnectionError(endpoint_url="https://s3.amazonaws.com")
-    failures[:] = [down, down, ClientError({"Error": {"Code": "SlowDown"}}, "GetObject")]
-    assert load_index("s3://b/data/train/shards.json") == index  # an outage of 3 tries: waited out
-    assert pauses == [1.0, 2.0, 4.0]
-
-    failures[:] = [ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")]
-    with pytest.raises(BadDataError) as missing:
-        load_index("s3://b/data/train/shards.json")
-    assert str(missing.value) == (
-        "shard index s3://b/data/train/shards.json is missing from S3; "
-        "push the dataset again with `trainstack data push DIR --format shards`"
+    # An outage of 4 tries (a code-less error among them): waited out, each retry said with its cause.
+    failures[:] = [
+        down,
+        ClientError({}, "GetObject"),
+        down,
+        ClientError({"Error": {"Code": "SlowDown"}}, "GetObject"),
+    ]
+    with caplog.at_level("WARNING", logger="training.streaming"):
+        assert load_index("s3://b/data/train/shards.json") == index
+    assert pauses == [1.0, 2.0, 4.0, 8.0]
+    assert caplog.messages[0] == (
+        'shard index s3://b/data/train/shards.json: Could not connect to the endpoint URL: "https://s3.amazonaws.com"'
+        "; retrying in 1s (S3 unreachable?)"
     )
+    assert "SlowDown" in caplog.messages[3] and len(caplog.messages) == 4
+
+    for code in ("NoSuchKey", "404", "NotFound"):
+        failures[:] = [ClientError({"Error": {"Code": code}}, "GetObject")]
+        with pytest.raises(BadDataError) as missing:
+            load_index("s3://b/data/train/shards.json")
+        assert str(missing.value) == (
+            "shard index s3://b/data/train/shards.json is missing from S3; "
+            "push the dataset again with `trainstack data push DIR --format shards`"
+        )
     # Refused, or unreachable past the outage's limit: S3's own error (the life fails and is retried), never
     # bad data (which would stop the job).
-    failures[:] = [ClientError({"Error": {"Code": "AccessDenied"}}, "GetObject")]
-    with pytest.raises(ClientError):
-        load_index("s3://b/data/train/shards.json")
+    pauses.clear()
+    for code in ("AccessDenied", "403"):
+        failures[:] = [ClientError({"Error": {"Code": code}}, "GetObject")]
+        with pytest.raises(ClientError):
+            load_index("s3://b/data/train/shards.json")
+    assert pauses == []
     pauses.clear()
     failures[:] = [down] * 100
     with pytest.raises(EndpointConnectionError):
