@@ -73,6 +73,10 @@ class CaseResult:
     # nor the proxy when they run in their own process) per steady sample, in ms: decoding, and for a stream
     # also its downloads and their sha256. What an instance pays, where S3 is another machine.
     cpu_ms_per_sample: float = 0.0
+    # Of cpu_ms_per_sample, the loader workers' (decoding; the rest is the bench process: its read-ahead's
+    # downloads and hashes, and receiving the batches). Says whether a stream's extra is its downloads' own
+    # cost or the decoders slowed beside them.
+    worker_cpu_ms_per_sample: float = 0.0
     # Of first_batch_s, the dataset's opening: the folder's scan (sync) or the shard index's read and parse
     # (streams). What grows with the number of samples before the first step.
     open_s: float = 0.0
@@ -222,6 +226,7 @@ class Epoch:
     steady_s: float  # the rest of the epoch
     wait_s: float  # of steady_s, blocked in next(loader)
     cpu_s: float = 0.0  # of steady_s, the trainer side's CPU (`CaseResult.cpu_ms_per_sample`)
+    worker_cpu_s: float = 0.0  # of cpu_s, the loader workers'
     open_s: float = 0.0  # of first_s, the dataset, its sampler and its loader made (no sample read yet)
 
 
@@ -253,8 +258,9 @@ def read_epoch(
     first = next(loader)
     first_at = time.monotonic()
     del first
-    trainer_side = [bench, *(c for c in bench.children(recursive=True) if c.pid not in before)]
-    cpu_at_first = cpu = _cpu_seconds(trainer_side)
+    workers_side = [c for c in bench.children(recursive=True) if c.pid not in before]
+    cpu_at_first = cpu = _cpu_seconds([bench, *workers_side])
+    worker_cpu_at_first = worker_cpu = _cpu_seconds(workers_side)
     samples = 0
     waited = 0.0
     while True:
@@ -266,7 +272,8 @@ def read_epoch(
         waited += time.monotonic() - asked
         samples += len(micro.images)
         # Read while the workers are alive (they exit with the epoch): the CPU up to this batch.
-        cpu = _cpu_seconds(trainer_side)
+        worker_cpu = _cpu_seconds(workers_side)
+        cpu = _cpu_seconds([bench]) + worker_cpu
         if step_s:
             time.sleep(step_s)  # a training step's compute, while the workers and the read-ahead go on
     return Epoch(
@@ -275,6 +282,7 @@ def read_epoch(
         time.monotonic() - first_at,
         waited,
         cpu - cpu_at_first,
+        worker_cpu - worker_cpu_at_first,
         opened_at - started,
     )
 
@@ -314,10 +322,11 @@ def run(
     s3_in_memory: bool = False,
     image_format: str = "png",
     s3_cores: frozenset[int] = frozenset(),
+    pinned: bool = True,
 ) -> dict[str, Any]:
     import boto3
 
-    from bootstrap.datasync import DataSync
+    from bootstrap.datasync import DataSync, placed_index
     from bootstrap.eventlog import EventLog
     from training.streaming import CacheSettings, part_size
     from trainstack.datapush import write_shards
@@ -374,6 +383,17 @@ def run(
                 str(cache_dir), max_bytes=10**12, read_ahead=read_ahead, window=window, part_bytes=part_bytes
             )
             uri = f"s3://{BUCKET}/shards/train/shards.json"
+            if pinned:
+                # As the agent leaves it on an instance (bootstrap/datasync.py): the index on local disk,
+                # naming the shards' prefix and each one's ETag (the manifest's there, the listing's here),
+                # so the downloads are pinned to the pushed objects and not hashed again.
+                listed = pusher.list_objects_v2(Bucket=BUCKET, Prefix="shards/train/")["Contents"]
+                etags = {item["Key"].removeprefix("shards/train/"): item["ETag"] for item in listed}
+                body = (work / "shards" / "train" / "shards.json").read_bytes()
+                placed = work / "placed" / "train" / "shards.json"
+                placed.parent.mkdir(parents=True)
+                placed.write_bytes(placed_index(body, f"s3://{BUCKET}/shards/train", cache_dir, etags))
+                uri = str(placed)
             for case in ("stream", "stream-warm"):
                 if case not in cases:
                     continue
@@ -407,6 +427,7 @@ def run(
         "s3_in_memory": s3_in_memory,
         "image_format": image_format,
         "s3_cores": sorted(s3_cores),
+        "pinned": pinned,
         "cases": [asdict(r) for r in results],
     }
 
@@ -423,6 +444,7 @@ def _result(case: str, epoch: Epoch, prepare_s: float, fetched: int, proxied: in
         fetched,
         proxied,
         1000 * epoch.cpu_s / max(epoch.samples, 1),
+        1000 * epoch.worker_cpu_s / max(epoch.samples, 1),
         epoch.open_s,
     )
 
@@ -500,7 +522,7 @@ def table(report: dict[str, Any]) -> str:
     sync = next((c["steady_samples_per_s"] for c in report["cases"] if c["case"] == "sync"), None)
     lines = [
         f"{'case':<12} {'first batch s':>14} {'steady samples/s':>17} {'vs sync':>8} {'MB fetched':>11} "
-        f"{'waited s / steady s':>20} {'CPU ms/sample':>14} {'open s':>7}"
+        f"{'waited s / steady s':>20} {'CPU ms/sample':>14} {'of it workers':>14} {'open s':>7}"
     ]
     for case in report["cases"]:
         ratio = f"{case['steady_samples_per_s'] / sync:.2f}" if sync else "-"
@@ -508,7 +530,8 @@ def table(report: dict[str, Any]) -> str:
         lines.append(
             f"{case['case']:<12} {case['first_batch_s']:>14.2f} {case['steady_samples_per_s']:>17.1f} "
             f"{ratio:>8} {case.get('fetched_bytes', 0) / 1e6:>11.1f} {waited:>20} "
-            f"{case.get('cpu_ms_per_sample', 0):>14.2f} {case.get('open_s', 0):>7.2f}"
+            f"{case.get('cpu_ms_per_sample', 0):>14.2f} {case.get('worker_cpu_ms_per_sample', 0):>14.2f} "
+            f"{case.get('open_s', 0):>7.2f}"
         )
     return "\n".join([*lines, *goals(report)])
 
@@ -574,6 +597,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{IMAGENET_SAMPLES}, in {IMAGENET_SHARDS} shards unless --index-shards)",
     )
     parser.add_argument("--index-shards", type=int, default=IMAGENET_SHARDS, help="with --index-samples")
+    parser.add_argument(
+        "--unpinned",
+        action="store_true",
+        help="stream from the index in S3 (s3://...), as a trainer run without the agent does: no ETags, "
+        "each shard hashed after its download (default: the index the agent places, its shards pinned)",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
     for name in ("throttle_mbps", "part_mb"):
@@ -623,6 +652,7 @@ def main(argv: list[str] | None = None) -> None:
             s3_in_memory=args.s3_in_memory,
             image_format=args.image_format,
             s3_cores=s3_cores,
+            pinned=not args.unpinned,
         )
     text = json.dumps(report, indent=1)
     if args.out:

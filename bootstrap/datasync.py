@@ -85,6 +85,20 @@ class DatasetVersionError(RuntimeError):
         self.fix = fix
 
 
+def placed_index(body: bytes, source: str, cache_dir: Path, etags: dict[str, str]) -> bytes:
+    """A split's shard index (`body`, as pushed) as the agent leaves it for the trainer: naming where its
+    shards are (`source`), the instance's folder to cache them in, and each shard's ETag in S3 (`etags`, by
+    key relative to the split, from the manifest the version was checked against): the trainer's downloads
+    are then pinned to the pushed objects (training/streaming.py). A shard without one is hashed instead."""
+    raw = json.loads(body)
+    shards = raw.get("shards") if isinstance(raw, dict) else None
+    for shard in shards if isinstance(shards, list) else []:
+        # A malformed entry is left as it is: the trainer names the index and the fix when it reads it.
+        if isinstance(shard, dict) and (etag := etags.get(str(shard.get("key")))):
+            shard["etag"] = etag
+    return json.dumps({**raw, "source": source, "cache_dir": str(cache_dir)}, separators=(",", ":")).encode()
+
+
 @dataclass(frozen=True)
 class RemoteDataset:
     """What a sync downloads: one version's files, `{relative key: [size, etag]}`; version "" = none (the
@@ -468,11 +482,17 @@ class DataSync:
         size = 0
         for split, key in keys.items():
             body = self._s3.get_object(Bucket=self._bucket, Key=self._prefix + key)["Body"].read()
-            placed = {**json.loads(body), "source": f"{self.source}{split}", "cache_dir": str(cache_dir)}
+            within = f"{split}/"
+            etags = {
+                path[len(within) :]: str(item[1])
+                for path, item in remote.files.items()
+                if path.startswith(within) and item[1]
+            }
+            placed = placed_index(body, f"{self.source}{split}", cache_dir, etags)
             folder = destination / split
             folder.mkdir(parents=True, exist_ok=True)
             partial = folder / f"{INDEX_NAME}.partial"
-            partial.write_text(json.dumps(placed, separators=(",", ":")))
+            partial.write_bytes(placed)
             partial.replace(folder / INDEX_NAME)
             size += len(body)
         cache_dir.mkdir(parents=True, exist_ok=True)

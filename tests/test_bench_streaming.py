@@ -13,6 +13,7 @@ from PIL import Image
 
 import training.streaming
 from bench.streaming import PHOTO_SIZE, goals, index_cost, main, run, table, write_images
+from tests.training.conftest import hash_counter
 
 TINY: dict[str, Any] = {
     "image_kb": 8,
@@ -49,6 +50,7 @@ def check_cases(
         assert 0 < case["steady_wait_s"] <= case["steady_s"]
         # The trainer side decodes every sample: some CPU each, and less than the whole steady time's 4 cores.
         assert 0 < case["cpu_ms_per_sample"] < 4000 * case["steady_s"] / case["samples"]
+        assert 0 <= case["worker_cpu_ms_per_sample"] <= case["cpu_ms_per_sample"]
         assert 0 < case["open_s"] < case["first_batch_s"]
     if "sync" not in cases:
         return cases
@@ -67,10 +69,14 @@ def test_the_bench_measures_sync_stream_and_warm_stream_side_by_side(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     downloads = counted_downloads(monkeypatch)
+    hashed = hash_counter(monkeypatch)
     report = run(tmp_path, 0.002, **TINY, moto_process=False)
     cases = check_cases(report, downloads)
     assert all(case["proxy_bytes"] == 0 for case in cases.values())  # no proxy unthrottled
     assert report["throttle_mbps"] is None and report["part_mib"] == 8  # part_size(0.2 MB)
+    # The index as the agent places it: every shard pinned to its ETag, none hashed after its download.
+    assert report["pinned"] is True and hashed == []
+    assert all(case["worker_cpu_ms_per_sample"] == 0 for case in cases.values())  # no loader workers
 
 
 @pytest.mark.slow(seconds=30)
@@ -78,10 +84,12 @@ def test_a_throttled_run_reads_through_the_proxy_from_moto_in_its_own_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     downloads = counted_downloads(monkeypatch)
-    report = run(tmp_path, 0.002, **TINY, throttle_mbps=50, part_mb=8, step_ms=1)
+    hashed = hash_counter(monkeypatch)
+    report = run(tmp_path, 0.002, **TINY, throttle_mbps=50, part_mb=8, step_ms=1, pinned=False)
     cases = check_cases(report, downloads)
+    assert report["pinned"] is False and len(hashed) == report["shards"]  # each shard hashed once, downloaded
     # What the cases fetched went through the proxy (plus the requests and headers); the warm case's
-    # index read only.
+    # index read only (unpinned, the index is read from S3).
     for case in ("sync", "stream"):
         assert cases[case]["proxy_bytes"] > cases[case]["fetched_bytes"]
     assert 0 < cases["stream-warm"]["proxy_bytes"] < cases["stream"]["fetched_bytes"]
@@ -162,7 +170,12 @@ def test_the_command_line_prints_the_table_and_the_goals_and_writes_the_json(
     main(["--out", str(tmp_path / "r.json"), "--throttle-mbps", "25", "--no-moto-process", "--part-mb", "8"])
     out = capsys.readouterr().out
     assert "sync" in out and '"first_batch_s": 1.5' in (tmp_path / "r.json").read_text()
-    defaults = {"cases": ("sync", "stream", "stream-warm"), "s3_in_memory": False, "image_format": "png"}
+    defaults = {
+        "cases": ("sync", "stream", "stream-warm"),
+        "s3_in_memory": False,
+        "image_format": "png",
+        "pinned": True,
+    }
     assert asked == {
         "throttle_mbps": 25.0,
         "moto_process": False,
@@ -173,13 +186,14 @@ def test_the_command_line_prints_the_table_and_the_goals_and_writes_the_json(
     }
     cpu = min(os.sched_getaffinity(0))
     cores = ["--s3-cores", str(cpu)] if len(os.sched_getaffinity(0)) > 1 else []
-    main(["--cases", "stream, stream-warm", "--s3-in-memory", "--image-format", "jpeg", *cores])
+    main(["--cases", "stream, stream-warm", "--s3-in-memory", "--image-format", "jpeg", *cores, "--unpinned"])
     assert (asked["cases"], asked["s3_in_memory"], asked["image_format"], asked["s3_cores"]) == (
         ("stream", "stream-warm"),
         True,
         "jpeg",
         frozenset({cpu}) if cores else frozenset(),
     )
+    assert asked["pinned"] is False
     main([])
     assert asked == {
         "throttle_mbps": None,

@@ -21,6 +21,11 @@ workers). What the marker does not see is damage that leaves the identity unchan
 rot); a copy written over, or a crash before the download reached the disk, has no marker of its identity and
 is hashed (the download is fsynced before its rename, and the marker is written after it). The cache's
 recency (least recently used evicted first) is the marker's mtime, since the tar's is part of its identity.
+
+A download is checked before its rename. Where the agent placed the shard's ETag in the index (from the
+dataset version's manifest), every GET of it carries If-Match: S3 serves the pushed object or refuses it, so
+only the size is checked, and the bytes are not read back to hash (that pass was half the download's CPU, on
+the cores that decode). An index without ETags (read straight from S3) has each download hashed.
 """
 
 from __future__ import annotations
@@ -39,13 +44,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, overload
+from typing import IO, Any, cast, overload
 
 from PIL import Image
 
 from training.dataset_layout import BadDataError
 from trainstack_job.layout import sha256_file
-from trainstack_job.shards import INDEX_NAME, SampleEntry, ShardError, ShardIndex, read_sample
+from trainstack_job.records import is_conflict
+from trainstack_job.shards import INDEX_NAME, SampleEntry, ShardError, ShardIndex, ShardInfo, read_sample
 
 log = logging.getLogger("training")
 
@@ -249,28 +255,34 @@ class ShardCache:
         deadline = time.monotonic() + OUTAGE_SECONDS
         pause = 1.0
         started = time.monotonic()
+        pinned = bool(info.etag) and _can_pin()
+        config = TransferConfig(
+            max_concurrency=PARALLEL_PARTS,
+            multipart_chunksize=self.settings.part_bytes or part_size(info.size),
+            io_chunksize=IO_CHUNK_BYTES,
+        )
+        if pinned:
+            config.multipart_threshold = 1  # one-part shards too by the ranged path: its GETs send If-Match
         while True:
             try:
-                self._s3().download_file(
-                    bucket,
-                    key,
-                    str(partial),
-                    Config=TransferConfig(
-                        max_concurrency=PARALLEL_PARTS,
-                        multipart_chunksize=self.settings.part_bytes or part_size(info.size),
-                        io_chunksize=IO_CHUNK_BYTES,
-                    ),
-                )
+                if pinned:
+                    _download_pinned(self._s3(), bucket, key, partial, config, info)
+                else:
+                    self._s3().download_file(bucket, key, str(partial), Config=config)
                 break
             except ClientError as error:
                 code = str(error.response.get("Error", {}).get("Code", ""))
                 if code in {"404", "NoSuchKey", "NotFound"}:
                     raise BadDataError(f"shard {uri} is missing from S3; {_FIX}") from None
+                if pinned and is_conflict(error):  # its If-Match refused (S3 answers 412)
+                    raise _changed(uri, info) from None
                 if code in {"403", "AccessDenied"} or time.monotonic() > deadline:
                     raise
                 problem: Exception = error
             # RetriesExceededError: the connection lost mid-shard after the transfer's own retries (boto3's
             # error, not botocore's): the same outage, waited out too.
+            except _PinRefusedError:
+                raise _changed(uri, info) from None
             except (BotoCoreError, RetriesExceededError) as error:
                 if time.monotonic() > deadline:
                     raise
@@ -284,7 +296,10 @@ class ShardCache:
         # The identity the marker records: stat before the hash; the fsync and the rename keep it.
         identity = partial.stat()
         size = identity.st_size
-        if size != info.size or sha256_file(partial) != info.sha256:
+        # Pinned to the pushed object's ETag, the bytes are the pushed ones (S3 refuses any other object,
+        # and a short body fails the transfer): a second pass over them to hash would be half the
+        # download's CPU (0.55 ms per MB of sha256 on the loader's cores, against about 1 for the rest).
+        if size != info.size or (not pinned and sha256_file(partial) != info.sha256):
             partial.unlink(missing_ok=True)
             raise BadDataError(
                 f"shard {uri} is corrupt (its {size} bytes do not match the index's size {info.size} and "
@@ -348,6 +363,52 @@ class ShardCache:
             if path != keep:
                 _unlink_shard(path)
                 total -= size
+
+
+def _can_pin() -> bool:
+    """Whether this s3transfer sends If-Match with the ETag it is given (0.11 and later; the trainer's
+    boto3>=1.34 allows older, whose downloads are hashed as before). The instances' lock has 0.19."""
+    from s3transfer.futures import TransferMeta
+
+    return hasattr(TransferMeta, "provide_object_etag")
+
+
+def _download_pinned(client: Any, bucket: str, key: str, partial: Path, config: Any, info: ShardInfo) -> None:
+    """Download `key` into `partial` with every ranged GET conditional on `info.etag` (If-Match: S3 answers
+    412 for any other object) and no HEAD first (the index gives the size)."""
+    from boto3.exceptions import RetriesExceededError
+    from boto3.s3.transfer import create_transfer_manager
+    from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceededError
+    from s3transfer.exceptions import S3DownloadFailedError
+    from s3transfer.subscribers import BaseSubscriber
+
+    class Pin(BaseSubscriber):
+        """The object's size and ETag, known before the transfer starts."""
+
+        def on_queued(self, future: Any, **_: Any) -> None:
+            future.meta.provide_transfer_size(info.size)
+            future.meta.provide_object_etag(info.etag)
+
+    try:
+        with create_transfer_manager(client, config) as manager:
+            manager.download(bucket, key, str(partial), subscribers=[Pin()]).result()
+    except TransferRetriesExceededError as error:
+        # What boto3's download_file raises for it (a connection lost mid-shard): the caller waits it out.
+        raise RetriesExceededError(cast(Any, error.last_exception)) from None
+    except S3DownloadFailedError:
+        # s3transfer's word for S3's 412 to If-Match (its only use of this error).
+        raise _PinRefusedError from None
+
+
+class _PinRefusedError(Exception):
+    """S3 refused a pinned GET: the object under the shard's key is no longer the pushed one."""
+
+
+def _changed(uri: str, info: ShardInfo) -> BadDataError:
+    return BadDataError(
+        f"shard {uri} changed in S3 after this job's dataset version was placed (its ETag is no longer "
+        f"{info.etag}: pushed again with --force?); submit the job again to train on the current version"
+    )
 
 
 def _marker(target: Path) -> Path:

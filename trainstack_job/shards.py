@@ -56,6 +56,10 @@ class ShardInfo:
     key: str  # relative to the index's folder: shard-000000.tar
     size: int
     sha256: str
+    # The S3 ETag of the object the push uploaded, set by the agent in the copy of the index it places (from
+    # the dataset version's manifest); "" when unknown. A download conditional on it (If-Match) gets exactly
+    # the pushed bytes or S3's refusal, so the trainer need not hash what it downloaded.
+    etag: str = ""
 
 
 @dataclass(frozen=True)
@@ -233,6 +237,7 @@ class ShardIndex:
             "classes": self.classes,
             "shards": [
                 {"key": s.key, "size": s.size, "sha256": s.sha256, "samples": count}
+                | ({"etag": s.etag} if s.etag else {})
                 for s, count in zip(self.shards, self.table.counts, strict=True)
             ],
             **self.table.to_json(),
@@ -246,7 +251,10 @@ class ShardIndex:
             known = (INDEX_FORMAT, FIRST_INDEX_FORMAT)
             if raw.get("format") not in known:
                 raise ShardError(f"{where}: format {raw.get('format')!r}, expected {INDEX_FORMAT!r}; {_FIX}")
-            shards = [ShardInfo(str(s["key"]), int(s["size"]), str(s["sha256"])) for s in raw["shards"]]
+            shards = [
+                ShardInfo(str(s["key"]), int(s["size"]), str(s["sha256"]), str(s.get("etag") or ""))
+                for s in raw["shards"]
+            ]
             if raw["format"] == FIRST_INDEX_FORMAT:
                 entries = (
                     SampleEntry(int(a), int(b), int(c), int(d), str(e)) for a, b, c, d, e in raw["samples"]

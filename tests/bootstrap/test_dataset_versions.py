@@ -306,11 +306,18 @@ def test_an_unknown_dataset_version_in_the_agent_config_is_one_line() -> None:
     assert (config.dataset, config.dataset_version, config.allow_data_change) == ("corpus", "ab" * 6, False)
 
 
-INDEX = json.dumps({"format": "trainstack-shards/1", "classes": ["a"], "shards": [], "samples": []}).encode()
+def index_of(size: int) -> bytes:
+    """A split's index listing its one shard, shard-000000.tar, and one more that was never pushed."""
+    shards = [{"key": "shard-000000.tar", "size": size, "sha256": "0" * 64}, {"key": "gone.tar", "size": 1}]
+    return json.dumps(
+        {"format": "trainstack-shards/1", "classes": ["a"], "shards": shards, "samples": []}
+    ).encode()
+
+
 SHARDED = {
-    "train/shards.json": INDEX,
+    "train/shards.json": index_of(300),
     "train/shard-000000.tar": b"t" * 300,
-    "val/shards.json": INDEX,
+    "val/shards.json": index_of(200),
     "val/shard-000000.tar": b"v" * 200,
 }
 
@@ -334,6 +341,14 @@ def test_a_version_pushed_as_shards_is_streamed_its_indexes_placed_and_no_shard_
     assert placed["source"] == f"s3://{stack.bucket}/{prefix}train"
     assert placed["cache_dir"] == str(tmp_path / "cache") and (tmp_path / "cache").is_dir()
     assert placed["classes"] == ["a"]
+    # Each shard carries its own split's object's ETag (the manifest's, checked against S3), so the trainer's
+    # downloads are pinned to the pushed bytes; a shard the version does not hold gets none.
+    s3 = stack.client("s3")
+    for split in ("train", "val"):
+        placed = json.loads((tmp_path / "data" / split / "shards.json").read_text())
+        etag = s3.head_object(Bucket=stack.bucket, Key=f"{prefix}{split}/shard-000000.tar")["ETag"]
+        assert [shard.get("etag") for shard in placed["shards"]] == [etag, None]
+    assert placed["shards"][0]["size"] == 200  # val's own index, not train's
 
 
 def test_a_version_pushed_as_files_is_synced_whole_even_when_streaming_is_allowed(

@@ -168,3 +168,17 @@ def test_a_table_must_hold_one_value_of_each_column_per_sample_and_one_count_per
         SampleTable.from_entries([SampleEntry(3, 0, 1, 0, "past")], 3)
     assert table != SampleTable.from_entries(ENTRIES[:2], 3) and table == SampleTable.from_entries(ENTRIES, 3)
     assert table.__eq__(ENTRIES) is NotImplemented
+
+
+def test_a_shards_etag_placed_by_the_agent_is_written_and_read_back_and_none_is_written_unplaced() -> None:
+    pinned = [
+        SHARDS[0],
+        ShardInfo(SHARDS[1].key, SHARDS[1].size, SHARDS[1].sha256, '"9b2cf535f27731c9"'),
+        SHARDS[2],
+    ]
+    placed = ShardIndex(["dog", "cat"], pinned, ENTRIES, "s3://b/data/train", "/nvme/cache")
+    written = placed.to_json()
+    assert [s.get("etag") for s in written["shards"]] == [None, '"9b2cf535f27731c9"', None]
+    again = ShardIndex.from_json(json.dumps(written).encode(), "train")
+    assert [s.etag for s in again.shards] == ["", '"9b2cf535f27731c9"', ""] and again == placed
+    assert all("etag" not in s for s in index().to_json()["shards"])  # as pushed: no ETag known yet

@@ -189,3 +189,18 @@ def lives(fork_server: ForkServer) -> Iterator[Lives]:
     started = Lives(fork_server)
     yield started
     started.reap()
+
+
+def hash_counter(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The files training/streaming.py hashes from now on, in order."""
+    import training.streaming
+
+    hashed: list[Path] = []
+    real_hash = training.streaming.sha256_file
+
+    def counted(path: Path) -> str:
+        hashed.append(path)
+        return real_hash(path)
+
+    monkeypatch.setattr(training.streaming, "sha256_file", counted)
+    return hashed

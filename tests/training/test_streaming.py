@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tests.conftest import MotoServer
-from tests.training.conftest import Dataset
+from tests.training.conftest import Dataset, hash_counter
 from tests.waiting import wait_until
 from training.data import (
     STREAMING,
@@ -248,6 +248,62 @@ def test_a_corrupt_or_missing_shard_is_one_line_naming_it_and_the_fix(
         f"shard index s3://{BUCKET}/nowhere/shards.json is missing from S3; "
         "push the dataset again with `trainstack data push DIR --format shards`"
     )
+
+
+def test_an_index_placed_with_etags_is_downloaded_pinned_unhashed_and_a_shard_changed_since_is_named(
+    aws: MotoServer, shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent places each shard's ETag (bootstrap/datasync.py): every GET of it carries If-Match, no HEAD
+    goes first, and the bytes are not hashed again (half the download's CPU); a shard replaced since is
+    refused by S3 and named; a transfer manager that cannot pin hashes as before."""
+    import training.streaming
+    from bootstrap.datasync import placed_index
+
+    upload(shards)
+    s3 = boto3.client("s3")
+    listed = s3.list_objects_v2(Bucket=BUCKET, Prefix="images/train/")["Contents"]
+    etags = {item["Key"].removeprefix("images/train/"): item["ETag"] for item in listed}
+    local = tmp_path / "data" / "train"
+    local.mkdir(parents=True)
+    body = (shards / "train" / INDEX_NAME).read_bytes()
+    (local / INDEX_NAME).write_bytes(placed_index(body, f"s3://{BUCKET}/images/train", tmp_path / "c", etags))
+    hashed = hash_counter(monkeypatch)
+    sent: list[tuple[str, str | None]] = []
+    real_client = training.streaming._s3_client
+
+    def watched() -> Any:
+        client = real_client()
+        client.meta.events.register(
+            "before-send.s3",
+            lambda request, **_: sent.append((request.method, request.headers.get("If-Match"))),
+        )
+        return client
+
+    monkeypatch.setattr(training.streaming, "_s3_client", watched)
+    dataset = SeededImageFolder(str(local), train_transform(16), SEED)
+    assert isinstance(dataset.folder, ShardFolder)
+    dataset.folder.configure(CacheSettings(str(tmp_path / "cache")))
+    cache, shard = dataset.folder.cache, dataset.folder.index.shards
+
+    assert cache.path(0).read_bytes() == (shards / "train" / shard[0].key).read_bytes()
+    assert sent and set(sent) == {("GET", shard[0].etag.encode())}  # one GET per part, no HEAD
+    assert hashed == []
+    assert (cache.settings.directory() / f"{shard[0].sha256}.ok").exists()  # trusted by the next process
+
+    original = (shards / "train" / shard[1].key).read_bytes()
+    s3.put_object(Bucket=BUCKET, Key=f"images/train/{shard[1].key}", Body=original[::-1])  # same size
+    with pytest.raises(BadDataError) as raised:
+        cache.path(1)
+    assert str(raised.value) == (
+        f"shard s3://{BUCKET}/images/train/{shard[1].key} changed in S3 after this job's dataset version "
+        f"was placed (its ETag is no longer {shard[1].etag}: pushed again with --force?); submit the job "
+        "again to train on the current version"
+    )
+    assert not list((tmp_path / "cache").glob(f"{shard[1].sha256}.*[!k]"))  # no copy, no partial left
+
+    monkeypatch.setattr(training.streaming, "_can_pin", lambda: False)  # an s3transfer before 0.11
+    assert cache.path(2).read_bytes() == (shards / "train" / shard[2].key).read_bytes()
+    assert [path.name for path in hashed] == [f"{shard[2].sha256}.part"]
 
 
 def test_a_bad_image_in_a_shard_is_named_by_shard_and_name_and_replaced(

@@ -328,6 +328,43 @@ def test_a_connection_lost_mid_shard_past_the_transfers_own_retries_is_waited_ou
     assert partials(cache) == []
 
 
+def test_a_pinned_download_losing_its_connection_past_the_transfers_retries_is_waited_out_too(
+    index_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same outage when the shard's ETag was placed (its GETs conditional, through the transfer manager
+    itself, whose own RetriesExceededError is not boto3's): waited out, not a failed life."""
+    import dataclasses
+
+    from s3transfer.download import DownloadChunkIterator
+
+    cache = tmp_path / "cache"
+    folder = ShardFolder(index_uri, CacheSettings(str(cache), max_bytes=10**9))
+    info = folder.index.shards[0]
+    etag = boto3.client("s3").head_object(Bucket=BUCKET, Key=f"images/train/{info.key}")["ETag"]
+    folder.index.shards[0] = dataclasses.replace(info, etag=etag)  # as the agent places it
+    outage = [True]
+    read_chunk = DownloadChunkIterator.__next__
+
+    def lost_connection(chunks: DownloadChunkIterator) -> bytes:
+        if outage[0]:
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+        return cast(bytes, read_chunk(chunks))
+
+    def wait(seconds: float) -> None:
+        pauses.append(seconds)
+        outage[0] = False
+
+    pauses: list[float] = []
+    monkeypatch.setattr(DownloadChunkIterator, "__next__", lost_connection)
+    monkeypatch.setattr(training.streaming, "time", SimpleNamespace(monotonic=time.monotonic, sleep=wait))
+
+    path = folder.cache.path(0)
+
+    assert pauses == [1.0]
+    assert path.read_bytes() == s3_bytes(folder, 0)
+    assert partials(cache) == []
+
+
 def test_a_loader_workers_error_is_reported_in_the_one_line_it_was_raised_with() -> None:
     """With DataLoader workers (the default on a GPU), torch re-raises a worker's error in the trainer with
     the worker's traceback in its message: the trainer's report keeps only the original line."""
