@@ -33,10 +33,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
 import platform
+import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -80,6 +83,8 @@ class CaseResult:
     # Of first_batch_s, the dataset's opening: the folder's scan (sync) or the shard index's read and parse
     # (streams). What grows with the number of samples before the first step.
     open_s: float = 0.0
+    # Every round's steady rate, in order (`--rounds`); the case's figures are the median round's.
+    rounds_samples_per_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -323,6 +328,7 @@ def run(
     image_format: str = "png",
     s3_cores: frozenset[int] = frozenset(),
     pinned: bool = True,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     import boto3
 
@@ -339,7 +345,6 @@ def run(
     dataset_bytes = _tree_bytes(images / "train", pattern)
     part_bytes = int(part_mb * 2**20) if part_mb else 0  # 0: training/streaming.py's choice per shard
     step_s = step_ms / 1000
-    results: list[CaseResult] = []
     trainer_cores = os.sched_getaffinity(0)
     if s3_cores:
         # S3 is another machine for an instance: moto and the proxy get their cores, the loader the rest,
@@ -367,16 +372,14 @@ def run(
             # disk is quiet at boot. Flushed before the first case, not counted.
             os.sync()
 
-            if "sync" in cases:  # the whole dataset to local disk first, then the ImageFolder.
+            synced, sync_s, sync_bytes, sync_proxied = work / "synced", 0.0, 0, 0
+            if "sync" in cases:  # the whole dataset to local disk first (once), then the ImageFolder.
                 forwarded = service.forwarded()
                 started = time.monotonic()
-                synced = work / "synced"
                 sync = DataSync(boto3.client("s3"), BUCKET, "files/", "us-east-1", EventLog())
                 sync.sync(synced, tool="boto3")
                 sync_s = time.monotonic() - started
-                fetched = _tree_bytes(synced, pattern)
-                epoch = read_epoch(str(synced / "train"), None, workers, batch, image_size, step_s)
-                results.append(_result("sync", epoch, sync_s, fetched, service.forwarded() - forwarded))
+                sync_bytes, sync_proxied = _tree_bytes(synced, pattern), service.forwarded() - forwarded
 
             cache_dir = work / "cache"
             cache = CacheSettings(
@@ -394,13 +397,28 @@ def run(
                 placed.parent.mkdir(parents=True)
                 placed.write_bytes(placed_index(body, f"s3://{BUCKET}/shards/train", cache_dir, etags))
                 uri = str(placed)
-            for case in ("stream", "stream-warm"):
-                if case not in cases:
-                    continue
-                forwarded, cached = service.forwarded(), _tree_bytes(cache_dir, "*.tar")
-                epoch = read_epoch(uri, cache, workers, batch, image_size, step_s)
-                fetched = _tree_bytes(cache_dir, "*.tar") - cached
-                results.append(_result(case, epoch, 0.0, fetched, service.forwarded() - forwarded))
+            measured: dict[str, list[CaseResult]] = {case: [] for case in cases}
+            for number in range(rounds):
+                # Rounds alternate which goes first (sync, then the streams; then the streams, then sync), so
+                # a machine that speeds up or slows down over the run weighs on both alike.
+                for part in ("sync", "streams") if number % 2 == 0 else ("streams", "sync"):
+                    if part == "sync" and "sync" in cases:
+                        forwarded = service.forwarded()
+                        epoch = read_epoch(str(synced / "train"), None, workers, batch, image_size, step_s)
+                        proxied = sync_proxied + service.forwarded() - forwarded
+                        measured["sync"].append(_result("sync", epoch, sync_s, sync_bytes, proxied))
+                    if part != "streams":
+                        continue
+                    shutil.rmtree(cache_dir, ignore_errors=True)  # each cold case as a new instance's
+                    for case in ("stream", "stream-warm"):
+                        if case not in cases:
+                            continue
+                        forwarded, cached = service.forwarded(), _tree_bytes(cache_dir, "*.tar")
+                        epoch = read_epoch(uri, cache, workers, batch, image_size, step_s)
+                        fetched = _tree_bytes(cache_dir, "*.tar") - cached
+                        proxied = service.forwarded() - forwarded
+                        measured[case].append(_result(case, epoch, 0.0, fetched, proxied))
+            results = [_median_round(measured[case]) for case in cases]
         finally:
             for key, value in saved.items():
                 if value is None:
@@ -428,8 +446,17 @@ def run(
         "image_format": image_format,
         "s3_cores": sorted(s3_cores),
         "pinned": pinned,
+        "rounds": rounds,
         "cases": [asdict(r) for r in results],
     }
+
+
+def _median_round(rounds: list[CaseResult]) -> CaseResult:
+    """The round of median steady rate (the lower of the two middle ones for an even count), whole, with every
+    round's rate beside it."""
+    rates = [result.steady_samples_per_s for result in rounds]
+    middle = rounds[rates.index(statistics.median_low(rates))]
+    return dataclasses.replace(middle, rounds_samples_per_s=tuple(rates))
 
 
 def _result(case: str, epoch: Epoch, prepare_s: float, fetched: int, proxied: int) -> CaseResult:
@@ -533,6 +560,10 @@ def table(report: dict[str, Any]) -> str:
             f"{case.get('cpu_ms_per_sample', 0):>14.2f} {case.get('worker_cpu_ms_per_sample', 0):>14.2f} "
             f"{case.get('open_s', 0):>7.2f}"
         )
+    for case in report["cases"]:
+        rates = case.get("rounds_samples_per_s") or ()
+        if len(rates) > 1:
+            lines.append(f"{case['case']}: rounds' steady samples/s {', '.join(f'{r:.1f}' for r in rates)}")
     return "\n".join([*lines, *goals(report)])
 
 
@@ -603,8 +634,17 @@ def main(argv: list[str] | None = None) -> None:
         help="stream from the index in S3 (s3://...), as a trainer run without the agent does: no ETags, "
         "each shard hashed after its download (default: the index the agent places, its shards pinned)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="read each case's epoch this many times, alternating which goes first, each cold stream from an "
+        "empty cache; each case's figures are its median round's (default 1; the sync downloads once)",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     for name in ("throttle_mbps", "part_mb"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -653,6 +693,7 @@ def main(argv: list[str] | None = None) -> None:
             image_format=args.image_format,
             s3_cores=s3_cores,
             pinned=not args.unpinned,
+            rounds=args.rounds,
         )
     text = json.dumps(report, indent=1)
     if args.out:

@@ -79,6 +79,35 @@ def test_the_bench_measures_sync_stream_and_warm_stream_side_by_side(
     assert all(case["worker_cpu_ms_per_sample"] == 0 for case in cases.values())  # no loader workers
 
 
+@pytest.mark.slow(seconds=20)
+def test_rounds_alternate_which_case_goes_first_start_each_cold_stream_empty_and_report_the_median(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bench.streaming
+
+    downloads = counted_downloads(monkeypatch)
+    read: list[str] = []
+    real_read = bench.streaming.read_epoch
+
+    def recorded(root: str, settings: Any, *args: Any) -> Any:
+        read.append("sync" if settings is None else "stream")
+        return real_read(root, settings, *args)
+
+    monkeypatch.setattr(bench.streaming, "read_epoch", recorded)
+    report = run(tmp_path, 0.002, **TINY, moto_process=False, rounds=3)
+
+    first, second = ["sync", "stream", "stream"], ["stream", "stream", "sync"]  # cold then warm, each time
+    assert read == [*first, *second, *first]
+    # Each round's cold stream fetched every shard again (an empty cache, as a new instance has).
+    assert sorted(downloads) == sorted(list(range(report["shards"])) * 3)
+    assert report["rounds"] == 3
+    for case in report["cases"]:
+        rates = case["rounds_samples_per_s"]
+        assert len(rates) == 3 and case["steady_samples_per_s"] == sorted(rates)[1]
+        assert (case["fetched_bytes"] == 0) == (case["case"] == "stream-warm")
+    assert "sync: rounds' steady samples/s " in table(report)
+
+
 @pytest.mark.slow(seconds=30)
 def test_a_throttled_run_reads_through_the_proxy_from_moto_in_its_own_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -175,6 +204,7 @@ def test_the_command_line_prints_the_table_and_the_goals_and_writes_the_json(
         "s3_in_memory": False,
         "image_format": "png",
         "pinned": True,
+        "rounds": 1,
     }
     assert asked == {
         "throttle_mbps": 25.0,
@@ -251,3 +281,9 @@ def test_a_limit_of_zero_or_less_is_refused_naming_the_option(
     with pytest.raises(SystemExit):
         main([option, "0"])
     assert f"{option} must be above 0, got 0.0" in capsys.readouterr().err
+
+
+def test_fewer_than_one_round_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--rounds", "0"])
+    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
