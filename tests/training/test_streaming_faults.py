@@ -364,6 +364,21 @@ def test_a_pinned_download_losing_its_connection_past_the_transfers_retries_is_w
     assert path.read_bytes() == s3_bytes(folder, 0)
     assert partials(cache) == []
 
+    # Past the outage's deadline the life fails with boto3's error, carrying what the connection last did.
+    from boto3.exceptions import RetriesExceededError
+
+    info = folder.index.shards[1]
+    etag = boto3.client("s3").head_object(Bucket=BUCKET, Key=f"images/train/{info.key}")["ETag"]
+    folder.index.shards[1] = dataclasses.replace(info, etag=etag)
+    outage[0] = True
+    reads = iter([0.0])  # the start; every later read is past the deadline
+    clock = SimpleNamespace(monotonic=lambda: next(reads, 1e9), sleep=wait)
+    monkeypatch.setattr(training.streaming, "time", clock)
+    with pytest.raises(RetriesExceededError) as raised:
+        folder.cache.path(1)
+    assert isinstance(getattr(raised.value, "last_exception", None), ConnectionResetError)
+    assert pauses == [1.0] and partials(cache) == []
+
 
 def test_a_loader_workers_error_is_reported_in_the_one_line_it_was_raised_with() -> None:
     """With DataLoader workers (the default on a GPU), torch re-raises a worker's error in the trainer with
