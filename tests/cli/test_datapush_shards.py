@@ -109,3 +109,42 @@ def test_the_command_line_pushes_shards_with_format_shards(deployed: Deployed, t
     for split in ("train", "val"):
         assert f"{split}/{INDEX_NAME}" in manifest["files"]
         assert f"{split}/shard-000000.tar" in manifest["files"]
+
+
+def test_the_agent_places_the_pushed_etags_and_the_trainer_reads_every_shard_pinned_unhashed(
+    deployed: Deployed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole chain: the push's manifest records each shard's ETag, the agent's stream places them in the
+    index it leaves, and the trainer's cache downloads each shard with If-Match on them: every image byte for
+    byte, no shard hashed again."""
+    from bootstrap.datasync import DataSync
+    from bootstrap.eventlog import EventLog
+    from tests.training.conftest import hash_counter
+    from training.streaming import CacheSettings, ShardFolder
+    from trainstack_job.datasets import DatasetPlace
+    from trainstack_job.shards import read_sample
+
+    root = images(tmp_path / "images")
+    push(deployed, root)
+    where = DatasetPlace.of("images")
+    agent = DataSync(
+        deployed.s3(),
+        BUCKET,
+        where.prefix,
+        "us-east-1",
+        EventLog(),
+        manifest_key=where.manifest_key,
+        dataset="images",
+    )
+    assert agent.stream(tmp_path / "data", tmp_path / "nvme") is not None
+    hashed = hash_counter(monkeypatch)
+
+    folder = ShardFolder(str(tmp_path / "data" / "train" / INDEX_NAME), CacheSettings())
+    assert folder.index.shards and all(shard.etag for shard in folder.index.shards)
+    for name, _ in folder.samples:
+        entry = folder.entry(name)
+        with folder.cache.path(entry.shard).open("rb") as shard:
+            assert read_sample(shard, entry) == (root / "train" / entry.name).read_bytes()
+    assert hashed == []
+    # Fetched into the instance store's folder the agent named, one file per shard.
+    assert len(list((tmp_path / "nvme").glob("*.tar"))) == len(folder.index.shards)
