@@ -480,14 +480,11 @@ class DataSync:
             check_version(remote.version)
         started = time.monotonic()
         size = 0
+        pinned = self._pushed_etags(remote)
         for split, key in keys.items():
             body = self._s3.get_object(Bucket=self._bucket, Key=self._prefix + key)["Body"].read()
             within = f"{split}/"
-            etags = {
-                path[len(within) :]: str(item[1])
-                for path, item in remote.files.items()
-                if path.startswith(within) and item[1]
-            }
+            etags = {path[len(within) :]: etag for path, etag in pinned.items() if path.startswith(within)}
             placed = placed_index(body, f"{self.source}{split}", cache_dir, etags)
             folder = destination / split
             folder.mkdir(parents=True, exist_ok=True)
@@ -514,6 +511,20 @@ class DataSync:
             version=short(remote.version),
         )
         return report
+
+    def _pushed_etags(self, remote: RemoteDataset) -> dict[str, str]:
+        """{relative key: ETag} of the files whose object in S3 is the one the push recorded: the manifest's
+        ETag, where it has one and the listing shows it. An ETag the manifest lacks (a version pushed before
+        manifests kept them) is not the push's word for the bytes its index hashed, so that shard is not
+        pinned: the trainer hashes it. None at all when the version moved on since `remote` was read."""
+        current = self._manifest_files()
+        if current is None or current[0] != remote.version:
+            return {}
+        return {
+            path: str(etag)
+            for path, (_size, etag) in current[1].items()
+            if etag and path in remote.files and remote.files[path][1] == etag
+        }
 
     @staticmethod
     def _prune(destination: Path, manifest: dict[str, list[Any]], deadline: float | None = None) -> None:

@@ -351,6 +351,40 @@ def test_a_version_pushed_as_shards_is_streamed_its_indexes_placed_and_no_shard_
     assert placed["shards"][0]["size"] == 200  # val's own index, not train's
 
 
+def test_only_an_etag_the_push_recorded_pins_a_shard_and_none_once_the_version_moved_on(
+    stack: LocalStack, tmp_path: Path
+) -> None:
+    """A manifest entry without an ETag (pushed before manifests kept them) is not the push's word for the
+    bytes its index hashed: that shard is placed unpinned (the trainer hashes it), even though S3's listing
+    has an ETag for it. A version that moved on after the check pins nothing."""
+    from bootstrap.datasync import RemoteDataset
+
+    where = DatasetPlace.of("images")
+    s3 = stack.client("s3")
+    entries = {}
+    for path, body in SHARDED.items():
+        etag = s3.put_object(Bucket=stack.bucket, Key=where.prefix + path, Body=body)["ETag"]
+        known = None if path == "val/shard-000000.tar" else etag
+        entries[path] = ManifestFile(len(body), hashlib.sha256(body).hexdigest(), known)
+    manifest = Manifest("images", entries, pushed_at="2026-01-01T00:00:00+00:00")
+    published = json.dumps(manifest.to_json(where.prefix))
+    s3.put_object(Bucket=stack.bucket, Key=where.manifest_key, Body=published)
+    dataset = sync_of(stack, "images")
+    dataset.stream_cache = tmp_path / "cache"
+
+    dataset.sync(tmp_path / "data")
+
+    def placed(split: str) -> list[Any]:
+        index = json.loads((tmp_path / "data" / split / "shards.json").read_text())
+        return [shard.get("etag") for shard in index["shards"]]
+
+    train_etag = s3.head_object(Bucket=stack.bucket, Key=f"{where.prefix}train/shard-000000.tar")["ETag"]
+    assert placed("train") == [train_etag, None] and placed("val") == [None, None]
+    moved_on = RemoteDataset("0" * 12, dataset.remote().files)
+    assert dataset._pushed_etags(moved_on) == {}
+    assert dataset._pushed_etags(dataset.remote())["train/shard-000000.tar"] == train_etag
+
+
 def test_a_version_pushed_as_files_is_synced_whole_even_when_streaming_is_allowed(
     stack: LocalStack, tmp_path: Path
 ) -> None:
