@@ -279,10 +279,10 @@ class ShardCache:
                 if code in {"403", "AccessDenied"} or time.monotonic() > deadline:
                     raise
                 problem: Exception = error
-            # RetriesExceededError: the connection lost mid-shard after the transfer's own retries (boto3's
-            # error, not botocore's): the same outage, waited out too.
             except _PinRefusedError:
                 raise _changed(uri, info) from None
+            # RetriesExceededError: the connection lost mid-shard after the transfer's own retries (boto3's
+            # error, not botocore's): the same outage, waited out too.
             except (BotoCoreError, RetriesExceededError) as error:
                 if time.monotonic() > deadline:
                     raise
