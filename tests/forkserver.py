@@ -9,16 +9,26 @@ kills or signals it by pid, it ends by the interpreter's own shutdown (atexit, t
 signal, and its exit status reaches the test as `Popen.returncode` would (negative for a signal).
 
 What a fork does not reproduce, and who covers it instead: a stop during the interpreter's start and its
-imports (tests/training/test_startup.py starts real processes); a per-process hash seed (the lives of one
-server share it: the baseline the trainer's resume tests compare with is a real `python -m training`
-process, so a result that depended on string hashing would differ from it); the ranks of a multi-rank job
-(torch's launcher starts them as processes).
+imports (tests/training/test_startup.py starts real processes, and `make demo` runs the stories' lives as
+real processes); a per-process hash seed (the lives of one server share it: the baseline the trainer's
+resume tests compare with is a real `python -m training` process, so a result that depended on string
+hashing would differ from it); a `sitecustomize` the life's PYTHONPATH would load (the server has started:
+the multi-node agent stories that hook their launchers that way, tests/bootstrap/multinode_harness.py,
+start real processes); the code the life's PYTHONPATH names first (a demo instance's unpacked bundle): the
+server's modules are the repository's, which the bundle is a copy of.
 
-The server (`python -m tests.forkserver FD MODULE...`) imports MODULE..., then reads one JSON request per
-message on the SOCK_SEQPACKET socket FD ({"argv", "env", "cwd", "log", "status", "fds"}, with the file
-descriptors the life inherits under the numbers "fds" names, as Popen's pass_fds), answers {"pid"}, and
-writes each child's status as JSON ({"returncode"}) to the request's status file once it has reaped it. It
-exits when the test closes its end.
+The server (`python -m tests.forkserver FD LISTENING PYTHON MODULE...`) imports MODULE..., then reads one
+JSON request per message on the SOCK_SEQPACKET socket FD ({"argv", "env", "cwd", "log", "status", "fds"},
+with the file descriptors the life inherits under the numbers "fds" names, as Popen's pass_fds), answers
+{"pid"}, and writes each child's status as JSON ({"returncode"}) to the request's status file once it has
+reaped it. It exits when the test closes its end.
+
+It also accepts, on the listening SOCK_SEQPACKET socket LISTENING (bound at a path beside PYTHON), what starts
+`python` itself: a stand-in process (tests/forkpython.py, run by the executable PYTHON, `ForkServer.python`)
+sends the same request with its own stdio among the descriptors, gets {"pid"}, and on the same connection
+{"returncode"} once the life is reaped; if the stand-in's connection closes first (it was killed), the server
+kills the life and every process under it. Every life's `sys.executable` is PYTHON, so the ranks torch's
+launcher starts from a forked life are forked too (each rank otherwise imports torch again).
 """
 
 from __future__ import annotations
@@ -29,10 +39,12 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,14 +113,29 @@ class ForkServer:
     MPLBACKEND=Agg makes a preloaded pyplot the one training/plots.py gets (it selects Agg itself)."""
 
     def __init__(self, modules: tuple[str, ...]) -> None:
+        self._folder = Path(tempfile.mkdtemp(prefix="trainstack-forkserver-"))
+        self.python = self._folder / "python"
+        write_stand_in(self.python, self._folder / "socket")
+        # Bound here, before the server's imports: a stand-in started meanwhile waits in the backlog.
+        listening = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listening.bind(str(self._folder / "socket"))
+        listening.listen(64)
         self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with theirs:
+        with theirs, listening:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "tests.forkserver", str(theirs.fileno()), *modules],
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.forkserver",
+                    str(theirs.fileno()),
+                    str(listening.fileno()),
+                    str(self.python),
+                    *modules,
+                ],
                 cwd=REPO,
                 env={key: value for key, value in os.environ.items() if key != "TRAINSTACK_FAULT"}
                 | {"MPLBACKEND": "Agg"},
-                pass_fds=(theirs.fileno(),),
+                pass_fds=(theirs.fileno(), listening.fileno()),
             )
         self._socket.settimeout(START_TIMEOUT_S)
         self._count = 0
@@ -144,6 +171,20 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def write_stand_in(path: Path, server: Path) -> None:
+    """The executable that stands in for `python` (tests/forkpython.py): this interpreter, isolated and
+    without site-packages (it needs the standard library only), asking the server at `server` for the life."""
+    path.write_text(
+        f"#!{sys.executable} -IS\n"
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        "import forkpython\n"
+        f"forkpython.main({str(server)!r})\n"
+    )
+    path.chmod(0o755)
 
 
 @contextlib.contextmanager
@@ -168,25 +209,36 @@ def _returncode(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _child(request: dict[str, Any], control: socket.socket, fds: list[int]) -> None:
+def _child(request: dict[str, Any], sockets: list[socket.socket], fds: list[int]) -> None:
     """In the forked child: become the life, then run `python *argv`. Never returns: its SystemExit goes up
     through the server's frames to the interpreter's own shutdown, as the program's would."""
-    control.close()
-    for received, number in zip(fds, request["fds"], strict=True):
-        if received != number:
-            os.dup2(received, number)
-            os.close(received)
+    for held in sockets:
+        held.close()
+    # Received descriptors may sit on the numbers others are to be given: move them all out of the way first.
+    moved = [os.dup(received) for received in fds]
+    for received in fds:
+        os.close(received)
+    for fd, number in zip(moved, request["fds"], strict=True):
+        os.dup2(fd, number)
+        os.close(fd)
         os.set_inheritable(number, True)
+    if "log" not in request:
+        # A stand-in's life: its own session, as the agent and torch start theirs, and its blocked signals.
+        os.setsid()
+        signal.pthread_sigmask(signal.SIG_SETMASK, [signal.Signals(s) for s in request["blocked"]])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    output = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(output, 1)
-    os.dup2(output, 2)
-    os.close(output)
-    nothing = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(nothing, 0)
-    os.close(nothing)
+    if "log" in request:
+        output = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.close(output)
+        nothing = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(nothing, 0)
+        os.close(nothing)
+    # What this life starts as `python` (torch's launcher: its ranks) is forked from here too.
+    sys.executable = request.get("executable") or sys.executable
     argv: list[str] = request["argv"]
     if argv[0] == "-m":
         sys.argv = ["-m", *argv[2:]]  # run_module sets argv[0] to the module's file, as python -m does
@@ -199,33 +251,82 @@ def _child(request: dict[str, Any], control: socket.socket, fds: list[int]) -> N
     sys.exit(0)
 
 
-def serve(control: socket.socket) -> None:
-    children: dict[int, str] = {}  # pid -> status file
+def _kill_tree(pid: int) -> None:
+    """SIGKILL to `pid` and every process under it (torch starts each rank in a session of its own)."""
+    found = [pid]
+    todo = [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(child) for child in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            todo += children
+    for each in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
+
+
+def _answer(connection: socket.socket, message: dict[str, int]) -> None:
+    with contextlib.suppress(OSError):  # a stand-in already gone hears nothing
+        connection.send(json.dumps(message).encode())
+
+
+def serve(control: socket.socket, listener: socket.socket, stand_in: str) -> None:
+    status_files: dict[int, str] = {}  # pid -> status file, for the test's own lives
+    stand_ins: dict[socket.socket, int | None] = {}  # connection -> its life's pid (None: not asked yet)
     while True:
-        readable, _, _ = select.select([control], [], [], 0.05)  # and reap every 50 ms
-        while children:
+        readable, _, _ = select.select([control, listener, *stand_ins], [], [], 0.05)  # and reap every 50 ms
+        while status_files or any(pid is not None for pid in stand_ins.values()):
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            _write_status(children.pop(pid), _returncode(status))
-        if not readable:
-            continue
-        message, fds, _, _ = socket.recv_fds(control, MESSAGE_BYTES, MAX_FDS)
-        if not message:
-            return  # the test process is done or gone; its lives are reaped by its own fixtures
-        request = json.loads(message)
-        pid = os.fork()
-        if pid == 0:
-            _child(request, control, fds)
-        for fd in fds:
-            os.close(fd)
-        children[pid] = request["status"]
-        control.send(json.dumps({"pid": pid}).encode())
+            if pid in status_files:
+                _write_status(status_files.pop(pid), _returncode(status))
+                continue
+            for connection, life in list(stand_ins.items()):
+                if life == pid:
+                    _answer(connection, {"returncode": _returncode(status)})
+                    connection.close()
+                    del stand_ins[connection]
+        for ready in readable:
+            if ready is listener:
+                connection, _ = listener.accept()
+                stand_ins[connection] = None
+                continue
+            if ready is not control and ready not in stand_ins:
+                continue  # answered and closed above
+            message, fds, _, _ = socket.recv_fds(ready, MESSAGE_BYTES, MAX_FDS * 4)
+            if ready is control and not message:
+                return  # the test process is done or gone; its lives are reaped by its own fixtures
+            if ready is not control and not message:
+                # The stand-in is gone before its life: killed, as the life and all under it now are.
+                life = stand_ins.pop(ready)
+                ready.close()
+                if life is not None:
+                    _kill_tree(life)
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(life, 0)
+                continue
+            request = json.loads(message)
+            request.setdefault("executable", stand_in)
+            pid = os.fork()
+            if pid == 0:
+                _child(request, [control, listener, *stand_ins], fds)
+            for fd in fds:
+                os.close(fd)
+            if ready is control:
+                status_files[pid] = request["status"]
+                control.send(json.dumps({"pid": pid}).encode())
+            else:
+                stand_ins[ready] = pid
+                _answer(ready, {"pid": pid})
 
 
 if __name__ == "__main__":
     # The lives' imports, paid once here; nothing more: no logging set up, no thread started (a fork
     # copies only the thread that forks).
-    for module in sys.argv[2:]:
+    for module in sys.argv[4:]:
         importlib.import_module(module)
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    serve(socket.socket(fileno=int(sys.argv[1])), socket.socket(fileno=int(sys.argv[2])), sys.argv[3])

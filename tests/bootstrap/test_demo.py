@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from demo.agent import TRAINER_PYTHON_ENV
+from tests.forkserver import ForkServer
 from tests.iam.plugin import recording_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,8 +27,17 @@ REPO = Path(__file__).resolve().parents[2]
 USER_JOB_STEPS = 160
 
 
-def run_demo(tmp_path: Path, *extra: str, timeout: float = 240) -> str:
-    """Run `python -m demo` piped, as in CI, with one torch thread (tests/conftest.py); its whole output."""
+def demo_env(tmp_path: Path, forked: ForkServer | None = None) -> dict[str, str]:
+    """The environment a story's `python -m demo` gets: piped, as in CI, one torch thread (tests/conftest.py);
+    with `forked`, the agents start the built-in trainer's lives from that fork server (demo/agent.py)."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    if forked is not None:
+        env[TRAINER_PYTHON_ENV] = str(forked.python)
+    return env
+
+
+def run_demo(tmp_path: Path, *extra: str, timeout: float = 240, forked: ForkServer | None = None) -> str:
+    """Run `python -m demo` (demo_env); its whole output."""
     result = subprocess.run(
         [sys.executable, "-m", "demo", "--workdir", str(tmp_path / "demo"), *extra],
         cwd=REPO,
@@ -34,7 +45,7 @@ def run_demo(tmp_path: Path, *extra: str, timeout: float = 240) -> str:
         text=True,
         timeout=timeout,
         # The IAM recording folder (tests/iam) too: the demo's agents inherit it and record their calls.
-        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", **recording_env()},
+        env={**demo_env(tmp_path, forked), **recording_env()},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]

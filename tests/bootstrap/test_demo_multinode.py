@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.bootstrap.test_demo import demo_env
+from tests.forkserver import ForkServer
 from tests.iam.plugin import recording_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,8 +29,11 @@ CHECKS = (
 
 
 @pytest.mark.slow(seconds=79)
-def test_two_nodes_lose_no_step_to_a_spot_notice_and_take_the_replacement_back(tmp_path: Path) -> None:
-    # Piped, as in CI, one torch thread per rank (tests/conftest.py); under pytest's 300 s per test.
+def test_two_nodes_lose_no_step_to_a_spot_notice_and_take_the_replacement_back(
+    tmp_path: Path, fork_server: ForkServer
+) -> None:
+    # demo_env: piped, as in CI, one torch thread per rank, each node's launcher and its ranks forked; under
+    # pytest's 300 s per test.
     result = subprocess.run(
         [sys.executable, "-m", "demo", "--nodes", "2", "--workdir", str(tmp_path / "demo")],
         cwd=REPO,
@@ -36,7 +41,7 @@ def test_two_nodes_lose_no_step_to_a_spot_notice_and_take_the_replacement_back(t
         text=True,
         timeout=280,
         # The IAM recording folder (tests/iam): the nodes' agents record their calls for the session's check.
-        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", **recording_env()},
+        env={**demo_env(tmp_path, fork_server), **recording_env()},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from demo.__main__ import main
+from tests.bootstrap.test_demo import demo_env
+from tests.forkserver import ForkServer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,17 +32,19 @@ CHECKS = (
 
 
 @pytest.mark.slow(seconds=90)
-def test_a_sweep_runs_two_points_at_once_and_an_l40s_job_runs_on_its_own_pool(tmp_path: Path) -> None:
-    # Piped, as in CI, one torch thread per trainer (tests/conftest.py). The agents do not record their calls
-    # for the session's IAM check: its model (tests/iam/principals.py) knows one group per stack, and the
-    # big pool's agent scales its own group (`<stack>-gpu-big`), which the real instance role names.
+def test_a_sweep_runs_two_points_at_once_and_an_l40s_job_runs_on_its_own_pool(
+    tmp_path: Path, fork_server: ForkServer
+) -> None:
+    # demo_env: piped, as in CI, one torch thread per trainer, each life forked. The agents do not record
+    # their calls for the session's IAM check: its model (tests/iam/principals.py) knows one group per stack,
+    # and the big pool's agent scales its own group (`<stack>-gpu-big`), which the real instance role names.
     result = subprocess.run(
         [sys.executable, "-m", "demo", "--parallel", "--workdir", str(tmp_path / "demo")],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=280,
-        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"},
+        env=demo_env(tmp_path, fork_server),
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]

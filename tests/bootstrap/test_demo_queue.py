@@ -31,14 +31,16 @@ from demo.queue import Boot, CliCall, JobStart, Notice, QueuedJob, QueueResult, 
 from demo.report_queue import checks, plot_timeline, report
 from demo.run import ISOLATED_ENV
 from tests.bootstrap.test_demo import run_demo
+from tests.forkserver import ForkServer
 
 
 @pytest.mark.slow(seconds=67)
 def test_the_trainer_then_an_example_through_spot_notices_on_one_instance_and_a_cancelled_third(
-    tmp_path: Path,
+    tmp_path: Path, fork_server: ForkServer
 ) -> None:
-    # Three boots and five job lives; under pytest-timeout's 300 s. No flag: what `make demo` runs.
-    output = run_demo(tmp_path, timeout=280)
+    # Three boots and five job lives; under pytest-timeout's 300 s. No flag: what `make demo` runs (the
+    # built-in trainer's lives forked from the worker's fork server).
+    output = run_demo(tmp_path, timeout=280, forked=fork_server)
     checks = [line for line in output.splitlines() if line.startswith(("PASS ", "FAIL "))]
     assert checks and not [line for line in checks if line.startswith("FAIL")], output[-6000:]
     for job in ("job 1", "job 2"):

@@ -35,6 +35,7 @@ from demo.rebalance import (
 from demo.report import Check
 from demo.report_rebalance import checks, figures, holder_at, lease_changes
 from tests.bootstrap.test_demo import run_demo
+from tests.forkserver import ForkServer
 
 T0 = 1_000_000.0
 STOP = 8
@@ -330,9 +331,12 @@ def test_rebalance_refuses_nodes_and_jobs() -> None:
 
 
 @pytest.mark.slow(seconds=45)
-def test_rebalance_demo_hands_over_to_the_warm_standby_with_one_writer_at_a_time(tmp_path: Path) -> None:
-    """The one real run: two agents and two trainers; every check of the story must pass."""
-    output = run_demo(tmp_path, "--rebalance")
+def test_rebalance_demo_hands_over_to_the_warm_standby_with_one_writer_at_a_time(
+    tmp_path: Path, fork_server: ForkServer
+) -> None:
+    """The one real run: two agents and two trainers (forked from the worker's fork server); every check of
+    the story must pass."""
+    output = run_demo(tmp_path, "--rebalance", forked=fork_server)
     for check in (
         "instance 2 waited as the warm standby",
         "one trainer at a time",

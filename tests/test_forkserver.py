@@ -1,0 +1,166 @@
+"""The fork server's stand-in for `python` (tests/forkpython.py): whoever starts it sees a `python` process.
+
+The demo stories' agents and torch's launcher start lives through it, and the stories' promises (a stop
+reaches the trainer, exit 75 is read as a stop, a killed trainer leaves nothing running) hold only if the
+stand-in passes signals, exit statuses, descriptors and kills on as a real process would."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.forkserver import ForkServer, serving
+
+LIFE = """
+import json, os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+def stop(signum, frame):
+    out.with_suffix(".signal").write_text(str(signum))
+    sys.exit(75)
+signal.signal(signal.SIGTERM, stop)
+blocked = sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
+what = {"argv": sys.argv[1:], "cwd": os.getcwd(), "env": os.environ.get("LIFE_VALUE"), "pid": os.getpid(),
+        "executable": sys.executable, "blocked": blocked, "sid": os.getsid(0)}
+if len(sys.argv) > 3:
+    os.write(int(sys.argv[3]), b"through the inherited descriptor")
+print("life says hello", flush=True)
+mode = sys.argv[2]
+if mode == "child":
+    child = __import__("subprocess").Popen(["sleep", "300"], start_new_session=True)
+    what["child"] = child.pid
+elif mode == "python":
+    grandchild = __import__("subprocess").run(
+        [sys.executable, __file__, str(out.with_suffix(".grandchild")), "exit-4"], check=False)
+    what["grandchild_exit"] = grandchild.returncode
+out.write_text(json.dumps(what))
+if mode.startswith("exit-"):
+    sys.exit(int(mode[5:]))
+if mode == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "python":
+    sys.exit(0)
+time.sleep(300)
+"""
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ForkServer]:
+    with serving("json") as started:
+        yield started
+
+
+@pytest.fixture()
+def life_script(tmp_path: Path) -> Path:
+    script = tmp_path / "life.py"
+    script.write_text(LIFE)
+    return script
+
+
+def wait_for(path: Path, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline, f"{path} never written"
+        time.sleep(0.02)
+    return path.read_text()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            return False  # a zombie: dead, not yet reaped
+    return True
+
+
+def test_the_life_gets_argv_cwd_env_stdout_and_an_inherited_descriptor_and_its_exit_status_comes_back(
+    server: ForkServer, life_script: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "life.json"
+    reading, writing = os.pipe()
+    process = subprocess.Popen(
+        [str(server.python), str(life_script), str(out), "exit-3", str(writing)],
+        cwd=tmp_path,
+        env={**os.environ, "LIFE_VALUE": "given"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        pass_fds=(writing,),
+        text=True,
+    )
+    os.close(writing)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 3, output
+    assert "life says hello" in output
+    assert os.read(reading, 100) == b"through the inherited descriptor"
+    os.close(reading)
+    what = __import__("json").loads(out.read_text())
+    assert what["argv"] == [str(out), "exit-3", str(writing)]
+    assert what["cwd"] == str(tmp_path) and what["env"] == "given"
+    # A forked life, not the stand-in itself; and in a session of its own, as the agent starts its trainer.
+    assert what["pid"] != process.pid and what["sid"] == what["pid"]
+    assert what["executable"] == str(server.python)
+
+
+def test_a_signal_to_the_stand_in_reaches_the_life_and_blocked_signals_stay_blocked_there(
+    server: ForkServer, life_script: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "life.json"
+    # The agent blocks SIGTERM while it starts the trainer (bootstrap/trainer.py, defer_early_signals).
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    try:
+        process = subprocess.Popen([str(server.python), str(life_script), str(out), "wait"], cwd=tmp_path)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    what = __import__("json").loads(wait_for(out))
+    assert int(signal.SIGTERM) in what["blocked"]
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 75
+    assert out.with_suffix(".signal").read_text() == str(int(signal.SIGTERM))
+
+
+def test_a_life_killed_by_a_signal_kills_the_stand_in_by_the_same_signal(
+    server: ForkServer, life_script: Path, tmp_path: Path
+) -> None:
+    process = subprocess.Popen([str(server.python), str(life_script), str(tmp_path / "life.json"), "die"])
+    assert process.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_killing_the_stand_ins_group_kills_the_life_and_what_it_started_in_a_session_of_its_own(
+    server: ForkServer, life_script: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "life.json"
+    process = subprocess.Popen(
+        [str(server.python), str(life_script), str(out), "child"], start_new_session=True
+    )
+    what = __import__("json").loads(wait_for(out))
+    assert alive(what["pid"]) and alive(what["child"])
+    os.killpg(process.pid, signal.SIGKILL)  # as the agent kills its trainer (TrainerProcess.kill)
+    assert process.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while alive(what["pid"]) or alive(what["child"]):
+        assert time.monotonic() < deadline, "the life or its child outlived its killed stand-in"
+        time.sleep(0.05)
+
+
+def test_what_a_life_starts_as_python_is_forked_too(
+    server: ForkServer, life_script: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "life.json"
+    life = subprocess.run([str(server.python), str(life_script), str(out), "python"], timeout=60, check=False)
+    assert life.returncode == 0
+    what = __import__("json").loads(out.read_text())
+    # The grandchild ran through the stand-in (the life's sys.executable) and its exit status came back.
+    assert what["grandchild_exit"] == 4
+    grandchild = __import__("json").loads(out.with_suffix(".grandchild").read_text())
+    assert grandchild["executable"] == str(server.python)
