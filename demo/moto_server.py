@@ -130,6 +130,58 @@ def serve_ranges_as_s3() -> None:
     S3Response.get_object = ranged_get_object
 
 
+# Two first Signs of one key at once (the server is threaded) must not make two different pairs; one lock for
+# every key is enough, as only signing keys ever make one.
+_key_pair_lock = threading.Lock()
+
+
+class _KeyPairOnDemand:
+    """A KMS key's pair, generated the first time it is read (Sign, Verify, GetPublicKey), then kept.
+
+    Shared by a key and moto's copies of it (a replica signs with its primary's pair, as before)."""
+
+    def __init__(self, key_spec: str) -> None:
+        self.key_spec = key_spec
+        self._pair: Any = None
+
+    def get(self) -> Any:
+        with _key_pair_lock:
+            if self._pair is None:
+                from moto.kms import utils
+
+                self._pair = utils.generate_private_key(self.key_spec)
+            return self._pair
+
+
+def make_key_pairs_on_demand() -> None:
+    """Teach moto's KMS to generate a key's pair when it is first used, not at CreateKey. Idempotent.
+
+    moto generates an RSA-2048 private key for every CreateKey, a symmetric key's too: about 50 ms of CPU,
+    and a stack's deploy creates a key each time. A symmetric AWS key has no key pair at all; an asymmetric
+    key's pair is generated as before, by moto, the first time `Key.private_key` is read."""
+    from moto.kms import models
+
+    if isinstance(getattr(models.Key, "private_key", None), property):
+        return
+
+    def pair_on_demand(key_spec: str) -> _KeyPairOnDemand:
+        return _KeyPairOnDemand(key_spec)
+
+    def read_pair(key: Any) -> Any:
+        return key.__dict__["_key_pair"].get()
+
+    def keep_pair(key: Any, pair: Any) -> None:
+        if not isinstance(pair, _KeyPairOnDemand):  # a pair someone set: it is the key's from now on
+            held, pair = pair, _KeyPairOnDemand(key.key_spec)
+            pair._pair = held
+        key.__dict__["_key_pair"] = pair
+
+    # Key.__init__ sets `self.private_key = generate_private_key(self.key_spec)`: that name now makes the
+    # promise, and the property keeps it when read.
+    models.generate_private_key = pair_on_demand
+    models.Key.private_key = property(read_pair, keep_pair)
+
+
 @contextmanager
 def moto_server() -> Iterator[str]:
     """A moto server on 127.0.0.1, on a port the OS picks; yields its endpoint URL, stops it on exit."""
@@ -141,6 +193,7 @@ def moto_server() -> Iterator[str]:
     cache_moto_service_list()
     answer_as_aws()
     serve_ranges_as_s3()
+    make_key_pairs_on_demand()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

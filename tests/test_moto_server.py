@@ -1,5 +1,5 @@
-"""The embedded AWS endpoint (demo/moto_server.py): moto still routes with its service list cached, and
-answers a ranged GET from the range alone, as S3 does."""
+"""The embedded AWS endpoint (demo/moto_server.py): moto still routes with its service list cached, answers
+a ranged GET from the range alone, as S3 does, and makes a KMS key's pair only when the key first signs."""
 
 from __future__ import annotations
 
@@ -108,3 +108,52 @@ def test_a_range_moto_answers_whole_after_all_is_the_objects_bytes() -> None:
     value = _RangeOfValue(key)
     assert len(value) == 6 and value[2:4] == b"cd" and value[4:99] == b"ef" and value[5:2] == b""
     assert b"".join(value) == b"abcdef"  # the web server iterates a body that is not bytes
+
+
+def test_a_symmetric_key_makes_no_key_pair_and_an_asymmetric_one_signs_with_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import padding, rsa
+
+    made: list[int] = []  # the size of each RSA private key generated, by moto or anyone in this process
+    generate = rsa.generate_private_key
+
+    def counted(public_exponent: int, key_size: int, backend: Any = None) -> rsa.RSAPrivateKey:
+        made.append(key_size)
+        return generate(public_exponent, key_size)
+
+    monkeypatch.setattr(rsa, "generate_private_key", counted)
+    with moto_server() as endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        kms = boto3.client("kms", region_name="us-east-1")
+        symmetric = kms.create_key(Description="a stack's key")["KeyMetadata"]
+        assert symmetric["KeySpec"] == "SYMMETRIC_DEFAULT"
+        sealed = kms.encrypt(KeyId=symmetric["KeyId"], Plaintext=b"secret")["CiphertextBlob"]
+        assert kms.decrypt(CiphertextBlob=sealed)["Plaintext"] == b"secret"
+        assert len(kms.generate_data_key(KeyId=symmetric["KeyId"], KeySpec="AES_256")["Plaintext"]) == 32
+        assert made == [], "a symmetric key has no key pair"
+
+        signing = kms.create_key(KeySpec="RSA_2048", KeyUsage="SIGN_VERIFY", MultiRegion=True)["KeyMetadata"]
+        assert signing["SigningAlgorithms"] and made == []  # made when first used, not at CreateKey
+        key_id = signing["KeyId"]
+        signature = kms.sign(KeyId=key_id, Message=b"manifest", SigningAlgorithm="RSASSA_PSS_SHA_256")[
+            "Signature"
+        ]
+        assert made == [2048]
+        verified = kms.verify(
+            KeyId=key_id, Message=b"manifest", Signature=signature, SigningAlgorithm="RSASSA_PSS_SHA_256"
+        )
+        assert verified["SignatureValid"] is True
+        answer = kms.get_public_key(KeyId=key_id)
+        assert answer["CustomerMasterKeySpec"] == "RSA_2048" and answer["KeyUsage"] == "SIGN_VERIFY"
+        public = serialization.load_der_public_key(answer["PublicKey"])
+        assert isinstance(public, rsa.RSAPublicKey) and public.key_size == 2048
+        # The public key returned is the signing pair's: the signature checks out with it, outside moto.
+        pss = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
+        public.verify(signature, b"manifest", pss, hashes.SHA256())
+        # A replica signs with its primary's pair, as moto's replicas did before: still one pair made.
+        kms.replicate_key(KeyId=key_id, ReplicaRegion="us-west-2")
+        replica = boto3.client("kms", region_name="us-west-2").get_public_key(KeyId=key_id)
+        assert replica["PublicKey"] == answer["PublicKey"]
+        assert made == [2048]
