@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import gzip
+import hashlib
 import io
 import shutil
 import tarfile
@@ -42,6 +43,25 @@ def test_a_changed_file_gives_a_new_sha_and_key(tmp_path: Path) -> None:
     assert after.sha256 != before.sha256
     assert after.key() != before.key()
     assert after.key() == f"code/{after.sha256}/bundle.tar.gz"
+
+
+def test_the_same_archive_is_compressed_once_to_the_same_bytes(tmp_path: Path) -> None:
+    root = _copy_sources(tmp_path)
+    memo = infra.bundle._compressed
+    memo.cache_clear()
+    first = build_bundle(root)
+    second = build_bundle(root)
+    assert (memo.cache_info().misses, memo.cache_info().hits) == (1, 1)
+    archive = gzip.decompress(first.data)
+    fresh = memo.__wrapped__(archive)  # compressed anew, past the memo
+    assert second.data == first.data == fresh.data
+    assert second.sha256 == first.sha256 == fresh.sha256 == hashlib.sha256(fresh.data).hexdigest()
+    target = root / "training" / "__init__.py"
+    target.write_text(target.read_text() + "\n# changed\n")
+    changed = build_bundle(root)
+    assert memo.cache_info().misses == 2, "a changed file is a new archive, compressed anew"
+    assert changed.sha256 != first.sha256 and gzip.decompress(changed.data) != archive
+    assert changed.sha256 == hashlib.sha256(changed.data).hexdigest()
 
 
 def test_caches_do_not_change_the_bundle(tmp_path: Path) -> None:
