@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
+import functools
 import json
 import logging
 import runpy
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pulumi
 import yaml
 from pulumi.runtime import mocks as pulumi_mocks
+from pulumi.runtime import resource as pulumi_resource
 from pulumi.runtime import rpc
+from pulumi.runtime.proto import source_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = REPO_ROOT / "infra" / "__main__.py"
@@ -78,10 +84,16 @@ def of_type(resources: Iterable[RecordedResource], type_token: str) -> list[Reco
 
 def example_config() -> dict[str, Any]:
     """The example stack's config (Pulumi.dev.yaml), plus a small inline job if the default is missing."""
-    config: dict[str, Any] = dict(yaml.safe_load(EXAMPLE_STACK.read_text())["config"])
+    config: dict[str, Any] = copy.deepcopy(_example_stack_file_config())  # each caller's own to change
     if not (REPO_ROOT / str(config["trainstack:trainingConfig"])).is_file():
         config["trainstack:trainingConfig"] = str(_fallback_job_file())
     return config
+
+
+@functools.lru_cache(maxsize=1)
+def _example_stack_file_config() -> dict[str, Any]:
+    """Pulumi.dev.yaml's config, read once per process: the tests ask for it ~300 times, 2 ms a parse."""
+    return dict(yaml.safe_load(EXAMPLE_STACK.read_text())["config"])
 
 
 def _fallback_job_file() -> Path:
@@ -211,6 +223,50 @@ def _report_without_traceback(loop: asyncio.AbstractEventLoop, context: dict[str
     logging.getLogger("asyncio").warning("%s: %s", context.get("message"), repr(exception))
 
 
+def _stack_trace() -> source_pb2.StackTrace:
+    """What pulumi.runtime.resource._get_stack_trace sends the engine with each registration, made cheaply.
+
+    Pulumi's: the frames below the resource's own constructor (the third `__init__` up the stack), each as
+    its file's URI and line. It reads every frame's source line, stats every file and builds a Path per
+    frame to get there; under pytest the stack is ~60 frames deep and a run registers ~70 resources: a
+    fifth of a mocked run's CPU (60 of 300 ms). The same frames, files and lines are taken straight from the
+    frames here (test_program.py holds it to pulumi's own)."""
+    stack: list[tuple[str, str, int | None]] = []
+    frame: FrameType | None = sys._getframe()
+    while frame is not None:
+        stack.append((frame.f_code.co_name, frame.f_code.co_filename, frame.f_lineno))
+        frame = frame.f_back
+    stack.reverse()  # outermost first, as traceback.extract_stack lists them
+    inits = 0
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i][0] == "__init__":
+            inits += 1
+            if inits == 3:
+                break
+    if i < 1:
+        return source_pb2.StackTrace()
+    return source_pb2.StackTrace(
+        frames=[
+            source_pb2.StackFrame(pc=_source_position(file, line)) for _, file, line in reversed(stack[:i])
+        ]
+    )
+
+
+def _source_position(filename: str, line: int | None) -> source_pb2.SourcePosition | None:
+    if filename == "" or line is None:
+        return None
+    uri = _file_uri(filename)
+    return None if uri is None else source_pb2.SourcePosition(uri=uri, line=line)
+
+
+@functools.cache
+def _file_uri(filename: str) -> str | None:
+    try:
+        return Path(filename).as_uri()
+    except ValueError:  # a relative name ("<frozen runpy>"): no position, as in pulumi's
+        return None
+
+
 def _run(
     config: Mapping[str, Any],
     stack: str,
@@ -229,6 +285,8 @@ def _run(
     def program() -> None:
         runpy.run_path(str(PROGRAM), run_name="__main__")
 
+    pulumis_stack_trace = pulumi_resource._get_stack_trace
+    pulumi_resource._get_stack_trace = _stack_trace
     try:
         program()
         root = pulumi.runtime.settings.get_root_resource()
@@ -238,6 +296,7 @@ def _run(
         monitor.run.outputs = outputs
         return monitor.run
     finally:
+        pulumi_resource._get_stack_trace = pulumis_stack_trace
         # What the next run would do first (pulumi.runtime.test): most of a failed run's futures are freed,
         # and reported, here, in the test that made them; the rest go with its exception, reported in one
         # line by the handler above wherever the collector frees them.
@@ -274,6 +333,20 @@ def run_stack(
     values = example_config() if config is None else dict(config)
     context = contextvars.Context()
     return context.run(_run, values, stack, offerings, architecture, ami_parameter_found)
+
+
+# The runs shared_run has made in this process, by their overrides.
+_shared_runs: dict[str, StackRun] = {}
+
+
+def shared_run(overrides: Mapping[str, Any] | None = None) -> StackRun:
+    """The example stack with `overrides` (full keys), as run_stack runs it, run once per process; each
+    caller gets its own copy. A run is ~0.3 s of CPU and tests in many modules only read the same one. Only
+    where nothing the program reads is patched (a test that patches, or changes a file, runs its own)."""
+    key = json.dumps(overrides or {}, sort_keys=True)
+    if key not in _shared_runs:
+        _shared_runs[key] = run_stack({**example_config(), **(overrides or {})})
+    return copy.deepcopy(_shared_runs[key])
 
 
 def run_program(config: Mapping[str, Any] | None = None) -> list[RecordedResource]:

@@ -22,7 +22,7 @@ from infra.bundle import BUNDLED_PACKAGES, DEV_BOX_PACKAGES, build_bundle
 from infra.iam import common, machine_roles
 from tests.cloud_config import assert_valid_cloud_config
 from tests.iam.evaluate import arn_matches
-from tests.infra.program import ACCOUNT_ID, REGION, RecordedResource, StackRun, example_config, run_stack
+from tests.infra.program import ACCOUNT_ID, REGION, RecordedResource, StackRun, shared_run
 from tests.policy.harness import Resource, check
 from tests.policy.test_program_passes_pack import _as_engine_sees_it
 from tests.tools import require_tool
@@ -40,7 +40,7 @@ KEY_ARN = f"arn:aws:kms:{REGION}:{ACCOUNT_ID}:key/1234abcd-12ab-34cd-56ef-123456
 
 @pytest.fixture(scope="module")
 def dev_stack() -> StackRun:
-    return run_stack({**example_config(), "trainstack:devBox": True})
+    return shared_run({"trainstack:devBox": True})
 
 
 def _dev_template(stack: StackRun) -> dict[str, Any]:

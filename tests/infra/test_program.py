@@ -9,7 +9,15 @@ from pathlib import Path
 
 from infra.fleet import LIFECYCLE_HOOK_NAME
 from infra.observability import event_alerts
-from tests.infra.program import AMI_ID, REPO_ROOT, ROOT_DEVICE, StackRun, example_config, run_stack
+from tests.infra.program import (
+    AMI_ID,
+    REPO_ROOT,
+    ROOT_DEVICE,
+    StackRun,
+    example_config,
+    run_stack,
+    shared_run,
+)
 
 ASG = "aws:autoscaling/group:Group"
 INTERNALS_OUTPUTS = {
@@ -255,7 +263,7 @@ def test_destroy_keeps_only_the_bucket_its_key_and_the_code_bundle_by_default(
 
 
 def test_destroy_removes_everything_when_data_is_not_retained() -> None:
-    stack = run_stack({**example_config(), "trainstack:retainDataOnDestroy": False})
+    stack = shared_run({"trainstack:retainDataOnDestroy": False})
     # Only the code bundle and the default job's record keep retain_on_delete (for replacements: a running
     # job keeps its code and record); the force-destroyed bucket takes them with every other object.
     kept = [r for r in stack.resources if r.retain_on_delete]
@@ -289,3 +297,40 @@ print(program.run_stack().outputs["group_name"])
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("trainstack-dev-gpu")
+
+
+def test_the_harness_sends_the_engine_the_stack_traces_pulumi_makes() -> None:
+    """tests/infra/program.py makes each registration's stack trace itself (pulumi's is a fifth of a run's
+    CPU): the same frames, files and lines as pulumi.runtime.resource._get_stack_trace, frames without a
+    file (exec'd code, `<frozen runpy>`) included."""
+    from pulumi.runtime import resource
+    from pulumi.runtime.proto import source_pb2
+
+    from tests.infra import program
+
+    made: list[tuple[source_pb2.StackTrace, source_pb2.StackTrace]] = []
+
+    class Resource:  # pulumi's Resource.__init__ registers: where both are asked
+        def __init__(self) -> None:
+            made.append((resource._get_stack_trace(), program._stack_trace()))
+
+    class CustomResource(Resource):
+        def __init__(self) -> None:
+            super().__init__()
+
+    class Bucket(CustomResource):
+        def __init__(self) -> None:
+            super().__init__()
+
+    def declare() -> None:
+        Bucket()
+
+    declare()
+    exec(compile("declare()", "<program>", "exec"), {"declare": declare})
+    (pulumis, ours), (pulumis_exec, ours_exec) = made
+    assert resource._get_stack_trace is not program._stack_trace, "outside a run pulumi's own is in place"
+    assert len(pulumis.frames) > 5 and ours == pulumis
+    assert pulumis.frames[0].pc.uri == Path(__file__).as_uri()  # declare(), the user code, comes first
+    assert ours_exec == pulumis_exec and not ours_exec.frames[1].HasField("pc")  # the exec'd line: none
+    shallow = [program._stack_trace(), resource._get_stack_trace()]  # under three __init__: no frames
+    assert shallow[0] == shallow[1] == source_pb2.StackTrace()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from infra.iam.common import actions_of
-from tests.infra.program import ACCOUNT_ID, RecordedResource, StackRun, example_config, run_stack
+from tests.infra.program import ACCOUNT_ID, RecordedResource, StackRun, example_config, run_stack, shared_run
 
 LT = "aws:ec2/launchTemplate:LaunchTemplate"
 ASG = "aws:autoscaling/group:Group"
@@ -101,7 +101,7 @@ def test_vpc_flow_logs_are_kept_a_year_and_training_logs_as_configured_CloudWatc
             for g in stack.of_type("aws:cloudwatch/logGroup:LogGroup")
         }
 
-    default = retention(run_stack())
+    default = retention(shared_run())
     assert default["/trainstack/dev/vpc-flow-logs"] == 365
     assert default["/trainstack/dev"] == 30
     tuned = retention(

@@ -10,7 +10,7 @@ from pulumi_policy.proxy import UNKNOWN_STRING_VALUE
 
 from infra.capacity import function_policy, group_arn_pattern
 from policypack.capacity import POLICIES
-from tests.infra.program import run_stack
+from tests.infra.program import shared_run
 from tests.policy.golden import KEY_ARN, compliant_stack
 from tests.policy.harness import Resource, Violation, check
 
@@ -58,7 +58,7 @@ def test_function_with_its_encrypted_log_group_and_scoped_role_passes() -> None:
 
 
 def test_the_programs_fallback_passes_the_pack() -> None:
-    recorded = run_stack().resources
+    recorded = shared_run().resources
     resources = [Resource(r.type, r.name, {**r.inputs, "id": f"{r.name}-id"}) for r in recorded]
     capacity = {r.name for r in recorded if r.parent == "capacity"}
     assert len(capacity) == 10

@@ -31,7 +31,7 @@ from infra.iam.machine_roles import job_role_policy
 from infra.iam.resource_policies import create_only_statements
 from policypack.containment import CODE_WRITES, CONTROL_OBJECTS, ENVIRONMENT_CODE, SUBMITTED_OBJECTS
 from policypack.user_data import SANDBOX_PATH
-from tests.infra.program import example_config, run_stack
+from tests.infra.program import shared_run
 from tests.policy.harness import Resource, Violation, check
 from tests.policy.test_program_passes_pack import _as_engine_sees_it, _explain
 
@@ -56,8 +56,7 @@ CREATE_ONLY = "s3-submissions-create-only"
 
 @functools.cache
 def _rendered(dev_box: bool) -> tuple[Resource, ...]:
-    config = {**example_config(), **({"trainstack:devBox": True} if dev_box else {})}
-    return tuple(_as_engine_sees_it(run_stack(config).resources))
+    return tuple(_as_engine_sees_it(shared_run({"trainstack:devBox": True} if dev_box else None).resources))
 
 
 def stack(dev_box: bool = False) -> list[Resource]:

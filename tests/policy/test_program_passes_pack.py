@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pulumi.runtime.mocks import MockResourceArgs
 
-from tests.infra.program import DEFAULT_OFFERINGS, RecordedResource, _Mocks, example_config, run_stack
+from tests.infra.program import DEFAULT_OFFERINGS, RecordedResource, _Mocks, shared_run
 from tests.infra.test_multinode_infra import CLUSTER_TYPES, EFA_OFFERINGS
 from tests.infra.test_multinode_infra import _run as run_multinode
 from tests.policy.harness import Resource, Violation, check
@@ -31,8 +31,7 @@ def _as_engine_sees_it(recorded: list[RecordedResource]) -> list[Resource]:
 
 
 def _violations(overrides: dict[str, Any]) -> list[Violation]:
-    config = {**example_config(), **overrides}
-    return check(_as_engine_sees_it(run_stack(config).resources))
+    return check(_as_engine_sees_it(shared_run(overrides).resources))
 
 
 def _explain(violations: list[Violation]) -> str:
@@ -70,7 +69,7 @@ def test_multinode_efa_program_has_zero_violations() -> None:
 
 def test_the_exposure_policies_know_the_programs_account() -> None:
     """Guard against a silent pass: the recorded program names its account, so another account is judged."""
-    resources = _as_engine_sees_it(run_stack().resources)
+    resources = _as_engine_sees_it(shared_run().resources)
     key = next(r for r in resources if r.type == "aws:kms/key:Key")
     assert key.props["arn"].startswith("arn:aws:kms:us-east-1:123456789012:")
     policy = json.loads(key.props["policy"])
@@ -82,7 +81,7 @@ def test_the_exposure_policies_know_the_programs_account() -> None:
 
 def test_program_resources_are_the_ones_the_pack_reads() -> None:
     """Guard against a silent pass: the program's resources reach the policies that check them."""
-    types = {resource.type for resource in run_stack().resources}
+    types = {resource.type for resource in shared_run().resources}
     assert {
         "aws:ec2/launchTemplate:LaunchTemplate",
         "aws:autoscaling/group:Group",
@@ -107,7 +106,7 @@ def test_pack_catches_a_weakened_trainstack_program() -> None:
     Deny of the instances' roles outside the S3 endpoint and the create-only Denies of submissions and the
     environment's code with it), fails."""
     resources = [
-        r for r in _as_engine_sees_it(run_stack().resources) if r.type != "aws:s3/bucketPolicy:BucketPolicy"
+        r for r in _as_engine_sees_it(shared_run().resources) if r.type != "aws:s3/bucketPolicy:BucketPolicy"
     ]
     template = next(r for r in resources if r.type == "aws:ec2/launchTemplate:LaunchTemplate")
     template.props["metadataOptions"] = {**template.props["metadataOptions"], "httpTokens": "optional"}
