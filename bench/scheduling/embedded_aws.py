@@ -18,7 +18,12 @@ def serve() -> None:
     """The child process: a moto server on 127.0.0.1 that handles one request at a time; prints its port."""
     import logging
 
-    from demo.moto_server import MOTO_SETTINGS, answer_as_aws, cache_moto_service_list
+    from demo.moto_server import (
+        MOTO_SETTINGS,
+        answer_as_aws,
+        cache_moto_service_list,
+        make_key_pairs_on_demand,
+    )
 
     os.environ.update(MOTO_SETTINGS)
     logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
@@ -31,6 +36,7 @@ def serve() -> None:
 
     cache_moto_service_list()
     answer_as_aws()
+    make_key_pairs_on_demand()
     app = DomainDispatcherApplication(create_backend_app)
     lock = threading.Lock()
 
