@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from functools import partial
 
-from bootstrap import agent, supervisor
+from bootstrap import agent, jobuser, supervisor
 from bootstrap.lifecycle import InstanceLife
 from bootstrap.trainer import default_trainer_command
 
@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     # suite, the interpreter its built-in trainer starts with).
     agent.InstanceLife = partial(InstanceLife, price_lookup=simulated_spot_price)  # type: ignore[misc,assignment]
     python = os.environ.pop(TRAINER_PYTHON_ENV, "")
-    if python:
+    # Not where the job runs as its own user: the stand-in and its socket are the test's, and the job user
+    # may open neither. The lives are then real processes, as in `make demo`.
+    if python and not jobuser.detect().isolated:
         supervisor.default_trainer_command = trainer_command_with(python)  # type: ignore[assignment]
     return agent.main(argv)
 

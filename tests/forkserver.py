@@ -50,6 +50,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from demo.instance import descendants
+
 REPO = Path(__file__).resolve().parents[1]
 # What every trainer life imports (an S3 life its persister too, a launcher torch's elastic engine, a
 # completed job pyplot, with the Agg backend training/plots.py picks: MPLBACKEND below).
@@ -240,30 +242,32 @@ def _child(request: dict[str, Any], sockets: list[socket.socket], fds: list[int]
     # What this life starts as `python` (torch's launcher: its ranks) is forked from here too.
     sys.executable = request.get("executable") or sys.executable
     argv: list[str] = request["argv"]
-    if argv[0] == "-m":
+    if argv and argv[0] == "-m" and len(argv) > 1:
         sys.argv = ["-m", *argv[2:]]  # run_module sets argv[0] to the module's file, as python -m does
         sys.path[0] = str(Path.cwd())  # as python -m has it
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
+    elif argv and argv[0] == "-c" and len(argv) > 1:
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""  # as python -c has it
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    elif argv and not argv[0].startswith("-"):
         sys.argv = list(argv)
         sys.path[0] = str(Path(argv[0]).resolve().parent)
         runpy.run_path(argv[0], run_name="__main__")
+    else:
+        # An interpreter option would have to change an interpreter that has started already: say so, as
+        # python says of a bad option (exit 2), rather than run something else.
+        sys.stderr.write(
+            f"tests/forkserver.py: a forked life runs `-m MODULE`, `-c CODE` or a script, not {argv[:2]}; "
+            "start this one as a process of its own\n"
+        )
+        sys.exit(2)
     sys.exit(0)
 
 
 def _kill_tree(pid: int) -> None:
     """SIGKILL to `pid` and every process under it (torch starts each rank in a session of its own)."""
-    found = [pid]
-    todo = [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                children = [int(child) for child in (task / "children").read_text().split()]
-            except (OSError, ValueError):
-                continue
-            found += children
-            todo += children
-    for each in found:
+    for each in [*descendants(pid), pid]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(each, signal.SIGKILL)
 

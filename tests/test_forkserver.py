@@ -164,3 +164,22 @@ def test_what_a_life_starts_as_python_is_forked_too(
     assert what["grandchild_exit"] == 4
     grandchild = __import__("json").loads(out.with_suffix(".grandchild").read_text())
     assert grandchild["executable"] == str(server.python)
+
+
+def test_python_dash_c_runs_forked_and_an_interpreter_option_is_refused_in_one_line(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    out = tmp_path / "said"
+    code = "import sys, pathlib; pathlib.Path(sys.argv[1]).write_text(f'{__name__} {sys.argv[0]}'); exit(5)"
+    ran = subprocess.run([str(server.python), "-c", code, str(out)], timeout=60, check=False)
+    assert ran.returncode == 5 and out.read_text() == "__main__ -c"
+
+    refused = subprocess.run(
+        [str(server.python), "-X", "importtime", "-c", "pass"],
+        timeout=60,
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.count("\n") == 1 and "start this one as a process of its own" in refused.stderr

@@ -148,3 +148,34 @@ def test_queue_refuses_the_options_of_other_stories(capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert "error:" in out and "--queue (the default story) submits its own jobs" in out
     assert "leave out --job" in out
+
+
+@pytest.mark.parametrize("isolated", [False, True])
+def test_the_suites_trainer_python_is_used_only_where_the_job_runs_as_the_agents_own_user(
+    monkeypatch: pytest.MonkeyPatch, isolated: bool
+) -> None:
+    """demo/agent.py: TRAINSTACK_DEMO_TRAINER_PYTHON puts the fork server's stand-in first in the built-in
+    trainer's command, and is gone from the environment the trainer inherits; where the job would run as its
+    own user (who may not open the test's stand-in or socket), the trainer starts as a real process."""
+    import demo.agent
+    from bootstrap import agent, jobuser, supervisor
+
+    seen: dict[str, object] = {}
+
+    def agent_main(argv: list[str] | None) -> int:
+        seen["command"] = supervisor.default_trainer_command(2)
+        seen["env"] = os.environ.get(TRAINER_PYTHON_ENV)
+        return 0
+
+    user = jobuser.JobUser("trainstack-job", 1500, 1500) if isolated else None
+    monkeypatch.setattr(jobuser, "detect", lambda: jobuser.JobLaunch(user=user, reason="test"))
+    monkeypatch.setattr(agent, "main", agent_main)
+    monkeypatch.setattr(supervisor, "default_trainer_command", supervisor.default_trainer_command)
+    monkeypatch.setattr(agent, "InstanceLife", agent.InstanceLife)
+    monkeypatch.setenv(TRAINER_PYTHON_ENV, "/stand/in/python")
+
+    assert demo.agent.main([]) == 0
+    command = seen["command"]
+    assert isinstance(command, list) and command[1:] == ["-m", "training", "train.processes=2"]
+    assert (command[0] == "/stand/in/python") is not isolated
+    assert seen["env"] is None
