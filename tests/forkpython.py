@@ -62,6 +62,7 @@ def main(server: str) -> None:
     control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     control.connect(server)
     request = {
+        "pid": os.getpid(),  # the server records which life stands behind this process (ForkServer.tree)
         "argv": sys.argv[1:],
         "env": dict(os.environ),
         "cwd": os.getcwd(),  # noqa: PTH109 - as above

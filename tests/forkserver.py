@@ -12,10 +12,10 @@ What a fork does not reproduce, and who covers it instead: a stop during the int
 imports (tests/training/test_startup.py starts real processes, and `make demo` runs the stories' lives as
 real processes); a per-process hash seed (the lives of one server share it: the baseline the trainer's
 resume tests compare with is a real `python -m training` process, so a result that depended on string
-hashing would differ from it); a `sitecustomize` the life's PYTHONPATH would load (the server has started:
-the multi-node agent stories that hook their launchers that way, tests/bootstrap/multinode_harness.py,
-start real processes); the code the life's PYTHONPATH names first (a demo instance's unpacked bundle): the
-server's modules are the repository's, which the bundle is a copy of.
+hashing would differ from it); the code the life's PYTHONPATH names first (a demo instance's unpacked
+bundle): the server's modules are the repository's, which the bundle is a copy of. A `sitecustomize` on the
+life's PYTHONPATH does run, as `site` runs it, but after the server's imports rather than before them (the
+multi-node stories' hooks, tests/bootstrap/multinode_harness.py, patch what is imported already).
 
 The server (`python -m tests.forkserver FD LISTENING PYTHON MODULE...`) imports MODULE..., then reads one
 JSON request per message on the SOCK_SEQPACKET socket FD ({"argv", "env", "cwd", "log", "status", "fds"},
@@ -28,13 +28,16 @@ It also accepts, on the listening SOCK_SEQPACKET socket LISTENING (bound at a pa
 sends the same request with its own stdio among the descriptors, gets {"pid"}, and on the same connection
 {"returncode"} once the life is reaped; if the stand-in's connection closes first (it was killed), the server
 kills the life and every process under it. Every life's `sys.executable` is PYTHON, so the ranks torch's
-launcher starts from a forked life are forked too (each rank otherwise imports torch again).
+launcher starts from a forked life are forked too (each rank otherwise imports torch again). A stand-in's
+life is the server's child, not the stand-in's: `ForkServer.tree` finds a whole tree for a test that
+signals one (the server names each running life in a file under the stand-in's pid).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -54,8 +57,11 @@ from demo.instance import descendants
 
 REPO = Path(__file__).resolve().parents[1]
 # What every trainer life imports (an S3 life its persister too, a launcher torch's elastic engine, a
-# completed job pyplot, with the Agg backend training/plots.py picks: MPLBACKEND below).
+# completed job pyplot, with the Agg backend training/plots.py picks: MPLBACKEND below), and an agent life
+# (the multi-node stories start their agents forked too).
 TRAINER_MODULES = (
+    "bootstrap.agent",
+    "bootstrap.lifecycle",
     "matplotlib.pyplot",
     "training.launch",
     "training.loop",
@@ -65,6 +71,8 @@ TRAINER_MODULES = (
     "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
     "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
 )
+# The folder (beside the stand-in) where the server names each stand-in's life.
+LIVES = "lives"
 # A request (its environment included) fits in one message of this size.
 MESSAGE_BYTES = 1 << 20
 MAX_FDS = 8
@@ -117,6 +125,9 @@ class ForkServer:
     def __init__(self, modules: tuple[str, ...]) -> None:
         self._folder = Path(tempfile.mkdtemp(prefix="trainstack-forkserver-"))
         self.python = self._folder / "python"
+        # One file per stand-in whose life runs, named by the stand-in's pid, holding the life's (`tree`).
+        self._lives = self._folder / LIVES
+        self._lives.mkdir()
         write_stand_in(self.python, self._folder / "socket")
         # Bound here, before the server's imports: a stand-in started meanwhile waits in the backlog.
         listening = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -165,6 +176,25 @@ class ForkServer:
         if not reply:
             raise RuntimeError(f"the fork server exited ({self._process.poll()}) before starting a life")
         return ForkedLife(int(json.loads(reply)["pid"]), log, status)
+
+    def life_of(self, pid: int) -> int | None:
+        """The life a stand-in process (`pid`) stands for, while it runs; None for any other process."""
+        try:
+            return int((self._lives / str(pid)).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def tree(self, pid: int) -> list[int]:
+        """`pid` and every process under it, as a test that signals a whole tree needs it: the life a stand-in
+        stands for counts as under the stand-in (it is the server's child), and so does all it started."""
+        found: list[int] = []
+        todo = [pid]
+        while todo:
+            top = todo.pop()
+            group = [top, *descendants(top)]
+            found += group
+            todo += [life for each in group if (life := self.life_of(each)) is not None and life not in found]
+        return found
 
     def close(self) -> None:
         self._socket.close()
@@ -242,6 +272,8 @@ def _child(request: dict[str, Any], sockets: list[socket.socket], fds: list[int]
     # What this life starts as `python` (torch's launcher: its ranks) is forked from here too.
     sys.executable = request.get("executable") or sys.executable
     argv: list[str] = request["argv"]
+    sys.orig_argv = [sys.executable, *argv]  # what an agent re-executes itself with (bootstrap/pinned.py)
+    _run_sitecustomize(request["env"].get("PYTHONPATH", ""))
     if argv and argv[0] == "-m" and len(argv) > 1:
         sys.argv = ["-m", *argv[2:]]  # run_module sets argv[0] to the module's file, as python -m does
         sys.path[0] = str(Path.cwd())  # as python -m has it
@@ -265,6 +297,21 @@ def _child(request: dict[str, Any], sockets: list[socket.socket], fds: list[int]
     sys.exit(0)
 
 
+def _run_sitecustomize(pythonpath: str) -> None:
+    """What `site` does at a real interpreter's start: run the first `sitecustomize.py` on the life's
+    PYTHONPATH (the multi-node stories hook their launchers that way, tests/bootstrap/multinode_harness.py).
+    It runs after the server's imports, not before them: a hook must patch what is imported already."""
+    for entry in filter(None, pythonpath.split(os.pathsep)):
+        path = Path(entry) / "sitecustomize.py"
+        if path.is_file():
+            spec = importlib.util.spec_from_file_location("sitecustomize", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["sitecustomize"] = module
+            spec.loader.exec_module(module)
+            return
+
+
 def _kill_tree(pid: int) -> None:
     """SIGKILL to `pid` and every process under it (torch starts each rank in a session of its own)."""
     for each in [*descendants(pid), pid]:
@@ -280,6 +327,13 @@ def _answer(connection: socket.socket, message: dict[str, int]) -> None:
 def serve(control: socket.socket, listener: socket.socket, stand_in: str) -> None:
     status_files: dict[int, str] = {}  # pid -> status file, for the test's own lives
     stand_ins: dict[socket.socket, int | None] = {}  # connection -> its life's pid (None: not asked yet)
+    lives = Path(stand_in).parent / LIVES
+    named: dict[int, Path] = {}  # life -> the file naming it under its stand-in's pid (ForkServer.life_of)
+
+    def ended(life: int) -> None:
+        if (file := named.pop(life, None)) is not None:
+            file.unlink(missing_ok=True)
+
     while True:
         readable, _, _ = select.select([control, listener, *stand_ins], [], [], 0.05)  # and reap every 50 ms
         while status_files or any(pid is not None for pid in stand_ins.values()):
@@ -289,6 +343,7 @@ def serve(control: socket.socket, listener: socket.socket, stand_in: str) -> Non
             if pid in status_files:
                 _write_status(status_files.pop(pid), _returncode(status))
                 continue
+            ended(pid)
             for connection, life in list(stand_ins.items()):
                 if life == pid:
                     _answer(connection, {"returncode": _returncode(status)})
@@ -312,6 +367,7 @@ def serve(control: socket.socket, listener: socket.socket, stand_in: str) -> Non
                     _kill_tree(life)
                     with contextlib.suppress(ChildProcessError):
                         os.waitpid(life, 0)
+                    ended(life)
                 continue
             request = json.loads(message)
             request.setdefault("executable", stand_in)
@@ -325,6 +381,10 @@ def serve(control: socket.socket, listener: socket.socket, stand_in: str) -> Non
                 control.send(json.dumps({"pid": pid}).encode())
             else:
                 stand_ins[ready] = pid
+                named[pid] = lives / str(request["pid"])
+                staging = named[pid].with_suffix(".tmp")
+                staging.write_text(str(pid))
+                staging.replace(named[pid])  # a test never reads half a pid
                 _answer(ready, {"pid": pid})
 
 

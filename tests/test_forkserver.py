@@ -29,7 +29,8 @@ signal.signal(signal.SIGTERM, stop)
 blocked = sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))
 signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
 what = {"argv": sys.argv[1:], "cwd": os.getcwd(), "env": os.environ.get("LIFE_VALUE"), "pid": os.getpid(),
-        "executable": sys.executable, "blocked": blocked, "sid": os.getsid(0)}
+        "executable": sys.executable, "blocked": blocked, "sid": os.getsid(0), "orig_argv": sys.orig_argv,
+        "hooked": getattr(sys.modules.get("sitecustomize"), "HOOKED", None)}
 if len(sys.argv) > 3:
     os.write(int(sys.argv[3]), b"through the inherited descriptor")
 print("life says hello", flush=True)
@@ -37,6 +38,9 @@ mode = sys.argv[2]
 if mode == "child":
     child = __import__("subprocess").Popen(["sleep", "300"], start_new_session=True)
     what["child"] = child.pid
+elif mode == "nested":
+    what["child"] = __import__("subprocess").Popen(
+        [sys.executable, __file__, str(out.with_suffix(".grandchild")), "wait"]).pid
 elif mode == "python":
     grandchild = __import__("subprocess").run(
         [sys.executable, __file__, str(out.with_suffix(".grandchild")), "exit-4"], check=False)
@@ -183,3 +187,40 @@ def test_python_dash_c_runs_forked_and_an_interpreter_option_is_refused_in_one_l
     )
     assert refused.returncode == 2
     assert refused.stderr.count("\n") == 1 and "start this one as a process of its own" in refused.stderr
+
+
+def test_a_tree_through_stand_ins_holds_every_life_and_a_sitecustomize_on_pythonpath_runs_in_each(
+    server: ForkServer, life_script: Path, tmp_path: Path
+) -> None:
+    """The multi-node stories freeze and kill whole trees (ForkServer.tree), and hook their launchers and
+    ranks through a `sitecustomize` on PYTHONPATH, as `site` loads it in a real interpreter."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text("HOOKED = 'by the hooks folder'\n")
+    out = tmp_path / "life.json"
+    process = subprocess.Popen(
+        [str(server.python), str(life_script), str(out), "nested"],
+        env={**os.environ, "PYTHONPATH": f"{tmp_path / 'nothing'}{os.pathsep}{hooks}"},
+        start_new_session=True,
+    )
+    what = __import__("json").loads(wait_for(out))
+    grandchild = __import__("json").loads(wait_for(out.with_suffix(".grandchild")))
+    assert what["hooked"] == grandchild["hooked"] == "by the hooks folder"
+    # What an agent re-executes itself with (bootstrap/pinned.py): the stand-in and the life's own argv.
+    assert what["orig_argv"] == [str(server.python), str(life_script), str(out), "nested"]
+    # The life is the server's child, not the stand-in's; the tree holds it, its stand-in child, that one's
+    # life, and nothing of another tree.
+    assert server.life_of(process.pid) == what["pid"] and server.life_of(what["child"]) == grandchild["pid"]
+    tree = server.tree(process.pid)
+    assert sorted(tree) == sorted([process.pid, what["pid"], what["child"], grandchild["pid"]])
+    assert server.life_of(what["pid"]) is None and server.tree(what["child"]) == [
+        what["child"],
+        grandchild["pid"],
+    ]
+    for pid in tree:
+        os.kill(pid, signal.SIGKILL)
+    assert process.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while server.life_of(process.pid) is not None or server.life_of(what["child"]) is not None:
+        assert time.monotonic() < deadline, "a reaped life is still named under its stand-in"
+        time.sleep(0.05)

@@ -2,9 +2,11 @@
 
 Each node has its own simulated IMDS and scratch disk; its agent runs as a process (`python -m
 bootstrap.agent` with the tests' quick polls), restarted by a systemd-like supervisor when it exits with a
-failure, and starts the real launcher and trainer (gloo on 127.0.0.1, a tiny model). A story acts on a node
-(a notice through its IMDS, a signal to its processes, a moment of its launcher held by `HOOKS`) and reads
-what each agent said. Used by test_multinode_faults.py and test_multinode_agent.py.
+failure, and starts the real launcher and trainer (gloo on 127.0.0.1, a tiny model). Each of these processes
+is forked from the worker's fork server (tests/forkserver.py: the agent is started through its stand-in for
+`python`, and so are the launcher and the ranks), which runs the hooks' `sitecustomize` in each of them. A
+story acts on a node (a notice through its IMDS, a signal to its processes, a moment of its launcher held by
+`HOOKS`) and reads what each agent said. Used by test_multinode_faults.py and test_multinode_agent.py.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,8 +27,9 @@ import yaml
 
 from bootstrap.generations import SILENT_MARGIN_SECONDS, SILENT_POLLS
 from demo.imds import ImdsSimulator, SimulatedInstance
-from demo.instance import descendants, read_agent_output
+from demo.instance import read_agent_output
 from demo.stack import LocalStack, create_stack
+from tests.forkserver import ForkServer
 from training.sample_data import write_dataset
 from trainstack_job.contract import NodeExit
 
@@ -67,6 +69,7 @@ sys.exit(agent.main(sys.argv[1:]))
 #   "killed within one checkpoint interval of the confirmed step" was a window a 0.1 s poll could miss.
 HOOKS = """
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -80,7 +83,10 @@ if os.environ.get("MULTINODE_STEP_SECONDS"):
             time.sleep(_pace)
         _fault_point(point, **context)
 
-    faults.fault_point = _paced
+    # A forked life has imported the trainer already: the modules that bound the name get the hook too.
+    for _module in list(sys.modules.values()):
+        if vars(_module).get("fault_point") is _fault_point:
+            _module.fault_point = _paced
 
 if os.environ.get("MULTINODE_HOOKS"):
     from training import launch
@@ -123,6 +129,7 @@ class Node:
     imds: ImdsSimulator
     config_file: Path
     scratch: Path
+    forked: ForkServer
     # Extra environment of this node's agent (and so of its launcher): the hooks it runs with.
     env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen[str] | None = None
@@ -163,10 +170,18 @@ class Node:
         return self.scratch / "control" / "node-exit.json"
 
     def tree(self) -> list[int]:
-        """The agent and everything it started (launcher, ranks)."""
+        """The agent and everything it started (launcher, ranks), each a stand-in and the life it stands
+        for."""
         if self.process is None or self.process.poll() is not None:
             return []
-        return [self.process.pid, *descendants(self.process.pid)]
+        return self.forked.tree(self.process.pid)
+
+    def under_agent(self) -> list[int]:
+        """What the agent started (its launcher and ranks), never the agent itself."""
+        if self.process is None:
+            return []
+        agent = {self.process.pid, self.forked.life_of(self.process.pid)}
+        return [pid for pid in self.tree() if pid not in agent]
 
     def hold(self, folder: Path, *, entering: tuple[int, ...] = (), counted: bool = False) -> None:
         """Run this node's launchers with HOOKS: held at their entry into these generations' rendezvous, and
@@ -184,7 +199,7 @@ class Node:
 
 def _start_agent(node: Node, env: dict[str, str]) -> None:
     process = subprocess.Popen(
-        [sys.executable, "-c", AGENT_MAIN, "--config", str(node.config_file)],
+        [str(node.forked.python), "-c", AGENT_MAIN, "--config", str(node.config_file)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -284,9 +299,12 @@ class Job:
 
 
 @contextlib.contextmanager
-def multinode_job(tmp_path: Path, *, name: str, instances: int = 2, epochs: int = 3) -> Iterator[Job]:
+def multinode_job(
+    tmp_path: Path, forked: ForkServer, *, name: str, instances: int = 2, epochs: int = 3
+) -> Iterator[Job]:
     """`instances` simulated instances of a two-node job (`instanceCount` 2, `minNodes` 1) in the reset moto
-    server (the `aws` fixture), none booted yet; every process of theirs killed at the end."""
+    server (the `aws` fixture), none booted yet, their processes forked from `forked`; every process of
+    theirs killed at the end."""
     stack = create_stack(name=name, desired=instances)
     dataset = tmp_path / "dataset"
     write_dataset(dataset, classes=2, train_per_class=32, val_per_class=4, size=32)
@@ -318,7 +336,7 @@ def multinode_job(tmp_path: Path, *, name: str, instances: int = 2, epochs: int 
         )
         config_file = tmp_path / f"node-{index}-agent.yaml"
         config_file.write_text(config.to_yaml())
-        nodes.append(Node(f"node-{index}", instance_id, imds, config_file, scratch))
+        nodes.append(Node(f"node-{index}", instance_id, imds, config_file, scratch, forked))
 
     def env(node: Node) -> dict[str, str]:
         return {

@@ -30,8 +30,8 @@ import pytest
 from bootstrap.multinode import NodeGroup
 from bootstrap.rendezvous import Rendezvous
 from bootstrap.trainer import TrainerPaths, TrainerProcess
-from demo.instance import descendants
 from tests.bootstrap.multinode_harness import STORY_TIMEOUT_S, Job, Node, multinode_job
+from tests.forkserver import ForkServer
 from training.launch import LISTEN_FD_ENV
 
 REPEAT_ENV = "TRAINSTACK_REPEAT"
@@ -129,6 +129,7 @@ class StopStorm:
     def __init__(self, node: Node) -> None:
         assert node.process is not None
         self.agent = node.process.pid
+        self._node = node
         self.sent = 0
         self._thread = threading.Thread(target=self._rain, name=f"{node.name}-stops", daemon=True)
         self._thread.start()
@@ -136,7 +137,7 @@ class StopStorm:
     def _rain(self) -> None:
         deadline = time.monotonic() + STORY_TIMEOUT_S
         rounds = 0
-        pids = descendants(self.agent)
+        pids = self._node.under_agent()
         while pids and time.monotonic() < deadline:
             for pid in pids:
                 for sig in (signal.SIGTERM, signal.SIGINT):
@@ -148,7 +149,7 @@ class StopStorm:
             time.sleep(0.005)
             rounds += 1
             if rounds % 10 == 0:  # reading /proc costs more than a round of signals
-                pids = descendants(self.agent)
+                pids = self._node.under_agent()
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -161,8 +162,8 @@ EPOCHS = 6
 
 
 @pytest.fixture()
-def noticed_job(aws: Any, tmp_path: Path) -> Iterator[Job]:
-    with multinode_job(tmp_path, name="trainstack-nodes", instances=2, epochs=EPOCHS) as job:
+def noticed_job(aws: Any, tmp_path: Path, fork_server: ForkServer) -> Iterator[Job]:
+    with multinode_job(tmp_path, fork_server, name="trainstack-nodes", instances=2, epochs=EPOCHS) as job:
         yield job
 
 

@@ -45,6 +45,7 @@ from tests.bootstrap.multinode_harness import (
     running,
     signal_quietly,
 )
+from tests.forkserver import ForkServer
 from training.launch import STORE_READ_TIMEOUT_SECONDS, _finish, _Rounds
 from trainstack_job.contract import NodeExit
 
@@ -56,8 +57,8 @@ TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH
 
 
 @pytest.fixture()
-def faults_job(aws: Any, tmp_path: Path) -> Iterator[Job]:
-    with multinode_job(tmp_path, name="trainstack-faults", instances=2, epochs=EPOCHS) as job:
+def faults_job(aws: Any, tmp_path: Path, fork_server: ForkServer) -> Iterator[Job]:
+    with multinode_job(tmp_path, fork_server, name="trainstack-faults", instances=2, epochs=EPOCHS) as job:
         yield job
 
 
@@ -88,7 +89,7 @@ def test_a_frozen_rendezvous_host_is_detected_and_the_other_node_regroups_and_co
     for pid in host.tree():
         signal_quietly(pid, signal.SIGSTOP)
     assert other.process is not None
-    generation_1 = set(other.tree()) - {other.process.pid}  # the survivor's launcher and ranks
+    generation_1 = set(other.under_agent())  # the survivor's launcher and ranks
     confirmed = job.confirmed_step() or 0
     reached = max(n.progress().get("step", 0) for n in nodes)
 
@@ -164,8 +165,10 @@ LONG_EPOCHS = 6
 
 
 @pytest.fixture()
-def three_instances(aws: Any, tmp_path: Path) -> Iterator[Job]:
-    with multinode_job(tmp_path, name="trainstack-leaving", instances=3, epochs=LONG_EPOCHS) as job:
+def three_instances(aws: Any, tmp_path: Path, fork_server: ForkServer) -> Iterator[Job]:
+    with multinode_job(
+        tmp_path, fork_server, name="trainstack-leaving", instances=3, epochs=LONG_EPOCHS
+    ) as job:
         yield job
 
 

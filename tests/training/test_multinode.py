@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -411,3 +411,37 @@ def test_cpu_ranks_share_the_cores_unless_the_user_chose_the_threads() -> None:
     assert rank_threads(3, {}, 2) == {"OMP_NUM_THREADS": "1"}
     assert rank_threads(2, {"OMP_NUM_THREADS": "3"}, 2) == {}, "the user's own setting wins"
     assert rank_threads(1, {}, 8) == {}, "one process keeps torch's default"
+
+
+def test_rendezvous_events_keep_torchs_names_without_reading_the_stack(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher replaces torch's `get_method_name` (inspect.stack() twice per event) with a frame read:
+    each event torch's rendezvous records is still named after the method that records it."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from training.launch import _register_tracked_backend, event_method_name
+
+    named: list[str] = []
+    monkeypatch.setattr(
+        dynamic_rendezvous, "construct_and_record_rdzv_event", lambda **e: named.append(e["name"])
+    )
+
+    class Handler:
+        """What torch's `_record` reads of its handler."""
+
+        _settings = SimpleNamespace(run_id="r")
+        _this_node = SimpleNamespace(addr="a", pid=1, local_id=0)
+
+        def next_rendezvous(self) -> None:
+            dynamic_rendezvous.DynamicRendezvousHandler._record(cast(Any, self), message="joined")
+
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)
+    Handler().next_rendezvous()
+    _register_tracked_backend()
+    assert dynamic_rendezvous.get_method_name is event_method_name
+    Handler().next_rendezvous()
+    assert named == ["Handler.next_rendezvous", "Handler.next_rendezvous"]
+    assert event_method_name(10_000) == "no_method_name", "as torch's for a stack shorter than asked"
