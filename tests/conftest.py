@@ -43,11 +43,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.hookimpl(wrapper=True, optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> Generator[None, int, int]:
-    """`pytest -n auto` (make test): one worker more than xdist's count of cores. A third of a worker's time
-    is spent waiting (for trainer and agent processes it started, on sockets, on timeouts under test); with
-    a worker per core only, 2 cores were 78 % busy. PYTEST_XDIST_AUTO_NUM_WORKERS still sets the number."""
+    """`pytest -n auto` (make test): two workers more than xdist's count of cores. Much of a worker's time
+    is spent waiting (for trainer and agent processes it started, on sockets, on timeouts under test): on 2
+    cores, with a worker per core they were 78 % busy, with one more 84 % (481 s), with two more 92 % (444 s,
+    the same 826 CPU-seconds; bench/RESULTS.md, twelfth session). PYTEST_XDIST_AUTO_NUM_WORKERS still sets
+    the number."""
     cores = yield
-    return cores if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else cores + 1
+    return cores if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else cores + 2
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
