@@ -82,6 +82,13 @@ START_TIMEOUT_S = 180.0
 
 # -- the test side ------------------------------------------------------------------------------------------
 
+_RUNNING: list[ForkServer] = []
+
+
+def running_pids() -> list[int]:
+    """The pids of this process's fork servers that run now (bench/suitecost.py reads their CPU)."""
+    return [server._process.pid for server in _RUNNING]
+
 
 class ForkedLife:
     """The parts of `subprocess.Popen` the tests use, for a life forked by the server."""
@@ -152,6 +159,7 @@ class ForkServer:
             )
         self._socket.settimeout(START_TIMEOUT_S)
         self._count = 0
+        _RUNNING.append(self)
 
     def start(
         self, argv: list[str], env: dict[str, str], cwd: Path, log: Path, pass_fds: tuple[int, ...] = ()
@@ -197,6 +205,7 @@ class ForkServer:
         return found
 
     def close(self) -> None:
+        _RUNNING.remove(self)
         self._socket.close()
         try:
             self._process.wait(timeout=30)

@@ -1,0 +1,108 @@
+"""bench/suitecost.py: each test's CPU lands on that test, whether its worker, a process it reaped or a life
+its fork server forked spent it; the run's whole CPU, wall time and busy share come with the report."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from rich.console import Console
+
+from bench.suitecost import SpentByTest, SuiteCost, report, run
+
+SUITE = """
+import os, subprocess, sys, time
+from pathlib import Path
+
+import pytest
+
+from tests.forkserver import serving
+
+BURN = "import time\\nend = time.process_time() + 0.6\\nwhile time.process_time() < end: pass\\n"
+
+
+def burn() -> None:
+    exec(BURN)
+
+
+def test_burns_in_its_worker() -> None:
+    burn()
+
+
+def test_burns_in_a_process_it_reaps() -> None:
+    subprocess.run([sys.executable, "-c", BURN], check=True)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving("json") as started:
+        yield started
+
+
+def test_starts_the_fork_server(server) -> None:
+    pass
+
+
+def test_burns_in_a_forked_life(server, tmp_path: Path) -> None:
+    life = server.start(["-c", BURN], dict(os.environ), tmp_path, tmp_path / "log")
+    assert life.wait(timeout=60) == 0
+
+
+def test_burns_in_a_fork_server_it_closes(tmp_path: Path) -> None:
+    with serving("json") as own:
+        life = own.start(["-c", BURN], dict(os.environ), tmp_path, tmp_path / "log")
+        assert life.wait(timeout=60) == 0
+
+
+def test_waits() -> None:
+    time.sleep(0.6)
+"""
+
+
+def test_each_tests_cpu_lands_on_it_wherever_it_ran(tmp_path: Path) -> None:
+    (tmp_path / "test_costs.py").write_text(SUITE)
+    cost = run(["-n0", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(tmp_path)], cwd=tmp_path)
+    assert cost.exit_code == 0
+    by_name = {t.test.rsplit("::", 1)[1]: t for t in cost.tests}
+    assert set(by_name) == {
+        "test_burns_in_its_worker",
+        "test_burns_in_a_process_it_reaps",
+        "test_starts_the_fork_server",
+        "test_burns_in_a_forked_life",
+        "test_burns_in_a_fork_server_it_closes",
+        "test_waits",
+    }
+    assert by_name["test_burns_in_its_worker"].worker >= 0.5
+    assert by_name["test_burns_in_a_process_it_reaps"].reaped >= 0.5
+    # The module's server runs on past the test: its life's CPU is read from it, not reaped yet.
+    forked = by_name["test_burns_in_a_forked_life"]
+    assert forked.forked >= 0.5 and forked.reaped < 0.3
+    # A server started and closed within the test is reaped with its life: counted once, as reaped.
+    closes = by_name["test_burns_in_a_fork_server_it_closes"]
+    assert closes.reaped >= 0.5 and closes.forked == 0
+    # The module's server is closed in the last test's teardown: what earlier tests were given of it is not
+    # given again (the life's 0.6 s would otherwise land on a test that only sleeps).
+    waits = by_name["test_waits"]
+    assert waits.wall >= 0.6 and waits.cpu < 0.3, "a wait is wall time, not CPU"
+    assert sum(t.cpu for t in cost.tests) < cost.cpu, "no CPU-second given twice"
+    # The whole run: every process pytest reaped, so at least the three burns, and more wall than they took.
+    assert cost.cpu >= 2.4 and cost.wall >= 3.0
+    assert cost.busy is not None and 0 < cost.busy <= 1
+
+
+def test_the_report_names_the_costliest_tests_and_modules_first() -> None:
+    tests = [
+        SpentByTest("tests/a.py::cheap", 0.1, 0.0, 0.0, 5.0),
+        SpentByTest("tests/b.py::dear", 1.0, 2.0, 3.0, 7.0),
+        SpentByTest("tests/a.py::middling", 0.5, 0.5, 0.0, 1.0),
+    ]
+    out = io.StringIO()
+    report(SuiteCost(0, 20.0, 9.0, 0.9, tests), 2, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "3 tests, pytest exit 0: 20.0 s wall, 9.0 CPU-seconds (7.1 on the tests" in text
+    assert "cores 90% busy" in text
+    assert text.index("tests/b.py::dear") < text.index("tests/a.py::middling")
+    assert "tests/a.py::cheap" not in text, "--top 2 lists two tests"
+    # By module: b (6.0) before a (1.1).
+    modules = text[text.index("modules that cost the most CPU") :]
+    assert modules.index("tests/b.py") < modules.index("tests/a.py") and "1.1" in modules
