@@ -46,7 +46,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> Generator[None, int,
     """`pytest -n auto` (make test): two workers more than xdist's count of cores. Much of a worker's time
     is spent waiting (for trainer and agent processes it started, on sockets, on timeouts under test): on 2
     cores, with a worker per core they were 78 % busy, with one more 84 % (481 s), with two more 92 % (444 s,
-    the same 826 CPU-seconds; bench/RESULTS.md, twelfth session). PYTEST_XDIST_AUTO_NUM_WORKERS still sets
+    the same 826 CPU-seconds); with three more 97 % but slower (475 s: each worker collects, and starts its
+    own AWS and fork servers; bench/RESULTS.md, twelfth session). PYTEST_XDIST_AUTO_NUM_WORKERS still sets
     the number."""
     cores = yield
     return cores if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else cores + 2
