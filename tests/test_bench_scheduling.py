@@ -5,6 +5,7 @@ hold; no timing is asserted (this machine's speed is not under test)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from bench.scheduling.checks import check_run, most_at_once, overlaps
 from bench.scheduling.journal import Holding, Journal
 from bench.scheduling.report import main
 from bench.scheduling.runs import limit_run, pools_run
+from tests.once import built_once
 
 LIMIT_CHECK = "never more than maxConcurrentJobs at once"
 CHECKS = {
@@ -31,9 +33,14 @@ def _check(run: dict[str, Any], name: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("scheduling") / "quick.json"
-    main(["--quick", "--json", str(out)])
-    report: dict[str, Any] = json.loads(out.read_text())
+    """The `--quick` run, once per session: the tests below only read its report (on two workers each
+    would run it: about 8 CPU-seconds)."""
+
+    def build(folder: Path) -> None:
+        main(["--quick", "--json", str(folder / "quick.json")])
+
+    folder = built_once(tmp_path_factory, "scheduling-quick", build)
+    report: dict[str, Any] = json.loads((folder / "quick.json").read_text())
     return report
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.once import built_once
 from training.sample_data import write_dataset
 
 if TYPE_CHECKING:
@@ -58,25 +58,6 @@ class Dataset:
 
     def overrides(self) -> list[str]:
         return [f"data.train_dir={self.train_dir}", f"data.val_dir={self.val_dir}"]
-
-
-def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
-    """A folder built once per test session by whichever xdist worker asks first; the others wait for it
-    and read it. Nothing may write into it afterwards. A failed build is not marked built: the next worker
-    to ask builds it again (and fails the same way, in its own tests)."""
-    from filelock import FileLock
-
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # the session's own folder, above every worker's (pytest-xdist's documented way)
-    folder = base / name
-    with FileLock(f"{folder}.lock"):
-        if not (folder / ".built").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-            build(folder)
-            (folder / ".built").touch()
-    return folder
 
 
 @pytest.fixture(scope="session")
