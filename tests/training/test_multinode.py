@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.forkserver import ForkedLife, ForkServer
+from tests.once import built_once
 from tests.training.conftest import Dataset, MakeRun, Run, make_run_factory
 from tests.training.lives import Lives
 from training.launch import LISTEN_FD_ENV
@@ -167,25 +168,36 @@ class StoppedPair:
 def stopped_pair(
     tmp_path_factory: pytest.TempPathFactory, image_folders: Dataset, fork_server: ForkServer
 ) -> StoppedPair:
-    """Two nodes, one rank each, training; the non-host node's launcher gets SIGTERM mid-run."""
-    make = make_run_factory(tmp_path_factory.mktemp("pair"), image_folders)
-    lives = Lives(fork_server)
-    a = Node(make("train.processes=1", f"train.epochs={EPOCHS}", name="a"), "127.0.0.1")
-    b = Node(make("train.processes=1", f"train.epochs={EPOCHS}", name="b"), "127.0.0.2")
-    listener, run_id = store_listener(), "pair-1"
-    port = port_of(listener)
-    processes = {
-        a: a.start(lives, port, run_id, host=True, listener=listener),
-        b: b.start(lives, port, run_id, host=False),
-    }
-    try:
-        poll(processes[a], lambda: trained_steps(a.run) >= 2, "two trained steps")
-        processes[b].send_signal(signal.SIGTERM)
-        codes = wait_for(processes)
-    finally:
-        lives.reap()
+    """Two nodes, one rank each, training; the non-host node's launcher gets SIGTERM mid-run. Run once per
+    session (tests/once.py): both tests below only read what it left, and on two workers each would run it."""
+
+    def nodes(folder: Path) -> tuple[Node, Node]:
+        make = make_run_factory(folder, image_folders)
+        a = Node(make("train.processes=1", f"train.epochs={EPOCHS}", name="a"), "127.0.0.1")
+        return a, Node(make("train.processes=1", f"train.epochs={EPOCHS}", name="b"), "127.0.0.2")
+
+    def build(folder: Path) -> None:
+        a, b = nodes(folder)
+        lives = Lives(fork_server)
+        listener, run_id = store_listener(), "pair-1"
+        port = port_of(listener)
+        processes = {
+            a: a.start(lives, port, run_id, host=True, listener=listener),
+            b: b.start(lives, port, run_id, host=False),
+        }
+        try:
+            poll(processes[a], lambda: trained_steps(a.run) >= 2, "two trained steps")
+            processes[b].send_signal(signal.SIGTERM)
+            codes = wait_for(processes)
+        finally:
+            lives.reap()
+        (folder / "codes.json").write_text(json.dumps({"a": codes[a], "b": codes[b]}))
+
+    folder = built_once(tmp_path_factory, "multinode-pair", build)
+    a, b = nodes(folder)
+    codes = json.loads((folder / "codes.json").read_text())
     saved = a.run.checkpoints / "latest.json"
-    return StoppedPair(a, b, codes, latest_step(a.run) if saved.exists() else -1)
+    return StoppedPair(a, b, {a: codes["a"], b: codes["b"]}, latest_step(a.run) if saved.exists() else -1)
 
 
 @pytest.mark.slow(seconds=9)
