@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 PIP    := $(BIN)/pip --disable-pip-version-check --no-input
-# make test: two pytest workers more than the cores (tests/conftest.py); about 7½ minutes on 2 cores (README).
+# make test: two pytest workers more than the cores (tests/conftest.py); about 8 minutes on 2 cores (README).
 # Serial: PYTEST_ARGS=-n0
 # Longest first (tests/conftest.py orders the slow stories first), one test at a time to whichever worker is free.
 PYTEST_ARGS ?= -n auto --dist load --maxschedchunk 1
