@@ -12,7 +12,7 @@ import sys
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,8 +155,8 @@ def read_agent_output(
     return thread
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (agent → launcher → ranks), from /proc; empty where there is none."""
+def children_by_parent() -> dict[int, list[int]]:
+    """Each process's children, from one read of /proc."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -165,6 +165,14 @@ def descendants(pid: int) -> list[int]:
             children.setdefault(parent, []).append(int(stat.parent.name))
         except (OSError, ValueError, IndexError):
             continue
+    return children
+
+
+def descendants(pid: int, children: Mapping[int, list[int]] | None = None) -> list[int]:
+    """Every process below `pid` (agent → launcher → ranks), from /proc (or from `children`, a
+    `children_by_parent()` a caller has added edges to); empty where there is none."""
+    if children is None:
+        children = children_by_parent()
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

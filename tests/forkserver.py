@@ -53,7 +53,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from demo.instance import descendants
+from demo.instance import children_by_parent, descendants
 
 REPO = Path(__file__).resolve().parents[1]
 # What every trainer life imports (an S3 life its persister too, a launcher torch's elastic engine, a
@@ -194,15 +194,13 @@ class ForkServer:
 
     def tree(self, pid: int) -> list[int]:
         """`pid` and every process under it, as a test that signals a whole tree needs it: the life a stand-in
-        stands for counts as under the stand-in (it is the server's child), and so does all it started."""
-        found: list[int] = []
-        todo = [pid]
-        while todo:
-            top = todo.pop()
-            group = [top, *descendants(top)]
-            found += group
-            todo += [life for each in group if (life := self.life_of(each)) is not None and life not in found]
-        return found
+        stands for counts as under the stand-in (it is the server's child), and so does all it started. One
+        read of /proc and of the server's names, however many stand-ins the tree holds."""
+        children = children_by_parent()
+        for file in self._lives.iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                children.setdefault(int(file.name), []).append(int(file.read_text()))
+        return [pid, *descendants(pid, children)]
 
     def close(self) -> None:
         _RUNNING.remove(self)

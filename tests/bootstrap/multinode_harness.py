@@ -85,7 +85,7 @@ if os.environ.get("MULTINODE_STEP_SECONDS"):
 
     # A forked life has imported the trainer already: the modules that bound the name get the hook too.
     for _module in list(sys.modules.values()):
-        if vars(_module).get("fault_point") is _fault_point:
+        if getattr(_module, "__dict__", {}).get("fault_point") is _fault_point:  # an entry may be None
             _module.fault_point = _paced
 
 if os.environ.get("MULTINODE_HOOKS"):
