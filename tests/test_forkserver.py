@@ -189,6 +189,27 @@ def test_python_dash_c_runs_forked_and_an_interpreter_option_is_refused_in_one_l
     assert refused.stderr.count("\n") == 1 and "start this one as a process of its own" in refused.stderr
 
 
+def test_what_the_server_imported_is_frozen_in_a_life_and_the_lifes_own_garbage_is_still_collected(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    out = tmp_path / "said"
+    code = (
+        "import gc, json, sys, weakref, pathlib\n"
+        "class Cycle:\n"
+        "    def __init__(self): self.me = self\n"
+        "json_walked = any(any(o is json for o in gc.get_objects(g)) for g in range(3))\n"
+        "ref = weakref.ref(Cycle()); gc.collect()\n"
+        "pathlib.Path(sys.argv[1]).write_text(json.dumps("
+        "[gc.get_freeze_count(), json_walked, ref() is None]))\n"
+    )
+    ran = subprocess.run([str(server.python), "-c", code, str(out)], timeout=60, check=False)
+    assert ran.returncode == 0
+    frozen, json_walked, cycle_collected = __import__("json").loads(out.read_text())
+    # The server imported json (its preload): frozen, so no full collection in a life walks it again.
+    assert frozen > 1000 and json_walked is False
+    assert cycle_collected is True
+
+
 def test_a_tree_through_stand_ins_holds_every_life_and_a_sitecustomize_on_pythonpath_runs_in_each(
     server: ForkServer, life_script: Path, tmp_path: Path
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -582,6 +583,13 @@ class Trainer:
             if every == "auto"
             else Deadline(every)
         )
+        # What is alive now (torch, the model, the loaders' file lists, the tracker) lives as long as the
+        # run. Frozen, it is out of the collector's full collections, which would otherwise walk all of it
+        # again every few hundred steps on the thread that feeds the GPU (0.2-0.4 s each with torch loaded),
+        # and the loaders' forked workers do not copy the pages such a walk writes to. Garbage is collected
+        # first, so no cycle that is garbage already is kept for the run.
+        gc.collect()
+        gc.freeze()
         model.train()
         if dist_utils.any_rank(self.world, [self.stop.stop_requested()], self.device)[0]:
             # Asked to stop while starting up: nothing new to save beyond what was restored.
