@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.markup import escape
 
+from demo.collector import ImportsFrozen
+
 if TYPE_CHECKING:
     from demo.report import Check
 
@@ -89,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         "built-in trainer and an example each through a spot notice, a third cancelled",
     )
     args = parser.parse_args(argv)
+    # This process serves every AWS call of the story and runs the CLI: its imports stay out of the way of
+    # its full garbage collections (demo/collector.py).
+    ImportsFrozen().watch()
     console = demo_console()
     refused = (
         _refuse_nodes(args.nodes, args.job)

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from demo.collector import ImportsFrozen
 from demo.moto_server import MOTO_SETTINGS
 from demo.moto_server import moto_server as embedded_moto_server
-from tests.collector import ImportsFrozen
 from tests.iam import plugin as iam_check
 from tests.tools import pytest_runtest_makereport as pytest_runtest_makereport  # in CI no test skips
 
@@ -69,18 +69,11 @@ def _expected_seconds(item: pytest.Item) -> float:
     return float(marker.kwargs.get("seconds", 10))
 
 
-_imports_frozen = ImportsFrozen()
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """The IAM check (tests/iam): every AWS call of the agent, capacity fallback and CLI is recorded. And the
-    worker's imports are kept out of full garbage collections (tests/collector.py)."""
+    worker's imports are kept out of full garbage collections (demo/collector.py)."""
     iam_check.configure(config)
-    _imports_frozen.watch()
-
-
-def pytest_runtest_logfinish() -> None:
-    _imports_frozen.after_test()
+    ImportsFrozen().watch()
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,4 +1,4 @@
-"""tests/collector.py: a worker's imports are frozen after a full collection, a test's own data is not."""
+"""demo/collector.py: imports are frozen after a full collection, a process's later data is not."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.collector import ImportsFrozen
+from demo.collector import ImportsFrozen
 
 
 @pytest.fixture()
@@ -20,22 +20,26 @@ def policy() -> Iterator[ImportsFrozen]:
     watched.unwatch()
 
 
-def test_after_a_full_collection_and_new_imports_what_is_alive_is_frozen_once(
+def walked(obj: object) -> bool:
+    """Whether a full collection walks `obj` (a frozen object is in none of the three generations)."""
+    return any(any(o is obj for o in gc.get_objects(generation)) for generation in range(3))
+
+
+def test_after_a_full_collection_with_new_imports_what_is_alive_is_frozen_and_later_data_is_not(
     policy: ImportsFrozen, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert policy.after_test() is False, "no full collection yet: nothing to freeze"
+    gc.collect()
+    frozen = policy.freezes
     module = types.ModuleType("tests_collector_imported")
     monkeypatch.setitem(sys.modules, module.__name__, module)
     gc.collect(1)
-    assert policy.after_test() is False, "a young collection is not a full one"
-    gc.collect()
-    frozen_before = gc.get_freeze_count()
-    assert policy.after_test() is True
-    assert gc.get_freeze_count() > frozen_before
-    assert not any(any(o is module for o in gc.get_objects(g)) for g in range(3)), "the module is frozen"
+    assert policy.freezes == frozen and walked(module), "a young collection is not a full one"
 
-    # Another full collection with no module imported since: a test's own objects stay collectable.
+    gc.collect()
+    assert policy.freezes == frozen + 1
+    assert not walked(module), "the module is frozen"
+
+    # Another full collection with no module imported since: what was made meanwhile stays collectable.
     held = types.SimpleNamespace()
     gc.collect()
-    assert policy.after_test() is False
-    assert any(any(o is held for o in gc.get_objects(g)) for g in range(3))
+    assert policy.freezes == frozen + 1 and walked(held)
