@@ -79,7 +79,8 @@ def test_each_tests_cpu_lands_on_it_wherever_it_ran(tmp_path: Path) -> None:
     assert forked.forked >= 0.5 and forked.reaped < 0.3
     # A server started and closed within the test is reaped with its life: counted once, as reaped.
     closes = by_name["test_burns_in_a_fork_server_it_closes"]
-    assert closes.reaped >= 0.5 and closes.forked == 0
+    # (The module's server, idle meanwhile, may still be charged a clock tick of its own: 10 ms.)
+    assert closes.reaped >= 0.5 and closes.forked < 0.1
     # The module's server is closed in the last test's teardown: what earlier tests were given of it is not
     # given again (the life's 0.6 s would otherwise land on a test that only sleeps).
     waits = by_name["test_waits"]
