@@ -113,14 +113,15 @@ def _split_s3(uri: str) -> tuple[str, str]:
 
 
 def _s3_client() -> Any:
-    import boto3
     from botocore.config import Config as BotoConfig
+
+    from training.sessions import new_session
 
     # Adaptive retries ride out throttling; the loop in _download rides out longer outages. The pool holds
     # every connection the read-ahead's concurrent shards open (botocore's default, 10, would cap them).
     # A session of its own: the read-ahead's threads may make clients at once, and boto3's shared default
-    # session is not thread-safe.
-    return boto3.session.Session().client(
+    # session is not thread-safe. botocore's parsed models are shared (training/sessions.py).
+    return new_session().client(
         "s3",
         config=BotoConfig(
             retries={"max_attempts": 5, "mode": "adaptive"},

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import boto3
-import botocore.loaders
-import botocore.session
 from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
@@ -23,6 +20,7 @@ from botocore.exceptions import (
     UnauthorizedSSOTokenError,
 )
 
+from training.sessions import new_session as new_session
 from trainstack.errors import CliError
 
 # The CLI's modules take AWS error codes from here; the one reading of them is the records' (S3's answers).
@@ -63,28 +61,6 @@ _BAD_CREDENTIALS = {
     "AuthFailure",
 }
 _EXPIRED = {"ExpiredToken", "ExpiredTokenException", "RequestExpired"}
-
-
-@functools.cache
-def _service_models(data_path: str | None) -> botocore.loaders.Loader:
-    """botocore's service and endpoint models, parsed once per process for every session that reads them
-    from the same places (botocore's own, plus AWS_DATA_PATH / `data_path` when set): they are data files,
-    the same whatever the profile, region or credentials. A session of its own would parse them again,
-    ~70 ms of CPU per client; a process that runs several commands (the tests, a notebook) pays that once.
-    The loader only caches what it read; its cache tolerates concurrent first reads."""
-    return botocore.loaders.create_loader(data_path)
-
-
-def new_session() -> boto3.Session:
-    """A boto3 session as `boto3.Session()` makes it (AWS_PROFILE, region and credentials read now and on
-    first use), sharing the parsed service models."""
-    core = botocore.session.get_session()
-    models = _service_models(core.get_config_variable("data_path"))
-    core.register_component("data_loader", models)
-    session = boto3.Session(botocore_session=core)
-    # boto3 adds its own data folder to the loader of each session it makes: once is enough for a shared one.
-    models.search_paths[:] = list(dict.fromkeys(models.search_paths))
-    return session
 
 
 class Clients:

@@ -1,4 +1,5 @@
-"""CLI sessions share botocore's parsed models but still read profile, region and data path per command."""
+"""training/sessions.py: sessions (the CLI's, the trainer's shard readers) share botocore's parsed models but
+still read profile, region and data path each time."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainstack.aws import new_session
+from training.sessions import new_session
 
 
 def test_sessions_share_the_parsed_models_and_the_loader_does_not_grow() -> None:
@@ -33,3 +34,24 @@ def test_a_custom_data_path_gets_its_own_loader(monkeypatch: pytest.MonkeyPatch,
     custom = new_session()._session.get_component("data_loader")
     assert custom is not plain
     assert str(tmp_path) in custom.search_paths and str(tmp_path) not in plain.search_paths
+
+
+def test_the_trainers_shard_readers_parse_the_s3_model_once_per_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import botocore.loaders
+
+    from training.streaming import _s3_client
+
+    _s3_client()  # whatever this process parsed before, the models are in the shared loader now
+    read: list[str] = []
+    load_file = botocore.loaders.JSONFileLoader.load_file
+
+    def counted(self: botocore.loaders.JSONFileLoader, file_path: str) -> object:
+        read.append(file_path)
+        return load_file(self, file_path)
+
+    monkeypatch.setattr(botocore.loaders.JSONFileLoader, "load_file", counted)
+    first, second = _s3_client(), _s3_client()
+    assert first is not second and first.meta.service_model.service_name == "s3"
+    assert read == [], f"a second shard reader parsed {read} again"
