@@ -182,6 +182,55 @@ def make_key_pairs_on_demand() -> None:
     models.Key.private_key = property(read_pair, keep_pair)
 
 
+_sns_key_lock = threading.Lock()
+
+
+def sign_sns_with_one_key() -> None:
+    """Teach moto's SNS to sign every message of a region with one key, as SNS signs with its region's one
+    certificate. Idempotent.
+
+    moto generates an RSA-2048 key for each subscription at its first delivery (about 50 ms of CPU each), and
+    every stack subscribes its alerts queue to its topic."""
+    from moto.sns.models import Subscription
+
+    private_key = Subscription.private_key
+    if getattr(private_key, "one_key", False):
+        return
+    made: list[Any] = []
+
+    def one_private_key(self: Subscription) -> Any:
+        with _sns_key_lock:
+            if not made:
+                made.append(private_key(self))
+            return made[0]
+
+    one_private_key.one_key = True  # type: ignore[attr-defined]
+    Subscription.private_key = one_private_key
+
+
+def regions_once_per_service() -> None:
+    """Teach moto to list a service's regions once per process, not once per backend it creates. Idempotent.
+
+    moto asks botocore for every partition's regions each time it creates a service's backend for an
+    account (its cache is per backend object), and a reset creates them all again: the same list each time."""
+    from moto.core.base_backend import AccountSpecificBackend
+
+    generate = AccountSpecificBackend._generate_regions
+    if getattr(generate, "once_per_service", False):
+        return
+    listed: dict[str, list[str]] = {}
+    lock = threading.Lock()
+
+    def _generate_regions(self: AccountSpecificBackend, service_name: str) -> list[str]:
+        with lock:
+            if service_name not in listed:
+                listed[service_name] = list(generate(self, service_name))
+            return list(listed[service_name])
+
+    _generate_regions.once_per_service = True  # type: ignore[attr-defined]
+    AccountSpecificBackend._generate_regions = _generate_regions
+
+
 @contextmanager
 def moto_server() -> Iterator[str]:
     """A moto server on 127.0.0.1, on a port the OS picks; yields its endpoint URL, stops it on exit."""
@@ -194,6 +243,8 @@ def moto_server() -> Iterator[str]:
     answer_as_aws()
     serve_ranges_as_s3()
     make_key_pairs_on_demand()
+    sign_sns_with_one_key()
+    regions_once_per_service()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

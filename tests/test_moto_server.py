@@ -157,3 +157,54 @@ def test_a_symmetric_key_makes_no_key_pair_and_an_asymmetric_one_signs_with_its_
         replica = boto3.client("kms", region_name="us-west-2").get_public_key(KeyId=key_id)
         assert replica["PublicKey"] == answer["PublicKey"]
         assert made == [2048]
+
+
+def test_sns_signs_every_delivery_with_one_key_as_its_region_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    made: list[int] = []
+    generate = rsa.generate_private_key
+
+    def counted(public_exponent: int, key_size: int, backend: Any = None) -> rsa.RSAPrivateKey:
+        made.append(key_size)
+        return generate(public_exponent, key_size)
+
+    monkeypatch.setattr(rsa, "generate_private_key", counted)
+    with moto_server() as endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        sns, sqs = (boto3.client(s, region_name="us-east-1") for s in ("sns", "sqs"))
+        delivered = []
+        for n in range(3):  # three stacks: a topic each, its alerts queue subscribed
+            topic = sns.create_topic(Name=f"alerts-{n}")["TopicArn"]
+            queue = sqs.create_queue(QueueName=f"alerts-{n}")["QueueUrl"]
+            attributes = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]
+            arn = attributes["QueueArn"]
+            sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=arn)
+            sns.publish(TopicArn=topic, Message=f"job {n} completed", Subject="trainstack")
+            body = json.loads(sqs.receive_message(QueueUrl=queue, WaitTimeSeconds=1)["Messages"][0]["Body"])
+            delivered.append(body)
+    assert [b["Message"] for b in delivered] == [f"job {n} completed" for n in range(3)]
+    assert all(b["Signature"] and b["SigningCertURL"].startswith("https://sns.us-east-1.") for b in delivered)
+    assert len(made) <= 1, f"one signing key for the region, not one per subscription: {made}"
+
+
+def test_a_services_regions_are_listed_once_and_are_botocores() -> None:
+    from botocore.session import Session
+    from moto.core.base_backend import AccountSpecificBackend
+
+    from demo.moto_server import regions_once_per_service
+
+    regions_once_per_service()
+    backend = AccountSpecificBackend.__new__(AccountSpecificBackend)
+    listed = backend._generate_regions("sqs")
+    expected = [
+        region
+        for partition in Session().get_available_partitions()
+        for region in Session().get_available_regions("sqs", partition_name=partition)
+    ]
+    assert listed == expected and "us-east-1" in listed
+    other = AccountSpecificBackend.__new__(AccountSpecificBackend)
+    listed.append("changed by its caller")
+    assert other._generate_regions("sqs") == expected, "each backend gets the list, not a shared one"
