@@ -110,13 +110,12 @@ def test_a_range_moto_answers_whole_after_all_is_the_objects_bytes() -> None:
     assert b"".join(value) == b"abcdef"  # the web server iterates a body that is not bytes
 
 
-def test_a_symmetric_key_makes_no_key_pair_and_an_asymmetric_one_signs_with_its_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import padding, rsa
+def rsa_keys_made(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of each RSA private key generated from now on in this test, by moto or anyone in this
+    process."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
 
-    made: list[int] = []  # the size of each RSA private key generated, by moto or anyone in this process
+    made: list[int] = []
     generate = rsa.generate_private_key
 
     def counted(public_exponent: int, key_size: int, backend: Any = None) -> rsa.RSAPrivateKey:
@@ -124,6 +123,16 @@ def test_a_symmetric_key_makes_no_key_pair_and_an_asymmetric_one_signs_with_its_
         return generate(public_exponent, key_size)
 
     monkeypatch.setattr(rsa, "generate_private_key", counted)
+    return made
+
+
+def test_a_symmetric_key_makes_no_key_pair_and_an_asymmetric_one_signs_with_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import padding, rsa
+
+    made = rsa_keys_made(monkeypatch)
     with moto_server() as endpoint:
         monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
         kms = boto3.client("kms", region_name="us-east-1")
@@ -162,19 +171,11 @@ def test_a_symmetric_key_makes_no_key_pair_and_an_asymmetric_one_signs_with_its_
 def test_sns_signs_every_delivery_with_one_key_as_its_region_does(monkeypatch: pytest.MonkeyPatch) -> None:
     import json
 
-    from cryptography.hazmat.primitives.asymmetric import rsa
-
-    made: list[int] = []
-    generate = rsa.generate_private_key
-
-    def counted(public_exponent: int, key_size: int, backend: Any = None) -> rsa.RSAPrivateKey:
-        made.append(key_size)
-        return generate(public_exponent, key_size)
-
-    monkeypatch.setattr(rsa, "generate_private_key", counted)
+    made = rsa_keys_made(monkeypatch)
     with moto_server() as endpoint:
         monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-        sns, sqs = (boto3.client(s, region_name="us-east-1") for s in ("sns", "sqs"))
+        sns = boto3.client("sns", region_name="us-east-1")
+        sqs = boto3.client("sqs", region_name="us-east-1")
         delivered = []
         for n in range(3):  # three stacks: a topic each, its alerts queue subscribed
             topic = sns.create_topic(Name=f"alerts-{n}")["TopicArn"]
