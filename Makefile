@@ -4,10 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 PIP    := $(BIN)/pip --disable-pip-version-check --no-input
-# make test: two pytest workers more than the cores (tests/conftest.py); about 8 minutes on 2 cores (README).
+# make test: three pytest workers more than the cores (tests/conftest.py); about 5 minutes on 2 cores (README).
 # Serial: PYTEST_ARGS=-n0
-# Longest first (tests/conftest.py orders the slow stories first), one test at a time to whichever worker is free.
-PYTEST_ARGS ?= -n auto --dist load --maxschedchunk 1
+# A whole module at a time to whichever worker is free, the costliest modules first (tests/conftest.py).
+PYTEST_ARGS ?= -n auto --dist loadscope --no-loadscope-reorder
 # pip's progress: one line per package it fetches; errors still go to stderr, and a failed step fails make.
 # PYTHONWARNINGS=ignore: setuptools' editable-install banner is noise to a newcomer (it reaches stderr).
 SHELL       := bash

@@ -35,7 +35,9 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 RECORD_ENV = "TRAINSTACK_SUITECOST_DIR"
-MAKE_TEST_ARGS = ["-n", "auto", "--dist", "load", "--maxschedchunk", "1"]
+MAKE_TEST_ARGS = ["-n", "auto", "--dist", "loadscope", "--no-loadscope-reorder"]
+# Each module's measured seconds, which `make test` orders the modules by (tests/conftest.py).
+MODULE_SECONDS = REPO / "tests" / "module_seconds.json"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -211,14 +213,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.suitecost",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="Arguments after the options go to pytest (default: make test's -n auto --dist load "
-        "--maxschedchunk 1).",
+        epilog="Arguments after the options go to pytest (default: make test's -n auto --dist loadscope "
+        "--no-loadscope-reorder).",
     )
     parser.add_argument("--top", type=int, default=25, help="how many tests and modules to list")
+    parser.add_argument(
+        "--record-modules",
+        action="store_true",
+        help=f"write each module's wall seconds to {MODULE_SECONDS.relative_to(REPO)} (make test's order)",
+    )
     args, pytest_args = parser.parse_known_args(argv)
     cost = run(pytest_args or MAKE_TEST_ARGS)
     report(cost, args.top, Console(width=160))
+    if args.record_modules:
+        record_module_seconds(cost, MODULE_SECONDS)
     return cost.exit_code
+
+
+def record_module_seconds(cost: SuiteCost, path: Path) -> None:
+    """Each module's tests' wall seconds summed, to a tenth, for the modules of a second or more: what
+    tests/conftest.py orders `make test`'s modules by. A module left out (new, or under a second) is
+    estimated there from its tests."""
+    seconds: dict[str, float] = defaultdict(float)
+    for t in cost.tests:
+        seconds[t.module] += t.wall
+    kept = {module: round(s, 1) for module, s in sorted(seconds.items()) if s >= 1.0}
+    path.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

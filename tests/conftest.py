@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -44,28 +46,47 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.hookimpl(wrapper=True, optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> Generator[None, int, int]:
-    """`pytest -n auto` (make test): two workers more than xdist's count of cores. Much of a worker's time
-    is spent waiting (for trainer and agent processes it started, on sockets, on timeouts under test): on 2
-    cores, with a worker per core they were 78 % busy, with one more 84 % (481 s), with two more 92 % (444 s,
-    the same 826 CPU-seconds); with three more 97 % but slower (475 s: each worker collects, and starts its
-    own AWS and fork servers; bench/RESULTS.md, twelfth session). PYTEST_XDIST_AUTO_NUM_WORKERS still sets
-    the number."""
+    """`pytest -n auto` (make test): three workers more than xdist's count of cores. Much of a worker's time
+    is spent waiting (for trainer and agent processes it started, on sockets, on timeouts under test), and
+    the more workers, the more of those waits another one's work fills: on 2 cores, four workers left the
+    cores idle a fifth of the time in places, five filled most of it at the same CPU-seconds
+    (bench/RESULTS.md, thirteenth session; with the suite's CPU then, a fifth cost more than it filled).
+    PYTEST_XDIST_AUTO_NUM_WORKERS still sets the number."""
     cores = yield
-    return cores if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else cores + 2
+    return cores if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else cores + 3
+
+
+# Each module's wall seconds as last measured (`python -m bench.suitecost --record-modules`); a module not
+# listed is estimated from its tests: `@pytest.mark.slow(seconds=N)` where marked, UNMARKED_SECONDS each else.
+MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
+UNMARKED_SECONDS = 0.1
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest first: the end-to-end stories (`@pytest.mark.slow(seconds=N)`, N measured on a quiet 2-core
-    machine) run before the many short tests, which then fill the workers' gaps. With `make test`'s
-    `--dist load --maxschedchunk 1` a free worker takes the next test in this order, so a 70 s story never
-    starts last and leaves the other workers idle at the end (longest-processing-time-first scheduling)."""
-    items.sort(key=lambda item: -_expected_seconds(item))  # stable: the rest keeps pytest's order
+    """Costliest module first. `make test` (`--dist loadscope --no-loadscope-reorder`) gives each worker a
+    whole module at a time, in the order of the modules' first tests here: a module's fixtures are built on
+    one worker, not on each, and one module's waits (a deadline under test, an agent's poll) overlap other
+    modules' work rather than stalling every worker at once. The costliest first, so that a 70 s module never
+    starts last and leaves the other workers idle at the end (longest-processing-time-first scheduling).
+    Within a module pytest's order is kept."""
+    measured: dict[str, float] = json.loads(MODULE_SECONDS.read_text()) if MODULE_SECONDS.exists() else {}
+    estimated: dict[str, float] = {}
+    for item in items:
+        module = _module_scope(item)
+        estimated[module] = estimated.get(module, 0.0) + _expected_seconds(item)
+    expected = {module: measured.get(module, seconds) for module, seconds in estimated.items()}
+    items.sort(key=lambda item: -expected[_module_scope(item)])  # stable: a module's tests keep their order
+
+
+def _module_scope(item: pytest.Item) -> str:
+    """`item`'s module, as its node id names it (xdist's loadscope sends a module's tests together)."""
+    return item.nodeid.split("::", 1)[0]
 
 
 def _expected_seconds(item: pytest.Item) -> float:
     marker = item.get_closest_marker("slow")
     if marker is None:
-        return 0.0
+        return UNMARKED_SECONDS
     return float(marker.kwargs.get("seconds", 10))
 
 

@@ -4,11 +4,15 @@ its fork server forked spent it; the run's whole CPU, wall time and busy share c
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import pytest
 from rich.console import Console
 
-from bench.suitecost import SpentByTest, SuiteCost, report, run
+from bench.suitecost import SpentByTest, SuiteCost, record_module_seconds, report, run
 
 SUITE = """
 import os, subprocess, sys, time
@@ -107,3 +111,42 @@ def test_the_report_names_the_costliest_tests_and_modules_first() -> None:
     # By module: b (6.0) before a (1.1).
     modules = text[text.index("modules that cost the most CPU") :]
     assert modules.index("tests/b.py") < modules.index("tests/a.py") and "1.1" in modules
+
+
+def test_recorded_module_seconds_order_make_tests_modules_costliest_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tests.conftest as suite
+
+    recorded = tmp_path / "module_seconds.json"
+    tests = [
+        SpentByTest("tests/a.py::one", 0.1, 0.0, 0.0, 0.4),
+        SpentByTest("tests/a.py::two", 0.1, 0.0, 0.0, 0.8),
+        SpentByTest("tests/b.py::story", 1.0, 2.0, 3.0, 30.0),
+        SpentByTest("tests/c.py::quick", 0.0, 0.0, 0.0, 0.2),
+    ]
+    record_module_seconds(SuiteCost(0, 40.0, 9.0, 0.9, tests), recorded)
+    assert json.loads(recorded.read_text()) == {"tests/a.py": 1.2, "tests/b.py": 30.0}, "under 1 s: left out"
+
+    def item(nodeid: str, slow: float | None = None) -> Any:
+        marker = None if slow is None else SimpleNamespace(kwargs={"seconds": slow})
+        return SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: marker)
+
+    monkeypatch.setattr(suite, "MODULE_SECONDS", recorded)
+    items = [
+        item("tests/a.py::one"),
+        item("tests/a.py::two"),
+        item("tests/b.py::story"),
+        item("tests/c.py::quick"),
+        item("tests/d.py::new_story", slow=20.0),  # not recorded yet: its marker estimates it
+        item("tests/e.py::new"),
+    ]
+    suite.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [i.nodeid for i in items] == [
+        "tests/b.py::story",
+        "tests/d.py::new_story",
+        "tests/a.py::one",
+        "tests/a.py::two",
+        "tests/c.py::quick",
+        "tests/e.py::new",
+    ]
