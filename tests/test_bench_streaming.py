@@ -39,7 +39,10 @@ def counted_downloads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def check_cases(
-    report: dict[str, Any], downloads: list[int], names: tuple[str, ...] = ("sync", "stream", "stream-warm")
+    report: dict[str, Any],
+    downloads: list[int],
+    names: tuple[str, ...] = ("sync", "stream", "stream-warm"),
+    rounds: int = 1,
 ) -> dict[str, dict[str, Any]]:
     cases = {case["case"]: case for case in report["cases"]}
     assert tuple(cases) == names
@@ -55,8 +58,8 @@ def check_cases(
     if "sync" not in cases:
         return cases
     assert cases["sync"]["prepare_s"] > 0
-    # Every shard fetched once, by the cold case; the warm case reads its cache only.
-    assert sorted(downloads) == list(range(report["shards"]))
+    # Every shard fetched once a round, by the cold case; the warm case reads its cache only.
+    assert sorted(downloads) == sorted(list(range(report["shards"])) * rounds)
     assert report["shards"] > 2 and report["dataset_bytes"] > 0
     assert cases["sync"]["fetched_bytes"] > report["dataset_bytes"]  # train and val
     assert cases["stream"]["fetched_bytes"] > report["dataset_bytes"]  # the train shards: images and headers
@@ -65,27 +68,15 @@ def check_cases(
 
 
 @pytest.mark.slow(seconds=20)
-def test_the_bench_measures_sync_stream_and_warm_stream_side_by_side(
+def test_the_bench_measures_the_three_cases_side_by_side_in_rounds_that_alternate_and_reports_the_median(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    downloads = counted_downloads(monkeypatch)
-    hashed = hash_counter(monkeypatch)
-    report = run(tmp_path, 0.002, **TINY, moto_process=False)
-    cases = check_cases(report, downloads)
-    assert all(case["proxy_bytes"] == 0 for case in cases.values())  # no proxy unthrottled
-    assert report["throttle_mbps"] is None and report["part_mib"] == 8  # part_size(0.2 MB)
-    # The index as the agent places it: every shard pinned to its ETag, none hashed after its download.
-    assert report["pinned"] is True and hashed == []
-    assert all(case["worker_cpu_ms_per_sample"] == 0 for case in cases.values())  # no loader workers
-
-
-@pytest.mark.slow(seconds=20)
-def test_rounds_alternate_which_case_goes_first_start_each_cold_stream_empty_and_report_the_median(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    # One run of three rounds for what a one-round run also showed (its own test until the thirteenth
+    # session): the cases measured side by side, unthrottled, with the index pinned.
     import bench.streaming
 
     downloads = counted_downloads(monkeypatch)
+    hashed = hash_counter(monkeypatch)
     read: list[str] = []
     real_read = bench.streaming.read_epoch
 
@@ -99,8 +90,13 @@ def test_rounds_alternate_which_case_goes_first_start_each_cold_stream_empty_and
     first, second = ["sync", "stream", "stream"], ["stream", "stream", "sync"]  # cold then warm, each time
     assert read == [*first, *second, *first]
     # Each round's cold stream fetched every shard again (an empty cache, as a new instance has).
-    assert sorted(downloads) == sorted(list(range(report["shards"])) * 3)
+    cases = check_cases(report, downloads, rounds=3)
     assert report["rounds"] == 3
+    assert all(case["proxy_bytes"] == 0 for case in cases.values())  # no proxy unthrottled
+    assert report["throttle_mbps"] is None and report["part_mib"] == 8  # part_size(0.2 MB)
+    # The index as the agent places it: every shard pinned to its ETag, none hashed after its download.
+    assert report["pinned"] is True and hashed == []
+    assert all(case["worker_cpu_ms_per_sample"] == 0 for case in cases.values())  # no loader workers
     for case in report["cases"]:
         rates = case["rounds_samples_per_s"]
         assert len(rates) == 3 and case["steady_samples_per_s"] == sorted(rates)[1]
