@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 PIP    := $(BIN)/pip --disable-pip-version-check --no-input
-# make test: three pytest workers more than the cores (tests/conftest.py); about 5 minutes on 2 cores (README).
+# make test: three pytest workers more than the cores (tests/conftest.py); about 5.5 minutes on 2 cores (README).
 # Serial: PYTEST_ARGS=-n0
 # A whole module at a time to whichever worker is free, the costliest modules first (tests/conftest.py).
 PYTEST_ARGS ?= -n auto --dist loadscope --no-loadscope-reorder
