@@ -2,10 +2,10 @@
 full collections.
 
 A pytest worker, or the demo's own process (the embedded AWS, the CLI, the simulated instances), imports
-torch, moto, pulumi and the rest as it first needs them: by the end a million or two objects that live as
-long as the process. CPython's full collection walks every one of them whenever enough new objects have
-survived, about every two seconds of a busy worker and 0.36 s of CPU each time: measured on tests/cli and
-three agent modules in one process, 14 of its 70 CPU-seconds.
+torch, moto, pulumi and the rest as it first needs them: hundreds of thousands of objects (400,000 for the
+trainer's modules alone) that live as long as the process. CPython's full collection walks every one of them
+whenever enough new objects have survived, every few seconds in a busy worker and 0.36 s of CPU each time:
+measured on tests/cli and three agent modules in one process, 14 of its 70 CPU-seconds.
 
 So when a full collection has just ended (every cycle that was garbage then is gone) and modules were
 imported since the last time, what is alive is frozen (`gc.freeze`): later collections skip it. Freezing only
