@@ -69,13 +69,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     modules' work rather than stalling every worker at once. The costliest first, so that a 70 s module never
     starts last and leaves the other workers idle at the end (longest-processing-time-first scheduling).
     Within a module pytest's order is kept."""
-    measured: dict[str, float] = json.loads(MODULE_SECONDS.read_text()) if MODULE_SECONDS.exists() else {}
+    measured = recorded_module_seconds()
     estimated: dict[str, float] = {}
     for item in items:
         module = _module_scope(item)
         estimated[module] = estimated.get(module, 0.0) + _expected_seconds(item)
     expected = {module: measured.get(module, seconds) for module, seconds in estimated.items()}
     items.sort(key=lambda item: -expected[_module_scope(item)])  # stable: a module's tests keep their order
+
+
+def recorded_module_seconds(path: Path | None = None) -> dict[str, float]:
+    """tests/module_seconds.json ({} where there is none); a damaged one stops the run in one line."""
+    path = path or MODULE_SECONDS
+    if not path.exists():
+        return {}
+    try:
+        recorded = json.loads(path.read_text())
+        if not isinstance(recorded, dict):
+            raise ValueError("not an object of module: seconds")
+        return {str(module): float(seconds) for module, seconds in recorded.items()}
+    except (ValueError, TypeError) as exc:
+        raise pytest.UsageError(
+            f"{path}: unreadable ({exc}); write it again with `python -m bench.suitecost --record-modules`, "
+            "or delete it (modules are then ordered by their slow markers)"
+        ) from None
 
 
 def _module_scope(item: pytest.Item) -> str:
@@ -122,6 +139,24 @@ class MotoServer:
 # What a test may never leave behind for the next one on its worker: an endpoint or identity another test
 # then reaches instead of its own (a demo's endpoint once sent the next test's moto calls to a closed port).
 _ENVIRONMENT_GUARDED = ("AWS_ENDPOINT_URL", "AWS_PROFILE", *_ISOLATED_ENV)
+
+
+@pytest.fixture()
+def collector_alone() -> Iterator[None]:
+    """The garbage collector as a process without the worker's own freezing (demo/collector.py) has it, and
+    with no automatic collection: a test that checks what is frozen sees only what its code froze."""
+    import gc
+
+    watchers = gc.callbacks[:]
+    gc.callbacks.clear()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.callbacks[:] = watchers + [c for c in gc.callbacks if c not in watchers]
+        if was_enabled:
+            gc.enable()
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from bench.suitecost import SpentByTest, SuiteCost, record_module_seconds, report, run
+from bench.suitecost import REPO, SpentByTest, SuiteCost, record_module_seconds, report, run
 
 SUITE = """
 import os, subprocess, sys, time
@@ -150,3 +150,20 @@ def test_recorded_module_seconds_order_make_tests_modules_costliest_first(
         "tests/c.py::quick",
         "tests/e.py::new",
     ]
+
+
+def test_every_recorded_module_still_exists_and_a_damaged_record_is_one_line(tmp_path: Path) -> None:
+    from tests.conftest import MODULE_SECONDS, recorded_module_seconds
+
+    recorded = recorded_module_seconds()
+    assert recorded, f"{MODULE_SECONDS} is missing: python -m bench.suitecost --record-modules writes it"
+    gone = [module for module in recorded if not (REPO / module).is_file()]
+    assert not gone, f"{MODULE_SECONDS} names modules that no longer exist: {gone}; record it again"
+
+    damaged = tmp_path / "module_seconds.json"
+    for text in ("{not json", '["tests/a.py"]', '{"tests/a.py": "slow"}'):
+        damaged.write_text(text)
+        with pytest.raises(pytest.UsageError) as refused:
+            recorded_module_seconds(damaged)
+        assert str(damaged) in str(refused.value) and "--record-modules" in str(refused.value)
+        assert "\n" not in str(refused.value)

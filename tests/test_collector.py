@@ -13,7 +13,7 @@ from demo.collector import ImportsFrozen
 
 
 @pytest.fixture()
-def policy() -> Iterator[ImportsFrozen]:
+def policy(collector_alone: None) -> Iterator[ImportsFrozen]:
     watched = ImportsFrozen()
     watched.watch()
     yield watched
